@@ -1,0 +1,48 @@
+# Two commands for a fresh machine: `make run` and `make test` (see README.md).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pdserve-installed
+PACKAGES := engine kvtransfer bootstrap prefill_node decode_node gateway
+
+.PHONY: setup run test lint typecheck pytest fetch-model bench-engine clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@# Mooncake's CPU wheel links libibverbs even for TCP.
+	@if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null)); \
+	  else echo "warning: libibverbs1 missing and not root; Mooncake will not import" >&2; fi; \
+	fi
+	@# CPU torch first: any other spec downloads a multi-GB CUDA build.
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+fetch-model: setup
+	$(BIN)/pdserve-fetch-model
+
+run: setup fetch-model
+	$(BIN)/pdserve-generate --chat "What is the capital of France?"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy $(PACKAGES)
+
+pytest: setup
+	$(BIN)/pytest -q -x --durations=15
+
+test: lint typecheck pytest
+
+bench-engine: setup fetch-model
+	$(BIN)/python scripts/bench_engine.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,33 @@
+"""The attention-backend interface.
+
+A backend owns the metadata it needs for one forward (built once per batch in `init_metadata`
+and stored on the batch, then reused by every layer) and performs both the KV-cache write of the
+new tokens and the attention over the cached context.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.memory.kv_cache import PagedKVCache, ReqToTokenPool
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+
+    def __init__(self, kv_cache: PagedKVCache, req_to_token: ReqToTokenPool) -> None:
+        self.kv_cache = kv_cache
+        self.req_to_token = req_to_token
+
+    @abstractmethod
+    def init_metadata(self, batch: ForwardBatch) -> None:
+        """Build per-batch metadata and attach it as `batch.attn_metadata`."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """q: [N, Hq, D], k/v: [N, Hkv, D] for the batch's new tokens -> [N, Hq, D]."""

@@ -1,0 +1,55 @@
+"""Engine configuration: one frozen dataclass built at the edge (CLI, offline API) and passed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    load_format: str = "safetensors"  # or "dummy": random weights of the real shapes
+    dtype: str = "float32"
+    device: str = "cpu"
+    page_size: int = 16
+    chunked_prefill_size: int = 2048  # token budget of one prefill step
+    max_total_tokens: int = 65536  # KV capacity in tokens
+    max_running_requests: int = 256
+    context_length: int | None = None  # defaults to the model's max_position_embeddings
+    attention_backend: str = "torch_native"
+    enable_prefix_cache: bool = True
+    schedule_policy: str = "fcfs"  # or "lpm": longest prefix match first
+
+    def __post_init__(self) -> None:
+        _at_least("page_size", self.page_size, 1)
+        _at_least("chunked_prefill_size", self.chunked_prefill_size, 1)
+        _at_least("max_running_requests", self.max_running_requests, 1)
+        _at_least("max_total_tokens", self.max_total_tokens, self.page_size)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(
+                f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}"
+            )
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(
+                f"schedule_policy must be 'fcfs' or 'lpm', got {self.schedule_policy!r}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def num_pages(self) -> int:
+        """KV pages, plus the scratch page 0."""
+        return self.max_total_tokens // self.page_size + 1
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")

@@ -1,0 +1,49 @@
+"""One model forward: the tokens to run, where their KV goes, and the attention backend's metadata.
+
+A batch mixes requests freely: a request contributes `extend_len` new tokens on top of
+`seq_len - extend_len` tokens already in the KV cache. DECODE is the special case where every
+request contributes exactly one token (the backend may then use its batched/graph path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.attention.base import AttentionBackend
+
+
+class ForwardMode(Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    out_cache_loc: torch.Tensor  # [num_tokens] KV location of each new token
+    req_slots: list[int]  # row of each request in req_to_token
+    seq_lens: list[int]  # KV length of each request after this forward
+    extend_lens: list[int]  # new tokens of each request in this forward
+    attn_backend: AttentionBackend
+    attn_metadata: Any = field(default=None)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def prefix_lens(self) -> list[int]:
+        return [s - e for s, e in zip(self.seq_lens, self.extend_lens, strict=True)]
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """Row of each request's last new token in the packed token dimension."""
+        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
+        return ends.to(self.input_ids.device)

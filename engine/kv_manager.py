@@ -1,0 +1,93 @@
+"""Moves a request's KV pages between the allocator, the radix cache and the request.
+
+All page ownership changes of requests happen here, so the accounting in `memory/` has a single
+caller to audit: `reserve` before a forward, `release` when a request finishes, is aborted or is
+retracted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.memory import OutOfPagesError, PageAllocator, RadixCache, ReqToTokenPool
+from engine.request import Req
+
+
+class KVManager:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        req_to_token: ReqToTokenPool,
+        page_size: int,
+        radix: RadixCache | None,
+    ) -> None:
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.page_size = page_size
+        self.radix = radix
+
+    @property
+    def available_pages(self) -> int:
+        """Pages a reservation could get: free now plus what eviction could free."""
+        evictable = self.radix.evictable_pages if self.radix else 0
+        return self.allocator.num_free + evictable
+
+    def pages_for(self, req: Req, new_tokens: int) -> int:
+        needed = -(-(req.kv_len + new_tokens) // self.page_size)
+        return max(0, needed - len(req.pages))
+
+    def attach_prefix(self, req: Req) -> None:
+        """On admission: reuse the longest cached prefix.
+
+        Never the whole sequence: the last token must run through the model to give logits.
+        """
+        if self.radix is None or req.kv_len:
+            return
+        match = self.radix.match_prefix(req.all_ids[:-1])
+        if not match.pages:
+            return
+        self.radix.lock(match.node)
+        req.prefix_node = match.node
+        req.pages = list(match.pages)
+        req.num_prefix_pages = len(match.pages)
+        req.kv_len = len(match.pages) * self.page_size
+        self._write_table(req, 0, req.kv_len)
+
+    def reserve(self, req: Req, new_tokens: int) -> bool:
+        """Room for `new_tokens` more KV entries; False (and nothing changed) if memory is short."""
+        need = self.pages_for(req, new_tokens)
+        if need > self.allocator.num_free and self.radix is not None:
+            self.radix.evict(need - self.allocator.num_free)
+        try:
+            req.pages.extend(self.allocator.allocate(need))
+        except OutOfPagesError:
+            return False
+        self._write_table(req, req.kv_len, req.kv_len + new_tokens)
+        return True
+
+    def _write_table(self, req: Req, start: int, end: int) -> None:
+        assert req.slot is not None
+        if end <= start:
+            return
+        ps = self.page_size
+        table = self.req_to_token.table
+        pos = torch.arange(start, end, device=table.device)
+        pages = torch.tensor(req.pages, dtype=torch.int64, device=table.device)
+        table[req.slot, start:end] = pages[pos // ps] * ps + pos % ps
+
+    def release(self, req: Req, cache: bool) -> None:
+        """Give back every page of `req`; with `cache`, full pages join the radix cache."""
+        own_from = req.num_prefix_pages
+        if cache and self.radix is not None:
+            full = req.kv_len // self.page_size
+            tokens = req.all_ids[: full * self.page_size]
+            self.radix.insert(tokens, req.pages[:full], owned_from=own_from)
+            self.allocator.free(req.pages[full:])
+        else:
+            self.allocator.free(req.pages[own_from:])
+        if req.prefix_node is not None and self.radix is not None:
+            self.radix.unlock(req.prefix_node)
+        req.pages, req.num_prefix_pages, req.prefix_node, req.kv_len = [], 0, None, 0
+        if req.slot is not None:
+            self.req_to_token.free_slot(req.slot)
+            req.slot = None

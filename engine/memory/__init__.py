@@ -1,0 +1,18 @@
+"""KV memory: page allocator, paged KV store, request-to-token table, radix prefix cache."""
+
+from engine.memory.allocator import IntegrityError, OutOfPagesError, PageAllocator, PageState
+from engine.memory.kv_cache import KVLayout, PagedKVCache, ReqToTokenPool
+from engine.memory.radix_cache import PrefixMatch, RadixCache, RadixNode
+
+__all__ = [
+    "IntegrityError",
+    "KVLayout",
+    "OutOfPagesError",
+    "PageAllocator",
+    "PageState",
+    "PagedKVCache",
+    "PrefixMatch",
+    "RadixCache",
+    "RadixNode",
+    "ReqToTokenPool",
+]

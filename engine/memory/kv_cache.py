@@ -1,0 +1,87 @@
+"""The paged KV store and the request-to-token table.
+
+Layout: one tensor `[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`. A page holds
+K and V of all layers for `page_size` consecutive tokens, so a run of contiguous pages is one
+contiguous byte range: a KV transfer needs one descriptor per page run, not one per layer.
+
+A token location (`loc`) is `page * page_size + offset`; `req_to_token[slot, i]` is the location of
+token i of the request in `slot`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+
+    @property
+    def page_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * elem
+
+
+class PagedKVCache:
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
+        self.layout = layout
+        self.num_pages = num_pages
+        self.buffer = torch.zeros(
+            num_pages,
+            layout.num_layers,
+            2,
+            layout.page_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            dtype=layout.dtype,
+            device=device,
+        )
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    def k_view(self, layer: int) -> torch.Tensor:
+        """[num_pages, page_size, kv_heads, head_dim], a strided view into the buffer."""
+        return self.buffer[:, layer, 0]
+
+    def v_view(self, layer: int) -> torch.Tensor:
+        return self.buffer[:, layer, 1]
+
+    def write(self, layer: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        pages, offsets = locs // self.page_size, locs % self.page_size
+        self.k_view(layer)[pages, offsets] = k.to(self.layout.dtype)
+        self.v_view(layer)[pages, offsets] = v.to(self.layout.dtype)
+
+    def gather(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `locs` (any shape S) -> [*S, kv_heads, head_dim] each."""
+        pages, offsets = locs // self.page_size, locs % self.page_size
+        return self.k_view(layer)[pages, offsets], self.v_view(layer)[pages, offsets]
+
+
+class ReqToTokenPool:
+    """Fixed table of request slots; each row maps token index -> KV location."""
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
+        self.table = torch.zeros(max_requests, max_context, dtype=torch.int64, device=device)
+        self.max_context = max_context
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def alloc_slot(self) -> int | None:
+        return self._free_slots.pop() if self._free_slots else None
+
+    def free_slot(self, slot: int) -> None:
+        if slot in self._free_slots:
+            raise AssertionError(f"request slot {slot} freed twice")
+        self._free_slots.append(slot)

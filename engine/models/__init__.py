@@ -1,0 +1,35 @@
+"""Model architectures, chosen by a registry from `config.json`'s `architectures`.
+
+Imports are lazy: the registry maps a name to `module:class`, so adding an architecture costs
+nothing until a model of that kind is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from engine.model_config import ModelConfig, ModelConfigError
+
+MODEL_REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "engine.models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "engine.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "engine.models.llama:Qwen3ForCausalLM",
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    target = MODEL_REGISTRY.get(architecture)
+    if target is None:
+        raise ModelConfigError(
+            f"unknown architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
+    module_name, cls_name = target.split(":")
+    cls: type[nn.Module] = getattr(importlib.import_module(module_name), cls_name)
+    return cls
+
+
+def build_model(config: ModelConfig) -> nn.Module:
+    return model_class(config.architecture)(config)

@@ -1,0 +1,61 @@
+"""A generation request as the scheduler sees it.
+
+Token bookkeeping: `all_ids = prompt_ids + output_ids`; `kv_len` of them have KV in the cache.
+`pages` cover those tokens: the first `num_prefix_pages` came from the radix cache (CACHED,
+locked through `prefix_node`); the rest are this request's own USED pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.memory.radix_cache import RadixNode
+from engine.sampling import RequestSampler, SamplingParams
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: RequestSampler
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float | None] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    num_prefix_pages: int = 0
+    prefix_node: RadixNode | None = None
+    kv_len: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    finish_reason: FinishReason | None = None
+    finish_detail: str = ""
+    num_retractions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending_len(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool(self.output_ids) and self.pending_len == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,390 @@
+"""Turning a batch of next-token logits into one token per request.
+
+A request carries a frozen `SamplingParams` (validated once, at the edge) and owns a
+`RequestSampler`: its seeded `torch.Generator` plus the token history that the penalties need.
+`sample_batch` samples every row of a `[B, V]` logits tensor with that row's own sampler.
+
+Processing order follows HF `generate` and vLLM, on a float32 copy of the logits:
+
+    repetition penalty -> frequency/presence penalties -> temperature -> top-k -> top-p -> min-p
+    -> one draw from the row's own generator
+
+Greedy rows (`SamplingParams.is_greedy`) take `argmax` of the penalised logits, so with no
+penalties they are exactly `torch.argmax` of the raw logits, ties included. When every row of the
+batch is greedy and none has a penalty, the whole batch is one `argmax` and nothing is copied:
+that is the common serving path.
+
+Reproducibility: a seeded request draws the same tokens from the same logits wherever it sits in
+the batch and whoever shares the batch with it, because each row consumes exactly one `V`-sized
+block of its own generator per step and every other operation is row-wise. Streams are
+reproducible per device type only: CPU and CUDA generators produce different numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_TOP_LOGPROBS = 20
+# Below this, dividing by the temperature can overflow float32 (inf - inf = nan in softmax), and
+# the distribution is a point mass on the argmax anyway, so such rows are sampled greedily.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+_SEED_MASK = (1 << 64) - 1
+
+
+def _check_int(name: str, value: object) -> int:
+    if not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _check_finite(name: str, value: object) -> float:
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _as_tuple(name: str, value: object) -> tuple[object, ...]:
+    """A single item, a list or a tuple; a lone str is one item, not its characters."""
+    if isinstance(value, (str, int)):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    raise ValueError(f"{name} must be a single value, a list or a tuple, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens; validated on construction.
+
+    Normalisations done in `__post_init__` (so downstream code sees one canonical form):
+    - `stop` and `stop_token_ids` accept a single value or a list and are stored as tuples;
+    - `top_k == 0` means disabled, like `-1`, and is stored as `-1`;
+    - `top_logprobs > 0` turns `logprobs` on, since alternatives without the chosen token's
+      logprob would be a confusing response.
+
+    `seed` may be any int; it is masked to 64 bits (two's complement for negatives) when the
+    generator is seeded, so clients sending signed seeds are not rejected.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        self._validate_numbers()
+        self._normalise_stops()
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)
+        if self.top_logprobs > 0:
+            object.__setattr__(self, "logprobs", True)
+
+    def _validate_numbers(self) -> None:
+        if _check_int("max_new_tokens", self.max_new_tokens) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if _check_finite("temperature", self.temperature) < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < _check_finite("top_p", self.top_p) <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if _check_int("top_k", self.top_k) < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+        if not 0 <= _check_finite("min_p", self.min_p) <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if _check_finite("repetition_penalty", self.repetition_penalty) <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2 <= _check_finite(name, value) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if not 0 <= _check_int("top_logprobs", self.top_logprobs) <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+
+    def _normalise_stops(self) -> None:
+        stop = _as_tuple("stop", self.stop)
+        for text in stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop must contain non-empty strings, got {text!r}")
+        stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids)
+        for token_id in stop_token_ids:
+            if not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"stop_token_ids must contain integers >= 0, got {token_id!r}")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", stop_token_ids)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if a stop token id cannot occur in a vocabulary of this size."""
+        for token_id in self.stop_token_ids:
+            if token_id >= vocab_size:
+                raise ValueError(
+                    f"stop_token_ids must be < vocab_size {vocab_size}, got {token_id}"
+                )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < MIN_SAMPLING_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def has_output_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+class RequestSampler:
+    """One request's sampling state: its generator and the token history its penalties read.
+
+    The penalty tensors live on the logits' device and exist only when that penalty is active,
+    so a request without penalties costs one generator and an output list.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        params.check_vocab(vocab_size)
+        self.params = params
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.output_token_ids: list[int] = []
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed & _SEED_MASK)
+        # Repetition penalty (HF) covers prompt and output; frequency/presence (OpenAI) only output.
+        self._seen_mask: torch.Tensor | None = None
+        self._output_counts: torch.Tensor | None = None
+        if params.has_repetition_penalty:
+            self._seen_mask = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
+            if len(prompt_ids) > 0:
+                self._seen_mask[self._token_tensor(prompt_ids)] = True
+        if params.has_output_penalties:
+            self._output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
+
+    def _token_tensor(self, token_ids: Sequence[int]) -> torch.Tensor:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        return torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self._seen_mask is not None or self._output_counts is not None
+
+    @property
+    def needs_processing(self) -> bool:
+        """False when this row's token is plain argmax of the raw logits."""
+        return self.has_penalties or not self.params.is_greedy
+
+    def observe(self, token_id: int) -> None:
+        """Record a token generated for this request; `sample_batch` calls this itself."""
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token_id must be in [0, {self.vocab_size}), got {token_id}")
+        self.output_token_ids.append(token_id)
+        if self._seen_mask is not None:
+            self._seen_mask[token_id] = True
+        if self._output_counts is not None:
+            self._output_counts[token_id] += 1
+
+    def apply_penalties(self, row_logits: torch.Tensor) -> None:
+        """Penalise this request's `[V]` float logits in place (no-op without penalties)."""
+        if self._seen_mask is not None:
+            penalty = self.params.repetition_penalty
+            # HF RepetitionPenaltyLogitsProcessor: negative logits are multiplied, others divided.
+            penalised = torch.where(row_logits < 0, row_logits * penalty, row_logits / penalty)
+            row_logits.copy_(torch.where(self._seen_mask, penalised, row_logits))
+        if self._output_counts is not None:
+            counts = self._output_counts
+            row_logits -= self.params.frequency_penalty * counts
+            row_logits -= self.params.presence_penalty * (counts > 0).to(row_logits.dtype)
+
+
+@dataclass
+class SampleOutput:
+    """Per row: the chosen token, its logprob and its top alternatives, best first.
+
+    Rows without `logprobs` get None in both lists; rows with `logprobs` but `top_logprobs=0`
+    get an empty alternatives list.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def sample_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> SampleOutput:
+    """Pick one token per row of `logits` ([B, V]) and `observe` it on that row's sampler.
+
+    `logits` is not modified. Logprobs are log_softmax of the raw logits, before penalties and
+    temperature: they describe the model's own distribution (vLLM's default "raw_logprobs") and
+    do not change when a client tweaks its sampling knobs.
+    """
+    _check_batch(logits, samplers)
+    if any(s.needs_processing for s in samplers):
+        chosen = _sample_processed(logits, samplers)
+    else:
+        chosen = logits.argmax(dim=-1)
+    token_ids: list[int] = chosen.tolist()
+    logprobs, top_logprobs = _logprobs(logits, chosen, samplers)
+    for sampler, token_id in zip(samplers, token_ids, strict=True):
+        sampler.observe(token_id)
+    return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+def _check_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(samplers):
+        raise ValueError(
+            f"logits must have shape [{len(samplers)}, vocab] (one row per sampler), "
+            f"got {tuple(logits.shape)}"
+        )
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating-point tensor, got {logits.dtype}")
+    for row, sampler in enumerate(samplers):
+        if sampler.vocab_size != logits.shape[1]:
+            raise ValueError(
+                f"row {row}: sampler vocab_size {sampler.vocab_size} != logits width "
+                f"{logits.shape[1]}; build the RequestSampler with the model's logits width"
+            )
+        if sampler.device.type != logits.device.type:
+            raise ValueError(
+                f"row {row}: sampler is on {sampler.device} but logits are on {logits.device}"
+            )
+
+
+def _sample_processed(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> torch.Tensor:
+    """The general path: penalties for every row, then warpers and a draw for non-greedy rows."""
+    logits = logits.to(torch.float32, copy=True)
+    for row, sampler in enumerate(samplers):
+        if sampler.has_penalties:
+            sampler.apply_penalties(logits[row])
+    chosen = logits.argmax(dim=-1)
+    sampled_rows = [row for row, s in enumerate(samplers) if not s.params.is_greedy]
+    if sampled_rows:
+        index = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
+        sampled = _sample_rows(logits[index], [samplers[row] for row in sampled_rows])
+        chosen[index] = sampled
+    return chosen
+
+
+def _sample_rows(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> torch.Tensor:
+    """One draw per row from its warped distribution; `logits` is owned and modified."""
+    logits = _warp_logits(logits, [s.params for s in samplers])
+    probs = logits.softmax(dim=-1)
+    # Exponential-race sampling: argmax(p / q) with q ~ Exp(1) is a draw from p (what
+    # torch.multinomial does for one sample, without its host sync). Each row fills its q from its
+    # own generator, so a row's draw never depends on its neighbours.
+    noise = torch.empty_like(probs)
+    for row, sampler in enumerate(samplers):
+        noise[row].exponential_(generator=sampler.generator)
+    # CPU exponential_ can return exactly 0, and 0/0 = nan would win argmax on a masked token.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _warp_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p, in place; removed tokens become -inf."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits.div_(temperature.unsqueeze(1))
+    _apply_top_k_top_p(logits, params)
+    if any(p.min_p > 0 for p in params):
+        _apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+    return logits
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus.
+
+    Both filters become a per-row logit threshold, so tokens tied with the last kept token are
+    kept too (as HF's top-k does) and nothing needs scattering back from sorted order.
+    """
+    use_top_k = any(p.top_k > 0 for p in params)
+    use_top_p = any(p.top_p < 1 for p in params)
+    if not (use_top_k or use_top_p):
+        return
+    vocab_size = logits.shape[1]
+    if use_top_p:
+        ranked = logits.sort(dim=-1, descending=True).values
+    else:
+        ranked = logits.topk(min(max(p.top_k for p in params), vocab_size), dim=-1).values
+    if use_top_k:
+        # Rows without top-k get a -inf threshold, which removes nothing.
+        k = [min(p.top_k, ranked.shape[1]) if p.top_k > 0 else 1 for p in params]
+        k_index = torch.tensor(k, device=logits.device).sub_(1).unsqueeze(1)
+        kth = ranked.gather(1, k_index)
+        enabled = torch.tensor([p.top_k > 0 for p in params], device=logits.device)
+        kth.masked_fill_(~enabled.unsqueeze(1), -math.inf)
+        logits.masked_fill_(logits < kth, -math.inf)
+        if use_top_p:
+            # Top-p renormalises over the top-k survivors, as HF's chained warpers do.
+            ranked.masked_fill_(ranked < kth, -math.inf)
+    if use_top_p:
+        top_p = [p.top_p if p.top_p < 1 else math.inf for p in params]
+        _apply_top_p(logits, ranked, torch.tensor(top_p, device=logits.device))
+
+
+def _apply_top_p(logits: torch.Tensor, ranked: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Keep the smallest prefix of `ranked` (descending logits) whose probability is >= top_p."""
+    probs = ranked.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # A token stays while the mass ranked above it is < top_p; the best token always stays.
+    num_kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1).clamp_min(1)
+    threshold = ranked.gather(1, (num_kept - 1).unsqueeze(1))
+    logits.masked_fill_(logits < threshold, -math.inf)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Mask tokens whose probability is below min_p times the row's highest probability."""
+    probs = logits.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    logits.masked_fill_(probs < floor, -math.inf)
+
+
+def _logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, samplers: Sequence[RequestSampler]
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """Chosen-token logprob and top-n alternatives, computed only for rows that asked."""
+    logprobs: list[float | None] = [None] * len(samplers)
+    top_logprobs: list[list[tuple[int, float]] | None] = [None] * len(samplers)
+    rows = [row for row, s in enumerate(samplers) if s.params.logprobs]
+    if not rows:
+        return logprobs, top_logprobs
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    log_probs = logits[index].float().log_softmax(dim=-1)
+    chosen_logprobs = log_probs.gather(1, chosen[index].unsqueeze(1)).squeeze(1).tolist()
+    max_top = max(samplers[row].params.top_logprobs for row in rows)
+    # Rows with logprobs but top_logprobs=0 get [] (OpenAI's shape), rows without get None.
+    top_values: list[list[float]] = [[] for _ in rows]
+    top_ids: list[list[int]] = [[] for _ in rows]
+    if max_top > 0:
+        top = log_probs.topk(min(max_top, logits.shape[1]), dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    for i, row in enumerate(rows):
+        num_top = samplers[row].params.top_logprobs
+        logprobs[row] = chosen_logprobs[i]
+        top_logprobs[row] = list(zip(top_ids[i][:num_top], top_values[i][:num_top], strict=True))
+    return logprobs, top_logprobs

@@ -1,0 +1,241 @@
+"""The scheduler core: which requests run in the next forward, and what happens after it.
+
+Queues and states of a request on one node:
+
+    waiting  --admit-->  running (prefilling: pending_len > 1 or no output yet)
+                         running (decoding: one pending token per step)  --finish-->  done
+    running  --retract (KV pool exhausted)-->  front of waiting, nothing lost
+    any      --abort-->  done (pages freed at once)
+
+One `step()` is one forward. It carries every decoding request (one token each) plus prefill
+chunks under the `chunked_prefill_size` token budget: continuing partially prefilled requests
+first, then newly admitted ones. So new requests join without draining the batch and a long
+prompt is split across steps while others keep decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.request import FinishReason, Req
+from engine.sampling import sample_batch
+
+logger = logging.getLogger(__name__)
+
+# Returns the stop string that `req`'s output now ends with, if any.
+StopChecker = Callable[[Req], "str | None"]
+
+
+@dataclass
+class StepOutput:
+    req: Req
+    new_token_ids: list[int]
+    finished: bool
+
+
+@dataclass
+class StepStats:
+    num_prefill_reqs: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_reqs: int = 0
+    cached_tokens: int = 0
+    forward_s: float = 0.0
+    step_s: float = 0.0
+
+
+class Scheduler:
+    def __init__(
+        self, config: EngineConfig, runner: ModelRunner, stop_checker: StopChecker | None = None
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.kv = runner.kv
+        self.stop_checker = stop_checker
+        self.eos_ids = frozenset(runner.model_config.eos_token_ids)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.num_retractions = 0
+        self.last_stats = StepStats()
+        self._dropped: list[Req] = []  # aborted by the scheduler itself, reported by step()
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        limit = self.runner.context_length
+        if not req.prompt_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(req.prompt_ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(req.prompt_ids)} tokens, the context length is {limit}: "
+                f"shorten it to at most {limit - 1} tokens"
+            )
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finish_reason = FinishReason.ABORT
+                return req
+        for req in self.running:
+            if req.rid == rid:
+                self._finish(req, FinishReason.ABORT, cache=False)
+                return req
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def live_requests(self) -> list[Req]:
+        return list(self.running)
+
+    def check_integrity(self) -> None:
+        self.runner.check_integrity(self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
+        reqs, lens = self._schedule()
+        dropped = [StepOutput(r, [], True) for r in self._dropped]
+        self._dropped.clear()
+        if not reqs:
+            return dropped
+        batch = self.runner.build_batch(reqs, lens)
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch)
+        forward_s = time.perf_counter() - t0
+        outputs = dropped + self._process(reqs, lens, logits)
+        decode_n = sum(1 for n in lens if n == 1)
+        self.last_stats = StepStats(
+            num_prefill_reqs=len(lens) - decode_n,
+            num_prefill_tokens=sum(n for n in lens if n > 1),
+            num_decode_reqs=decode_n,
+            forward_s=forward_s,
+            step_s=time.perf_counter() - start,
+        )
+        return outputs
+
+    def _schedule(self) -> tuple[list[Req], list[int]]:
+        decoding = self._reserve_decodes()
+        batch: list[Req] = list(decoding)
+        lens = [1] * len(decoding)
+        budget = self.config.chunked_prefill_size
+        for req in [r for r in self.running if r not in decoding]:
+            if budget <= 0:
+                break
+            chunk = min(req.pending_len, budget)
+            if not self.kv.reserve(req, chunk):
+                break
+            batch.append(req)
+            lens.append(chunk)
+            budget -= chunk
+        while budget > 0 and self.waiting and self._can_admit(len(decoding)):
+            req = self._pop_waiting()
+            chunk = min(req.pending_len, budget)
+            if not self.kv.reserve(req, chunk):
+                self.kv.release(req, cache=False)
+                self.waiting.appendleft(req)
+                break
+            self.running.append(req)
+            batch.append(req)
+            lens.append(chunk)
+            budget -= chunk
+        return batch, lens
+
+    def _can_admit(self, num_decoding: int) -> bool:
+        if len(self.running) >= self.config.max_running_requests:
+            return False
+        # Keep a page per decoding request for its next step, so admission does not
+        # immediately force a retraction.
+        return self.kv.available_pages > num_decoding
+
+    def _pop_waiting(self) -> Req:
+        if self.config.schedule_policy == "lpm" and self.kv.radix is not None:
+            radix = self.kv.radix
+            best = max(self.waiting, key=lambda r: radix.match_prefix(r.all_ids[:-1]).num_pages)
+            self.waiting.remove(best)
+            req = best
+        else:
+            req = self.waiting.popleft()
+        req.slot = self.kv.req_to_token.alloc_slot()
+        assert req.slot is not None, "a slot is always free below max_running_requests"
+        self.kv.attach_prefix(req)
+        if not req.output_ids:
+            req.cached_tokens = req.kv_len
+        return req
+
+    def _reserve_decodes(self) -> list[Req]:
+        """Reserve one KV slot per decoding request, retracting requests while memory is short."""
+        decoding = [r for r in self.running if r.is_decoding]
+        for req in list(decoding):
+            while req in self.running and not self.kv.reserve(req, 1):
+                victim = self._retract_one()
+                if victim is None:
+                    break
+                if victim in decoding:
+                    decoding.remove(victim)
+        return [r for r in decoding if r in self.running]
+
+    def _retract_one(self) -> Req | None:
+        """Send the most recently admitted request back to the waiting queue."""
+        if len(self.running) <= 1:
+            if self.running:
+                req = self.running[0]
+                detail = "the KV pool is too small for this request alone"
+                self._finish(req, FinishReason.ABORT, cache=False, detail=detail)
+                self._dropped.append(req)
+            return None
+        victim = self.running.pop()
+        self.kv.release(victim, cache=True)
+        victim.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(victim)
+        logger.info("retracted request %s (KV pool exhausted)", victim.rid)
+        return victim
+
+    # ---- after the forward ---------------------------------------------------------------
+    def _process(self, reqs: list[Req], lens: list[int], logits) -> list[StepOutput]:  # type: ignore[no-untyped-def]
+        sample_rows = []
+        for i, (req, n) in enumerate(zip(reqs, lens, strict=True)):
+            req.kv_len += n
+            if req.pending_len == 0:
+                sample_rows.append(i)
+        if not sample_rows:
+            return []
+        sampled = sample_batch(logits[sample_rows], [reqs[i].sampler for i in sample_rows])
+        outputs = []
+        for j, i in enumerate(sample_rows):
+            req = reqs[i]
+            token = sampled.token_ids[j]
+            req.output_ids.append(token)
+            req.output_logprobs.append(sampled.logprobs[j])
+            req.output_top_logprobs.append(sampled.top_logprobs[j])
+            self._check_finish(req, token)
+            outputs.append(StepOutput(req, [token], req.finished))
+        return outputs
+
+    def _check_finish(self, req: Req, token: int) -> None:
+        params = req.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+            self._finish(req, FinishReason.STOP, detail=f"token {token}")
+        elif len(req.output_ids) >= params.max_new_tokens:
+            self._finish(req, FinishReason.LENGTH)
+        elif req.seq_len >= self.runner.context_length:
+            self._finish(req, FinishReason.LENGTH, detail="context length reached")
+        elif params.stop and self.stop_checker is not None:
+            matched = self.stop_checker(req)
+            if matched is not None:
+                self._finish(req, FinishReason.STOP, detail=matched)
+
+    def _finish(self, req: Req, reason: FinishReason, cache: bool = True, detail: str = "") -> None:
+        req.finish_reason = reason
+        req.finish_detail = detail
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.release(req, cache=cache)

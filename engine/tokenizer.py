@@ -1,0 +1,43 @@
+"""Tokenizer loading and stop-string handling (text-side concerns of the engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.request import Req
+
+# Tokens decoded to look for a stop string: enough for any stop string of up to ~4x this many
+# characters, without re-decoding the whole output every step.
+_STOP_WINDOW_TOKENS = 32
+
+
+def load_tokenizer(model_dir: str) -> Any | None:
+    """The model's HF tokenizer, or None when the directory has no tokenizer files."""
+    path = Path(model_dir)
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class StopStringChecker:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, req: Req) -> str | None:
+        tail = self.tokenizer.decode(
+            req.output_ids[-_STOP_WINDOW_TOKENS:], skip_special_tokens=True
+        )
+        for stop in req.params.stop:
+            if stop in tail:
+                return stop
+        return None
+
+
+def trim_at_stop(text: str, stops: Sequence[str]) -> str:
+    """Cut `text` before the earliest stop string it contains."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut]

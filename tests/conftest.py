@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random-weight HF models on disk and the real default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _save_tiny(arch: str, path: Path) -> Path:
+    import transformers as tf
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    elif arch == "qwen3":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=16))
+    else:
+        raise ValueError(arch)
+    model.eval().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: tiny_model_dir('qwen3') -> directory of a saved random-weight HF model."""
+    cache: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = _save_tiny(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from engine.model_fetch import ensure_default_model
+
+    return ensure_default_model(progress=False)
