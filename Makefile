@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 PACKAGES := engine kvtransfer bootstrap prefill_node decode_node gateway
 
-.PHONY: setup run test lint typecheck pytest fetch-model bench-engine clean
+.PHONY: proto setup run test lint typecheck pytest fetch-model bench-engine clean
 
 setup: $(STAMP)
 
@@ -46,3 +46,7 @@ bench-engine: setup fetch-model
 
 clean:
 	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache
+
+# Regenerate the gRPC stubs committed in proto/ (tests/test_proto.py fails when they are stale).
+proto: setup
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. proto/*.proto

@@ -9,18 +9,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from engine.builder import build_engine, resolve_model
 from engine.config import EngineConfig
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
-from engine.scheduler import Scheduler
-from engine.tokenizer import StopStringChecker, load_tokenizer, trim_at_stop
+from engine.tokenizer import trim_at_stop
 
 Prompt = str | Sequence[int]
 
@@ -39,25 +36,12 @@ class GenerationOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
-        if model is None:
-            from engine.model_fetch import ensure_default_model
-
-            model = str(ensure_default_model())
-        if not Path(model).is_dir():
-            raise FileNotFoundError(
-                f"model directory {model!r} does not exist; pass a Hugging Face model directory "
-                "or model=None for the default model"
-            )
-        self.config = EngineConfig(model_path=model, **engine_kwargs)
-        self.model_config = ModelConfig.from_dir(model)
-        self.tokenizer = load_tokenizer(model)
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
-        model_config = _with_eos(self.model_config, eos)
-        self.runner = ModelRunner(self.config, model_config)
-        checker = StopStringChecker(self.tokenizer) if self.tokenizer is not None else None
-        self.scheduler = Scheduler(self.config, self.runner, checker)
+        self.config = EngineConfig(model_path=resolve_model(model), **engine_kwargs)
+        engine = build_engine(self.config)
+        self.model_config = engine.model_config
+        self.tokenizer = engine.tokenizer
+        self.scheduler = engine.scheduler
+        self.runner = engine.scheduler.runner
         self._ids = itertools.count()
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -145,9 +129,3 @@ def _broadcast_params(
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return list(params)
-
-
-def _with_eos(config: ModelConfig, eos: set[int]) -> ModelConfig:
-    from dataclasses import replace
-
-    return replace(config, eos_token_ids=tuple(sorted(eos)))

@@ -62,19 +62,28 @@ class Scheduler:
         self.running: list[Req] = []
         self.num_retractions = 0
         self.last_stats = StepStats()
+        self._admitted_cached = 0  # prefix-cache hits of the requests admitted this step
         self._dropped: list[Req] = []  # aborted by the scheduler itself, reported by step()
 
     # ---- requests in and out -------------------------------------------------------------
-    def add_request(self, req: Req) -> None:
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        """Raise ValueError if the prompt can never run here (thread-safe: reads config only)."""
         limit = self.runner.context_length
-        if not req.prompt_ids:
+        if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
-        if len(req.prompt_ids) >= limit:
+        if len(prompt_ids) >= limit:
             raise ValueError(
-                f"prompt has {len(req.prompt_ids)} tokens, the context length is {limit}: "
+                f"prompt has {len(prompt_ids)} tokens, the context length is {limit}: "
                 f"shorten it to at most {limit - 1} tokens"
             )
+
+    def add_request(self, req: Req) -> None:
+        self.validate_prompt(req.prompt_ids)
         self.waiting.append(req)
+
+    def flush_cache(self) -> int:
+        """Drop every unlocked page of the prefix cache; returns the pages freed."""
+        return self.kv.radix.evict(self.kv.allocator.total) if self.kv.radix else 0
 
     def abort(self, rid: str) -> Req | None:
         for req in self.waiting:
@@ -116,12 +125,14 @@ class Scheduler:
             num_prefill_reqs=len(lens) - decode_n,
             num_prefill_tokens=sum(n for n in lens if n > 1),
             num_decode_reqs=decode_n,
+            cached_tokens=self._admitted_cached,
             forward_s=forward_s,
             step_s=time.perf_counter() - start,
         )
         return outputs
 
     def _schedule(self) -> tuple[list[Req], list[int]]:
+        self._admitted_cached = 0
         decoding = self._reserve_decodes()
         batch: list[Req] = list(decoding)
         lens = [1] * len(decoding)
@@ -137,6 +148,7 @@ class Scheduler:
             budget -= chunk
         while budget > 0 and self.waiting and self._can_admit(len(decoding)):
             req = self._pop_waiting()
+            self._admitted_cached += req.kv_len
             chunk = min(req.pending_len, budget)
             if not self.kv.reserve(req, chunk):
                 self.kv.release(req, cache=False)

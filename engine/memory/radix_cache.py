@@ -76,7 +76,7 @@ class RadixCache:
         base = start_page * ps
         for i in range(limit):
             if node.key[i * ps : (i + 1) * ps] != list(tokens[base + i * ps : base + (i + 1) * ps]):
-                return i + 1
+                return i
         return limit
 
     def _split(self, node: RadixNode, at_page: int) -> RadixNode:
@@ -145,7 +145,7 @@ class RadixCache:
 
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages from unlocked LRU leaves if possible; returns freed."""
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heap = [(n.last_access, id(n), n) for n in self._leaves()]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:

@@ -1,0 +1,48 @@
+"""Builds a ready scheduler (model, KV memory, tokenizer-aware stop checks) from a config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.tokenizer import StopStringChecker, load_tokenizer
+
+
+@dataclass
+class Engine:
+    config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Any | None
+    scheduler: Scheduler
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    model_config = ModelConfig.from_dir(config.model_path)
+    tokenizer = load_tokenizer(config.model_path)
+    eos = set(model_config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    model_config = replace(model_config, eos_token_ids=tuple(sorted(eos)))
+    runner = ModelRunner(config, model_config)
+    checker = StopStringChecker(tokenizer) if tokenizer is not None else None
+    return Engine(config, model_config, tokenizer, Scheduler(config, runner, checker))
+
+
+def resolve_model(model: str | None) -> str:
+    """The model directory to load: `model`, or the default model (fetched on first use)."""
+    from pathlib import Path
+
+    if model is None:
+        from engine.model_fetch import ensure_default_model
+
+        return str(ensure_default_model())
+    if not Path(model).is_dir():
+        raise FileNotFoundError(
+            f"model directory {model!r} does not exist; pass a Hugging Face model directory "
+            "or leave it unset for the default model"
+        )
+    return model

@@ -1,0 +1,241 @@
+"""Runs a `Scheduler` on its own thread and talks to the outside world through typed messages.
+
+Why a thread and not a process: the model forward spends its time inside torch kernels, which
+release the GIL, so the gRPC event loop on the main thread stays responsive while a step runs;
+a thread needs no serialisation of token streams and makes shutdown and "no orphan process"
+trivial. Everything that touches the scheduler runs on the engine thread: other threads only
+enqueue commands (`submit`, `abort`, `call`) and receive events through the sink they passed.
+
+A watchdog thread kills the process with a clear log line if one step runs past
+`watchdog_timeout_s`: a wedged node must die loudly so the fleet can route around it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.request import Req
+from engine.scheduler import Scheduler, StepOutput
+
+logger = logging.getLogger("pdserve.engine")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    decode_log_interval: int = 40  # log a decode line every N decode steps
+    watchdog_timeout_s: float = 300.0
+    idle_poll_s: float = 0.05
+
+
+@dataclass
+class TokenEvent:
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+@dataclass
+class FinishEvent:
+    reason: str
+    detail: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+RequestEvent = TokenEvent | FinishEvent
+EventSink = Callable[[RequestEvent], None]
+
+
+@dataclass
+class _Submit:
+    req: Req
+    sink: EventSink
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Scheduler], Any]
+    future: Future[Any] = field(default_factory=Future)
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, config: LoopConfig) -> None:
+        self.scheduler = scheduler
+        self.config = config
+        self._commands: queue.Queue[_Submit | _Call] = queue.Queue()
+        self._sinks: dict[str, EventSink] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+        self._step_started: float | None = None
+        self._log = StepLogger(config.decode_log_interval)
+        self.fatal_error: BaseException | None = None
+
+    # ---- called from other threads -------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        self._watchdog.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def submit(self, req: Req, sink: EventSink) -> None:
+        self._commands.put(_Submit(req, sink))
+
+    def call(self, fn: Callable[[Scheduler], Any]) -> Future[Any]:
+        """Run `fn(scheduler)` on the engine thread between two steps."""
+        cmd = _Call(fn)
+        self._commands.put(cmd)
+        return cmd.future
+
+    def abort(self, rid: str) -> Future[Any]:
+        return self.call(lambda s: self._abort(s, rid))
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.scheduler.has_work)
+                if self.scheduler.has_work:
+                    self._step()
+        except BaseException as exc:  # the node cannot serve without its loop: report, stop
+            logger.exception("engine loop crashed: %s", exc)
+            self.fatal_error = exc
+            self._fail_all(f"engine loop crashed: {exc}")
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=self.config.idle_poll_s) if block else None
+            while True:
+                if cmd is None:
+                    cmd = self._commands.get_nowait()
+                self._execute(cmd)
+                cmd = None
+        except queue.Empty:
+            return
+
+    def _execute(self, cmd: _Submit | _Call) -> None:
+        if isinstance(cmd, _Call):
+            try:
+                cmd.future.set_result(cmd.fn(self.scheduler))
+            except Exception as exc:
+                cmd.future.set_exception(exc)
+            return
+        try:
+            self.scheduler.add_request(cmd.req)
+        except ValueError as exc:
+            cmd.sink(FinishEvent("abort", str(exc), len(cmd.req.prompt_ids), 0, 0))
+            return
+        self._sinks[cmd.req.rid] = cmd.sink
+
+    def _step(self) -> None:
+        self._step_started = time.monotonic()
+        outputs = self.scheduler.step()
+        self._step_started = None
+        self._log.record(self.scheduler)
+        for out in outputs:
+            self._emit(out)
+
+    def _emit(self, out: StepOutput) -> None:
+        req = out.req
+        sink = self._sinks.get(req.rid)
+        if sink is None:
+            return
+        n = len(out.new_token_ids)
+        if n:
+            sink(
+                TokenEvent(
+                    out.new_token_ids, req.output_logprobs[-n:], req.output_top_logprobs[-n:]
+                )
+            )
+        if out.finished:
+            del self._sinks[req.rid]
+            sink(_finish_event(req))
+
+    def _abort(self, scheduler: Scheduler, rid: str) -> bool:
+        req = scheduler.abort(rid)
+        if req is None:
+            return False
+        sink = self._sinks.pop(rid, None)
+        if sink is not None:
+            sink(_finish_event(req, "aborted by the client"))
+        return True
+
+    def _fail_all(self, detail: str) -> None:
+        for rid, sink in list(self._sinks.items()):
+            sink(FinishEvent("abort", detail, 0, 0, 0))
+            del self._sinks[rid]
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.config.watchdog_timeout_s:
+                logger.critical(
+                    "watchdog: one scheduler step has run for %.0f s (limit %.0f s); the node is "
+                    "wedged, killing it",
+                    time.monotonic() - started,
+                    self.config.watchdog_timeout_s,
+                )
+                logging.shutdown()
+                os._exit(70)
+
+
+def _finish_event(req: Req, default_detail: str = "") -> FinishEvent:
+    return FinishEvent(
+        reason=req.finish_reason.value if req.finish_reason else "abort",
+        detail=req.finish_detail or default_detail,
+        prompt_tokens=len(req.prompt_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
+    )
+
+
+class StepLogger:
+    """One line per prefill step and one per `decode_interval` decode steps."""
+
+    def __init__(self, decode_interval: int) -> None:
+        self.decode_interval = decode_interval
+        self._decode_steps = 0
+        self._decode_tokens = 0
+        self._since = time.monotonic()
+
+    def record(self, scheduler: Scheduler) -> None:
+        stats = scheduler.last_stats
+        kv = scheduler.kv
+        alloc = kv.allocator
+        usage = (alloc.num_used + alloc.num_cached) / alloc.total
+        if stats.num_prefill_reqs:
+            logger.info(
+                "prefill batch: #new-seq %d, #new-token %d, #cached-token %d, token usage %.2f, "
+                "#running-req %d, #queue-req %d",
+                stats.num_prefill_reqs,
+                stats.num_prefill_tokens,
+                stats.cached_tokens,
+                usage,
+                len(scheduler.running),
+                len(scheduler.waiting),
+            )
+        self._decode_tokens += stats.num_decode_reqs
+        self._decode_steps += 1 if stats.num_decode_reqs else 0
+        if stats.num_decode_reqs and self._decode_steps % self.decode_interval == 0:
+            elapsed = max(time.monotonic() - self._since, 1e-9)
+            logger.info(
+                "decode batch: #running-req %d, #token %d, token usage %.2f, "
+                "gen throughput (token/s) %.2f, #queue-req %d",
+                len(scheduler.running),
+                sum(r.seq_len for r in scheduler.running),
+                usage,
+                self._decode_tokens / elapsed,
+                len(scheduler.waiting),
+            )
+            self._decode_tokens, self._since = 0, time.monotonic()

@@ -1,0 +1,181 @@
+"""The node gRPC API (`proto/node.proto`) over an `EngineLoop`: served by every node kind.
+
+Runs on the grpc.aio event loop; the engine runs on its own thread (see `engine_loop.py`), so
+this module only validates, converts between protobuf and engine types, and relays events.
+A client that goes away mid-stream has its request aborted, which frees its pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import fields
+
+import grpc
+
+from engine.engine_loop import EngineLoop, FinishEvent, RequestEvent, TokenEvent
+from engine.request import Req
+from engine.sampling import RequestSampler, SamplingParams
+from engine.scheduler import Scheduler
+from proto import node_pb2, node_pb2_grpc
+
+_SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
+
+
+def sampling_from_proto(msg: node_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take the engine defaults; ValueError names a bad field."""
+    kwargs: dict[str, object] = {}
+    for name in _SAMPLING_FIELDS:
+        if name in ("stop", "stop_token_ids"):
+            kwargs[name] = tuple(getattr(msg, name))
+        elif msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def sampling_to_proto(params: SamplingParams) -> node_pb2.SamplingParams:
+    msg = node_pb2.SamplingParams()
+    for name in _SAMPLING_FIELDS:
+        value = getattr(params, name)
+        if name in ("stop", "stop_token_ids"):
+            getattr(msg, name).extend(value)
+        elif value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def _event_to_proto(event: RequestEvent) -> node_pb2.GenerateResponse:
+    if isinstance(event, TokenEvent):
+        chunk = node_pb2.TokenChunk(token_ids=event.token_ids)
+        for lp, top in zip(event.logprobs, event.top_logprobs, strict=True):
+            if lp is None:
+                continue
+            entry = chunk.logprobs.add(logprob=lp)
+            for tid, tlp in top or []:
+                entry.top.add(token_id=tid, logprob=tlp)
+        return node_pb2.GenerateResponse(chunk=chunk)
+    usage = node_pb2.Usage(
+        prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens,
+        cached_tokens=event.cached_tokens,
+    )
+    finished = node_pb2.Finished(finish_reason=event.reason, detail=event.detail, usage=usage)
+    return node_pb2.GenerateResponse(finished=finished)
+
+
+class NodeService(node_pb2_grpc.NodeServicer):
+    def __init__(self, engine: EngineLoop, role: str, model_name: str) -> None:
+        self.engine = engine
+        self.role = role
+        self.model_name = model_name
+        self._live: set[str] = set()
+
+    def _build_req(self, request: node_pb2.GenerateRequest) -> Req:
+        """Validate on the gRPC side so a bad request gets INVALID_ARGUMENT, not a stream."""
+        scheduler = self.engine.scheduler
+        vocab = scheduler.runner.model_config.vocab_size
+        params = sampling_from_proto(request.sampling)
+        params.check_vocab(vocab)
+        ids = list(request.input_ids)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        scheduler.validate_prompt(ids)
+        sampler = RequestSampler(params, ids, vocab, scheduler.runner.device)
+        rid = request.rid or uuid.uuid4().hex
+        return Req(rid=rid, prompt_ids=ids, params=params, sampler=sampler)
+
+    async def Generate(
+        self, request: node_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[node_pb2.GenerateResponse]:
+        try:
+            req = self._build_req(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if req.rid in self._live:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request id {req.rid!r} is already running"
+            )
+        events: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._live.add(req.rid)
+
+        def sink(event: RequestEvent) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        self.engine.submit(req, sink)
+        finished = False
+        try:
+            while not finished:
+                event = await events.get()
+                finished = isinstance(event, FinishEvent)
+                yield _event_to_proto(event)
+        finally:
+            self._live.discard(req.rid)
+            if not finished:  # the client cancelled or the server is shutting down
+                self.engine.abort(req.rid)
+
+    async def _on_engine(self, fn):  # type: ignore[no-untyped-def]
+        return await asyncio.wrap_future(self.engine.call(fn))
+
+    async def Abort(
+        self, request: node_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.AbortResponse:
+        found = await asyncio.wrap_future(self.engine.abort(request.rid))
+        if not found:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no queued or running request with id {request.rid!r}"
+            )
+        return node_pb2.AbortResponse(found=True)
+
+    async def Health(
+        self, request: node_pb2.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.HealthResponse:
+        ok = self.engine.fatal_error is None
+        return node_pb2.HealthResponse(ok=ok, role=self.role, model=self.model_name)
+
+    async def GetLoad(
+        self, request: node_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.LoadResponse:
+        return await self._on_engine(_load)  # type: ignore[no-any-return]
+
+    async def FlushCache(
+        self, request: node_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.FlushCacheResponse:
+        freed = await self._on_engine(lambda s: s.flush_cache())
+        return node_pb2.FlushCacheResponse(freed_pages=freed)
+
+    async def CheckIntegrity(
+        self, request: node_pb2.CheckIntegrityRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.CheckIntegrityResponse:
+        return await self._on_engine(_integrity)  # type: ignore[no-any-return]
+
+
+def _load(s: Scheduler) -> node_pb2.LoadResponse:
+    alloc = s.kv.allocator
+    return node_pb2.LoadResponse(
+        running_requests=len(s.running),
+        queued_requests=len(s.waiting),
+        free_pages=alloc.num_free,
+        total_pages=alloc.total,
+        token_usage=alloc.num_used / alloc.total,
+        cached_pages=alloc.num_cached,
+    )
+
+
+def _integrity(s: Scheduler) -> node_pb2.CheckIntegrityResponse:
+    alloc = s.kv.allocator
+    error = ""
+    try:
+        s.check_integrity()
+    except AssertionError as exc:
+        error = str(exc)
+    return node_pb2.CheckIntegrityResponse(
+        ok=not error,
+        error=error,
+        free_pages=alloc.num_free,
+        used_pages=alloc.num_used,
+        cached_pages=alloc.num_cached,
+        total_pages=alloc.total,
+    )

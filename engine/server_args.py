@@ -1,0 +1,108 @@
+"""Command-line flags shared by every node server, turned into frozen configs at the edge."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.engine_loop import LoopConfig
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str
+    port: int
+    shutdown_grace_s: float
+
+
+def add_node_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model and memory")
+    g.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
+    g.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--max-total-tokens", type=int, default=None, help="KV capacity in tokens")
+    g.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=None,
+        help="size the KV pool to this fraction of device memory left after the weights",
+    )
+    g.add_argument("--context-length", type=int, default=None)
+    g = parser.add_argument_group("scheduling")
+    g.add_argument("--chunked-prefill-size", type=int, default=2048)
+    g.add_argument("--max-running-requests", type=int, default=256)
+    g.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
+    g.add_argument("--disable-prefix-cache", action="store_true")
+    g.add_argument("--attention-backend", default="torch_native")
+    g.add_argument("--watchdog-timeout", type=float, default=300.0, help="seconds per step")
+    g.add_argument("--decode-log-interval", type=int, default=40)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=30001)
+    g.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds for in-flight work")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+def engine_config(args: argparse.Namespace, model_path: str, weight_bytes: int) -> EngineConfig:
+    max_tokens = args.max_total_tokens
+    if max_tokens is None and args.mem_fraction is not None:
+        max_tokens = _tokens_for_fraction(args, model_path, weight_bytes)
+    return EngineConfig(
+        model_path=model_path,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_total_tokens=max_tokens or 65536,
+        max_running_requests=args.max_running_requests,
+        context_length=args.context_length,
+        attention_backend=args.attention_backend,
+        enable_prefix_cache=not args.disable_prefix_cache,
+        schedule_policy=args.schedule_policy,
+    )
+
+
+def _tokens_for_fraction(args: argparse.Namespace, model_path: str, weight_bytes: int) -> int:
+    from engine.model_config import ModelConfig
+
+    if not 0 < args.mem_fraction < 1:
+        raise ValueError(f"--mem-fraction must be in (0, 1), got {args.mem_fraction}")
+    if args.device.startswith("cuda"):
+        import torch
+
+        total = torch.cuda.mem_get_info(args.device)[1]
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    mc = ModelConfig.from_dir(model_path)
+    elem = 2 if args.dtype != "float32" else 4
+    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem
+    budget = total * args.mem_fraction - weight_bytes
+    if budget < per_token * args.page_size:
+        raise ValueError(
+            f"--mem-fraction {args.mem_fraction} leaves no room for KV after "
+            f"{weight_bytes / 2**30:.1f} GiB of weights; raise it"
+        )
+    return int(budget // per_token)
+
+
+def loop_config(args: argparse.Namespace) -> LoopConfig:
+    return LoopConfig(
+        decode_log_interval=args.decode_log_interval, watchdog_timeout_s=args.watchdog_timeout
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, shutdown_grace_s=args.shutdown_grace)
