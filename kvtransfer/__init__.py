@@ -1,1 +1,56 @@
-"""Placeholder: filled in by a later issue (see DESIGN.md)."""
+"""KV transfer backends (Mooncake Transfer Engine, NIXL) behind one small interface."""
+
+from __future__ import annotations
+
+import importlib
+
+from kvtransfer.base import (
+    KVTransferEngine,
+    MemoryRegion,
+    PeerInfo,
+    TransferConfig,
+    TransferError,
+    TransferHandle,
+    TransferRange,
+    TransferState,
+    coalesce_pages,
+)
+
+TRANSFER_BACKENDS: dict[str, tuple[str, str]] = {
+    # name: (module:class, the package to install)
+    "mooncake": ("kvtransfer.mooncake:MooncakeEngine", "mooncake-transfer-engine-non-cuda"),
+    "nixl": ("kvtransfer.nixl:NixlEngine", "nixl"),
+}
+
+
+def create_engine(config: TransferConfig) -> KVTransferEngine:
+    if config.backend not in TRANSFER_BACKENDS:
+        raise ValueError(
+            f"unknown transfer backend {config.backend!r}; choose one of {sorted(TRANSFER_BACKENDS)}"
+        )
+    target, package = TRANSFER_BACKENDS[config.backend]
+    module_name, cls_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(
+            f"transfer backend {config.backend!r} needs the package {package!r} "
+            f"(pip install {package}): {exc}"
+        ) from exc
+    cls: type[KVTransferEngine] = getattr(module, cls_name)
+    return cls(config)
+
+
+__all__ = [
+    "TRANSFER_BACKENDS",
+    "KVTransferEngine",
+    "MemoryRegion",
+    "PeerInfo",
+    "TransferConfig",
+    "TransferError",
+    "TransferHandle",
+    "TransferRange",
+    "TransferState",
+    "coalesce_pages",
+    "create_engine",
+]

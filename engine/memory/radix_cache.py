@@ -85,7 +85,7 @@ class RadixCache:
         assert node.parent is not None
         upper = RadixNode(
             key=node.key[: at_page * ps],
-            pages=node.pages[:at_page],
+            pages=node.pages[1 : at_page + 1],
             parent=node.parent,
             lock_ref=node.lock_ref,
             last_access=node.last_access,
@@ -145,7 +145,7 @@ class RadixCache:
 
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages from unlocked LRU leaves if possible; returns freed."""
-        heap = [(n.last_access, id(n), n) for n in self._leaves()]
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:

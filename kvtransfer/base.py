@@ -1,0 +1,127 @@
+"""The KV transfer interface: one engine per node, moving byte ranges into a peer's memory.
+
+A node registers its whole KV pool (and its aux buffer) once at start; per request only
+descriptors move. Descriptor count is the cost (on two GPUs, 1 GiB in one descriptor moves 15x
+faster than in 8192), so callers coalesce contiguous pages with `coalesce_pages` first.
+
+Backends live in sibling modules and are chosen by name through `kvtransfer.create_engine`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class TransferError(RuntimeError):
+    """A transfer could not be started or failed; the message names the peer."""
+
+
+class TransferState(Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backend: str  # "mooncake" | "nixl"
+    node_name: str  # unique per process: NIXL agent name, log prefix
+    host: str = "127.0.0.1"
+    protocol: str = "tcp"  # mooncake: "tcp" or "rdma"
+    device_names: str = ""  # mooncake RDMA devices, e.g. "mlx5_0,mlx5_1"
+    max_descriptors_per_batch: int = 1024  # larger requests are split into several batches
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    name: str  # "kv" or "aux"
+    addr: int
+    length: int
+    device: str = "cpu"  # or "cuda:N"
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    node_id: str
+    endpoint: bytes  # what the peer's `local_endpoint()` returned
+    regions: dict[str, MemoryRegion] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TransferRange:
+    src_addr: int
+    dst_addr: int
+    length: int
+
+
+class TransferHandle:
+    """Opaque per-backend token for one started write (possibly several engine batches)."""
+
+
+class KVTransferEngine(ABC):
+    name: str = ""
+
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        """Register local memory once; every transfer's source/destination lies inside it."""
+
+    @abstractmethod
+    def local_endpoint(self) -> bytes:
+        """What a peer needs to reach this engine (sent through bootstrap)."""
+
+    @abstractmethod
+    def connect(self, peer: PeerInfo) -> None:
+        """Make `peer` reachable for writes; idempotent."""
+
+    @abstractmethod
+    def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
+        """Start writing local ranges into the peer's memory; does not block on completion."""
+
+    @abstractmethod
+    def poll(self, handle: TransferHandle) -> TransferState:
+        """Non-blocking state of a started write."""
+
+    @abstractmethod
+    def release(self, handle: TransferHandle) -> None:
+        """Forget a finished (DONE or FAILED) write."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unregister memory and stop the engine."""
+
+
+def coalesce_pages(
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+    page_bytes: int,
+    src_base: int,
+    dst_base: int,
+) -> list[TransferRange]:
+    """One range per run of pages that is contiguous on both sides."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+    ranges: list[TransferRange] = []
+    i = 0
+    while i < len(src_pages):
+        j = i + 1
+        while (
+            j < len(src_pages)
+            and src_pages[j] == src_pages[j - 1] + 1
+            and dst_pages[j] == dst_pages[j - 1] + 1
+        ):
+            j += 1
+        ranges.append(
+            TransferRange(
+                src_addr=src_base + src_pages[i] * page_bytes,
+                dst_addr=dst_base + dst_pages[i] * page_bytes,
+                length=(j - i) * page_bytes,
+            )
+        )
+        i = j
+    return ranges
