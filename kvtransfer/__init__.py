@@ -26,7 +26,8 @@ TRANSFER_BACKENDS: dict[str, tuple[str, str]] = {
 def create_engine(config: TransferConfig) -> KVTransferEngine:
     if config.backend not in TRANSFER_BACKENDS:
         raise ValueError(
-            f"unknown transfer backend {config.backend!r}; choose one of {sorted(TRANSFER_BACKENDS)}"
+            f"unknown transfer backend {config.backend!r}; "
+            f"choose one of {sorted(TRANSFER_BACKENDS)}"
         )
     target, package = TRANSFER_BACKENDS[config.backend]
     module_name, cls_name = target.split(":")
