@@ -20,10 +20,32 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from engine.request import Req
 from engine.scheduler import Scheduler, StepOutput
+
+
+class NodeRole(Protocol):
+    """The PD queues of a prefill or decode node (see prefill_node/, decode_node/).
+
+    Called on the engine thread only: before every step (to move requests between its queues
+    and the scheduler) and after it (to start KV writes for the chunks just computed).
+    """
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def accepts(self, req: Req) -> bool: ...
+
+    def submit(self, scheduler: Scheduler, req: Req) -> None: ...
+
+    def before_step(self, scheduler: Scheduler) -> list[StepOutput]: ...
+
+    def after_step(self, scheduler: Scheduler) -> None: ...
+
+    def abort(self, scheduler: Scheduler, rid: str) -> Req | None: ...
+
 
 logger = logging.getLogger("pdserve.engine")
 
@@ -68,9 +90,12 @@ class _Call:
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, config: LoopConfig) -> None:
+    def __init__(
+        self, scheduler: Scheduler, config: LoopConfig, role: NodeRole | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.config = config
+        self.role = role
         self._commands: queue.Queue[_Submit | _Call] = queue.Queue()
         self._sinks: dict[str, EventSink] = {}
         self._stop = threading.Event()
@@ -105,9 +130,11 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_commands(block=not self.scheduler.has_work)
-                if self.scheduler.has_work:
-                    self._step()
+                role_busy = self.role is not None and self.role.has_work
+                self._drain_commands(block=not (self.scheduler.has_work or role_busy))
+                self._step()
+                if role_busy and not self.scheduler.has_work:
+                    time.sleep(0.001)  # only transfers to poll: don't spin a core
         except BaseException as exc:  # the node cannot serve without its loop: report, stop
             logger.exception("engine loop crashed: %s", exc)
             self.fatal_error = exc
@@ -132,7 +159,11 @@ class EngineLoop:
                 cmd.future.set_exception(exc)
             return
         try:
-            self.scheduler.add_request(cmd.req)
+            if self.role is not None and self.role.accepts(cmd.req):
+                self.scheduler.validate_prompt(cmd.req.prompt_ids)
+                self.role.submit(self.scheduler, cmd.req)
+            else:
+                self.scheduler.add_request(cmd.req)
         except ValueError as exc:
             cmd.sink(FinishEvent("abort", str(exc), len(cmd.req.prompt_ids), 0, 0))
             return
@@ -140,9 +171,13 @@ class EngineLoop:
 
     def _step(self) -> None:
         self._step_started = time.monotonic()
-        outputs = self.scheduler.step()
+        outputs = self.role.before_step(self.scheduler) if self.role else []
+        if self.scheduler.has_work:
+            outputs += self.scheduler.step()
+            self._log.record(self.scheduler)
+        if self.role is not None:
+            self.role.after_step(self.scheduler)
         self._step_started = None
-        self._log.record(self.scheduler)
         for out in outputs:
             self._emit(out)
 
@@ -163,7 +198,8 @@ class EngineLoop:
             sink(_finish_event(req))
 
     def _abort(self, scheduler: Scheduler, rid: str) -> bool:
-        req = scheduler.abort(rid)
+        req = self.role.abort(scheduler, rid) if self.role else None
+        req = req or scheduler.abort(rid)
         if req is None:
             return False
         sink = self._sinks.pop(rid, None)

@@ -18,6 +18,7 @@ class FinishReason(str, Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_new_tokens or the context length
     ABORT = "abort"
+    PREFILLED = "prefilled"  # prefill node: KV and first token handed to the decode node
 
 
 @dataclass(eq=False)
@@ -38,6 +39,10 @@ class Req:
     finish_reason: FinishReason | None = None
     finish_detail: str = ""
     num_retractions: int = 0
+    # Disaggregation: the bootstrap room and the node on the other side ("" when colocated).
+    room: int = 0
+    peer_node_id: str = ""
+    stop_after_prefill: bool = False  # prefill node: hand off after the first token, no decode
 
     @property
     def all_ids(self) -> list[int]:

@@ -6,6 +6,11 @@ Queues and states of a request on one node:
                          running (decoding: one pending token per step)  --finish-->  done
     running  --retract (KV pool exhausted)-->  front of waiting, nothing lost
     any      --abort-->  done (pages freed at once)
+    running  --first token of a `stop_after_prefill` request-->  prefilled (pages kept)
+
+`prefilled` and `parked` belong to the node role on top (prefill / decode node, see
+prefill_node/ and decode_node/): requests there keep their pages while a KV transfer is in
+flight, and count as live in the integrity check.
 
 One `step()` is one forward. It carries every decoding request (one token each) plus prefill
 chunks under the `chunked_prefill_size` token budget: continuing partially prefilled requests
@@ -60,6 +65,8 @@ class Scheduler:
         self.eos_ids = frozenset(runner.model_config.eos_token_ids)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self.prefilled: list[Req] = []  # stop_after_prefill requests that got their first token
+        self.parked: list[Req] = []  # requests the node role holds pages for (transfers)
         self.num_retractions = 0
         self.last_stats = StepStats()
         self._admitted_cached = 0  # prefix-cache hits of the requests admitted this step
@@ -102,10 +109,23 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def live_requests(self) -> list[Req]:
-        return list(self.running)
+        return self.running + self.prefilled + self.parked
 
     def check_integrity(self) -> None:
-        self.runner.check_integrity(self.running)
+        self.runner.check_integrity(self.live_requests())
+
+    def detach(self, rid: str) -> Req | None:
+        """Take a request out of the queues without freeing its pages (the caller owns them)."""
+        for queue in (self.waiting, self.running, self.prefilled):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    return req
+        return None
+
+    def admit_prefilled(self, req: Req) -> None:
+        """Decode node: a request whose prompt KV and first token arrived joins the batch."""
+        self.running.append(req)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -228,11 +248,15 @@ class Scheduler:
             req.output_ids.append(token)
             req.output_logprobs.append(sampled.logprobs[j])
             req.output_top_logprobs.append(sampled.top_logprobs[j])
-            self._check_finish(req, token)
+            if req.stop_after_prefill:  # the decode node judges the first token, not us
+                self.running.remove(req)
+                self.prefilled.append(req)
+            else:
+                self.check_finish(req, token)
             outputs.append(StepOutput(req, [token], req.finished))
         return outputs
 
-    def _check_finish(self, req: Req, token: int) -> None:
+    def check_finish(self, req: Req, token: int) -> None:
         params = req.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
             self._finish(req, FinishReason.STOP, detail=f"token {token}")

@@ -39,6 +39,11 @@ class NodeStub:
                 request_serializer=proto_dot_node__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_node__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_unary(
+                '/pdserve.node.Node/Prefill',
+                request_serializer=proto_dot_node__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=proto_dot_node__pb2.PrefillResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.node.Node/Abort',
                 request_serializer=proto_dot_node__pb2.AbortRequest.SerializeToString,
@@ -71,6 +76,14 @@ class NodeServicer:
 
     def Generate(self, request, context):
         """Server stream: TokenChunk messages as tokens are produced, then exactly one Finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefill(self, request, context):
+        """Prefill node only: prefill the prompt, push its KV and the first token into the decode
+        node's pages for `bootstrap_room`, return when the transfer is confirmed (or failed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +127,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_node__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_node__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=proto_dot_node__pb2.PrefillRequest.FromString,
+                    response_serializer=proto_dot_node__pb2.PrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -168,6 +186,33 @@ class Node:
             '/pdserve.node.Node/Generate',
             proto_dot_node__pb2.GenerateRequest.SerializeToString,
             proto_dot_node__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.node.Node/Prefill',
+            proto_dot_node__pb2.PrefillRequest.SerializeToString,
+            proto_dot_node__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -85,12 +85,12 @@ class RadixCache:
         assert node.parent is not None
         upper = RadixNode(
             key=node.key[: at_page * ps],
-            pages=node.pages[1 : at_page + 1],
+            pages=node.pages[:at_page],
             parent=node.parent,
             lock_ref=node.lock_ref,
             last_access=node.last_access,
         )
-        node.parent.children[tuple(upper.key[:ps])] = upper
+        node.parent.children[tuple(upper.key[:ps])] = node
         node.key, node.pages = node.key[at_page * ps :], node.pages[at_page:]
         node.parent = upper
         upper.children[tuple(node.key[:ps])] = node

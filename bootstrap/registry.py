@@ -1,0 +1,125 @@
+"""The node registry: who is alive, with which KV layout, and how loaded.
+
+A node is live from Register until it deregisters or misses heartbeats for the timeout; then its
+record is removed (a late heartbeat gets NOT_FOUND and the node registers again). Prefill and
+decode nodes must agree on the KV layout (`LAYOUT_FIELDS`) or KV pages cannot move between them;
+tensor-parallel size and rank may differ. Colocated nodes never exchange KV and are not checked.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from bootstrap.errors import FailedPrecondition, InvalidArgument, NotFound
+from proto import bootstrap_pb2
+
+LAYOUT_FIELDS = ("model_id", "num_layers", "num_kv_heads", "head_dim", "page_size", "dtype")
+KV_ROLES = (bootstrap_pb2.PREFILL, bootstrap_pb2.DECODE)
+
+
+def role_name(role: int) -> str:
+    """'prefill', 'decode', 'colocated' (or 'role 7' for a value this build does not know)."""
+    try:
+        return bootstrap_pb2.Role.Name(role).lower()  # type: ignore[arg-type]
+    except ValueError:
+        return f"role {role}"
+
+
+@dataclass
+class NodeRecord:
+    info: bootstrap_pb2.NodeInfo
+    load: bootstrap_pb2.NodeLoad
+    last_heartbeat: float  # time.monotonic() of Register or the latest Heartbeat
+
+    @property
+    def node_id(self) -> str:
+        return self.info.node_id
+
+    @property
+    def role(self) -> int:
+        return self.info.role
+
+    @property
+    def label(self) -> str:
+        """'prefill node p-1a2b': how log lines and failure reasons name this node."""
+        return f"{role_name(self.role)} node {self.node_id}"
+
+    def status(self, alive: bool = True) -> bootstrap_pb2.NodeStatus:
+        return bootstrap_pb2.NodeStatus(node=self.info, load=self.load, alive=alive)
+
+
+def check_required_fields(info: bootstrap_pb2.NodeInfo) -> None:
+    if info.role not in bootstrap_pb2.Role.values():
+        raise InvalidArgument(f"node.role {info.role} is not a known role: use PREFILL|DECODE|COLOCATED")
+    if info.role == bootstrap_pb2.ROLE_UNSPECIFIED:
+        raise InvalidArgument("node.role is required: set PREFILL, DECODE or COLOCATED")
+    if not info.grpc_address:
+        raise InvalidArgument("node.grpc_address is required: set the host:port of the node API")
+
+
+def layout_conflict(info: bootstrap_pb2.NodeInfo, other: NodeRecord) -> str | None:
+    """Why `info` cannot exchange KV with `other`, or None when their layouts agree."""
+    for name in LAYOUT_FIELDS:
+        mine, theirs = getattr(info.layout, name), getattr(other.info.layout, name)
+        if mine != theirs:
+            return (
+                f"KV layout mismatch: layout.{name} is {mine!r} but {other.label} "
+                f"({other.info.grpc_address}) has {theirs!r}; start this node with the same "
+                f"model, page size and dtype as the running ones"
+            )
+    return None
+
+
+class NodeRegistry:
+    """Live nodes by id. Pure state: the caller passes the clock and publishes the events."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeRecord] = {}
+
+    def register(self, info: bootstrap_pb2.NodeInfo, now: float) -> tuple[NodeRecord, bool]:
+        """Add (or replace, for a known id) a node; returns (record, replaced_a_live_one)."""
+        check_required_fields(info)
+        record_info = bootstrap_pb2.NodeInfo()
+        record_info.CopyFrom(info)
+        if not record_info.node_id:
+            record_info.node_id = f"{role_name(info.role)}-{uuid.uuid4().hex[:8]}"
+        if record_info.role in KV_ROLES:
+            for other in self.nodes.values():
+                if other.node_id != record_info.node_id and other.role in KV_ROLES:
+                    reason = layout_conflict(record_info, other)
+                    if reason is not None:
+                        raise FailedPrecondition(reason)
+        replaced = record_info.node_id in self.nodes
+        record = NodeRecord(record_info, bootstrap_pb2.NodeLoad(), now)
+        self.nodes[record.node_id] = record
+        return record, replaced
+
+    def heartbeat(self, node_id: str, load: bootstrap_pb2.NodeLoad, now: float) -> bool:
+        """Refresh a node's liveness and load; True when the load changed."""
+        record = self.require(node_id)
+        record.last_heartbeat = now
+        if record.load == load:
+            return False
+        record.load = bootstrap_pb2.NodeLoad()
+        record.load.CopyFrom(load)
+        return True
+
+    def require(self, node_id: str) -> NodeRecord:
+        record = self.nodes.get(node_id)
+        if record is None:
+            raise NotFound(f"unknown node {node_id}: re-register")
+        return record
+
+    def get(self, node_id: str) -> NodeRecord | None:
+        return self.nodes.get(node_id)
+
+    def remove(self, node_id: str) -> NodeRecord | None:
+        return self.nodes.pop(node_id, None)
+
+    def live(self, role: int = bootstrap_pb2.ROLE_UNSPECIFIED) -> list[NodeRecord]:
+        return [r for r in self.nodes.values() if role in (bootstrap_pb2.ROLE_UNSPECIFIED, r.role)]
+
+    def silent(self, now: float, timeout_s: float) -> list[NodeRecord]:
+        """Nodes whose last heartbeat is older than the timeout: to be declared dead."""
+        return [r for r in self.nodes.values() if now - r.last_heartbeat > timeout_s]

@@ -1,0 +1,215 @@
+"""The decode node's PD life cycle, run on the engine thread around each scheduler step.
+
+Queues of a disaggregated decode request (one bootstrap room each):
+
+    prealloc    waiting for KV pages: admitted when the pool can hold the prompt plus
+                `decode_headroom` tokens while keeping a page for every decoding request
+    transfer    pages reserved and published to bootstrap as the room's destination; waiting
+                for the prefill node to report DONE (then the aux slot is checked and the
+                request joins the running batch with no prefill forward) or FAILED
+    quarantine  given up (client abort or `transfer_timeout_s`) while P may still be writing:
+                the client has its error, but the pages stay held until bootstrap says no write
+                can land any more (never delivered, P confirmed FAILED, or P is dead)
+
+Requests without a room prefill locally (colocated): they go straight to the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.request import FinishReason, Req
+from engine.scheduler import Scheduler, StepOutput
+from kvtransfer.aux import AuxBuffer, AuxMismatchError
+from kvtransfer.room import FailRoomAnswer, RoomDestination, RoomLink, RoomState, RoomStatus
+
+logger = logging.getLogger("pdserve.decode")
+
+RoomEvent = RoomStatus | FailRoomAnswer
+
+
+@dataclass(frozen=True)
+class DecodeRoleConfig:
+    decode_headroom: int = 32  # tokens of decode room required beside the prompt to admit
+    transfer_timeout_s: float = 60.0  # destination published -> DONE
+
+
+@dataclass
+class DecodeEntry:
+    req: Req
+    created: float = field(default_factory=time.monotonic)
+    published: float = 0.0
+
+
+class DecodeRole:
+    def __init__(
+        self,
+        config: DecodeRoleConfig,
+        link: RoomLink,
+        aux: AuxBuffer,
+        page_size: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.link = link
+        self.aux = aux
+        self.page_size = page_size
+        self.clock = clock
+        self.inbox: queue.Queue[RoomEvent] = queue.Queue()
+        self.prealloc: deque[DecodeEntry] = deque()
+        self.transfer: dict[int, DecodeEntry] = {}
+        self.quarantine: dict[int, DecodeEntry] = {}
+
+    def accepts(self, req: Req) -> bool:
+        return req.room != 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.prealloc or self.transfer or self.quarantine or not self.inbox.empty())
+
+    def submit(self, scheduler: Scheduler, req: Req) -> None:
+        self.prealloc.append(DecodeEntry(req, created=self.clock()))
+
+    def before_step(self, scheduler: Scheduler) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        while True:
+            try:
+                event = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            outputs += self._on_event(scheduler, event)
+        outputs += self._expire(scheduler)
+        self._admit(scheduler)
+        return outputs
+
+    def after_step(self, scheduler: Scheduler) -> None:
+        return None
+
+    def abort(self, scheduler: Scheduler, rid: str) -> Req | None:
+        for entry in self.prealloc:
+            if entry.req.rid == rid:
+                self.prealloc.remove(entry)
+                entry.req.finish_reason = FinishReason.ABORT
+                return entry.req
+        for room, entry in self.transfer.items():
+            if entry.req.rid == rid:
+                self._give_up(room, "aborted by the client")
+                entry.req.finish_reason = FinishReason.ABORT
+                return entry.req
+        return None
+
+    # ---- prealloc -> transfer ------------------------------------------------------------
+    def _admit(self, scheduler: Scheduler) -> None:
+        kv = scheduler.kv
+        while self.prealloc:
+            entry = self.prealloc[0]
+            req = entry.req
+            busy = len(scheduler.running) + len(self.transfer) + len(self.quarantine)
+            prompt_pages = -(-(len(req.prompt_ids) + self.config.decode_headroom) // self.page_size)
+            decoding = sum(1 for r in scheduler.running if r.is_decoding)
+            if busy >= scheduler.config.max_running_requests or (
+                kv.available_pages < prompt_pages + decoding
+            ):
+                return
+            self.prealloc.popleft()
+            req.slot = kv.req_to_token.alloc_slot()
+            kv.attach_prefix(req)
+            cached = req.kv_len
+            if not kv.reserve(req, len(req.prompt_ids) - cached):
+                kv.release(req, cache=False)
+                self.prealloc.appendleft(entry)
+                return
+            scheduler.parked.append(req)
+            self._publish(entry, cached)
+
+    def _publish(self, entry: DecodeEntry, cached: int) -> None:
+        req = entry.req
+        assert req.slot is not None
+        self.aux.clear(req.slot)
+        first_page = cached // self.page_size
+        dest = RoomDestination(
+            room=req.room,
+            decode_node_id=self.link.node_id,
+            prefill_node_id=req.peer_node_id,
+            page_ids=tuple(req.pages[first_page:]),
+            cached_tokens=cached,
+            aux_slot=req.slot,
+            prompt_len=len(req.prompt_ids),
+        )
+        entry.published = self.clock()
+        self.transfer[req.room] = entry
+        self.link.post_destination(dest)
+
+    # ---- transfer -> running ------------------------------------------------------------
+    def _on_event(self, scheduler: Scheduler, event: RoomEvent) -> list[StepOutput]:
+        if isinstance(event, FailRoomAnswer):
+            if event.safe_to_free and event.room in self.quarantine:
+                self._free(scheduler, self.quarantine.pop(event.room).req)
+            return []
+        if event.room in self.quarantine:
+            if event.state in (RoomState.DONE, RoomState.FAILED):
+                self._free(scheduler, self.quarantine.pop(event.room).req)
+            return []
+        entry = self.transfer.pop(event.room, None)
+        if entry is None:
+            return []
+        if event.state is RoomState.DONE:
+            return [self._take_over(scheduler, entry.req)]
+        return [self._fail(scheduler, entry.req, event.reason or "prefill failed")]
+
+    def _take_over(self, scheduler: Scheduler, req: Req) -> StepOutput:
+        assert req.slot is not None
+        try:
+            first = self.aux.read(req.slot, req.room)
+        except AuxMismatchError as exc:
+            return self._fail(scheduler, req, str(exc))
+        scheduler.parked.remove(req)
+        req.kv_len = len(req.prompt_ids)
+        req.cached_tokens = first.cached_tokens
+        req.output_ids.append(first.token)
+        req.output_logprobs.append(first.logprob)
+        req.output_top_logprobs.append(first.top_logprobs)
+        req.sampler.observe(first.token)
+        scheduler.admit_prefilled(req)
+        scheduler.check_finish(req, first.token)
+        return StepOutput(req, [first.token], req.finished)
+
+    def _fail(self, scheduler: Scheduler, req: Req, reason: str) -> StepOutput:
+        self._free(scheduler, req)
+        req.finish_reason = FinishReason.ABORT
+        req.finish_detail = (
+            f"room {req.room} (prefill node {req.peer_node_id} -> decode node "
+            f"{self.link.node_id}): {reason}"
+        )
+        logger.warning("%s", req.finish_detail)
+        return StepOutput(req, [], True)
+
+    def _free(self, scheduler: Scheduler, req: Req) -> None:
+        if req in scheduler.parked:
+            scheduler.parked.remove(req)
+        scheduler.kv.release(req, cache=False)
+
+    def _give_up(self, room: int, reason: str) -> None:
+        self.quarantine[room] = self.transfer.pop(room)
+        self.link.fail_room(room, reason)
+
+    def _expire(self, scheduler: Scheduler) -> list[StepOutput]:
+        outputs = []
+        now = self.clock()
+        for room, entry in list(self.transfer.items()):
+            if now - entry.published > self.config.transfer_timeout_s:
+                reason = (
+                    f"no KV from prefill node {entry.req.peer_node_id} within "
+                    f"{self.config.transfer_timeout_s:.1f} s (transfer timeout)"
+                )
+                self._give_up(room, reason)
+                req = entry.req
+                req.finish_reason = FinishReason.ABORT
+                req.finish_detail = f"room {room} (decode node {self.link.node_id}): {reason}"
+                outputs.append(StepOutput(req, [], True))
+        return outputs

@@ -1,0 +1,68 @@
+"""Typed room messages exchanged (through bootstrap) between a prefill and a decode node.
+
+`RoomState` is ordered so that ranks of one node can agree on a room's state by taking the
+MIN across ranks: a room is only as far along as its slowest rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol
+
+from kvtransfer.base import PeerInfo
+
+
+class RoomState(IntEnum):
+    FAILED = 0
+    BOOTSTRAPPING = 1  # waiting for the other side / for bootstrap to pair them
+    WAITING_FOR_DEST = 2
+    TRANSFERRING = 3
+    DONE = 4
+
+
+@dataclass(frozen=True)
+class RoomDestination:
+    """Where P must write the KV of one request: D's pages and aux slot."""
+
+    room: int
+    decode_node_id: str
+    prefill_node_id: str
+    page_ids: tuple[int, ...]  # D pages for prompt tokens [cached_tokens, prompt_len)
+    cached_tokens: int  # prompt tokens D already holds (page-aligned): not sent
+    aux_slot: int
+    prompt_len: int
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class RoomStatus:
+    room: int
+    prefill_node_id: str
+    decode_node_id: str
+    state: RoomState
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class FailRoomAnswer:
+    """Bootstrap's answer to a FailRoom: may D free the room's pages now?"""
+
+    room: int
+    safe_to_free: bool
+    error: str = ""
+
+
+class RoomLink(Protocol):
+    """What a node role needs from bootstrap; calls return at once (the link sends them on
+    its own event loop). Answers and pushed events come back through the role's inbox."""
+
+    node_id: str
+
+    def post_destination(self, dest: RoomDestination) -> None: ...
+
+    def post_status(self, status: RoomStatus) -> None: ...
+
+    def fail_room(self, room: int, reason: str) -> None: ...
+
+    def peer(self, node_id: str) -> PeerInfo | None: ...

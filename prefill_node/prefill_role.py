@@ -1,0 +1,272 @@
+"""The prefill node's PD life cycle, run on the engine thread around each scheduler step.
+
+Queues of a prefill request (one bootstrap room each):
+
+    bootstrap   waiting for the decode node's destination (pages + aux slot) via bootstrap;
+                failed after `bootstrap_timeout_s`
+    (scheduler) waiting -> running: chunked extend batches; after every chunk the finished
+                full pages are written into D's pages (the partial last page waits for the
+                last chunk); tokens D already caches are not sent
+    inflight    first token sampled and written to D's aux slot; waiting until every write is
+                confirmed, then the room is reported DONE to bootstrap and the pages are
+                released into the prefix cache
+
+A request that fails (D cancelled the room, D died, a write failed, the client aborted) leaves
+the scheduler with its pages still held, waits in `inflight` until every write it started has
+settled (a late write must not read pages handed to another request), then reports FAILED.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.request import FinishReason, Req
+from engine.scheduler import Scheduler, StepOutput
+from kvtransfer.aux import AuxBuffer, FirstToken
+from kvtransfer.base import KVTransferEngine, TransferError, TransferState
+from kvtransfer.room import RoomDestination, RoomLink, RoomState, RoomStatus
+from kvtransfer.sender import KVSender
+
+logger = logging.getLogger("pdserve.prefill")
+
+
+@dataclass(frozen=True)
+class PrefillRoleConfig:
+    bootstrap_timeout_s: float = 30.0  # wait this long for D's destination
+    transfer_timeout_s: float = 60.0  # a started transfer must settle within this
+
+
+@dataclass
+class PrefillEntry:
+    req: Req
+    created: float = field(default_factory=time.monotonic)
+    dest: RoomDestination | None = None
+    sender: KVSender | None = None
+    failure: str = ""  # set once the room is doomed; reported after writes settle
+    inflight_since: float = 0.0
+
+
+class PrefillRole:
+    def __init__(
+        self,
+        config: PrefillRoleConfig,
+        link: RoomLink,
+        engine: KVTransferEngine,
+        aux: AuxBuffer,
+        kv_base: int,
+        page_bytes: int,
+        page_size: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.link = link
+        self.engine = engine
+        self.aux = aux
+        self.kv_base = kv_base
+        self.page_bytes = page_bytes
+        self.page_size = page_size
+        self.clock = clock
+        self.inbox: queue.Queue[RoomDestination] = queue.Queue()
+        self.bootstrap: dict[int, PrefillEntry] = {}
+        self.active: dict[int, PrefillEntry] = {}
+        self.inflight: dict[int, PrefillEntry] = {}
+        self._early: dict[int, tuple[RoomDestination, float]] = {}  # dest before the request
+
+    # ---- engine-thread hooks -----------------------------------------------------------
+    def accepts(self, req: Req) -> bool:
+        return req.stop_after_prefill
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.bootstrap or self.active or self.inflight or not self.inbox.empty())
+
+    def submit(self, scheduler: Scheduler, req: Req) -> None:
+        entry = PrefillEntry(req, created=self.clock())
+        self.bootstrap[req.room] = entry
+        early = self._early.pop(req.room, None)
+        if early is not None:
+            self._on_destination(scheduler, early[0])
+
+    def before_step(self, scheduler: Scheduler) -> list[StepOutput]:
+        while True:
+            try:
+                dest = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._on_destination(scheduler, dest)
+        outputs = self._expire_bootstrap()
+        outputs += self._poll_inflight(scheduler)
+        return outputs
+
+    def after_step(self, scheduler: Scheduler) -> None:
+        for entry in list(self.active.values()):
+            if entry.failure:
+                continue
+            assert entry.sender is not None
+            try:
+                entry.sender.send_pages(entry.req.pages, entry.req.kv_len // self.page_size)
+            except TransferError as exc:
+                self._doom(scheduler, entry, f"KV write failed: {exc}")
+        for req in list(scheduler.prefilled):
+            done = self.active.get(req.room)
+            if done is not None and done.req is req:
+                self._finish_prefill(scheduler, done)
+
+    def abort(self, scheduler: Scheduler, rid: str) -> Req | None:
+        for entries in (self.bootstrap, self.active):
+            for entry in entries.values():
+                if entry.req.rid == rid:
+                    self._fail_entry(scheduler, entry, "aborted by the client")
+                    return entry.req
+        return None
+
+    # ---- destinations ------------------------------------------------------------------
+    def _on_destination(self, scheduler: Scheduler, dest: RoomDestination) -> None:
+        entry = self.bootstrap.get(dest.room) or self.active.get(dest.room)
+        if dest.cancelled:
+            if entry is not None:
+                self._fail_entry(scheduler, entry, f"decode node {dest.decode_node_id} gave up")
+            return
+        if entry is None:
+            self._early[dest.room] = (dest, self.clock())
+            return
+        if dest.decode_node_id != entry.req.peer_node_id:
+            self._fail_entry(
+                scheduler,
+                entry,
+                f"destination from decode node {dest.decode_node_id}, "
+                f"expected {entry.req.peer_node_id}",
+            )
+            return
+        self._start(scheduler, entry, dest)
+
+    def _start(self, scheduler: Scheduler, entry: PrefillEntry, dest: RoomDestination) -> None:
+        peer = self.link.peer(dest.decode_node_id)
+        if peer is None or "kv" not in peer.regions:
+            self._fail_entry(
+                scheduler, entry, f"decode node {dest.decode_node_id} is not registered"
+            )
+            return
+        try:
+            self.engine.connect(peer)
+        except TransferError as exc:
+            self._fail_entry(scheduler, entry, f"cannot reach decode node: {exc}")
+            return
+        entry.dest = dest
+        entry.sender = KVSender(
+            self.engine,
+            dest,
+            self.page_size,
+            self.page_bytes,
+            self.kv_base,
+            peer.regions["kv"].addr,
+        )
+        del self.bootstrap[dest.room]
+        self.active[dest.room] = entry
+        scheduler.add_request(entry.req)
+
+    # ---- finishing ---------------------------------------------------------------------
+    def _finish_prefill(self, scheduler: Scheduler, entry: PrefillEntry) -> None:
+        """First token sampled: send the rest of the pages and the aux slot."""
+        req, dest, sender = entry.req, entry.dest, entry.sender
+        assert dest is not None and sender is not None and req.slot is not None
+        scheduler.prefilled.remove(req)
+        scheduler.parked.append(req)
+        first = FirstToken(
+            room=req.room,
+            token=req.output_ids[0],
+            logprob=req.output_logprobs[0],
+            top_logprobs=req.output_top_logprobs[0],
+            cached_tokens=req.cached_tokens,
+        )
+        self.aux.write(req.slot, first)
+        peer = self.link.peer(dest.decode_node_id)
+        try:
+            sender.send_pages(req.pages, sender.num_prompt_pages)
+            if peer is None:
+                raise TransferError(f"decode node {dest.decode_node_id} left")
+            dst_aux = peer.regions["aux"].addr + dest.aux_slot * self.aux.slot_bytes()
+            sender.send_aux(self.aux.slot_addr(req.slot), dst_aux, self.aux.slot_bytes())
+        except TransferError as exc:
+            entry.failure = f"KV write failed: {exc}"
+        self._to_inflight(entry)
+
+    def _to_inflight(self, entry: PrefillEntry) -> None:
+        self.active.pop(entry.req.room, None)
+        self.bootstrap.pop(entry.req.room, None)
+        entry.inflight_since = self.clock()
+        self.inflight[entry.req.room] = entry
+
+    def _poll_inflight(self, scheduler: Scheduler) -> list[StepOutput]:
+        outputs = []
+        for room, entry in list(self.inflight.items()):
+            state = entry.sender.poll() if entry.sender else TransferState.DONE
+            if state is TransferState.PENDING:
+                if self.clock() - entry.inflight_since < self.config.transfer_timeout_s:
+                    continue
+                entry.failure = entry.failure or "KV transfer timed out"
+                logger.error("room %d: transfer still pending after timeout; holding pages", room)
+                continue
+            if state is TransferState.FAILED and not entry.failure:
+                entry.failure = "KV write to the decode node failed"
+            del self.inflight[room]
+            outputs.append(self._settle(scheduler, entry))
+        return outputs
+
+    def _settle(self, scheduler: Scheduler, entry: PrefillEntry) -> StepOutput:
+        req = entry.req
+        if req in scheduler.parked:
+            scheduler.parked.remove(req)
+        scheduler.kv.release(req, cache=not entry.failure)
+        state = RoomState.FAILED if entry.failure else RoomState.DONE
+        self.link.post_status(
+            RoomStatus(req.room, self.link.node_id, req.peer_node_id, state, entry.failure)
+        )
+        if entry.failure:
+            req.finish_reason = FinishReason.ABORT
+            req.finish_detail = self._describe(req, entry.failure)
+            logger.warning("%s", req.finish_detail)
+        else:
+            req.finish_reason = FinishReason.PREFILLED
+        return StepOutput(req, [], True)
+
+    def _describe(self, req: Req, failure: str) -> str:
+        nodes = f"prefill node {self.link.node_id} -> decode node {req.peer_node_id}"
+        return f"room {req.room} ({nodes}): {failure}"
+
+    def _doom(self, scheduler: Scheduler, entry: PrefillEntry, reason: str) -> None:
+        """Stop computing for a room whose writes may still be in flight."""
+        entry.failure = reason
+        req = scheduler.detach(entry.req.rid)
+        if req is not None:
+            scheduler.parked.append(req)
+        self._to_inflight(entry)
+
+    def _fail_entry(self, scheduler: Scheduler, entry: PrefillEntry, reason: str) -> None:
+        if entry.req.room in self.bootstrap:  # nothing computed, nothing written
+            del self.bootstrap[entry.req.room]
+            entry.failure = reason
+            self.inflight[entry.req.room] = entry
+            entry.inflight_since = self.clock()
+            return
+        self._doom(scheduler, entry, reason)
+
+    def _expire_bootstrap(self) -> list[StepOutput]:
+        now = self.clock()
+        for room, entry in list(self.bootstrap.items()):
+            if now - entry.created > self.config.bootstrap_timeout_s:
+                del self.bootstrap[room]
+                entry.failure = (
+                    f"no destination from decode node {entry.req.peer_node_id} within "
+                    f"{self.config.bootstrap_timeout_s:.1f} s (bootstrap timeout)"
+                )
+                entry.inflight_since = now
+                self.inflight[room] = entry
+        for room, (_, seen) in list(self._early.items()):
+            if now - seen > self.config.bootstrap_timeout_s:
+                del self._early[room]
+        return []

@@ -1,0 +1,594 @@
+"""Serving benchmark of one node over its gRPC API, plus the scheduler's CPU overhead per step.
+
+Part 1, over gRPC: starts a `decode-server` on 127.0.0.1 (or uses `--target HOST:PORT`) and,
+for each concurrency N, runs a closed loop: N client workers each send `Generate` requests back
+to back until `--num-requests` have completed. Prompts are random token ids in [100, 20000)
+(no special tokens), different per request so the prefix cache never helps; decoding is greedy
+with `ignore_eos`, so every request generates exactly `--output-len` tokens. Per level:
+
+- throughput: completed requests / wall time of the level, output tokens / wall time;
+- TTFT: send -> first TokenChunk; ITL: every gap between consecutive TokenChunk arrivals of a
+  request; TPOT: (E2E - TTFT) / (tokens - 1); E2E: send -> end of the stream (Finished);
+- server gen tok/s: median of the node's own "decode batch ... gen throughput" log lines written
+  during the level (only when this script started the node).
+
+Part 2, in-process (no gRPC): builds the engine, puts `--overhead-batch` requests into decode and
+times `--overhead-steps` decode steps: overhead = mean(step_s - forward_s) / mean(step_s), where
+step_s - forward_s is scheduling, batch building, attention metadata, sampling and bookkeeping.
+Above 10% (or with `--profile`), the steps are profiled with cProfile, the forward excluded.
+
+The two parts never run at the same time (the node is stopped first). On a shared machine the
+numbers are noisy: latencies are percentiles over all requests, and repeated runs differ.
+
+    .venv/bin/python scripts/bench_node.py --concurrency 1,8,32 --output-json bench_node.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import itertools
+import json
+import os
+import pstats
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run as `python scripts/bench_node.py` from anywhere
+
+from proto import node_pb2, node_pb2_grpc  # noqa: E402
+
+TOKEN_ID_RANGE = (100, 20000)  # clear of the special tokens at the start of the vocabulary
+OVERHEAD_TARGET = 0.10
+OVERHEAD_WARMUP_STEPS = 3
+WARMUP_REQUESTS = 2
+WARMUP_OUTPUT_LEN = 4
+PROFILE_TOP = 15
+_GEN_THROUGHPUT = re.compile(
+    r"decode batch: #running-req (\d+).*gen throughput \(token/s\) ([\d.]+)"
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str | None  # HOST:PORT of a running node; None: start one
+    model: str | None  # None: the default model
+    server_args: tuple[str, ...]  # extra decode-server flags
+    page_size: int
+    max_total_tokens: int | None
+    input_len: int
+    output_len: int
+    concurrencies: tuple[int, ...]
+    num_requests: int | None  # None: max(2 * concurrency, 8) per level
+    seed: int
+    startup_timeout_s: float
+    skip_overhead: bool
+    overhead_batch: int
+    overhead_steps: int
+    profile: bool  # profile the decode step even when the overhead is under the target
+    output_json: Path | None
+
+    def requests_for(self, concurrency: int) -> int:
+        return self.num_requests or max(2 * concurrency, 8)
+
+
+@dataclass
+class RequestTiming:
+    ttft_s: float
+    e2e_s: float
+    itl_s: list[float]
+    output_tokens: int
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.e2e_s - self.ttft_s) / max(self.output_tokens - 1, 1)
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    num_requests: int
+    failed: int
+    duration_s: float
+    request_throughput: float  # req/s
+    output_throughput: float  # tok/s
+    ttft_ms: dict[str, float]  # p50 / p90 / p99
+    itl_ms: dict[str, float]
+    tpot_p50_ms: float
+    e2e_p50_ms: float
+    server_gen_tok_s: float | None  # median of the node's decode log lines during the level
+    first_error: str = ""
+
+
+@dataclass
+class OverheadResult:
+    batch: int
+    steps: int
+    mean_step_ms: float
+    mean_forward_ms: float
+    overhead_ms: float  # mean(step_s - forward_s)
+    overhead_frac: float  # mean(step_s - forward_s) / mean(step_s)
+    median_overhead_ms: float
+    profile: list[dict[str, Any]] = field(default_factory=list)
+
+
+def log(msg: str) -> None:
+    load = os.getloadavg()[0]
+    print(f"[bench {time.strftime('%H:%M:%S')} load {load:.1f}] {msg}", file=sys.stderr, flush=True)
+
+
+def percentiles_ms(values_s: list[float]) -> dict[str, float]:
+    if not values_s:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    p50, p90, p99 = np.percentile(np.asarray(values_s) * 1e3, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def make_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(*TOKEN_ID_RANGE) for _ in range(length)] for _ in range(count)]
+
+
+# ---- the node under test -------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def server_command(cfg: BenchConfig, port: int) -> list[str]:
+    exe = Path(sys.executable).parent / "decode-server"
+    if not exe.exists():
+        raise FileNotFoundError(f"{exe} not found: install the project first (`make setup`)")
+    cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--page-size", str(cfg.page_size)]
+    if cfg.model:
+        cmd += ["--model", cfg.model]
+    if cfg.max_total_tokens:
+        cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
+    return cmd + list(cfg.server_args)
+
+
+async def wait_healthy(address: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
+    """The model name the node reports, once `Health` answers ok."""
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = node_pb2_grpc.NodeStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"decode-server exited with code {proc.returncode} at startup")
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                health = await stub.Health(node_pb2.HealthRequest(), timeout=2.0)
+                if health.ok:
+                    return str(health.model)
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"decode-server on {address} not healthy after {timeout_s:.0f} s")
+
+
+@contextlib.contextmanager
+def running_node(cfg: BenchConfig, log_path: Path) -> Iterator[str]:
+    """Start a decode-server, yield its address once healthy, stop it with SIGTERM."""
+    address = f"127.0.0.1:{free_port()}"
+    cmd = server_command(cfg, int(address.rsplit(":", 1)[1]))
+    log(f"starting {' '.join(cmd)} (log: {log_path})")
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    try:
+        try:
+            model = asyncio.run(wait_healthy(address, proc, cfg.startup_timeout_s))
+        except (RuntimeError, TimeoutError) as exc:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{exc}; last lines of {log_path}:\n{tail}") from exc
+        log(f"node healthy on {address}, model {model}")
+        yield address
+    finally:
+        stop_node(proc)
+
+
+def stop_node(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+        log(f"node stopped (exit code {proc.returncode})")
+    except subprocess.TimeoutExpired:
+        log("node ignored SIGTERM for 60 s; killing it")
+        proc.kill()
+        proc.wait()
+
+
+def server_gen_throughput(log_path: Path | None, start: int, end: int) -> float | None:
+    """Median gen throughput of the node's decode log lines between two byte offsets."""
+    if log_path is None:
+        return None
+    with log_path.open("rb") as f:
+        f.seek(start)
+        text = f.read(end - start).decode(errors="replace")
+    values = [float(m.group(2)) for m in _GEN_THROUGHPUT.finditer(text)]
+    return float(np.median(values)) if values else None
+
+
+# ---- the closed-loop client ----------------------------------------------------------------------
+def generate_request(rid: str, prompt: list[int], output_len: int) -> node_pb2.GenerateRequest:
+    sampling = node_pb2.SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    return node_pb2.GenerateRequest(rid=rid, input_ids=prompt, sampling=sampling)
+
+
+async def timed_request(
+    stub: node_pb2_grpc.NodeStub, rid: str, prompt: list[int], output_len: int
+) -> RequestTiming:
+    arrivals: list[float] = []
+    tokens = 0
+    finished: node_pb2.Finished | None = None
+    sent = time.perf_counter()
+    async for resp in stub.Generate(generate_request(rid, prompt, output_len)):
+        if resp.HasField("chunk"):
+            arrivals.append(time.perf_counter())
+            tokens += len(resp.chunk.token_ids)
+        else:
+            finished = resp.finished
+    end = time.perf_counter()
+    if finished is None or finished.finish_reason != "length" or tokens != output_len:
+        reason = f"{finished.finish_reason} {finished.detail!r}" if finished else "no Finished"
+        raise RuntimeError(f"request {rid}: {tokens}/{output_len} tokens, finish {reason}")
+    itl = [b - a for a, b in itertools.pairwise(arrivals)]
+    return RequestTiming(
+        ttft_s=arrivals[0] - sent, e2e_s=end - sent, itl_s=itl, output_tokens=tokens
+    )
+
+
+async def closed_loop(
+    stub: node_pb2_grpc.NodeStub, prompts: list[list[int]], concurrency: int, output_len: int
+) -> tuple[list[RequestTiming], list[str], float]:
+    """N workers send requests back to back; returns timings, errors and the wall time."""
+    pending = iter(enumerate(prompts))
+    timings: list[RequestTiming] = []
+    errors: list[str] = []
+    tag = f"bench-c{concurrency}-{os.getpid()}-{time.monotonic_ns()}"
+
+    async def worker() -> None:
+        for i, prompt in pending:  # one shared iterator: each prompt is sent once
+            try:
+                timings.append(await timed_request(stub, f"{tag}-{i}", prompt, output_len))
+            except (grpc.aio.AioRpcError, RuntimeError) as exc:
+                errors.append(str(exc))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return timings, errors, time.perf_counter() - start
+
+
+def summarize(
+    concurrency: int, timings: list[RequestTiming], errors: list[str], duration_s: float
+) -> LevelResult:
+    return LevelResult(
+        concurrency=concurrency,
+        num_requests=len(timings) + len(errors),
+        failed=len(errors),
+        duration_s=duration_s,
+        request_throughput=len(timings) / duration_s,
+        output_throughput=sum(t.output_tokens for t in timings) / duration_s,
+        ttft_ms=percentiles_ms([t.ttft_s for t in timings]),
+        itl_ms=percentiles_ms([gap for t in timings for gap in t.itl_s]),
+        tpot_p50_ms=percentiles_ms([t.tpot_s for t in timings])["p50"],
+        e2e_p50_ms=percentiles_ms([t.e2e_s for t in timings])["p50"],
+        server_gen_tok_s=None,
+        first_error=errors[0] if errors else "",
+    )
+
+
+async def run_levels(cfg: BenchConfig, address: str, log_path: Path | None) -> list[LevelResult]:
+    results = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = node_pb2_grpc.NodeStub(channel)
+        warm = make_prompts(WARMUP_REQUESTS, cfg.input_len, cfg.seed - 1)
+        await closed_loop(stub, warm, WARMUP_REQUESTS, WARMUP_OUTPUT_LEN)
+        for concurrency in cfg.concurrencies:
+            prompts = make_prompts(
+                cfg.requests_for(concurrency), cfg.input_len, cfg.seed + concurrency
+            )
+            log(f"concurrency {concurrency}: {len(prompts)} requests")
+            log_start = log_path.stat().st_size if log_path else 0
+            timings, errors, duration = await closed_loop(
+                stub, prompts, concurrency, cfg.output_len
+            )
+            result = summarize(concurrency, timings, errors, duration)
+            log_end = log_path.stat().st_size if log_path else 0
+            result.server_gen_tok_s = server_gen_throughput(log_path, log_start, log_end)
+            log(f"concurrency {concurrency}: {brief(result)}")
+            results.append(result)
+    return results
+
+
+def brief(r: LevelResult) -> str:
+    failed = f", {r.failed} FAILED (first: {r.first_error})" if r.failed else ""
+    return (
+        f"{r.num_requests} requests in {r.duration_s:.1f} s, {r.request_throughput:.2f} req/s, "
+        f"{r.output_throughput:.1f} tok/s, TTFT p50 {r.ttft_ms['p50']:.0f} ms, "
+        f"ITL p50 {r.itl_ms['p50']:.1f} ms{failed}"
+    )
+
+
+# ---- scheduler overhead, in-process --------------------------------------------------------------
+def build_decode_batch(cfg: BenchConfig, model_path: str) -> Any:
+    """An engine whose scheduler holds `overhead_batch` requests, all decoding."""
+    from engine.builder import build_engine
+    from engine.config import EngineConfig
+    from engine.request import Req
+    from engine.sampling import RequestSampler, SamplingParams
+
+    batch = cfg.overhead_batch
+    steps = OVERHEAD_WARMUP_STEPS + 2 * cfg.overhead_steps  # measured, then maybe profiled
+    per_req = cfg.input_len + steps + 2 * cfg.page_size
+    capacity = max(cfg.max_total_tokens or 65536, batch * per_req)
+    engine = build_engine(
+        EngineConfig(model_path=model_path, page_size=cfg.page_size, max_total_tokens=capacity)
+    )
+    scheduler, vocab = engine.scheduler, engine.model_config.vocab_size
+    # Enough tokens that nobody finishes during warm-up, measurement and profiling.
+    params = SamplingParams(max_new_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(make_prompts(batch, cfg.input_len, cfg.seed + 100_000)):
+        sampler = RequestSampler(params, ids, vocab, scheduler.runner.device)
+        scheduler.add_request(
+            Req(rid=f"overhead-{i}", prompt_ids=ids, params=params, sampler=sampler)
+        )
+    while scheduler.waiting or not all(r.is_decoding for r in scheduler.running):
+        scheduler.step()
+    return scheduler
+
+
+def decode_steps(scheduler: Any, steps: int, batch: int) -> list[Any]:
+    stats = []
+    for _ in range(steps):
+        scheduler.step()
+        s = scheduler.last_stats
+        if s.num_decode_reqs != batch or s.num_prefill_reqs:
+            raise RuntimeError(f"expected a pure decode step of {batch} requests, got {s}")
+        stats.append(s)
+    return stats
+
+
+def measure_overhead(cfg: BenchConfig, model_path: str) -> OverheadResult:
+    log(f"overhead: building the engine and {cfg.overhead_batch} decoding requests")
+    scheduler = build_decode_batch(cfg, model_path)
+    decode_steps(scheduler, OVERHEAD_WARMUP_STEPS, cfg.overhead_batch)
+    stats = decode_steps(scheduler, cfg.overhead_steps, cfg.overhead_batch)
+    overheads = [s.step_s - s.forward_s for s in stats]
+    mean_step = float(np.mean([s.step_s for s in stats]))
+    result = OverheadResult(
+        batch=cfg.overhead_batch,
+        steps=len(stats),
+        mean_step_ms=mean_step * 1e3,
+        mean_forward_ms=float(np.mean([s.forward_s for s in stats])) * 1e3,
+        overhead_ms=float(np.mean(overheads)) * 1e3,
+        overhead_frac=float(np.mean(overheads)) / mean_step,
+        median_overhead_ms=float(np.median(overheads)) * 1e3,
+    )
+    log(
+        f"overhead: {result.overhead_frac:.1%} ({result.overhead_ms:.2f} ms of "
+        f"{result.mean_step_ms:.1f} ms/step)"
+    )
+    if cfg.profile or result.overhead_frac > OVERHEAD_TARGET:
+        log(f"overhead: profiling {cfg.overhead_steps} decode steps (forward excluded)")
+        result.profile = profile_steps(scheduler, cfg.overhead_steps, cfg.overhead_batch)
+    return result
+
+
+def profile_steps(scheduler: Any, steps: int, batch: int) -> list[dict[str, Any]]:
+    """cProfile of whole decode steps with the profiler paused inside the model forward."""
+    profiler = cProfile.Profile()
+    runner = scheduler.runner
+    real_forward = runner.forward
+
+    def forward_unprofiled(fwd_batch: Any) -> Any:
+        profiler.disable()
+        try:
+            return real_forward(fwd_batch)
+        finally:
+            profiler.enable()
+
+    runner.forward = forward_unprofiled  # instance attribute shadows the method while profiling
+    try:
+        profiler.enable()
+        decode_steps(scheduler, steps, batch)
+        profiler.disable()
+    finally:
+        del runner.forward
+    return profile_rows(pstats.Stats(profiler), steps)
+
+
+def profile_rows(stats: pstats.Stats, steps: int) -> list[dict[str, Any]]:
+    """Per step: the functions with the most own time, and the engine's by cumulative time."""
+    rows = []
+    for (path, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if func in ("forward_unprofiled", "<method 'disable' of '_lsprof.Profiler' objects>"):
+            continue
+        where = _short_path(path)
+        rows.append(
+            {
+                "function": f"{where}:{line}({func})" if line else func,
+                "engine": where.startswith("engine/"),
+                "calls_per_step": ncalls / steps,
+                "own_ms_per_step": tottime / steps * 1e3,
+                "cum_ms_per_step": cumtime / steps * 1e3,
+            }
+        )
+    by_own = sorted(rows, key=lambda r: -r["own_ms_per_step"])[:PROFILE_TOP]
+    engine = [r for r in rows if r["engine"] and r not in by_own]
+    by_cum = sorted(engine, key=lambda r: -r["cum_ms_per_step"])[:PROFILE_TOP]
+    return [dict(r, ranked_by="own") for r in by_own] + [dict(r, ranked_by="cum") for r in by_cum]
+
+
+def _short_path(path: str) -> str:
+    with contextlib.suppress(ValueError):
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    return "/".join(Path(path).parts[-2:]) if path != "~" else "builtin"
+
+
+# ---- report --------------------------------------------------------------------------------------
+def format_levels(results: list[LevelResult]) -> str:
+    lines = [
+        "| concurrency | requests | failed | req/s | output tok/s | TTFT p50 / p90 / p99 ms "
+        "| ITL p50 / p90 / p99 ms | TPOT p50 ms | E2E p50 ms | server gen tok/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        ttft = " / ".join(f"{r.ttft_ms[p]:.0f}" for p in ("p50", "p90", "p99"))
+        itl = " / ".join(f"{r.itl_ms[p]:.1f}" for p in ("p50", "p90", "p99"))
+        server = f"{r.server_gen_tok_s:.1f}" if r.server_gen_tok_s is not None else "-"
+        lines.append(
+            f"| {r.concurrency} | {r.num_requests} | {r.failed} | {r.request_throughput:.2f} "
+            f"| {r.output_throughput:.1f} | {ttft} | {itl} | {r.tpot_p50_ms:.1f} "
+            f"| {r.e2e_p50_ms:.0f} | {server} |"
+        )
+    return "\n".join(lines)
+
+
+def format_overhead(o: OverheadResult) -> str:
+    verdict = "ok" if o.overhead_frac <= OVERHEAD_TARGET else "OVER TARGET"
+    lines = [
+        "| batch | decode steps | mean step ms | mean forward ms "
+        "| overhead ms/step (mean / median) "
+        f"| overhead fraction | target < {OVERHEAD_TARGET:.0%} |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+        f"| {o.batch} | {o.steps} | {o.mean_step_ms:.2f} | {o.mean_forward_ms:.2f} "
+        f"| {o.overhead_ms:.2f} / {o.median_overhead_ms:.2f} | {o.overhead_frac:.1%} | {verdict} |",
+    ]
+    return "\n".join(lines)
+
+
+def format_profile(rows: list[dict[str, Any]]) -> str:
+    lines = []
+    for ranked_by, title in (("own", "own time"), ("cum", "cumulative time, engine code")):
+        lines += [
+            f"\nTop non-forward costs per decode step by {title} "
+            "(cProfile inflates Python calls):\n",
+            "| function | calls/step | own ms/step | cum ms/step |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in (r for r in rows if r["ranked_by"] == ranked_by):
+            lines.append(
+                f"| `{r['function']}` | {r['calls_per_step']:.0f} | {r['own_ms_per_step']:.3f} "
+                f"| {r['cum_ms_per_step']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def write_json(
+    cfg: BenchConfig, levels: list[LevelResult], overhead: OverheadResult | None
+) -> None:
+    assert cfg.output_json is not None
+    payload = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "load_average_1m_at_end": os.getloadavg()[0],
+        "levels": [asdict(r) for r in levels],
+        "overhead": asdict(overhead) if overhead else None,
+    }
+    cfg.output_json.write_text(json.dumps(payload, indent=2) + "\n")
+    log(f"wrote {cfg.output_json}")
+
+
+# ---- driver --------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--target", default=None, help="HOST:PORT of a running node (default: start one)"
+    )
+    p.add_argument("--model", default=None, help="model directory (default: the default model)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-total-tokens", type=int, default=None, help="node KV capacity in tokens")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra decode-server flag, e.g. --server-arg=--schedule-policy=lpm",
+    )
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated client worker counts")
+    p.add_argument("--num-requests", type=int, default=None, help="per level (default: max(2N, 8))")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds to wait for Health"
+    )
+    p.add_argument("--skip-overhead", action="store_true", help="skip the in-process overhead part")
+    p.add_argument("--overhead-batch", type=int, default=32)
+    p.add_argument("--overhead-steps", type=int, default=30)
+    p.add_argument("--profile", action="store_true", help="profile the decode step even under 10%%")
+    p.add_argument("--output-json", type=Path, default=None)
+    args = p.parse_args(argv)
+    levels = tuple(int(c) for c in args.concurrency.split(",") if c.strip())
+    if not levels or min(levels) < 1:
+        p.error(f"--concurrency must be positive integers, got {args.concurrency!r}")
+    if args.input_len < 1 or args.output_len < 2:
+        p.error("need --input-len >= 1 and --output-len >= 2 (ITL needs two tokens)")
+    if args.overhead_batch < 1 or args.overhead_steps < 1:
+        p.error("need --overhead-batch >= 1 and --overhead-steps >= 1")
+    return BenchConfig(
+        target=args.target,
+        model=args.model,
+        server_args=tuple(args.server_arg),
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        concurrencies=levels,
+        num_requests=args.num_requests,
+        seed=args.seed,
+        startup_timeout_s=args.startup_timeout,
+        skip_overhead=args.skip_overhead,
+        overhead_batch=args.overhead_batch,
+        overhead_steps=args.overhead_steps,
+        profile=args.profile,
+        output_json=args.output_json,
+    )
+
+
+def bench_node(cfg: BenchConfig) -> list[LevelResult]:
+    if cfg.target is not None:
+        log(f"benchmarking the running node at {cfg.target}")
+        return asyncio.run(run_levels(cfg, cfg.target, None))
+    fd, name = tempfile.mkstemp(prefix="bench-node-", suffix=".log")
+    os.close(fd)
+    log_path = Path(name)
+    with running_node(cfg, log_path) as address:
+        return asyncio.run(run_levels(cfg, address, log_path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    levels = bench_node(cfg)
+    overhead = None
+    if not cfg.skip_overhead:
+        from engine.builder import resolve_model
+
+        overhead = measure_overhead(cfg, resolve_model(cfg.model))
+    print(format_levels(levels))
+    if overhead is not None:
+        print()
+        print(format_overhead(overhead))
+        if overhead.profile:
+            print(format_profile(overhead.profile))
+    if cfg.output_json is not None:
+        write_json(cfg, levels, overhead)
+    return 1 if any(r.failed for r in levels) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
