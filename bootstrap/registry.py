@@ -51,7 +51,9 @@ class NodeRecord:
 
 def check_required_fields(info: bootstrap_pb2.NodeInfo) -> None:
     if info.role not in bootstrap_pb2.Role.values():
-        raise InvalidArgument(f"node.role {info.role} is not a known role: use PREFILL|DECODE|COLOCATED")
+        raise InvalidArgument(
+            f"node.role {info.role} is not a known role: use PREFILL|DECODE|COLOCATED"
+        )
     if info.role == bootstrap_pb2.ROLE_UNSPECIFIED:
         raise InvalidArgument("node.role is required: set PREFILL, DECODE or COLOCATED")
     if not info.grpc_address:

@@ -26,11 +26,15 @@ from dataclasses import dataclass, field
 from engine.request import FinishReason, Req
 from engine.scheduler import Scheduler, StepOutput
 from kvtransfer.aux import AuxBuffer, AuxMismatchError
-from kvtransfer.room import FailRoomAnswer, RoomDestination, RoomLink, RoomState, RoomStatus
+from kvtransfer.room import (
+    FailRoomAnswer,
+    RoomDestination,
+    RoomLink,
+    RoomMessage,
+    RoomState,
+)
 
 logger = logging.getLogger("pdserve.decode")
-
-RoomEvent = RoomStatus | FailRoomAnswer
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class DecodeRole:
         self.aux = aux
         self.page_size = page_size
         self.clock = clock
-        self.inbox: queue.Queue[RoomEvent] = queue.Queue()
+        self.inbox: queue.Queue[RoomMessage] = queue.Queue()
         self.prealloc: deque[DecodeEntry] = deque()
         self.transfer: dict[int, DecodeEntry] = {}
         self.quarantine: dict[int, DecodeEntry] = {}
@@ -146,7 +150,9 @@ class DecodeRole:
         self.link.post_destination(dest)
 
     # ---- transfer -> running ------------------------------------------------------------
-    def _on_event(self, scheduler: Scheduler, event: RoomEvent) -> list[StepOutput]:
+    def _on_event(self, scheduler: Scheduler, event: RoomMessage) -> list[StepOutput]:
+        if isinstance(event, RoomDestination):
+            return []  # destinations go to prefill nodes
         if isinstance(event, FailRoomAnswer):
             if event.safe_to_free and event.room in self.quarantine:
                 self._free(scheduler, self.quarantine.pop(event.room).req)

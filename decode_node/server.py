@@ -1,8 +1,9 @@
-"""`decode-server`: a decode node. With no prefill peers it prefills locally (colocated mode).
+"""`decode-server`: a decode node.
 
-Life of the process: parse flags -> build frozen configs -> load the model -> start the engine
-thread -> serve the node gRPC API (grpc.aio on uvloop) -> on SIGTERM/SIGINT stop accepting,
-give in-flight requests `--shutdown-grace` seconds, abort the rest, exit 0.
+`--mode colocated` (default): prefills locally, no peers needed: the baseline and the right
+choice for tiny setups. `--mode disaggregated --bootstrap HOST:PORT`: registers with bootstrap
+and takes requests that carry a bootstrap room, whose KV a prefill node writes into its pages;
+requests without a room are still prefilled locally, so one binary serves both ways.
 """
 
 from __future__ import annotations
@@ -10,24 +11,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 
-import grpc
-
-from engine.builder import build_engine, resolve_model
+from decode_node.decode_role import DecodeRole, DecodeRoleConfig
+from engine.builder import Engine, build_engine, resolve_model
 from engine.engine_loop import EngineLoop
 from engine.model_config import ModelConfigError
+from engine.node_server import install_uvloop, serve_node
 from engine.node_service import NodeService
 from engine.server_args import (
-    ServerConfig,
+    add_disagg_args,
     add_node_args,
     configure_logging,
     engine_config,
     loop_config,
     server_config,
+    transfer_config,
 )
-from proto import node_pb2_grpc
+from kvtransfer.node_setup import make_link, node_info, node_load, setup_transfer
+from proto import bootstrap_pb2
 
 logger = logging.getLogger("pdserve.decode")
 
@@ -35,61 +37,65 @@ logger = logging.getLogger("pdserve.decode")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decode-server", description=__doc__.splitlines()[0])
     add_node_args(parser)
-    parser.add_argument(
-        "--mode", default="colocated", choices=["colocated"], help="colocated: prefill locally"
-    )
+    add_disagg_args(parser)
+    parser.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
     return parser
 
 
-async def serve(engine_loop: EngineLoop, service: NodeService, config: ServerConfig) -> None:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    node_pb2_grpc.add_NodeServicer_to_server(service, server)
-    address = f"{config.host}:{config.port}"
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot listen on {address}: the port is in use or the host is not local")
-    await server.start()
-    logger.info("serving the node API on %s (role %s)", address, service.role)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    logger.info(
-        "shutting down: no new requests, %.1f s grace for in-flight", config.shutdown_grace_s
+async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> None:
+    scheduler = engine.scheduler
+    if args.mode == "colocated":
+        engine_loop = EngineLoop(scheduler, loop_config(args))
+        service = NodeService(engine_loop, "colocated", model_path)
+        engine_loop.start()
+        await serve_node(engine_loop, service, server_config(args))
+        return
+    runner = scheduler.runner
+    transfer = setup_transfer(transfer_config(args, "decode"), runner)
+    info = node_info(
+        bootstrap_pb2.DECODE, f"{args.host}:{args.port}", transfer, runner, args.node_id
     )
-    await server.stop(config.shutdown_grace_s)
-    engine_loop.stop()
-    logger.info("stopped")
+    load = lambda: node_load(scheduler, lambda: (len(role.transfer), len(role.prealloc)))  # noqa: E731
+    link = make_link(args.bootstrap, info, lambda msg: role.inbox.put(msg), load)
+    role = DecodeRole(
+        DecodeRoleConfig(args.decode_headroom, args.transfer_timeout),
+        link=link,
+        aux=transfer.aux,
+        page_size=runner.config.page_size,
+    )
+    engine_loop = EngineLoop(scheduler, loop_config(args), role)
+    service = NodeService(engine_loop, "decode", model_path, link)
+
+    async def started() -> None:
+        node_id = await link.start()
+        logger.info("registered with bootstrap %s as decode node %s", args.bootstrap, node_id)
+
+    engine_loop.start()
+    try:
+        await serve_node(engine_loop, service, server_config(args), started, link.stop)
+    finally:
+        transfer.engine.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    if args.mode == "disaggregated" and not args.bootstrap:
+        logger.error("--mode disaggregated needs --bootstrap HOST:PORT")
+        return 2
     try:
         model_path = resolve_model(args.model)
-        cfg = engine_config(args, model_path, weight_bytes=0)
-        engine = build_engine(cfg)
+        engine = build_engine(engine_config(args, model_path, weight_bytes=0))
     except (ValueError, FileNotFoundError, ModelConfigError) as exc:
         logger.error("cannot start: %s", exc)
         return 2
-    engine_loop = EngineLoop(engine.scheduler, loop_config(args))
-    engine_loop.start()
-    service = NodeService(engine_loop, role=args.mode, model_name=model_path)
-    _install_uvloop()
+    install_uvloop()
     try:
-        asyncio.run(serve(engine_loop, service, server_config(args)))
-    except OSError as exc:
-        logger.error("%s", exc)
-        return 2
+        asyncio.run(_run(args, engine, model_path))
+    except Exception as exc:
+        logger.error("decode-server failed: %s", exc)
+        return 1
     return 0
-
-
-def _install_uvloop() -> None:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 if __name__ == "__main__":

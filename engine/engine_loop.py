@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.request import Req
+from engine.request import Req, TransferSummary
 from engine.scheduler import Scheduler, StepOutput
 
 
@@ -71,6 +71,7 @@ class FinishEvent:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    transfer: TransferSummary | None = None
 
 
 RequestEvent = TokenEvent | FinishEvent
@@ -233,6 +234,7 @@ def _finish_event(req: Req, default_detail: str = "") -> FinishEvent:
         prompt_tokens=len(req.prompt_ids),
         completion_tokens=len(req.output_ids),
         cached_tokens=req.cached_tokens,
+        transfer=req.transfer,
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import fields
 
 import grpc
 
+from bootstrap.node_link import NodeLink
 from engine.engine_loop import EngineLoop, FinishEvent, RequestEvent, TokenEvent
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
@@ -64,14 +65,26 @@ def _event_to_proto(event: RequestEvent) -> node_pb2.GenerateResponse:
     return node_pb2.GenerateResponse(finished=finished)
 
 
+class RequestError(Exception):
+    """A request that must be refused with `code`; the message says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class NodeService(node_pb2_grpc.NodeServicer):
-    def __init__(self, engine: EngineLoop, role: str, model_name: str) -> None:
+    def __init__(
+        self, engine: EngineLoop, role: str, model_name: str, link: NodeLink | None = None
+    ) -> None:
         self.engine = engine
         self.role = role
         self.model_name = model_name
+        self.link = link
         self._live: set[str] = set()
+        self._rooms: set[int] = set()
 
-    def _build_req(self, request: node_pb2.GenerateRequest) -> Req:
+    def _build_req(self, request: node_pb2.GenerateRequest | node_pb2.PrefillRequest) -> Req:
         """Validate on the gRPC side so a bad request gets INVALID_ARGUMENT, not a stream."""
         scheduler = self.engine.scheduler
         vocab = scheduler.runner.model_config.vocab_size
@@ -86,20 +99,100 @@ class NodeService(node_pb2_grpc.NodeServicer):
         rid = request.rid or uuid.uuid4().hex
         return Req(rid=rid, prompt_ids=ids, params=params, sampler=sampler)
 
-    async def Generate(
-        self, request: node_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[node_pb2.GenerateResponse]:
+    async def _check_room(self, room: int, peer: str, peer_kind: str, required: bool) -> None:
+        if not room:
+            if required:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "bootstrap_room is required")
+            return
+        if self.link is None:
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this {self.role} node is not disaggregated: it takes no bootstrap_room "
+                "(start it with --mode disaggregated and --bootstrap)",
+            )
+        if not peer:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{peer_kind}_node_id is required with a room"
+            )
+        if await self.link.lookup_peer(peer) is None:
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{peer_kind} node {peer!r} is not registered with bootstrap",
+            )
+        if room in self._rooms:
+            raise RequestError(
+                grpc.StatusCode.ALREADY_EXISTS, f"bootstrap room {room} is already in use"
+            )
+
+    async def _admit(
+        self,
+        request: node_pb2.GenerateRequest | node_pb2.PrefillRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> Req:
+        prefill = isinstance(request, node_pb2.PrefillRequest)
         try:
             req = self._build_req(request)
+            if isinstance(request, node_pb2.PrefillRequest):
+                await self._check_room(
+                    request.bootstrap_room, request.decode_node_id, "decode", True
+                )
+                req.peer_node_id = request.decode_node_id
+            else:
+                await self._check_room(
+                    request.bootstrap_room, request.prefill_node_id, "prefill", False
+                )
+                req.peer_node_id = request.prefill_node_id
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+        req.room = request.bootstrap_room
+        req.stop_after_prefill = prefill
         if req.rid in self._live:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request id {req.rid!r} is already running"
             )
+        return req
+
+    async def Prefill(
+        self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.PrefillResponse:
+        if self.role != "prefill":
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"this is a {self.role} node, not prefill"
+            )
+        req = await self._admit(request, context)
+        finish = None
+        async for event in self._run(req):
+            if isinstance(event, FinishEvent):
+                finish = event
+        assert finish is not None
+        if finish.reason != "prefilled":
+            await context.abort(grpc.StatusCode.ABORTED, finish.detail or finish.reason)
+        t = finish.transfer
+        return node_pb2.PrefillResponse(
+            bootstrap_room=req.room,
+            prompt_tokens=finish.prompt_tokens,
+            cached_tokens=finish.cached_tokens,
+            sent_pages=t.pages if t else 0,
+            sent_bytes=t.bytes if t else 0,
+            descriptors=t.descriptors if t else 0,
+        )
+
+    async def Generate(
+        self, request: node_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[node_pb2.GenerateResponse]:
+        req = await self._admit(request, context)
+        async for event in self._run(req):
+            yield _event_to_proto(event)
+
+    async def _run(self, req: Req) -> AsyncIterator[RequestEvent]:
+        """Submit `req` and yield its events; aborts it if the caller goes away first."""
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._live.add(req.rid)
+        if req.room:
+            self._rooms.add(req.room)
 
         def sink(event: RequestEvent) -> None:  # called on the engine thread
             loop.call_soon_threadsafe(events.put_nowait, event)
@@ -110,9 +203,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
             while not finished:
                 event = await events.get()
                 finished = isinstance(event, FinishEvent)
-                yield _event_to_proto(event)
+                yield event
         finally:
             self._live.discard(req.rid)
+            self._rooms.discard(req.room)
             if not finished:  # the client cancelled or the server is shutting down
                 self.engine.abort(req.rid)
 
@@ -133,7 +227,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self, request: node_pb2.HealthRequest, context: grpc.aio.ServicerContext
     ) -> node_pb2.HealthResponse:
         ok = self.engine.fatal_error is None
-        return node_pb2.HealthResponse(ok=ok, role=self.role, model=self.model_name)
+        node_id = self.link.node_id if self.link else ""
+        return node_pb2.HealthResponse(
+            ok=ok, role=self.role, model=self.model_name, node_id=node_id
+        )
 
     async def GetLoad(
         self, request: node_pb2.GetLoadRequest, context: grpc.aio.ServicerContext

@@ -21,6 +21,15 @@ class FinishReason(str, Enum):
     PREFILLED = "prefilled"  # prefill node: KV and first token handed to the decode node
 
 
+@dataclass(frozen=True)
+class TransferSummary:
+    """What a prefill node sent for one request."""
+
+    pages: int
+    bytes: int
+    descriptors: int
+
+
 @dataclass(eq=False)
 class Req:
     rid: str
@@ -43,6 +52,7 @@ class Req:
     room: int = 0
     peer_node_id: str = ""
     stop_after_prefill: bool = False  # prefill node: hand off after the first token, no decode
+    transfer: TransferSummary | None = None
 
     @property
     def all_ids(self) -> list[int]:

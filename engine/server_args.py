@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.engine_loop import LoopConfig
+from kvtransfer.base import TransferConfig
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
@@ -106,3 +107,31 @@ def loop_config(args: argparse.Namespace) -> LoopConfig:
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, shutdown_grace_s=args.shutdown_grace)
+
+
+def add_disagg_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("disaggregation")
+    g.add_argument("--bootstrap", default=None, help="bootstrap-server address host:port")
+    g.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "nixl"])
+    g.add_argument("--transfer-protocol", default="tcp", help="mooncake: tcp or rdma")
+    g.add_argument("--transfer-devices", default="", help="mooncake RDMA devices, e.g. mlx5_0")
+    g.add_argument("--node-id", default="", help="id to register with (default: assigned)")
+    g.add_argument(
+        "--bootstrap-timeout", type=float, default=30.0, help="seconds to wait for the peer"
+    )
+    g.add_argument(
+        "--transfer-timeout", type=float, default=60.0, help="seconds for a room's KV to arrive"
+    )
+    g.add_argument(
+        "--decode-headroom", type=int, default=32, help="decode tokens reserved beside a prompt"
+    )
+
+
+def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
+    return TransferConfig(
+        backend=args.transfer_backend,
+        node_name=f"{role}-{args.host}-{args.port}",
+        host=args.host,
+        protocol=args.transfer_protocol,
+        device_names=args.transfer_devices,
+    )

@@ -53,11 +53,15 @@ class FailRoomAnswer:
     error: str = ""
 
 
+RoomMessage = RoomDestination | RoomStatus | FailRoomAnswer  # bootstrap -> node role inbox
+
+
 class RoomLink(Protocol):
     """What a node role needs from bootstrap; calls return at once (the link sends them on
     its own event loop). Answers and pushed events come back through the role's inbox."""
 
-    node_id: str
+    @property
+    def node_id(self) -> str: ...
 
     def post_destination(self, dest: RoomDestination) -> None: ...
 

@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.request import FinishReason, Req
+from engine.request import FinishReason, Req, TransferSummary
 from engine.scheduler import Scheduler, StepOutput
 from kvtransfer.aux import AuxBuffer, FirstToken
 from kvtransfer.base import KVTransferEngine, TransferError, TransferState
-from kvtransfer.room import RoomDestination, RoomLink, RoomState, RoomStatus
+from kvtransfer.room import RoomDestination, RoomLink, RoomMessage, RoomState, RoomStatus
 from kvtransfer.sender import KVSender
 
 logger = logging.getLogger("pdserve.prefill")
@@ -70,7 +70,7 @@ class PrefillRole:
         self.page_bytes = page_bytes
         self.page_size = page_size
         self.clock = clock
-        self.inbox: queue.Queue[RoomDestination] = queue.Queue()
+        self.inbox: queue.Queue[RoomMessage] = queue.Queue()
         self.bootstrap: dict[int, PrefillEntry] = {}
         self.active: dict[int, PrefillEntry] = {}
         self.inflight: dict[int, PrefillEntry] = {}
@@ -94,10 +94,11 @@ class PrefillRole:
     def before_step(self, scheduler: Scheduler) -> list[StepOutput]:
         while True:
             try:
-                dest = self.inbox.get_nowait()
+                message = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            self._on_destination(scheduler, dest)
+            if isinstance(message, RoomDestination):  # P gets no statuses or answers
+                self._on_destination(scheduler, message)
         outputs = self._expire_bootstrap()
         outputs += self._poll_inflight(scheduler)
         return outputs
@@ -219,6 +220,9 @@ class PrefillRole:
 
     def _settle(self, scheduler: Scheduler, entry: PrefillEntry) -> StepOutput:
         req = entry.req
+        if entry.sender is not None:
+            stats = entry.sender.stats
+            req.transfer = TransferSummary(stats.pages, stats.bytes, stats.descriptors)
         if req in scheduler.parked:
             scheduler.parked.remove(req)
         scheduler.kv.release(req, cache=not entry.failure)

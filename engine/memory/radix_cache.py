@@ -90,7 +90,7 @@ class RadixCache:
             lock_ref=node.lock_ref,
             last_access=node.last_access,
         )
-        node.parent.children[tuple(upper.key[:ps])] = node
+        node.parent.children[tuple(upper.key[:ps])] = upper
         node.key, node.pages = node.key[at_page * ps :], node.pages[at_page:]
         node.parent = upper
         upper.children[tuple(node.key[:ps])] = node
@@ -156,7 +156,7 @@ class RadixCache:
             self.allocator.free_cached(node.pages)
             self.evictable_pages -= len(node.pages)
             freed += len(node.pages)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent is not self.root and not parent.children:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 

@@ -1,0 +1,188 @@
+"""A node's side of bootstrap: registration, the peer table, and the room rendezvous.
+
+`NodeLink` lives on the node's asyncio loop and implements `kvtransfer.room.RoomLink` for the
+node role on the engine thread: the role's calls are scheduled onto the loop and return at
+once; what bootstrap pushes (destinations for P, room statuses for D) and the answers to the
+role's calls are put into the role's thread-safe inbox as typed room messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import grpc
+
+from bootstrap.client import BootstrapClient, NodeSession
+from kvtransfer.base import MemoryRegion, PeerInfo
+from kvtransfer.room import (
+    FailRoomAnswer,
+    RoomDestination,
+    RoomMessage,
+    RoomState,
+    RoomStatus,
+)
+from proto import bootstrap_pb2
+
+logger = logging.getLogger("pdserve.link")
+
+_STATES = {
+    bootstrap_pb2.DONE: RoomState.DONE,
+    bootstrap_pb2.FAILED: RoomState.FAILED,
+    bootstrap_pb2.TRANSFERRING: RoomState.TRANSFERRING,
+    bootstrap_pb2.WAITING_FOR_DEST: RoomState.WAITING_FOR_DEST,
+}
+
+
+def peer_from_proto(info: bootstrap_pb2.NodeInfo) -> PeerInfo:
+    regions = {
+        r.name: MemoryRegion(r.name, r.addr, r.length, r.device or "cpu") for r in info.regions
+    }
+    return PeerInfo(node_id=info.node_id, endpoint=info.transfer_endpoint, regions=regions)
+
+
+def destination_from_proto(msg: bootstrap_pb2.RoomDestination) -> RoomDestination:
+    return RoomDestination(
+        room=msg.room,
+        decode_node_id=msg.decode_node_id,
+        prefill_node_id=msg.prefill_node_id,
+        page_ids=tuple(msg.page_ids),
+        cached_tokens=msg.cached_tokens,
+        aux_slot=msg.aux_slot,
+        prompt_len=msg.prompt_len,
+        cancelled=msg.cancelled,
+    )
+
+
+class NodeLink:
+    def __init__(
+        self,
+        client: BootstrapClient,
+        node: bootstrap_pb2.NodeInfo,
+        deliver: Callable[[RoomMessage], None],
+        load: Callable[[], bootstrap_pb2.NodeLoad],
+    ) -> None:
+        self.client = client
+        self.session = NodeSession(client, node, load, on_reregistered=self._reregistered)
+        self.deliver = deliver  # into the node role's inbox; thread-safe
+        self.role = node.role
+        self._peers: dict[str, PeerInfo] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def node_id(self) -> str:
+        return self.session.node_id
+
+    async def start(self) -> str:
+        self._loop = asyncio.get_running_loop()
+        node_id = await self.session.start()
+        self._tasks.append(asyncio.create_task(self._watch_nodes()))
+        if self.role == bootstrap_pb2.PREFILL:
+            self._tasks.append(asyncio.create_task(self._watch_destinations()))
+        elif self.role == bootstrap_pb2.DECODE:
+            self._tasks.append(asyncio.create_task(self._watch_statuses()))
+        return node_id
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.session.stop(deregister=True)
+        await self.client.close()
+
+    # ---- RoomLink (called from the engine thread) ------------------------------------------
+    def peer(self, node_id: str) -> PeerInfo | None:
+        return self._peers.get(node_id)
+
+    async def lookup_peer(self, node_id: str) -> PeerInfo | None:
+        """The peer, asking bootstrap directly when the watched table has not seen it yet."""
+        if node_id not in self._peers:
+            for status in await self.client.list_nodes():
+                if status.alive:
+                    self._peers[status.node.node_id] = peer_from_proto(status.node)
+        return self._peers.get(node_id)
+
+    def post_destination(self, dest: RoomDestination) -> None:
+        self._spawn(self._post_destination(dest))
+
+    def post_status(self, status: RoomStatus) -> None:
+        self._spawn(self._post_status(status))
+
+    def fail_room(self, room: int, reason: str) -> None:
+        self._spawn(self._fail_room(room, reason))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        assert self._loop is not None, "NodeLink.start() must run first"
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # ---- on the event loop -------------------------------------------------------------
+    async def _post_destination(self, dest: RoomDestination) -> None:
+        msg = bootstrap_pb2.RoomDestination(
+            room=dest.room,
+            decode_node_id=dest.decode_node_id,
+            prefill_node_id=dest.prefill_node_id,
+            page_ids=dest.page_ids,
+            cached_tokens=dest.cached_tokens,
+            aux_slot=dest.aux_slot,
+            prompt_len=dest.prompt_len,
+        )
+        try:
+            await self.client.post_destination(msg)
+        except grpc.aio.AioRpcError as exc:
+            # Bootstrap refused the room: nobody will write into these pages.
+            reason = f"bootstrap refused the destination: {exc.details()}"
+            self.deliver(
+                RoomStatus(
+                    dest.room, dest.prefill_node_id, dest.decode_node_id, RoomState.FAILED, reason
+                )
+            )
+
+    async def _post_status(self, status: RoomStatus) -> None:
+        state = bootstrap_pb2.DONE if status.state is RoomState.DONE else bootstrap_pb2.FAILED
+        msg = bootstrap_pb2.RoomStatus(
+            room=status.room,
+            prefill_node_id=status.prefill_node_id,
+            decode_node_id=status.decode_node_id,
+            state=state,
+            reason=status.reason,
+        )
+        try:
+            await self.client.post_room_status(msg)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("room %d: posting %s failed: %s", status.room, state, exc.details())
+
+    async def _fail_room(self, room: int, reason: str) -> None:
+        try:
+            safe = await self.client.fail_room(room, self.node_id, reason)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("room %d: FailRoom failed: %s", room, exc.details())
+            self.deliver(FailRoomAnswer(room, safe_to_free=False, error=str(exc.details())))
+            return
+        self.deliver(FailRoomAnswer(room, safe_to_free=safe))
+
+    async def _watch_nodes(self) -> None:
+        async for event in self.client.watch_nodes():
+            if event.kind == bootstrap_pb2.NodeEvent.KIND_UNSPECIFIED:
+                self._peers.clear()
+            elif event.kind == bootstrap_pb2.NodeEvent.LEFT:
+                self._peers.pop(event.status.node.node_id, None)
+            elif event.kind == bootstrap_pb2.NodeEvent.JOINED:
+                info = event.status.node
+                self._peers[info.node_id] = peer_from_proto(info)
+
+    async def _watch_destinations(self) -> None:
+        async for msg in self.client.watch_destinations(self.node_id):
+            self.deliver(destination_from_proto(msg))
+
+    async def _watch_statuses(self) -> None:
+        async for msg in self.client.watch_room_status(self.node_id):
+            state = _STATES.get(msg.state, RoomState.FAILED)
+            self.deliver(
+                RoomStatus(msg.room, msg.prefill_node_id, msg.decode_node_id, state, msg.reason)
+            )
+
+    async def _reregistered(self, node_id: str) -> None:
+        logger.warning("node %s re-registered: rooms bootstrap knew are gone", node_id)

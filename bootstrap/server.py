@@ -1,0 +1,135 @@
+"""`bootstrap-server`: the node registry and room rendezvous of a pdserve deployment.
+
+Life of the process: parse flags -> build frozen configs -> serve the Bootstrap gRPC API
+(grpc.aio on uvloop) with a sweeper for dead nodes and expired rooms -> on SIGTERM/SIGINT stop
+serving and exit 0. All state is in memory: after a restart nodes get NOT_FOUND on their next
+heartbeat and register again (see `bootstrap/client.py`); rooms that were open are gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+import grpc
+
+from bootstrap.service import BootstrapConfig, BootstrapService
+from proto import bootstrap_pb2_grpc
+
+logger = logging.getLogger("pdserve.bootstrap")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+STOP_GRACE_S = 0.5  # open watch streams never finish by themselves: cut them after this
+
+
+@dataclass(frozen=True)
+class ListenConfig:
+    host: str
+    port: int
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bootstrap-server", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8998, help="port to listen on")
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=5.0,
+        help="seconds of silence before a node is dead",
+    )
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=1.0, help="seconds between node heartbeats"
+    )
+    parser.add_argument(
+        "--room-ttl", type=float, default=600.0, help="seconds a room may stay open"
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    return parser
+
+
+def build_configs(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[ListenConfig, BootstrapConfig]:
+    for flag in ("heartbeat_timeout", "heartbeat_interval", "room_ttl"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.heartbeat_interval >= args.heartbeat_timeout:
+        parser.error(
+            f"--heartbeat-interval ({args.heartbeat_interval}) must be below --heartbeat-timeout "
+            f"({args.heartbeat_timeout}), or live nodes would be declared dead between heartbeats"
+        )
+    service = BootstrapConfig(
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        heartbeat_interval_s=args.heartbeat_interval,
+        room_ttl_s=args.room_ttl,
+    )
+    return ListenConfig(args.host, args.port), service
+
+
+async def serve(listen: ListenConfig, config: BootstrapConfig) -> None:
+    service = BootstrapService(config)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    bootstrap_pb2_grpc.add_BootstrapServicer_to_server(service, server)
+    address = f"{listen.host}:{listen.port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}: the port is in use or the host is not local")
+    await server.start()
+    sweeper = asyncio.create_task(service.run_sweeper(), name="bootstrap-sweeper")
+    logger.info(
+        "bootstrap serving on %s (heartbeat every %g s, dead after %g s, room ttl %g s)",
+        address,
+        config.heartbeat_interval_s,
+        config.heartbeat_timeout_s,
+        config.room_ttl_s,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down: %d nodes, %d open rooms dropped", *_sizes(service))
+    sweeper.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sweeper
+    await server.stop(STOP_GRACE_S)
+    logger.info("stopped")
+
+
+def _sizes(service: BootstrapService) -> tuple[int, int]:
+    return len(service.registry.nodes), len(service.rooms.rooms)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True
+    )
+    listen, config = build_configs(parser, args)
+    _install_uvloop()
+    try:
+        asyncio.run(serve(listen, config))
+    except OSError as exc:
+        logger.error("%s", exc)
+        return 2
+    return 0
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The Bootstrap gRPC servicer (`proto/bootstrap.proto`) over the registry and the room table.
+
+Everything runs on the one grpc.aio event loop, so the state needs no locks: each handler reads
+and changes it without awaiting in between, and awaits only to write to a stream. A sweeper task
+declares silent nodes dead and expires old rooms. A node that dies, deregisters or re-registers
+under a live id (it restarted) has its rooms failed towards the other side; see `rooms.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import grpc
+
+from bootstrap.errors import BootstrapError, FailedPrecondition, InvalidArgument
+from bootstrap.registry import NodeRecord, NodeRegistry
+from bootstrap.rooms import RoomTable
+from bootstrap.streams import Broadcast, Outbox
+from proto import bootstrap_pb2, bootstrap_pb2_grpc
+
+logger = logging.getLogger("pdserve.bootstrap")
+
+NodeEvent = bootstrap_pb2.NodeEvent
+T = TypeVar("T")
+Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    heartbeat_timeout_s: float = 5.0  # silent this long -> dead
+    heartbeat_interval_s: float = 1.0  # told to nodes in RegisterResponse
+    room_ttl_s: float = 600.0
+    watch_backlog: int = 10_000  # node events a WatchNodes client may fall behind by
+
+    @property
+    def sweep_interval_s(self) -> float:
+        return min(max(min(self.heartbeat_timeout_s, self.room_ttl_s) / 5, 0.05), 1.0)
+
+
+def _refusals_to_status(handler: Handler) -> Handler:
+    """A `BootstrapError` from the state becomes the gRPC status it names, with its message."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except BootstrapError as exc:
+            logger.warning("%s refused (%s): %s", handler.__name__, exc.code.name, exc)
+            await context.abort(exc.code, str(exc))
+
+    return cast(Handler, wrapper)
+
+
+class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
+    def __init__(
+        self, config: BootstrapConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.registry = NodeRegistry()
+        self.rooms = RoomTable(replay_window_s=config.heartbeat_timeout_s)
+        self.node_events: Broadcast[bootstrap_pb2.NodeEvent] = Broadcast(config.watch_backlog)
+
+    # ---- nodes -------------------------------------------------------------------------------
+
+    @_refusals_to_status
+    async def Register(self, request: bootstrap_pb2.RegisterRequest, context: Any) -> Any:
+        record, replaced = self.registry.register(request.node, self.clock())
+        if replaced:
+            failed = self.rooms.fail_node(
+                record.node_id, f"{record.label} re-registered (restarted): its open rooms are lost"
+            )
+            logger.warning("%s re-registered; %d open rooms failed", record.label, len(failed))
+        logger.info("%s registered at %s", record.label, record.info.grpc_address)
+        self.node_events.publish(NodeEvent(kind=NodeEvent.JOINED, status=record.status()))
+        return bootstrap_pb2.RegisterResponse(
+            node_id=record.node_id, heartbeat_interval_s=self.config.heartbeat_interval_s
+        )
+
+    @_refusals_to_status
+    async def Deregister(self, request: bootstrap_pb2.DeregisterRequest, context: Any) -> Any:
+        record = self.registry.get(request.node_id)
+        if record is None:
+            logger.info("deregister of unknown node %s: nothing to do", request.node_id)
+        else:
+            self._remove_node(record, f"{record.label} deregistered (left)")
+        return bootstrap_pb2.DeregisterResponse()
+
+    @_refusals_to_status
+    async def Heartbeat(self, request: bootstrap_pb2.HeartbeatRequest, context: Any) -> Any:
+        if self.registry.heartbeat(request.node_id, request.load, self.clock()):
+            status = self.registry.require(request.node_id).status()
+            self.node_events.publish(NodeEvent(kind=NodeEvent.LOAD, status=status))
+        return bootstrap_pb2.HeartbeatResponse()
+
+    async def ListNodes(self, request: bootstrap_pb2.ListNodesRequest, context: Any) -> Any:
+        nodes = [record.status() for record in self.registry.live(request.role)]
+        return bootstrap_pb2.ListNodesResponse(nodes=nodes)
+
+    async def WatchNodes(self, request: bootstrap_pb2.WatchNodesRequest, context: Any) -> None:
+        watcher = self.node_events.subscribe()
+        snapshot = [record.status() for record in self.registry.live()]  # same tick: no gap
+        try:
+            await context.send_initial_metadata(())  # tells the client the stream is up
+            for status in snapshot:
+                await context.write(NodeEvent(kind=NodeEvent.JOINED, status=status))
+            while (event := await watcher.queue.get()) is not None:
+                await context.write(event)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"WatchNodes client fell {self.config.watch_backlog} events behind: "
+                f"watch again for a fresh snapshot",
+            )
+        finally:
+            self.node_events.unsubscribe(watcher)
+
+    def _remove_node(self, record: NodeRecord, reason: str) -> None:
+        self.registry.remove(record.node_id)
+        failed = self.rooms.fail_node(record.node_id, reason)
+        self.node_events.publish(NodeEvent(kind=NodeEvent.LEFT, status=record.status(alive=False)))
+        logger.warning("%s removed (%s); %d open rooms failed", record.label, reason, len(failed))
+
+    # ---- rooms -------------------------------------------------------------------------------
+
+    @_refusals_to_status
+    async def PostDestination(self, request: bootstrap_pb2.RoomDestination, context: Any) -> Any:
+        self._check_destination(request)
+        self.rooms.open(request, self.clock())
+        return bootstrap_pb2.PostAck()
+
+    def _check_destination(self, dest: bootstrap_pb2.RoomDestination) -> None:
+        if dest.room == 0:
+            raise InvalidArgument("room 0 is not a valid room number: use a nonzero id")
+        if dest.cancelled:
+            raise InvalidArgument(
+                f"room {dest.room}: `cancelled` is set by the bootstrap only; use FailRoom"
+            )
+        for name in ("decode_node_id", "prefill_node_id"):
+            if not getattr(dest, name):
+                raise InvalidArgument(f"room {dest.room}: {name} is required")
+        decode = self.registry.require(dest.decode_node_id)
+        if decode.role != bootstrap_pb2.DECODE:
+            raise FailedPrecondition(
+                f"room {dest.room}: {decode.label} cannot post destinations; only decode nodes do"
+            )
+        prefill = self.registry.get(dest.prefill_node_id)
+        if prefill is None:
+            raise FailedPrecondition(
+                f"room {dest.room}: prefill node {dest.prefill_node_id} is not registered "
+                f"(dead, left or never joined): pick a live prefill node"
+            )
+        if prefill.role != bootstrap_pb2.PREFILL:
+            raise FailedPrecondition(f"room {dest.room}: {prefill.label} is not a prefill node")
+
+    @_refusals_to_status
+    async def PostRoomStatus(self, request: bootstrap_pb2.RoomStatus, context: Any) -> Any:
+        self.rooms.post_status(request)
+        return bootstrap_pb2.PostAck()
+
+    @_refusals_to_status
+    async def FailRoom(self, request: bootstrap_pb2.FailRoomRequest, context: Any) -> Any:
+        reason = request.reason or f"node {request.node_id} gave the room up"
+        safe = self.rooms.fail(request.room, request.node_id, reason)
+        return bootstrap_pb2.FailRoomResponse(safe_to_free=safe)
+
+    @_refusals_to_status
+    async def WatchDestinations(
+        self, request: bootstrap_pb2.WatchDestinationsRequest, context: Any
+    ) -> None:
+        node_id = request.prefill_node_id
+        if not node_id:
+            raise InvalidArgument("prefill_node_id is required to watch destinations")
+        outbox = self.rooms.destination_outbox(node_id)
+        await self._pump(context, node_id, "destinations", outbox, self.rooms.take_destination)
+
+    @_refusals_to_status
+    async def WatchRoomStatus(
+        self, request: bootstrap_pb2.WatchRoomStatusRequest, context: Any
+    ) -> None:
+        node_id = request.decode_node_id
+        if not node_id:
+            raise InvalidArgument("decode_node_id is required to watch room statuses")
+        outbox = self.rooms.status_outbox(node_id)
+        await self._pump(context, node_id, "room statuses", outbox, lambda status: True)
+
+    async def _pump(
+        self,
+        context: Any,
+        node_id: str,
+        what: str,
+        outbox: Outbox[T],
+        admit: Callable[[T], bool],
+    ) -> None:
+        """Write the outbox to the stream until the client leaves or a newer stream takes over."""
+        token = outbox.subscribe(self.clock())
+        logger.info("node %s watches its %s (%d queued)", node_id, what, len(outbox.pending))
+        try:
+            await context.send_initial_metadata(())  # tells the client the stream is up
+            while (item := await outbox.next(token)) is not None:
+                if admit(item):
+                    await context.write(item)
+                    outbox.written(item, self.clock())
+                else:
+                    outbox.skipped(item)
+            logger.info("node %s: %s stream superseded by a newer one", node_id, what)
+        finally:
+            outbox.unsubscribe(token)
+            self.rooms.forget_outboxes(node_id)
+            logger.info("node %s stopped watching its %s", node_id, what)
+
+    # ---- sweeping ----------------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        now = self.clock()
+        timeout = self.config.heartbeat_timeout_s
+        for record in self.registry.silent(now, timeout):
+            silent_s = now - record.last_heartbeat
+            self._remove_node(
+                record, f"{record.label} missed heartbeats for {silent_s:.1f} s (dead)"
+            )
+        self.rooms.expire(now, self.config.room_ttl_s)
+        self.rooms.prune_outboxes(now)
+
+    async def run_sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            self.sweep()

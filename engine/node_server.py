@@ -1,0 +1,61 @@
+"""Serving one node process: the node gRPC API over an engine loop, plus its bootstrap link.
+
+Shared by `decode-server` and `prefill-server`; their entry points build the configs, the
+node role and the link, and hand them here. On SIGTERM/SIGINT: stop accepting, give in-flight
+requests the grace period, abort the rest, deregister from bootstrap, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from engine.engine_loop import EngineLoop
+from engine.node_service import NodeService
+from engine.server_args import ServerConfig
+from proto import node_pb2_grpc
+
+logger = logging.getLogger("pdserve.node")
+
+
+async def serve_node(
+    engine_loop: EngineLoop,
+    service: NodeService,
+    config: ServerConfig,
+    on_started: Callable[[], Awaitable[None]] | None = None,
+    on_stopping: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    node_pb2_grpc.add_NodeServicer_to_server(service, server)
+    address = f"{config.host}:{config.port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}: the port is in use or the host is not local")
+    await server.start()
+    if on_started is not None:
+        await on_started()
+    logger.info("serving the node API on %s (role %s)", address, service.role)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info(
+        "shutting down: no new requests, %.1f s grace for in-flight", config.shutdown_grace_s
+    )
+    await server.stop(config.shutdown_grace_s)
+    if on_stopping is not None:
+        await on_stopping()
+    engine_loop.stop()
+    logger.info("stopped")
+
+
+def install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

@@ -1,0 +1,228 @@
+"""NIXL backend (`nixl`, UCX plugin): one agent per node, one-sided WRITEs into a peer's memory.
+
+Facts of nixl 1.5.1 that shape this file (checked on loopback, two processes):
+- `add_remote_agent(metadata)` returns the peer's agent name (bytes); the peer's metadata comes
+  from its `get_agent_metadata()`, which is this engine's endpoint. UCX connects lazily.
+- Errors are exceptions of `nixl._bindings` (all subclasses of `Exception`): `initialize_xfer`
+  to an unknown agent or to memory the peer never registered raises `nixlNotFoundError`;
+  `transfer` to a peer that died raises `nixlRemoteDisconnectError`. A write the library
+  refuses ends FAILED here (the peer may be gone); only a write that can never work (peer not
+  connected, range outside every registered region) raises `TransferError`.
+- `check_xfer_state` answers "DONE", "PROC" or "ERR" and does not block.
+- One transfer request carries one memory type on each side, so ranges are grouped by
+  (local, remote) memory type before they become descriptor lists.
+- On loopback UCX also tries the host's other interfaces unless `UCX_NET_DEVICES=lo`; the
+  constructor sets that, only when unset and only when this node's host is a loopback name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from nixl._api import nixl_agent, nixl_agent_config
+
+from kvtransfer.base import (
+    KVTransferEngine,
+    MemoryRegion,
+    PeerInfo,
+    TransferConfig,
+    TransferError,
+    TransferHandle,
+    TransferRange,
+    TransferState,
+)
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+MemoryKind = tuple[str, int]  # ("DRAM" | "VRAM", device id)
+
+
+def memory_kind(region: MemoryRegion) -> MemoryKind:
+    if region.device.startswith("cuda"):
+        _, _, index = region.device.partition(":")
+        return "VRAM", int(index or 0)
+    return "DRAM", 0
+
+
+def find_kind(regions: Sequence[MemoryRegion], addr: int, length: int) -> MemoryKind | None:
+    for region in regions:
+        if region.addr <= addr and addr + length <= region.addr + region.length:
+            return memory_kind(region)
+    return None
+
+
+@dataclass
+class NixlHandle(TransferHandle):
+    peer_id: str
+    requests: list[Any] = field(default_factory=list)  # nixl_xfer_handle
+    error: str = ""  # the first failure seen (starting or checking a request); ends FAILED
+
+
+@dataclass
+class NixlPeer:
+    node_id: str
+    agent_name: str
+    regions: list[MemoryRegion]
+
+
+class NixlEngine(KVTransferEngine):
+    name = "nixl"
+
+    def __init__(self, config: TransferConfig) -> None:
+        super().__init__(config)
+        if config.host in LOOPBACK_HOSTS:
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        self._agent = nixl_agent(config.node_name, nixl_agent_config(backends=["UCX"]))
+        if "UCX" not in self._agent.backends:
+            raise TransferError(
+                f"nixl agent {config.node_name!r} has no UCX backend; the installed nixl "
+                "wheel lacks its UCX plugin (pip install nixl)"
+            )
+        self._regions: list[MemoryRegion] = []
+        self._registrations: list[Any] = []  # nixlRegDList, one per region
+        self._peers: dict[str, NixlPeer] = {}
+
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        for region in regions:
+            mem, device = memory_kind(region)
+            try:
+                descs = self._agent.register_memory([(region.addr, region.length, device, "")], mem)
+            except Exception as exc:  # nixl raises its own Exception subclasses
+                raise TransferError(
+                    f"nixl agent {self.config.node_name!r} could not register region "
+                    f"{region.name!r} ({region.length} bytes of {mem} at {region.addr:#x}): {exc}"
+                ) from exc
+            self._registrations.append(descs)
+            self._regions.append(region)
+
+    def local_endpoint(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def connect(self, peer: PeerInfo) -> None:
+        if peer.node_id in self._peers:
+            return
+        try:
+            agent_name = self._agent.add_remote_agent(peer.endpoint)
+        except Exception as exc:
+            raise TransferError(
+                f"nixl agent {self.config.node_name!r} could not load the metadata of peer "
+                f"{peer.node_id!r}: {exc}"
+            ) from exc
+        self._peers[peer.node_id] = NixlPeer(peer.node_id, agent_name, list(peer.regions.values()))
+
+    def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            raise TransferError(
+                f"nixl agent {self.config.node_name!r}: peer {peer_id!r} is not connected; "
+                "call connect() with its PeerInfo first"
+            )
+        handle = NixlHandle(peer_id=peer_id)
+        step = self.config.max_descriptors_per_batch
+        for (local_kind, remote_kind), rows in self._group(peer, ranges).items():
+            for start in range(0, len(rows), step):
+                chunk = np.asarray(rows[start : start + step], dtype=np.uint64)
+                if not self._post(handle, peer, chunk, local_kind, remote_kind):
+                    return handle
+        return handle
+
+    def _group(
+        self, peer: NixlPeer, ranges: Sequence[TransferRange]
+    ) -> dict[tuple[MemoryKind, MemoryKind], list[tuple[int, int, int]]]:
+        """Rows (src, dst, length) per (local kind, remote kind); checks every range's bounds."""
+        groups: dict[tuple[MemoryKind, MemoryKind], list[tuple[int, int, int]]] = {}
+        for r in ranges:
+            local = find_kind(self._regions, r.src_addr, r.length)
+            remote = find_kind(peer.regions, r.dst_addr, r.length)
+            if local is None or remote is None:
+                side = "local" if local is None else f"peer {peer.node_id!r}"
+                raise TransferError(
+                    f"nixl agent {self.config.node_name!r}: range {r} lies outside every "
+                    f"registered {side} region (the peer's regions come from its PeerInfo)"
+                )
+            groups.setdefault((local, remote), []).append((r.src_addr, r.dst_addr, r.length))
+        return groups
+
+    def _post(
+        self,
+        handle: NixlHandle,
+        peer: NixlPeer,
+        rows: np.ndarray,
+        local_kind: MemoryKind,
+        remote_kind: MemoryKind,
+    ) -> bool:
+        """Start one transfer request; False (and the handle marked failed) if NIXL refused."""
+        local = np.stack([rows[:, 0], rows[:, 2], np.full(len(rows), local_kind[1])], axis=1)
+        remote = np.stack([rows[:, 1], rows[:, 2], np.full(len(rows), remote_kind[1])], axis=1)
+        request = None
+        try:
+            request = self._agent.initialize_xfer(
+                "WRITE",
+                self._agent.get_xfer_descs(local.astype(np.uint64), local_kind[0]),
+                self._agent.get_xfer_descs(remote.astype(np.uint64), remote_kind[0]),
+                peer.agent_name,
+                b"",
+            )
+            state = self._agent.transfer(request)
+        except Exception as exc:  # nixlNotFoundError, nixlRemoteDisconnectError, ...
+            state, detail = "ERR", f"{type(exc).__name__}: {exc}"
+        else:
+            detail = "transfer() answered ERR"
+        if request is not None:
+            handle.requests.append(request)
+        if state == "ERR":
+            self._fail(handle, f"write of {len(rows)} descriptors was refused: {detail}")
+            return False
+        return True
+
+    def _fail(self, handle: NixlHandle, reason: str) -> None:
+        if not handle.error:
+            handle.error = f"write to peer {handle.peer_id!r} failed: {reason}"
+            logger.warning("%s: %s", self.config.node_name, handle.error)
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        assert isinstance(handle, NixlHandle)
+        states = [self._request_state(handle, request) for request in handle.requests]
+        if "PROC" in states:
+            return TransferState.PENDING
+        if handle.error or "ERR" in states:
+            return TransferState.FAILED
+        return TransferState.DONE
+
+    def _request_state(self, handle: NixlHandle, request: Any) -> str:
+        try:
+            state = str(self._agent.check_xfer_state(request))
+        except Exception as exc:  # a request whose post failed raises that error again
+            state, detail = "ERR", f"{type(exc).__name__}: {exc}"
+        else:
+            detail = "check_xfer_state answered ERR"
+        if state == "ERR":
+            self._fail(handle, detail)
+        return state
+
+    def release(self, handle: TransferHandle) -> None:
+        assert isinstance(handle, NixlHandle)
+        for request in handle.requests:
+            try:
+                self._agent.release_xfer_handle(request)
+            except Exception as exc:
+                raise TransferError(
+                    f"nixl agent {self.config.node_name!r}: could not release a write to peer "
+                    f"{handle.peer_id!r} (still in flight and not cancellable?): {exc}"
+                ) from exc
+        handle.requests.clear()
+
+    def close(self) -> None:
+        for descs in self._registrations:
+            self._agent.deregister_memory(descs)
+        self._registrations.clear()
+        self._regions.clear()
+        for peer in self._peers.values():
+            self._agent.remove_remote_agent(peer.agent_name)
+        self._peers.clear()

@@ -1,0 +1,95 @@
+"""`prefill-server`: a prefill node. Registers with bootstrap, takes `Prefill(room, decode
+node, tokens)` calls, runs chunked extend batches and writes the KV and the first token into
+the decode node's pages (see prefill_role.py for the queues). It never decodes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from engine.builder import Engine, build_engine, resolve_model
+from engine.engine_loop import EngineLoop
+from engine.model_config import ModelConfigError
+from engine.node_server import install_uvloop, serve_node
+from engine.node_service import NodeService
+from engine.server_args import (
+    add_disagg_args,
+    add_node_args,
+    configure_logging,
+    engine_config,
+    loop_config,
+    server_config,
+    transfer_config,
+)
+from kvtransfer.node_setup import make_link, node_info, node_load, setup_transfer
+from prefill_node.prefill_role import PrefillRole, PrefillRoleConfig
+from proto import bootstrap_pb2
+
+logger = logging.getLogger("pdserve.prefill")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefill-server", description=__doc__.splitlines()[0])
+    add_node_args(parser)
+    add_disagg_args(parser)
+    parser.set_defaults(port=30002)
+    return parser
+
+
+async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> None:
+    scheduler = engine.scheduler
+    runner = scheduler.runner
+    transfer = setup_transfer(transfer_config(args, "prefill"), runner)
+    info = node_info(
+        bootstrap_pb2.PREFILL, f"{args.host}:{args.port}", transfer, runner, args.node_id
+    )
+    load = lambda: node_load(scheduler, lambda: (len(role.inflight), len(role.bootstrap)))  # noqa: E731
+    link = make_link(args.bootstrap, info, lambda msg: role.inbox.put(msg), load)
+    role = PrefillRole(
+        PrefillRoleConfig(args.bootstrap_timeout, args.transfer_timeout),
+        link=link,
+        engine=transfer.engine,
+        aux=transfer.aux,
+        kv_base=transfer.kv_base,
+        page_bytes=runner.kv_layout.page_bytes,
+        page_size=runner.config.page_size,
+    )
+    engine_loop = EngineLoop(scheduler, loop_config(args), role)
+    service = NodeService(engine_loop, "prefill", model_path, link)
+
+    async def started() -> None:
+        node_id = await link.start()
+        logger.info("registered with bootstrap %s as prefill node %s", args.bootstrap, node_id)
+
+    engine_loop.start()
+    try:
+        await serve_node(engine_loop, service, server_config(args), started, link.stop)
+    finally:
+        transfer.engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    if not args.bootstrap:
+        logger.error("prefill-server needs --bootstrap HOST:PORT")
+        return 2
+    try:
+        model_path = resolve_model(args.model)
+        engine = build_engine(engine_config(args, model_path, weight_bytes=0))
+    except (ValueError, FileNotFoundError, ModelConfigError) as exc:
+        logger.error("cannot start: %s", exc)
+        return 2
+    install_uvloop()
+    try:
+        asyncio.run(_run(args, engine, model_path))
+    except Exception as exc:
+        logger.error("prefill-server failed: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""KV transfer backends with real engines over loopback: a target process owns the destination.
+
+The target (spawned) registers a byte buffer, sends back its endpoint and region, then answers
+typed commands (fill, read, stop). The initiator lives in the test process. Every backend runs
+the same cases; `coalesce_pages` has its own engine-free tests.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import numpy as np
+import pytest
+
+from kvtransfer import (
+    KVTransferEngine,
+    MemoryRegion,
+    PeerInfo,
+    TransferConfig,
+    TransferError,
+    TransferRange,
+    TransferState,
+    coalesce_pages,
+    create_engine,
+)
+
+BACKENDS = ["mooncake", "nixl"]
+BUFFER_BYTES = 32 << 20
+PAGE = 4096
+SENTINEL = 0xA5
+# UCX on loopback: keep it off the host's other interfaces (spawned children inherit this).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+@dataclass(frozen=True)
+class Fill:
+    value: int
+
+
+@dataclass(frozen=True)
+class ReadAll:
+    pass
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class TargetReady:
+    endpoint: bytes
+    region: MemoryRegion
+
+
+def target_main(backend: str, node_name: str, conn: Connection) -> None:
+    engine = create_engine(TransferConfig(backend=backend, node_name=node_name))
+    buffer = np.full(BUFFER_BYTES, SENTINEL, dtype=np.uint8)
+    region = MemoryRegion("kv", buffer.ctypes.data, buffer.nbytes)
+    engine.register([region])
+    conn.send(TargetReady(engine.local_endpoint(), region))
+    while True:
+        command = conn.recv()
+        if isinstance(command, Fill):
+            buffer[:] = command.value
+            conn.send(True)
+        elif isinstance(command, ReadAll):
+            conn.send(buffer.tobytes())
+        elif isinstance(command, Stop):
+            break
+    engine.close()
+    conn.send(True)
+
+
+@dataclass
+class Target:
+    process: mp.process.BaseProcess
+    conn: Connection
+    peer: PeerInfo
+
+    @property
+    def region(self) -> MemoryRegion:
+        return self.peer.regions["kv"]
+
+    def ask(self, command: object, timeout: float = 30.0) -> object:
+        self.conn.send(command)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"target {self.peer.node_id} did not answer {command}")
+        return self.conn.recv()
+
+    def read(self) -> np.ndarray:
+        return np.frombuffer(self.ask(ReadAll()), dtype=np.uint8)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.ask(Stop())
+        self.process.join(10)
+
+
+def start_target(backend: str, node_id: str) -> Target:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=target_main, args=(backend, node_id, child), daemon=True)
+    process.start()
+    if not parent.poll(60):
+        process.kill()
+        raise TimeoutError(f"{backend} target {node_id} did not start in 60 s")
+    ready: TargetReady = parent.recv()
+    return Target(process, parent, PeerInfo(node_id, ready.endpoint, {"kv": ready.region}))
+
+
+@dataclass
+class Initiator:
+    engine: KVTransferEngine
+    buffer: np.ndarray
+
+    @property
+    def base(self) -> int:
+        return int(self.buffer.ctypes.data)
+
+
+def wait(engine: KVTransferEngine, handle: object, timeout: float = 30.0) -> TransferState:
+    deadline = time.monotonic() + timeout
+    while (state := engine.poll(handle)) is TransferState.PENDING:  # type: ignore[arg-type]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"write still pending after {timeout} s")
+        time.sleep(0.001)
+    return state
+
+
+def make_initiator(backend: str, node_name: str) -> Initiator:
+    engine = create_engine(TransferConfig(backend=backend, node_name=node_name))
+    buffer = np.random.default_rng(7).integers(0, 256, BUFFER_BYTES, dtype=np.uint8)
+    engine.register([MemoryRegion("kv", buffer.ctypes.data, buffer.nbytes)])
+    return Initiator(engine, buffer)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Initiator, Target]]:
+    backend = request.param
+    target = start_target(backend, f"{backend}-target-{os.getpid()}")
+    initiator = make_initiator(backend, f"{backend}-initiator-{os.getpid()}")
+    initiator.engine.connect(target.peer)
+    yield initiator, target
+    initiator.engine.close()
+    target.stop()
+
+
+def write_and_wait(initiator: Initiator, target: Target, ranges: list[TransferRange]) -> None:
+    assert target.ask(Fill(SENTINEL))
+    handle = initiator.engine.write(target.peer.node_id, ranges)
+    assert wait(initiator.engine, handle) is TransferState.DONE
+    initiator.engine.release(handle)
+
+
+def test_large_contiguous_write(pair: tuple[Initiator, Target]) -> None:
+    initiator, target = pair
+    length, src_off, dst_off = 16 << 20, 4096, 8 << 20
+    ranges = [TransferRange(initiator.base + src_off, target.region.addr + dst_off, length)]
+    write_and_wait(initiator, target, ranges)
+    dst = target.read()
+    assert np.array_equal(dst[dst_off : dst_off + length], initiator.buffer[src_off:][:length])
+    assert (dst[:dst_off] == SENTINEL).all()
+    assert (dst[dst_off + length :] == SENTINEL).all()
+
+
+def scattered_mapping(num_pages: int, pool_pages: int, seed: int) -> list[int]:
+    """Destination pages for source pages 0..n-1: runs of 1-16 pages at shuffled places."""
+    rng = np.random.default_rng(seed)
+    runs: list[int] = []
+    while sum(runs) < num_pages:
+        runs.append(min(int(rng.integers(1, 17)), num_pages - sum(runs)))
+    slot = pool_pages // len(runs)  # each run gets its own slot, so runs never overlap
+    assert slot >= 16
+    dst: list[int] = []
+    for run, place in zip(runs, rng.permutation(len(runs)), strict=True):
+        first = int(place) * slot + int(rng.integers(0, slot - run + 1))
+        dst.extend(range(first, first + run))
+    return dst
+
+
+@pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "one-per-page"])
+def test_scattered_pages(pair: tuple[Initiator, Target], coalesce: bool) -> None:
+    initiator, target = pair
+    num_pages = 3000
+    dst_pages = scattered_mapping(num_pages, BUFFER_BYTES // PAGE, seed=3)
+    src_pages = list(range(num_pages))
+    dst_base = target.region.addr
+    if coalesce:
+        ranges = coalesce_pages(src_pages, dst_pages, PAGE, initiator.base, dst_base)
+        assert len(ranges) < num_pages // 4
+    else:
+        ranges = [
+            TransferRange(initiator.base + s * PAGE, dst_base + d * PAGE, PAGE)
+            for s, d in zip(src_pages, dst_pages, strict=True)
+        ]
+    write_and_wait(initiator, target, ranges)
+    dst = target.read().reshape(-1, PAGE)
+    src = initiator.buffer.reshape(-1, PAGE)
+    assert np.array_equal(dst[dst_pages], src[src_pages])
+    untouched = np.ones(len(dst), dtype=bool)
+    untouched[dst_pages] = False
+    assert (dst[untouched] == SENTINEL).all()
+
+
+def test_write_to_unconnected_peer_names_it(pair: tuple[Initiator, Target]) -> None:
+    initiator, _ = pair
+    with pytest.raises(TransferError, match="never-connected-node"):
+        initiator.engine.write(
+            "never-connected-node", [TransferRange(initiator.base, 0x1000, PAGE)]
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_write_to_dead_peer_fails_in_bounded_time(backend: str) -> None:
+    target = start_target(backend, f"{backend}-doomed-{os.getpid()}")
+    initiator = make_initiator(backend, f"{backend}-survivor-{os.getpid()}")
+    try:
+        initiator.engine.connect(target.peer)
+        ranges = [TransferRange(initiator.base, target.region.addr, 1 << 20)]
+        handle = initiator.engine.write(target.peer.node_id, ranges)  # opens the connection
+        assert wait(initiator.engine, handle) is TransferState.DONE
+        initiator.engine.release(handle)
+        target.process.kill()
+        target.process.join(10)
+        started = time.monotonic()
+        try:
+            handle = initiator.engine.write(target.peer.node_id, ranges)
+            state = wait(initiator.engine, handle, timeout=40)
+            initiator.engine.release(handle)
+        except TransferError as exc:
+            assert target.peer.node_id in str(exc)
+            state = TransferState.FAILED
+        assert state is TransferState.FAILED
+        assert time.monotonic() - started < 40
+    finally:
+        initiator.engine.close()
+        target.process.kill()
+
+
+def test_coalesce_pages_merges_runs_contiguous_on_both_sides() -> None:
+    ranges = coalesce_pages([0, 1, 2, 5, 6, 9], [10, 11, 3, 4, 5, 0], 100, 1000, 5000)
+    assert ranges == [
+        TransferRange(1000, 6000, 200),  # pages 0-1 -> 10-11
+        TransferRange(1200, 5300, 100),  # page 2 -> 3: source run continues, destination breaks
+        TransferRange(1500, 5400, 200),  # pages 5-6 -> 4-5
+        TransferRange(1900, 5000, 100),
+    ]
+
+
+def test_coalesce_pages_edge_cases() -> None:
+    assert coalesce_pages([], [], 64, 0, 0) == []
+    assert coalesce_pages(list(range(8)), list(range(8, 16)), 64, 0, 0) == [
+        TransferRange(0, 512, 512)
+    ]
+    descending = coalesce_pages([3, 2, 1], [3, 2, 1], 64, 0, 0)
+    assert [r.length for r in descending] == [64, 64, 64]
+
+
+def test_coalesce_pages_rejects_mismatched_lengths() -> None:
+    with pytest.raises(ValueError, match="3 source pages but 2 destination pages"):
+        coalesce_pages([0, 1, 2], [0, 1], 64, 0, 0)
