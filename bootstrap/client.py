@@ -1,10 +1,12 @@
 """Async client of the bootstrap service, for prefill/decode nodes and the gateway.
 
 `BootstrapClient` wraps the RPCs; its watch_* iterators reconnect with backoff for as long as
-they are iterated, so a bootstrap restart looks like a pause. Destinations are delivered at least
-once: after a reconnect P may see a room it already has again (ignore it). After a reconnect
+they are iterated, so a bootstrap restart looks like a pause. Destinations and room statuses are
+delivered at least once: after a reconnect the bootstrap replays what it sent recently, so a node
+may see a room it already has, or no longer holds, again (ignore it). After a reconnect
 `watch_nodes` first yields a reset marker (`NodeEvent` with kind KIND_UNSPECIFIED): forget the
-nodes you know, a fresh snapshot of JOINED events follows.
+nodes you know, a fresh snapshot of JOINED events follows. One destination / status stream per
+node id: opening a second one ends the first with ABORTED, which its iterator raises.
 
 `NodeSession` keeps one node registered: it registers (retrying while the bootstrap is
 unreachable), heartbeats its load, and registers again under the same id when a heartbeat gets
@@ -29,8 +31,10 @@ logger = logging.getLogger("pdserve.bootstrap.client")
 
 T = TypeVar("T")
 
-# Refusals that retrying the same request cannot fix.
+# Refusals that retrying the same request cannot fix (ABORTED: another stream took this one's
+# place, see `streams.Outbox`; reopening would only take it back).
 _FINAL_CODES = {
+    grpc.StatusCode.ABORTED,
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.PERMISSION_DENIED,

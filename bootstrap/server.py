@@ -79,7 +79,11 @@ async def serve(listen: ListenConfig, config: BootstrapConfig) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     bootstrap_pb2_grpc.add_BootstrapServicer_to_server(service, server)
     address = f"{listen.host}:{listen.port}"
-    if server.add_insecure_port(address) == 0:
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises instead of returning 0 when the bind fails
+        bound = 0
+    if bound == 0:
         raise OSError(f"cannot listen on {address}: the port is in use or the host is not local")
     await server.start()
     sweeper = asyncio.create_task(service.run_sweeper(), name="bootstrap-sweeper")

@@ -208,7 +208,11 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
                     outbox.written(item, self.clock())
                 else:
                     outbox.skipped(item)
-            logger.info("node %s: %s stream superseded by a newer one", node_id, what)
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"a newer stream for the {what} of node {node_id} took over: "
+                f"watch from one place per node id",
+            )
         finally:
             outbox.unsubscribe(token)
             self.rooms.forget_outboxes(node_id)
@@ -230,4 +234,7 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
     async def run_sweeper(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
-            self.sweep()
+            try:
+                self.sweep()
+            except Exception:  # a bug here must not stop liveness checks for good
+                logger.exception("sweep failed; retrying in %g s", self.config.sweep_interval_s)

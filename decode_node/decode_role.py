@@ -9,7 +9,10 @@ Queues of a disaggregated decode request (one bootstrap room each):
                 request joins the running batch with no prefill forward) or FAILED
     quarantine  given up (client abort or `transfer_timeout_s`) while P may still be writing:
                 the client has its error, but the pages stay held until bootstrap says no write
-                can land any more (never delivered, P confirmed FAILED, or P is dead)
+                can land any more (never delivered, P confirmed FAILED, or P is dead). If no
+                answer comes (bootstrap restarted and forgot the room), the pages are freed
+                after another `transfer_timeout_s`: P's own transfer timeout has ended its
+                writes by then.
 
 Requests without a room prefill locally (colocated): they go straight to the scheduler.
 """
@@ -161,6 +164,8 @@ class DecodeRole:
             if event.state in (RoomState.DONE, RoomState.FAILED):
                 self._free(scheduler, self.quarantine.pop(event.room).req)
             return []
+        if event.state not in (RoomState.DONE, RoomState.FAILED):
+            return []  # progress reports are informational
         entry = self.transfer.pop(event.room, None)
         if entry is None:
             return []
@@ -201,12 +206,18 @@ class DecodeRole:
         scheduler.kv.release(req, cache=False)
 
     def _give_up(self, room: int, reason: str) -> None:
-        self.quarantine[room] = self.transfer.pop(room)
+        entry = self.transfer.pop(room)
+        entry.published = self.clock()  # quarantine clock
+        self.quarantine[room] = entry
         self.link.fail_room(room, reason)
 
     def _expire(self, scheduler: Scheduler) -> list[StepOutput]:
         outputs = []
         now = self.clock()
+        for room, entry in list(self.quarantine.items()):
+            if now - entry.published > self.config.transfer_timeout_s:
+                logger.warning("room %d: no word from bootstrap; freeing quarantined pages", room)
+                self._free(scheduler, self.quarantine.pop(room).req)
         for room, entry in list(self.transfer.items()):
             if now - entry.published > self.config.transfer_timeout_s:
                 reason = (

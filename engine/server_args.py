@@ -125,6 +125,13 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--decode-headroom", type=int, default=32, help="decode tokens reserved beside a prompt"
     )
+    g.add_argument(
+        "--inject-transfer-failures",
+        type=float,
+        default=0.0,
+        metavar="RATE",
+        help="testing only: make this fraction of KV writes fail",
+    )
 
 
 def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
@@ -134,4 +141,5 @@ def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
         host=args.host,
         protocol=args.transfer_protocol,
         device_names=args.transfer_devices,
+        fail_rate=args.inject_transfer_failures,
     )

@@ -39,7 +39,12 @@ def create_engine(config: TransferConfig) -> KVTransferEngine:
             f"(pip install {package}): {exc}"
         ) from exc
     cls: type[KVTransferEngine] = getattr(module, cls_name)
-    return cls(config)
+    engine = cls(config)
+    if config.fail_rate > 0:
+        from kvtransfer.faults import FaultInjectingEngine
+
+        return FaultInjectingEngine(engine, config.fail_rate)
+    return engine
 
 
 __all__ = [

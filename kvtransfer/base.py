@@ -33,6 +33,7 @@ class TransferConfig:
     protocol: str = "tcp"  # mooncake: "tcp" or "rdma"
     device_names: str = ""  # mooncake RDMA devices, e.g. "mlx5_0,mlx5_1"
     max_descriptors_per_batch: int = 1024  # larger requests are split into several batches
+    fail_rate: float = 0.0  # fault injection: probability that a write fails (tests only)
 
 
 @dataclass(frozen=True)

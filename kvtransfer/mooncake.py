@@ -2,8 +2,8 @@
 
 Facts of the 0.3.13 Python binding that shape this file (checked on loopback TCP):
 - `batch_transfer_async_write` returns a batch id, or 0 when the batch could not be submitted
-  (peer unreachable, bad arguments). The connection to a peer opens lazily on the first write,
-  so `connect` only remembers the peer's session string.
+  (peer unreachable, bad arguments; older bindings returned -1, i.e. 2**64 - 1). The
+  connection to a peer opens on the first write, so `connect` only remembers its session.
 - `get_batch_transfer_status(ids)` is *blocking*: it spins until every batch completed (0) or
   one failed or timed out (-1; timeout = MC_TRANSFER_TIMEOUT, default 30 s, plus 1 ns per byte),
   and frees the batch ids either way, so it may be called once per id. There is no
@@ -14,10 +14,13 @@ Facts of the 0.3.13 Python binding that shape this file (checked on loopback TCP
   default); descriptors over that fail the batch with a "queue-full" error, and the cap counts
   every batch in flight to the peer, so splitting batches alone does not avoid it. The
   constructor raises both caps to the library maximum unless the operator has set them.
+- `initialize` returns 0 for protocol "rdma" even when no RDMA device matches: the engine then
+  runs over TCP. The constructor refuses that instead.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -53,6 +56,9 @@ MOONCAKE_ENV_DEFAULTS = {
 }
 
 
+INVALID_BATCH_IDS = (0, (1 << 64) - 1)
+
+
 def lower_thread_priority() -> None:
     """Nice 19 for the calling thread (Linux niceness is per thread)."""
     if sys.platform == "linux":
@@ -86,6 +92,8 @@ class MooncakeEngine(KVTransferEngine):
                 f"with protocol {config.protocol!r} devices {config.device_names!r} (rc={rc}); "
                 "for rdma check the device names, for tcp the host address"
             )
+        if config.protocol == "rdma":
+            self._require_rdma_devices()
         self._regions: list[MemoryRegion] = []
         self._peer_sessions: dict[str, str] = {}
         # One thread: the library's status call spins a core while it waits.
@@ -94,6 +102,16 @@ class MooncakeEngine(KVTransferEngine):
             thread_name_prefix=f"mooncake-wait-{config.node_name}",
             initializer=lower_thread_priority,
         )
+
+    def _require_rdma_devices(self) -> None:
+        """The engine falls back to TCP without a word when it finds no RDMA device."""
+        topology = json.loads(self._live_engine().get_local_topology())
+        if not any(preferred or available for preferred, available in topology.values()):
+            raise TransferError(
+                f"mooncake engine {self.config.node_name!r}: protocol 'rdma' was asked for but "
+                f"no RDMA device matched {self.config.device_names or 'any'!r} (it would run "
+                "over tcp); check the device names (ibv_devices) or use protocol 'tcp'"
+            )
 
     def _live_engine(self) -> TransferEngine:
         if self._engine is None:
@@ -135,7 +153,7 @@ class MooncakeEngine(KVTransferEngine):
                 [r.dst_addr for r in chunk],
                 [r.length for r in chunk],
             )
-            if batch_id == 0:
+            if batch_id in INVALID_BATCH_IDS:
                 self._fail(handle, f"a batch of {len(chunk)} descriptors was not accepted")
                 break
             handle.batch_ids.append(batch_id)
@@ -157,7 +175,11 @@ class MooncakeEngine(KVTransferEngine):
             if not handle.completion.done():
                 return TransferState.PENDING
             if handle.completion.result() != 0:
-                self._fail(handle, "a batch failed or timed out (peer gone or range invalid)")
+                self._fail(
+                    handle,
+                    "a batch failed or timed out (peer gone, range outside its memory, or more "
+                    "descriptors in flight than MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER allows)",
+                )
         return TransferState.FAILED if handle.error else TransferState.DONE
 
     def release(self, handle: TransferHandle) -> None:

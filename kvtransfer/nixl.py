@@ -8,9 +8,17 @@ Facts of nixl 1.5.1 that shape this file (checked on loopback, two processes):
   `transfer` to a peer that died raises `nixlRemoteDisconnectError`. A write the library
   refuses ends FAILED here (the peer may be gone); only a write that can never work (peer not
   connected, range outside every registered region) raises `TransferError`.
-- `check_xfer_state` answers "DONE", "PROC" or "ERR" and does not block.
+- `check_xfer_state` answers "DONE", "PROC" or "ERR" and does not block. Between two processes
+  of one host UCX picks cma (process_vm_writev), whose copy runs inside `transfer()`: there
+  `write` returns after the bytes have moved (2-3 GB/s on 2 cores). Without cma
+  (`UCX_TLS=^cma`) it returns at once but moves 3-5x slower over tcp.
 - One transfer request carries one memory type on each side, so ranges are grouped by
   (local, remote) memory type before they become descriptor lists.
+- The wheel bundles its own rdma-core, but UCX's EFA module links the system's `libefa.so.1`
+  when the host has it (Debian `ibverbs-providers`, installed with Mooncake's `libibverbs1`);
+  that drags in a second `libnl-route`, and every process that created a UCX agent dies with
+  SIGSEGV at exit (exit code 139, in `rtnl_tc_unregister`). The constructor sets
+  `UCX_MODULES=^efa` unless the environment sets it (AWS EFA hosts should set their own).
 - On loopback UCX also tries the host's other interfaces unless `UCX_NET_DEVICES=lo`; the
   constructor sets that, only when unset and only when this node's host is a loopback name.
 """
@@ -21,10 +29,9 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from nixl._api import nixl_agent, nixl_agent_config
 
 from kvtransfer.base import (
     KVTransferEngine,
@@ -36,6 +43,9 @@ from kvtransfer.base import (
     TransferRange,
     TransferState,
 )
+
+if TYPE_CHECKING:
+    from nixl._api import nixl_agent
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +77,7 @@ class NixlHandle(TransferHandle):
 @dataclass
 class NixlPeer:
     node_id: str
+    endpoint: bytes  # the agent metadata it was loaded from
     agent_name: str
     regions: list[MemoryRegion]
 
@@ -76,9 +87,16 @@ class NixlEngine(KVTransferEngine):
 
     def __init__(self, config: TransferConfig) -> None:
         super().__init__(config)
+        # The library is configured here and only where the environment says nothing. NIXL
+        # reads its log level when imported (its INFO lines go to stdout), hence the late import.
+        # UCX_MODULES: see the module docstring (EFA module -> SIGSEGV at exit).
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        os.environ.setdefault("UCX_MODULES", "^efa")
         if config.host in LOOPBACK_HOSTS:
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
-        self._agent = nixl_agent(config.node_name, nixl_agent_config(backends=["UCX"]))
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self._agent: nixl_agent = nixl_agent(config.node_name, nixl_agent_config(backends=["UCX"]))
         if "UCX" not in self._agent.backends:
             raise TransferError(
                 f"nixl agent {config.node_name!r} has no UCX backend; the installed nixl "
@@ -105,8 +123,11 @@ class NixlEngine(KVTransferEngine):
         return bytes(self._agent.get_agent_metadata())
 
     def connect(self, peer: PeerInfo) -> None:
-        if peer.node_id in self._peers:
+        known = self._peers.get(peer.node_id)
+        if known is not None and known.endpoint == peer.endpoint:
             return
+        if known is not None:  # the peer restarted: forget its old agent
+            self._agent.remove_remote_agent(known.agent_name)
         try:
             agent_name = self._agent.add_remote_agent(peer.endpoint)
         except Exception as exc:
@@ -114,7 +135,9 @@ class NixlEngine(KVTransferEngine):
                 f"nixl agent {self.config.node_name!r} could not load the metadata of peer "
                 f"{peer.node_id!r}: {exc}"
             ) from exc
-        self._peers[peer.node_id] = NixlPeer(peer.node_id, agent_name, list(peer.regions.values()))
+        self._peers[peer.node_id] = NixlPeer(
+            peer.node_id, peer.endpoint, agent_name, list(peer.regions.values())
+        )
 
     def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
         peer = self._peers.get(peer_id)
@@ -158,14 +181,14 @@ class NixlEngine(KVTransferEngine):
         remote_kind: MemoryKind,
     ) -> bool:
         """Start one transfer request; False (and the handle marked failed) if NIXL refused."""
-        local = np.stack([rows[:, 0], rows[:, 2], np.full(len(rows), local_kind[1])], axis=1)
-        remote = np.stack([rows[:, 1], rows[:, 2], np.full(len(rows), remote_kind[1])], axis=1)
+        local = np.stack([rows[:, 0], rows[:, 2], np.full_like(rows[:, 0], local_kind[1])], 1)
+        remote = np.stack([rows[:, 1], rows[:, 2], np.full_like(rows[:, 0], remote_kind[1])], 1)
         request = None
         try:
             request = self._agent.initialize_xfer(
                 "WRITE",
-                self._agent.get_xfer_descs(local.astype(np.uint64), local_kind[0]),
-                self._agent.get_xfer_descs(remote.astype(np.uint64), remote_kind[0]),
+                self._agent.get_xfer_descs(local, local_kind[0]),
+                self._agent.get_xfer_descs(remote, remote_kind[0]),
                 peer.agent_name,
                 b"",
             )

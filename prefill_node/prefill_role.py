@@ -104,8 +104,9 @@ class PrefillRole:
         return outputs
 
     def after_step(self, scheduler: Scheduler) -> None:
+        finishing = {id(r) for r in scheduler.prefilled}
         for entry in list(self.active.values()):
-            if entry.failure:
+            if entry.failure or id(entry.req) in finishing:  # sent whole by _finish_prefill
                 continue
             assert entry.sender is not None
             try:
@@ -131,6 +132,9 @@ class PrefillRole:
         if dest.cancelled:
             if entry is not None:
                 self._fail_entry(scheduler, entry, f"decode node {dest.decode_node_id} gave up")
+            else:  # never started: confirm at once that nothing will be written
+                self._early.pop(dest.room, None)
+                self._confirm_unused(dest, "cancelled before the prefill request arrived")
             return
         if entry is None:
             self._early[dest.room] = (dest, self.clock())
@@ -270,7 +274,14 @@ class PrefillRole:
                 )
                 entry.inflight_since = now
                 self.inflight[room] = entry
-        for room, (_, seen) in list(self._early.items()):
+        for room, (dest, seen) in list(self._early.items()):
             if now - seen > self.config.bootstrap_timeout_s:
                 del self._early[room]
+                self._confirm_unused(dest, "no prefill request for this room arrived")
         return []
+
+    def _confirm_unused(self, dest: RoomDestination, reason: str) -> None:
+        """Tell D that this node will never write into the room's pages, so it may free them."""
+        self.link.post_status(
+            RoomStatus(dest.room, self.link.node_id, dest.decode_node_id, RoomState.FAILED, reason)
+        )

@@ -9,10 +9,14 @@ prompt, prefix cache off) at several batch sizes. Prefill and decode are measure
 - HF: prefill = one forward over the batch's prompts (`logits_to_keep=1`, as `generate` does);
   decode tok/s = batch * (out - 1) / (generate time - prefill time).
 
-Each figure is the best of `--repeats` runs, taken per figure. Usage:
+Ours and HF alternate their timed runs; each figure is the best of `--repeats` runs, taken per
+figure. Usage:
 
     PYTHONPATH=. .venv/bin/python scripts/bench_engine.py --batch-sizes 1,16,64 \
         --input-len 128 --output-len 64 --repeats 3 --output-json bench.json
+
+On a machine whose cores other work also uses, torch's default of one thread per core stalls at
+OpenMP barriers and both engines slow down many-fold, unevenly: add `--threads 1 --clock cpu`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,11 @@ from engine.scheduler import StepStats
 
 WARMUP_OUTPUT_LEN = 4
 
+Clock = Callable[[], float]
+# "cpu" counts only the CPU time this process got, so time spent descheduled on a shared machine
+# does not count; it equals the work done only with one torch thread (idle threads spin).
+CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -43,6 +53,7 @@ class BenchConfig:
     repeats: int
     seed: int
     threads: int | None  # None: torch's default (one per core)
+    clock: str  # a key of CLOCKS
     skip_hf: bool
     output_json: Path | None
 
@@ -96,10 +107,10 @@ def _step_kind(stats: StepStats) -> str:
     return "decode" if stats.num_decode_reqs > 0 else "idle"
 
 
-def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> OursRun:
+def run_ours(llm: LLM, prompts: list[list[int]], output_len: int, clock: Clock) -> OursRun:
     sched = llm.scheduler
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
+    start = clock()
     reqs = [llm._make_req(p, params) for p in prompts]
     for req in reqs:
         sched.add_request(req)
@@ -108,9 +119,9 @@ def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> OursRun:
     decode_tokens = 0
     decode_stats: list[StepStats] = []
     while pending:
-        t0 = time.perf_counter()
+        t0 = clock()
         outputs = sched.step()
-        elapsed = time.perf_counter() - t0
+        elapsed = clock() - t0
         stats, kind = sched.last_stats, _step_kind(sched.last_stats)
         if kind == "prefill":
             prefill_s += elapsed
@@ -119,7 +130,7 @@ def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> OursRun:
             decode_tokens += stats.num_decode_reqs
             decode_stats.append(stats)
         pending -= {o.req.rid for o in outputs if o.finished}
-    total_s = time.perf_counter() - start
+    total_s = clock() - start
     overhead_s = sum(s.step_s - s.forward_s for s in decode_stats) / max(len(decode_stats), 1)
     mean_step_s = sum(s.step_s for s in decode_stats) / max(len(decode_stats), 1)
     return OursRun(
@@ -154,13 +165,13 @@ def load_hf(model_dir: str) -> Any:
 
 
 @torch.inference_mode()
-def run_hf(model: Any, prompts: list[list[int]], output_len: int) -> HFRun:
+def run_hf(model: Any, prompts: list[list[int]], output_len: int, clock: Clock) -> HFRun:
     input_ids = torch.tensor(prompts, dtype=torch.int64)
     mask = torch.ones_like(input_ids)
-    t0 = time.perf_counter()
+    t0 = clock()
     model(input_ids=input_ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
-    prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    prefill_s = clock() - t0
+    t0 = clock()
     out = model.generate(
         input_ids=input_ids,
         attention_mask=mask,
@@ -170,7 +181,7 @@ def run_hf(model: Any, prompts: list[list[int]], output_len: int) -> HFRun:
         eos_token_id=None,
         pad_token_id=None,
     )
-    generate_s = time.perf_counter() - t0
+    generate_s = clock() - t0
     new_tokens = out[:, input_ids.shape[1] :]
     if new_tokens.shape[1] != output_len:
         raise RuntimeError(f"HF generated {new_tokens.shape[1]} tokens, expected {output_len}")
@@ -195,24 +206,24 @@ def best_hf(runs: list[HFRun]) -> HFRun:
 
 # ---- driver -----------------------------------------------------------------------------------
 def bench_batch(cfg: BenchConfig, llm: LLM, hf_model: Any, batch: int) -> Row:
-    vocab = llm.model_config.vocab_size
+    """Warm both up, then alternate their timed runs so both see the same machine load."""
+    vocab, clock, out_len = llm.model_config.vocab_size, CLOCKS[cfg.clock], cfg.output_len
     prompts = make_prompts(batch, cfg.input_len, vocab, cfg.seed + batch)
     warm = make_prompts(batch, cfg.input_len, vocab, cfg.seed + 10_000 + batch)
-    log(f"batch {batch}: warming up ours")
-    run_ours(llm, warm, WARMUP_OUTPUT_LEN)
-    ours_runs = []
-    for i in range(cfg.repeats):
-        ours_runs.append(run_ours(llm, prompts, cfg.output_len))
-        log(f"batch {batch}: ours run {i + 1}/{cfg.repeats}: {_brief(ours_runs[-1])}")
+    log(f"batch {batch}: warming up")
+    run_ours(llm, warm, WARMUP_OUTPUT_LEN, clock)
+    if hf_model is not None:
+        run_hf(hf_model, warm, WARMUP_OUTPUT_LEN, clock)
+    ours_runs, hf_runs = [], []
+    for i in range(1, cfg.repeats + 1):
+        ours_runs.append(run_ours(llm, prompts, out_len, clock))
+        log(f"batch {batch}: ours run {i}/{cfg.repeats}: {_brief(ours_runs[-1])}")
+        if hf_model is not None:
+            hf_runs.append(run_hf(hf_model, prompts, out_len, clock))
+            log(f"batch {batch}: HF   run {i}/{cfg.repeats}: {_brief(hf_runs[-1])}")
     ours = best_ours(ours_runs)
-    if hf_model is None:
+    if not hf_runs:
         return Row(batch, ours, None, None)
-    log(f"batch {batch}: warming up HF")
-    run_hf(hf_model, warm, WARMUP_OUTPUT_LEN)
-    hf_runs = []
-    for i in range(cfg.repeats):
-        hf_runs.append(run_hf(hf_model, prompts, cfg.output_len))
-        log(f"batch {batch}: HF run {i + 1}/{cfg.repeats}: {_brief(hf_runs[-1])}")
     hf = best_hf(hf_runs)
     match = sum(a == b for a, b in zip(ours.token_ids, hf.token_ids, strict=True)) / batch
     return Row(batch, ours, hf, match)
@@ -295,6 +306,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         help="torch intra-op threads for both engines (default: torch's, one per core); on a "
         "shared machine use fewer than the free cores, or OpenMP barriers stall",
     )
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall: elapsed time; cpu: this process's CPU time (needs --threads 1), steadier "
+        "when other work shares the cores",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="benchmark only the engine")
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -303,6 +321,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         parser.error(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
     if args.input_len < 1 or args.output_len < 2 or args.repeats < 1:
         parser.error("need --input-len >= 1, --output-len >= 2 and --repeats >= 1")
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu measures work only with --threads 1")
     return BenchConfig(
         batch_sizes=sizes,
         input_len=args.input_len,
@@ -310,6 +330,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         repeats=args.repeats,
         seed=args.seed,
         threads=args.threads,
+        clock=args.clock,
         skip_hf=args.skip_hf,
         output_json=args.output_json,
     )
@@ -333,6 +354,10 @@ def main(argv: list[str] | None = None) -> None:
         log("loading HF transformers model")
         hf_model = load_hf(model_dir)
     rows = [bench_batch(cfg, llm, hf_model, b) for b in cfg.batch_sizes]
+    print(
+        f"input {cfg.input_len} tokens, output {cfg.output_len} tokens, fp32 CPU, "
+        f"{torch.get_num_threads()} torch threads, {cfg.clock} clock, best of {cfg.repeats}\n"
+    )
     print(format_table(rows))
     print()
     print(format_overhead(rows))

@@ -10,7 +10,8 @@ with `ignore_eos`, so every request generates exactly `--output-len` tokens. Per
 - TTFT: send -> first TokenChunk; ITL: every gap between consecutive TokenChunk arrivals of a
   request; TPOT: (E2E - TTFT) / (tokens - 1); E2E: send -> end of the stream (Finished);
 - server gen tok/s: median of the node's own "decode batch ... gen throughput" log lines written
-  during the level (only when this script started the node).
+  during the level, the first one skipped (its window starts before the level); only when this
+  script started the node, and "-" when the level logged fewer than two such lines.
 
 Part 2, in-process (no gRPC): builds the engine, puts `--overhead-batch` requests into decode and
 times `--overhead-steps` decode steps: overhead = mean(step_s - forward_s) / mean(step_s), where
@@ -60,9 +61,7 @@ OVERHEAD_WARMUP_STEPS = 3
 WARMUP_REQUESTS = 2
 WARMUP_OUTPUT_LEN = 4
 PROFILE_TOP = 15
-_GEN_THROUGHPUT = re.compile(
-    r"decode batch: #running-req (\d+).*gen throughput \(token/s\) ([\d.]+)"
-)
+_GEN_THROUGHPUT = re.compile(r"decode batch: .*gen throughput \(token/s\) ([\d.]+)")
 
 
 @dataclass(frozen=True)
@@ -78,6 +77,8 @@ class BenchConfig:
     num_requests: int | None  # None: max(2 * concurrency, 8) per level
     seed: int
     startup_timeout_s: float
+    request_timeout_s: float
+    threads: int | None  # torch threads of the node and of the overhead engine; None: default
     skip_overhead: bool
     overhead_batch: int
     overhead_steps: int
@@ -124,6 +125,7 @@ class OverheadResult:
     mean_forward_ms: float
     overhead_ms: float  # mean(step_s - forward_s)
     overhead_frac: float  # mean(step_s - forward_s) / mean(step_s)
+    median_step_ms: float  # medians: robust to the stalls of a shared machine
     median_overhead_ms: float
     profile: list[dict[str, Any]] = field(default_factory=list)
 
@@ -140,8 +142,9 @@ def percentiles_ms(values_s: list[float]) -> dict[str, float]:
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
-def make_prompts(count: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
+def make_prompts(count: int, length: int, seed: int, label: str) -> list[list[int]]:
+    """Distinct random prompts; `label` keeps the sets of warm-up, levels and overhead apart."""
+    rng = random.Random(f"bench-node/{seed}/{label}")  # str seeds hash; int seeds drop the sign
     return [[rng.randrange(*TOKEN_ID_RANGE) for _ in range(length)] for _ in range(count)]
 
 
@@ -162,6 +165,13 @@ def server_command(cfg: BenchConfig, port: int) -> list[str]:
     if cfg.max_total_tokens:
         cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
     return cmd + list(cfg.server_args)
+
+
+def server_env(cfg: BenchConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    if cfg.threads is not None:
+        env["OMP_NUM_THREADS"] = str(cfg.threads)  # torch's intra-op pool follows it
+    return env
 
 
 async def wait_healthy(address: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
@@ -187,7 +197,9 @@ def running_node(cfg: BenchConfig, log_path: Path) -> Iterator[str]:
     cmd = server_command(cfg, int(address.rsplit(":", 1)[1]))
     log(f"starting {' '.join(cmd)} (log: {log_path})")
     with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=server_env(cfg)
+        )
     try:
         try:
             model = asyncio.run(wait_healthy(address, proc, cfg.startup_timeout_s))
@@ -220,7 +232,8 @@ def server_gen_throughput(log_path: Path | None, start: int, end: int) -> float 
     with log_path.open("rb") as f:
         f.seek(start)
         text = f.read(end - start).decode(errors="replace")
-    values = [float(m.group(2)) for m in _GEN_THROUGHPUT.finditer(text)]
+    # The first line's window reaches back to the previous line, before this level started.
+    values = [float(m.group(1)) for m in _GEN_THROUGHPUT.finditer(text)][1:]
     return float(np.median(values)) if values else None
 
 
@@ -231,13 +244,14 @@ def generate_request(rid: str, prompt: list[int], output_len: int) -> node_pb2.G
 
 
 async def timed_request(
-    stub: node_pb2_grpc.NodeStub, rid: str, prompt: list[int], output_len: int
+    stub: node_pb2_grpc.NodeStub, rid: str, prompt: list[int], output_len: int, timeout_s: float
 ) -> RequestTiming:
     arrivals: list[float] = []
     tokens = 0
     finished: node_pb2.Finished | None = None
     sent = time.perf_counter()
-    async for resp in stub.Generate(generate_request(rid, prompt, output_len)):
+    call = stub.Generate(generate_request(rid, prompt, output_len), timeout=timeout_s)
+    async for resp in call:
         if resp.HasField("chunk"):
             arrivals.append(time.perf_counter())
             tokens += len(resp.chunk.token_ids)
@@ -254,7 +268,11 @@ async def timed_request(
 
 
 async def closed_loop(
-    stub: node_pb2_grpc.NodeStub, prompts: list[list[int]], concurrency: int, output_len: int
+    stub: node_pb2_grpc.NodeStub,
+    prompts: list[list[int]],
+    concurrency: int,
+    output_len: int,
+    timeout_s: float,
 ) -> tuple[list[RequestTiming], list[str], float]:
     """N workers send requests back to back; returns timings, errors and the wall time."""
     pending = iter(enumerate(prompts))
@@ -265,13 +283,27 @@ async def closed_loop(
     async def worker() -> None:
         for i, prompt in pending:  # one shared iterator: each prompt is sent once
             try:
-                timings.append(await timed_request(stub, f"{tag}-{i}", prompt, output_len))
-            except (grpc.aio.AioRpcError, RuntimeError) as exc:
+                timing = await timed_request(stub, f"{tag}-{i}", prompt, output_len, timeout_s)
+                timings.append(timing)
+            except grpc.aio.AioRpcError as exc:
+                errors.append(f"{exc.code().name}: {exc.details()}")
+            except RuntimeError as exc:
                 errors.append(str(exc))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return timings, errors, time.perf_counter() - start
+
+
+async def ensure_healthy(stub: node_pb2_grpc.NodeStub, log_path: Path | None) -> None:
+    """Stop early when the node died (e.g. its engine loop crashed): later levels would hang."""
+    where = f"; see its log {log_path}" if log_path else ""
+    try:
+        health = await stub.Health(node_pb2.HealthRequest(), timeout=10.0)
+    except grpc.aio.AioRpcError as exc:
+        raise RuntimeError(f"the node stopped answering ({exc.code().name}){where}") from exc
+    if not health.ok:
+        raise RuntimeError(f"the node reports its engine loop dead{where}")
 
 
 def summarize(
@@ -293,26 +325,37 @@ def summarize(
     )
 
 
+async def run_level(
+    cfg: BenchConfig, stub: node_pb2_grpc.NodeStub, concurrency: int, log_path: Path | None
+) -> LevelResult:
+    prompts = make_prompts(
+        cfg.requests_for(concurrency), cfg.input_len, cfg.seed, f"c{concurrency}"
+    )
+    log(f"concurrency {concurrency}: {len(prompts)} requests")
+    log_start = log_path.stat().st_size if log_path else 0
+    timings, errors, duration = await closed_loop(
+        stub, prompts, concurrency, cfg.output_len, cfg.request_timeout_s
+    )
+    result = summarize(concurrency, timings, errors, duration)
+    log_end = log_path.stat().st_size if log_path else 0
+    result.server_gen_tok_s = server_gen_throughput(log_path, log_start, log_end)
+    log(f"concurrency {concurrency}: {brief(result)}")
+    return result
+
+
 async def run_levels(cfg: BenchConfig, address: str, log_path: Path | None) -> list[LevelResult]:
     results = []
     async with grpc.aio.insecure_channel(address) as channel:
         stub = node_pb2_grpc.NodeStub(channel)
-        warm = make_prompts(WARMUP_REQUESTS, cfg.input_len, cfg.seed - 1)
-        await closed_loop(stub, warm, WARMUP_REQUESTS, WARMUP_OUTPUT_LEN)
+        warm = make_prompts(WARMUP_REQUESTS, cfg.input_len, cfg.seed, "warmup")
+        _, errors, _ = await closed_loop(
+            stub, warm, WARMUP_REQUESTS, WARMUP_OUTPUT_LEN, cfg.request_timeout_s
+        )
+        if errors:
+            raise RuntimeError(f"warm-up request failed: {errors[0]}")
         for concurrency in cfg.concurrencies:
-            prompts = make_prompts(
-                cfg.requests_for(concurrency), cfg.input_len, cfg.seed + concurrency
-            )
-            log(f"concurrency {concurrency}: {len(prompts)} requests")
-            log_start = log_path.stat().st_size if log_path else 0
-            timings, errors, duration = await closed_loop(
-                stub, prompts, concurrency, cfg.output_len
-            )
-            result = summarize(concurrency, timings, errors, duration)
-            log_end = log_path.stat().st_size if log_path else 0
-            result.server_gen_tok_s = server_gen_throughput(log_path, log_start, log_end)
-            log(f"concurrency {concurrency}: {brief(result)}")
-            results.append(result)
+            await ensure_healthy(stub, log_path)
+            results.append(await run_level(cfg, stub, concurrency, log_path))
     return results
 
 
@@ -343,7 +386,7 @@ def build_decode_batch(cfg: BenchConfig, model_path: str) -> Any:
     scheduler, vocab = engine.scheduler, engine.model_config.vocab_size
     # Enough tokens that nobody finishes during warm-up, measurement and profiling.
     params = SamplingParams(max_new_tokens=steps + 4, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(make_prompts(batch, cfg.input_len, cfg.seed + 100_000)):
+    for i, ids in enumerate(make_prompts(batch, cfg.input_len, cfg.seed, "overhead")):
         sampler = RequestSampler(params, ids, vocab, scheduler.runner.device)
         scheduler.add_request(
             Req(rid=f"overhead-{i}", prompt_ids=ids, params=params, sampler=sampler)
@@ -365,7 +408,14 @@ def decode_steps(scheduler: Any, steps: int, batch: int) -> list[Any]:
 
 
 def measure_overhead(cfg: BenchConfig, model_path: str) -> OverheadResult:
-    log(f"overhead: building the engine and {cfg.overhead_batch} decoding requests")
+    import torch
+
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    log(
+        f"overhead: building the engine and {cfg.overhead_batch} decoding requests "
+        f"(torch threads: {torch.get_num_threads()})"
+    )
     scheduler = build_decode_batch(cfg, model_path)
     decode_steps(scheduler, OVERHEAD_WARMUP_STEPS, cfg.overhead_batch)
     stats = decode_steps(scheduler, cfg.overhead_steps, cfg.overhead_batch)
@@ -378,6 +428,7 @@ def measure_overhead(cfg: BenchConfig, model_path: str) -> OverheadResult:
         mean_forward_ms=float(np.mean([s.forward_s for s in stats])) * 1e3,
         overhead_ms=float(np.mean(overheads)) * 1e3,
         overhead_frac=float(np.mean(overheads)) / mean_step,
+        median_step_ms=float(np.median([s.step_s for s in stats])) * 1e3,
         median_overhead_ms=float(np.median(overheads)) * 1e3,
     )
     log(
@@ -462,13 +513,15 @@ def format_levels(results: list[LevelResult]) -> str:
 
 def format_overhead(o: OverheadResult) -> str:
     verdict = "ok" if o.overhead_frac <= OVERHEAD_TARGET else "OVER TARGET"
+    median_frac = o.median_overhead_ms / o.median_step_ms if o.median_step_ms else 0.0
     lines = [
-        "| batch | decode steps | mean step ms | mean forward ms "
-        "| overhead ms/step (mean / median) "
-        f"| overhead fraction | target < {OVERHEAD_TARGET:.0%} |",
+        "| batch | decode steps | step ms (mean / median) | forward ms (mean) "
+        "| overhead ms/step (mean / median) | overhead fraction (of means / of medians) "
+        f"| target < {OVERHEAD_TARGET:.0%} |",
         "|---:|---:|---:|---:|---:|---:|---|",
-        f"| {o.batch} | {o.steps} | {o.mean_step_ms:.2f} | {o.mean_forward_ms:.2f} "
-        f"| {o.overhead_ms:.2f} / {o.median_overhead_ms:.2f} | {o.overhead_frac:.1%} | {verdict} |",
+        f"| {o.batch} | {o.steps} | {o.mean_step_ms:.2f} / {o.median_step_ms:.2f} "
+        f"| {o.mean_forward_ms:.2f} | {o.overhead_ms:.2f} / {o.median_overhead_ms:.2f} "
+        f"| {o.overhead_frac:.1%} / {median_frac:.1%} | {verdict} |",
     ]
     return "\n".join(lines)
 
@@ -505,7 +558,7 @@ def write_json(
 
 
 # ---- driver --------------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> BenchConfig:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
         "--target", default=None, help="HOST:PORT of a running node (default: start one)"
@@ -527,11 +580,24 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for Health"
     )
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (OMP_NUM_THREADS of the node, set_num_threads in-process); "
+        "default: torch's, one per core",
+    )
     p.add_argument("--skip-overhead", action="store_true", help="skip the in-process overhead part")
     p.add_argument("--overhead-batch", type=int, default=32)
     p.add_argument("--overhead-steps", type=int, default=30)
     p.add_argument("--profile", action="store_true", help="profile the decode step even under 10%%")
     p.add_argument("--output-json", type=Path, default=None)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    p = build_parser()
     args = p.parse_args(argv)
     levels = tuple(int(c) for c in args.concurrency.split(",") if c.strip())
     if not levels or min(levels) < 1:
@@ -552,6 +618,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         num_requests=args.num_requests,
         seed=args.seed,
         startup_timeout_s=args.startup_timeout,
+        request_timeout_s=args.request_timeout,
+        threads=args.threads,
         skip_overhead=args.skip_overhead,
         overhead_batch=args.overhead_batch,
         overhead_steps=args.overhead_steps,

@@ -17,8 +17,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,10 +126,8 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float) -> int:
 
 def _kill_leftovers(session_id: int) -> None:
     for pid in session_members(session_id):
-        try:
+        with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _wait_ready(
@@ -151,7 +149,11 @@ def _wait_ready(
 
 
 def _start_once(
-    command: list[str], log_path: Path, probe: ReadinessProbe, ready_timeout: float
+    command: list[str],
+    log_path: Path,
+    env: Mapping[str, str] | None,
+    probe: ReadinessProbe,
+    ready_timeout: float,
 ) -> NodeServer | None:
     """Start and wait for readiness; None if the port was taken meanwhile."""
     port = free_port()
@@ -165,6 +167,7 @@ def _start_once(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
     channel = grpc.insecure_channel(address)
     server = NodeServer(process, address, channel, node_pb2_grpc.NodeStub(channel), log_path)
@@ -201,20 +204,22 @@ def running_node(
     args: Sequence[str],
     log_path: Path,
     *,
+    env: Mapping[str, str] | None = None,
     ready_timeout: float = 120.0,
     stop_timeout: float = 30.0,
     probe: ReadinessProbe = node_health_probe,
 ) -> Iterator[NodeServer]:
     """Run `script args --host 127.0.0.1 --port <free>` until the block ends, whatever happens.
 
-    `script` is a console script name (`decode-server`) or a path. The block may stop the
-    server itself (for example to test SIGTERM); stopping an exited server does nothing.
+    `script` is a console script name (`decode-server`) or a path; `env` adds to (or overrides)
+    this process's environment. The block may stop the server itself (for example to test
+    SIGTERM); stopping an exited server does nothing.
     """
     command = [console_script(script) if os.sep not in script else script, *args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     server = None
     for _ in range(_PORT_ATTEMPTS):
-        server = _start_once(command, log_path, probe, ready_timeout)
+        server = _start_once(command, log_path, env, probe, ready_timeout)
         if server is not None:
             break
     if server is None:

@@ -389,6 +389,13 @@ def test_stream_disconnect_keeps_pending_items(server: Server) -> None:
             statuses = client.watch_room_status(decode_id)
             assert (await next_matching(statuses, lambda s: s.room != first)).room == second
 
+            # One stream per node id: a second one takes over and the first ends ABORTED.
+            takeover = stub.WatchRoomStatus(pb.WatchRoomStatusRequest(decode_node_id=decode_id))
+            await asyncio.wait_for(takeover.initial_metadata(), WAIT_S)
+            details = await expect_error(next_item(statuses), grpc.StatusCode.ABORTED)
+            assert decode_id in details
+            takeover.cancel()
+
     run(scenario)
 
 

@@ -7,6 +7,7 @@ that each page is in exactly one place (free, owned by one live request, or in t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -97,7 +98,9 @@ def test_too_small_pool_raises() -> None:
         pytest.param(lambda a, pages: a.free_cached([pages[1]]), id="free-cached-of-used"),
     ],
 )
-def test_bad_frees_raise_integrity_error(allocator: PageAllocator, bad_free) -> None:
+def test_bad_frees_raise_integrity_error(
+    allocator: PageAllocator, bad_free: Callable[[PageAllocator, list[int]], None]
+) -> None:
     pages = allocator.allocate(3)
     allocator.free([pages[0]])
     before = (allocator.num_free, allocator.num_used)
@@ -251,6 +254,18 @@ def test_evict_frees_least_recently_used_leaves_first(cache: RadixCache) -> None
     check(cache.allocator, cache)
 
 
+def test_split_does_not_refresh_the_unused_lower_half(cache: RadixCache) -> None:
+    old, newer = [1] * 8, [2] * 8
+    cached_request(cache, old)
+    cached_request(cache, newer)
+    cache.match_prefix([1, 1, 1, 1, 9, 9, 9, 9])  # uses only the first page of `old`: splits
+    # `old`'s second page was last used before `newer` was inserted, so it goes first.
+    assert cache.evict(1) == 1
+    assert cache.match_prefix(newer).num_pages == 2
+    assert cache.match_prefix(old).num_pages == 1
+    check(cache.allocator, cache)
+
+
 def test_evict_climbs_to_parent_once_its_children_are_gone(cache: RadixCache) -> None:
     base = [5] * 4
     cached_request(cache, [*base, 1, 1, 1, 1])
@@ -321,14 +336,21 @@ class MemoryMachine(RuleBasedStateMachine):
         ps = self.page_size
         max_len = MAX_REQUEST_PAGES * ps + ps - 1
         num_pages = data.draw(st.integers(1, MAX_REQUEST_PAGES), label="pages")
-        suffix = data.draw(st.lists(VOCAB, min_size=num_pages * ps, max_size=num_pages * ps + ps - 1))
-        # Bases are cached prefixes and recent requests (maybe still running, so two requests
-        # compute the same prefix and the later insert finds it cached).
-        bases = sorted(self.reference) + [tuple(t) for t in self.started_tokens[-4:]]
-        if not shared or not bases:
+        suffix = data.draw(
+            st.lists(VOCAB, min_size=num_pages * ps, max_size=num_pages * ps + ps - 1)
+        )
+        # Bases: cached prefixes; live requests' tokens (cutting inside their locked path splits
+        # locked nodes); recent requests (two requests compute the same prefix, the later insert
+        # finds it cached).
+        sources = [
+            sorted(self.reference),
+            [tuple(req.tokens) for req in self.live.values()],
+            [tuple(t) for t in self.started_tokens[-4:]],
+        ]
+        sources = [bases for bases in sources if bases]
+        if not shared or not sources:
             return suffix
-        # Cutting anywhere (inside a page too) makes prefixes collide and nodes split, locked
-        # ones included.
+        bases = data.draw(st.sampled_from(sources), label="source")
         base = list(data.draw(st.sampled_from(bases), label="base"))
         cut = data.draw(st.integers(0, len(base)), label="cut")
         tail = data.draw(st.sampled_from([[], suffix[:ps], suffix]), label="tail")
@@ -458,10 +480,13 @@ class MemoryMachine(RuleBasedStateMachine):
             assert req.node is self.cache.root or req.node.lock_ref > 0
 
 
-def machine_for(page_size: int) -> type[MemoryMachine]:
-    machine = type(f"MemoryMachinePageSize{page_size}", (MemoryMachine,), {"page_size": page_size})
-    machine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
-    return machine
+def machine_for(size: int) -> type[MemoryMachine]:
+    class Machine(MemoryMachine):
+        page_size = size
+
+    Machine.__name__ = Machine.__qualname__ = f"MemoryMachinePageSize{size}"
+    Machine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+    return Machine
 
 
 TestMemoryPageSize1 = machine_for(1).TestCase

@@ -52,7 +52,7 @@ class RadixCache:
         return tuple(tokens[page * self.page_size : (page + 1) * self.page_size])
 
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
-        """Longest cached prefix of `tokens` in whole pages; the returned node ends exactly there."""
+        """Longest cached prefix of `tokens` in whole pages; the returned node ends right there."""
         node, pages = self.root, []
         n_pages = len(tokens) // self.page_size
         done = 0
@@ -62,9 +62,10 @@ class RadixCache:
             if child is None:
                 break
             shared = self._shared_pages(child, tokens, done)
-            child.last_access = now
             if shared < len(child.pages):
                 child = self._split(child, shared)
+            # Stamped after the split: the unused lower half keeps its old time for LRU eviction.
+            child.last_access = now
             pages.extend(child.pages)
             done += shared
             node = child
@@ -156,7 +157,7 @@ class RadixCache:
             self.allocator.free_cached(node.pages)
             self.evictable_pages -= len(node.pages)
             freed += len(node.pages)
-            if parent is not self.root and not parent.children:
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
