@@ -141,7 +141,10 @@ class NodeLink:
             )
 
     async def _post_status(self, status: RoomStatus) -> None:
-        state = bootstrap_pb2.DONE if status.state is RoomState.DONE else bootstrap_pb2.FAILED
+        state = {
+            RoomState.DONE: bootstrap_pb2.DONE,
+            RoomState.TRANSFERRING: bootstrap_pb2.TRANSFERRING,
+        }.get(status.state, bootstrap_pb2.FAILED)
         msg = bootstrap_pb2.RoomStatus(
             room=status.room,
             prefill_node_id=status.prefill_node_id,

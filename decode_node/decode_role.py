@@ -43,7 +43,7 @@ logger = logging.getLogger("pdserve.decode")
 @dataclass(frozen=True)
 class DecodeRoleConfig:
     decode_headroom: int = 32  # tokens of decode room required beside the prompt to admit
-    transfer_timeout_s: float = 60.0  # destination published -> DONE
+    transfer_timeout_s: float = 300.0  # published (or last progress from P) -> DONE
 
 
 @dataclass
@@ -165,7 +165,10 @@ class DecodeRole:
                 self._free(scheduler, self.quarantine.pop(event.room).req)
             return []
         if event.state not in (RoomState.DONE, RoomState.FAILED):
-            return []  # progress reports are informational
+            progressing = self.transfer.get(event.room)
+            if progressing is not None:  # P started writing: the timeout restarts
+                progressing.published = self.clock()
+            return []
         entry = self.transfer.pop(event.room, None)
         if entry is None:
             return []

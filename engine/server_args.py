@@ -120,7 +120,10 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
         "--bootstrap-timeout", type=float, default=30.0, help="seconds to wait for the peer"
     )
     g.add_argument(
-        "--transfer-timeout", type=float, default=60.0, help="seconds for a room's KV to arrive"
+        "--transfer-timeout",
+        type=float,
+        default=300.0,
+        help="seconds without progress before a room's transfer is given up",
     )
     g.add_argument(
         "--decode-headroom", type=int, default=32, help="decode tokens reserved beside a prompt"

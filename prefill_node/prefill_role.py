@@ -37,7 +37,7 @@ logger = logging.getLogger("pdserve.prefill")
 @dataclass(frozen=True)
 class PrefillRoleConfig:
     bootstrap_timeout_s: float = 30.0  # wait this long for D's destination
-    transfer_timeout_s: float = 60.0  # a started transfer must settle within this
+    transfer_timeout_s: float = 300.0  # a started transfer must settle within this
 
 
 @dataclass
@@ -109,10 +109,14 @@ class PrefillRole:
             if entry.failure or id(entry.req) in finishing:  # sent whole by _finish_prefill
                 continue
             assert entry.sender is not None
+            started = entry.sender.stats.pages > 0
             try:
                 entry.sender.send_pages(entry.req.pages, entry.req.kv_len // self.page_size)
             except TransferError as exc:
                 self._doom(scheduler, entry, f"KV write failed: {exc}")
+                continue
+            if not started and entry.sender.stats.pages:  # first pages out: D resets its timer
+                self._post(entry.req, RoomState.TRANSFERRING, "")
         for req in list(scheduler.prefilled):
             done = self.active.get(req.room)
             if done is not None and done.req is req:
@@ -213,8 +217,9 @@ class PrefillRole:
             if state is TransferState.PENDING:
                 if self.clock() - entry.inflight_since < self.config.transfer_timeout_s:
                     continue
-                entry.failure = entry.failure or "KV transfer timed out"
-                logger.error("room %d: transfer still pending after timeout; holding pages", room)
+                if not entry.failure:
+                    entry.failure = "KV transfer timed out"
+                    logger.error("room %d: transfer pending past the timeout; holding pages", room)
                 continue
             if state is TransferState.FAILED and not entry.failure:
                 entry.failure = "KV write to the decode node failed"
@@ -230,10 +235,7 @@ class PrefillRole:
         if req in scheduler.parked:
             scheduler.parked.remove(req)
         scheduler.kv.release(req, cache=not entry.failure)
-        state = RoomState.FAILED if entry.failure else RoomState.DONE
-        self.link.post_status(
-            RoomStatus(req.room, self.link.node_id, req.peer_node_id, state, entry.failure)
-        )
+        self._post(req, RoomState.FAILED if entry.failure else RoomState.DONE, entry.failure)
         if entry.failure:
             req.finish_reason = FinishReason.ABORT
             req.finish_detail = self._describe(req, entry.failure)
@@ -241,6 +243,11 @@ class PrefillRole:
         else:
             req.finish_reason = FinishReason.PREFILLED
         return StepOutput(req, [], True)
+
+    def _post(self, req: Req, state: RoomState, reason: str) -> None:
+        self.link.post_status(
+            RoomStatus(req.room, self.link.node_id, req.peer_node_id, state, reason)
+        )
 
     def _describe(self, req: Req, failure: str) -> str:
         nodes = f"prefill node {self.link.node_id} -> decode node {req.peer_node_id}"

@@ -79,6 +79,7 @@ class BenchConfig:
     startup_timeout_s: float
     request_timeout_s: float
     threads: int | None  # torch threads of the node and of the overhead engine; None: default
+    skip_node: bool
     skip_overhead: bool
     overhead_batch: int
     overhead_steps: int
@@ -588,6 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch threads (OMP_NUM_THREADS of the node, set_num_threads in-process); "
         "default: torch's, one per core",
     )
+    p.add_argument("--skip-node", action="store_true", help="skip the gRPC part (overhead only)")
     p.add_argument("--skip-overhead", action="store_true", help="skip the in-process overhead part")
     p.add_argument("--overhead-batch", type=int, default=32)
     p.add_argument("--overhead-steps", type=int, default=30)
@@ -620,6 +622,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         startup_timeout_s=args.startup_timeout,
         request_timeout_s=args.request_timeout,
         threads=args.threads,
+        skip_node=args.skip_node,
         skip_overhead=args.skip_overhead,
         overhead_batch=args.overhead_batch,
         overhead_steps=args.overhead_steps,
@@ -641,15 +644,15 @@ def bench_node(cfg: BenchConfig) -> list[LevelResult]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    levels = bench_node(cfg)
+    levels = [] if cfg.skip_node else bench_node(cfg)
     overhead = None
     if not cfg.skip_overhead:
         from engine.builder import resolve_model
 
         overhead = measure_overhead(cfg, resolve_model(cfg.model))
-    print(format_levels(levels))
+    if levels:
+        print(format_levels(levels) + "\n")
     if overhead is not None:
-        print()
         print(format_overhead(overhead))
         if overhead.profile:
             print(format_profile(overhead.profile))

@@ -121,7 +121,7 @@ def assert_clean(server: NodeServer) -> None:
 
 def assert_rpc_error(
     excinfo: pytest.ExceptionInfo[grpc.RpcError], code: grpc.StatusCode, word: str
-):
+) -> None:
     err = excinfo.value
     assert err.code() == code, f"{err.code()}: {err.details()}"
     assert word in err.details(), err.details()
@@ -261,6 +261,7 @@ def test_stream_sends_one_chunk_per_token_then_finished(
     assert gen.finished.usage.completion_tokens == 16
     assert gen.finished.usage.prompt_tokens == len(prompt)
     assert gen.token_ids == reference(tiny_model_dir("llama"), [prompt], 16)[0]
+    assert_clean(tiny_server)
 
 
 def test_first_chunk_arrives_while_request_runs_and_abort_ends_it(tiny_server: NodeServer) -> None:

@@ -16,7 +16,7 @@ from proto import node_pb2
 from tests.pd_cluster import pd_cluster
 from tests.reference import hf_greedy
 
-LENGTHS = [5, 17, 40, 64, 100, 150, 200, 256, 300, 400, 512, 700, 900, 1100, 1300, 1500]
+LENGTHS = [5, 8, 12, 20, 30, 45, 64, 90, 128, 180, 256, 360, 512, 720, 1000, 1500]
 MAX_NEW = 6
 
 
@@ -71,7 +71,8 @@ def test_pd_matches_colocated_and_hf(
             assert result.prefill is not None and result.prefill.sent_pages > 0
         pd_tokens = [r.token_ids for r in results]
         assert pd_tokens == hf_reference
-        assert _colocated_on_decode_node(cluster, prompts, sampling) == hf_reference
+        if backend == "mooncake":  # the node path is the same for both backends
+            assert _colocated_on_decode_node(cluster, prompts, sampling) == hf_reference
         # Coalescing: each request's pages go in a few descriptors, not one per page.
         long = results[-1].prefill
         assert long is not None and long.descriptors < long.sent_pages

@@ -112,16 +112,29 @@ class Target:
         assert self.process.exitcode == 0, f"target exited with {self.process.exitcode}"
 
 
-def start_target(backend: str, node_id: str) -> Target:
+@dataclass
+class StartingTarget:
+    """A spawned target that may still be importing (NIXL pulls in torch: seconds)."""
+
+    node_id: str
+    process: mp.process.BaseProcess
+    conn: Connection
+
+    def ready(self, timeout: float = 60.0) -> Target:
+        if not self.conn.poll(timeout):
+            self.process.kill()
+            raise TimeoutError(f"target {self.node_id} did not start in {timeout} s")
+        ready: TargetReady = self.conn.recv()
+        peer = PeerInfo(self.node_id, ready.endpoint, {"kv": ready.region})
+        return Target(self.process, self.conn, peer)
+
+
+def spawn_target(backend: str, node_id: str) -> StartingTarget:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     process = ctx.Process(target=target_main, args=(backend, node_id, child), daemon=True)
     process.start()
-    if not parent.poll(60):
-        process.kill()
-        raise TimeoutError(f"{backend} target {node_id} did not start in 60 s")
-    ready: TargetReady = parent.recv()
-    return Target(process, parent, PeerInfo(node_id, ready.endpoint, {"kv": ready.region}))
+    return StartingTarget(node_id, process, parent)
 
 
 @dataclass
@@ -150,16 +163,26 @@ def make_initiator(backend: str, node_name: str) -> Initiator:
     return Initiator(engine, buffer)
 
 
+@dataclass
+class Loopback:
+    initiator: Initiator
+    target: Target
+    doomed: StartingTarget  # for the dead-peer case, started early so that it is ready
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Initiator, Target]]:
+def pair(request: pytest.FixtureRequest) -> Iterator[Loopback]:
     backend = request.param
-    target = start_target(backend, f"{backend}-target-{os.getpid()}")
+    starting = spawn_target(backend, f"{backend}-target-{os.getpid()}")
+    doomed = spawn_target(backend, f"{backend}-doomed-{os.getpid()}")
     initiator = make_initiator(backend, f"{backend}-initiator-{os.getpid()}")
+    target = starting.ready()
     initiator.engine.connect(target.peer)
     initiator.engine.connect(target.peer)  # idempotent
-    yield initiator, target
+    yield Loopback(initiator, target, doomed)
     initiator.engine.close()
     target.stop()
+    doomed.process.kill()
 
 
 def write_and_wait(initiator: Initiator, target: Target, ranges: list[TransferRange]) -> None:
@@ -169,8 +192,8 @@ def write_and_wait(initiator: Initiator, target: Target, ranges: list[TransferRa
     initiator.engine.release(handle)
 
 
-def test_large_contiguous_write(pair: tuple[Initiator, Target]) -> None:
-    initiator, target = pair
+def test_large_contiguous_write(pair: Loopback) -> None:
+    initiator, target = pair.initiator, pair.target
     length, src_off, dst_off = 16 << 20, 4096, 8 << 20
     ranges = [TransferRange(initiator.base + src_off, target.region.addr + dst_off, length)]
     write_and_wait(initiator, target, ranges)
@@ -196,8 +219,8 @@ def scattered_mapping(num_pages: int, pool_pages: int, seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "one-per-page"])
-def test_scattered_pages(pair: tuple[Initiator, Target], coalesce: bool) -> None:
-    initiator, target = pair
+def test_scattered_pages(pair: Loopback, coalesce: bool) -> None:
+    initiator, target = pair.initiator, pair.target
     num_pages = 3000
     dst_pages = scattered_mapping(num_pages, BUFFER_BYTES // PAGE, seed=3)
     src_pages = list(range(num_pages))
@@ -219,9 +242,9 @@ def test_scattered_pages(pair: tuple[Initiator, Target], coalesce: bool) -> None
     assert (dst[untouched] == SENTINEL).all()
 
 
-def test_concurrent_writes_to_one_peer(pair: tuple[Initiator, Target]) -> None:
+def test_concurrent_writes_to_one_peer(pair: Loopback) -> None:
     """4 x 1000 one-page descriptors in flight at once: over Mooncake's default per-peer cap."""
-    initiator, target = pair
+    initiator, target = pair.initiator, pair.target
     assert target.ask(Fill(SENTINEL))
     writes, pages = 4, 1000
     handles = [
@@ -243,8 +266,8 @@ def test_concurrent_writes_to_one_peer(pair: tuple[Initiator, Target]) -> None:
     assert (dst[written:] == SENTINEL).all()
 
 
-def test_write_outside_peer_region_fails(pair: tuple[Initiator, Target]) -> None:
-    initiator, target = pair
+def test_write_outside_peer_region_fails(pair: Loopback) -> None:
+    initiator, target = pair.initiator, pair.target
     beyond = target.region.addr + target.region.length
     try:
         handle = initiator.engine.write(
@@ -258,18 +281,17 @@ def test_write_outside_peer_region_fails(pair: tuple[Initiator, Target]) -> None
     assert state is TransferState.FAILED
 
 
-def test_write_to_unconnected_peer_names_it(pair: tuple[Initiator, Target]) -> None:
-    initiator, _ = pair
+def test_write_to_unconnected_peer_names_it(pair: Loopback) -> None:
+    initiator = pair.initiator
     with pytest.raises(TransferError, match="never-connected-node"):
         initiator.engine.write(
             "never-connected-node", [TransferRange(initiator.base, 0x1000, PAGE)]
         )
 
 
-def test_write_to_dead_peer_fails_in_bounded_time(pair: tuple[Initiator, Target]) -> None:
-    initiator, live = pair
-    backend = initiator.engine.name
-    doomed = start_target(backend, f"{backend}-doomed-{os.getpid()}")
+def test_write_to_dead_peer_fails_in_bounded_time(pair: Loopback) -> None:
+    initiator, live = pair.initiator, pair.target
+    doomed = pair.doomed.ready()
     try:
         initiator.engine.connect(doomed.peer)
         ranges = [TransferRange(initiator.base, doomed.region.addr, 1 << 20)]

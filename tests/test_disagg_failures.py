@@ -1,0 +1,617 @@
+"""Prefill/decode disaggregation when things go wrong (DESIGN.md, request life cycle step 6).
+
+Real bootstrap, prefill-server and decode-server processes on 127.0.0.1 with a real transfer
+engine (Mooncake over TCP, NIXL over UCX); dying processes get a real SIGKILL. Every case checks
+the same three promises:
+
+- the request ends with a clear error: on the decode side the Generate stream's `Finished` has
+  finish_reason "abort" and a detail naming the room and the node(s); on the prefill side the
+  Prefill RPC fails with the room (and the decode node) in its details;
+- every surviving node ends idle with no page in use and a clean integrity check;
+- the nodes keep serving: a normal request through the pair afterwards matches the decode node
+  prefilling the same prompt itself (colocated).
+
+Cases: 1 D never gets a P, 2 P never gets a D, 3 P dies mid-transfer (with 7: D keeps the pages
+of a room it gave up until the frozen P is known dead), 4 D dies while P sends, 5 abort on
+either side, 6 failed KV writes (all of them, then 30% under concurrency).
+
+One module-scoped fleet per backend (one bootstrap, named nodes on it) is shared by all cases:
+the tiny llama with 65536 positions, so a 4000-token prompt in 32-token chunks keeps the prefill
+node busy for over a hundred steps and "mid-prefill" is a matter of ordering (act once P's log
+shows the first prefill batch), not of timing. A test that kills a node kills one it owns
+(`prefill-victim`, `decode-short`), which the fleet starts again when a later test needs it.
+Nothing here asserts how fast anything is; timeouts only guard against hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gateway.pd_client import new_room
+from proto import bootstrap_pb2, bootstrap_pb2_grpc, node_pb2, node_pb2_grpc
+from tests.node_harness import NodeServer, running_node
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only; the servers inherit it
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+BACKENDS = ["mooncake", "nixl"]
+RPC_TIMEOUT = 120.0  # only against hangs
+WAIT_TIMEOUT = 60.0
+HEARTBEAT_TIMEOUT = 3.0  # bootstrap declares a silent node dead after this
+BOOTSTRAP_TIMEOUT = 3.0  # P: wait this long for D's destination
+SHORT_TRANSFER_TIMEOUT = 2.0  # `decode-short`: destination published -> DONE
+TRANSFER_TIMEOUT = 30.0  # everyone else: longer than any case waits
+CHUNK = 32
+LONG_PROMPT = 4000  # 125 chunks on the prefill node
+MAX_NEW = 4
+
+NODE_ARGS = [
+    "--page-size", "16",
+    "--chunked-prefill-size", str(CHUNK),
+    "--bootstrap-timeout", str(BOOTSTRAP_TIMEOUT),
+    "--transfer-timeout", str(TRANSFER_TIMEOUT),
+]  # fmt: skip
+# name -> (script, extra args); later flags override NODE_ARGS.
+FLEET: dict[str, tuple[str, list[str]]] = {
+    "decode": ("decode-server", []),
+    "decode-short": ("decode-server", ["--transfer-timeout", str(SHORT_TRANSFER_TIMEOUT)]),
+    "prefill": ("prefill-server", []),
+    "prefill-victim": ("prefill-server", []),
+    "prefill-fail-all": ("prefill-server", ["--inject-transfer-failures", "1.0"]),
+    "prefill-fail-some": ("prefill-server", ["--inject-transfer-failures", "0.3"]),
+}
+
+
+def greedy(max_new_tokens: int = MAX_NEW) -> node_pb2.SamplingParams:
+    return node_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+# ---- the fleet -------------------------------------------------------------------------------
+
+
+def _bootstrap_ready(channel: grpc.Channel) -> bool:
+    bootstrap_pb2_grpc.BootstrapStub(channel).ListNodes(bootstrap_pb2.ListNodesRequest(), timeout=5)
+    return True
+
+
+def _registered(channel: grpc.Channel) -> bool:
+    health = node_pb2_grpc.NodeStub(channel).Health(node_pb2.HealthRequest(), timeout=5)
+    return bool(health.ok and health.node_id)
+
+
+@dataclass
+class FleetNode:
+    server: NodeServer
+    node_id: str
+    context: AbstractContextManager[NodeServer]
+
+    @property
+    def alive(self) -> bool:
+        return self.server.process.poll() is None
+
+
+class Fleet:
+    """One bootstrap-server and the named nodes of `FLEET` registered with it.
+
+    `ensure(...)` starts the named nodes that are not running (in parallel: a start is mostly
+    waiting on imports), so a test that killed a node leaves the next user a fresh one.
+    """
+
+    def __init__(self, tmp: Path, model: Path, backend: str, pool: ThreadPoolExecutor) -> None:
+        self.tmp = tmp
+        self.model = model
+        self.backend = backend
+        self.pool = pool
+        self.nodes: dict[str, FleetNode] = {}
+        self._bootstrap_cm = running_node(
+            "bootstrap-server",
+            ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--heartbeat-interval", "0.5"],
+            tmp / "bootstrap.log",
+            probe=_bootstrap_ready,
+        )
+        self.bootstrap = self._bootstrap_cm.__enter__()
+
+    def ensure(self, *names: str) -> None:
+        dead = [n for n in names if n not in self.nodes or not self.nodes[n].alive]
+        for name in dead:
+            if name in self.nodes:
+                self.nodes.pop(name).context.__exit__(None, None, None)
+        starts = {name: self.pool.submit(self._start, name) for name in dead}
+        errors = []
+        for name, future in starts.items():
+            try:
+                self.nodes[name] = future.result()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _start(self, name: str) -> FleetNode:
+        script, extra = FLEET[name]
+        args = ["--model", str(self.model), "--bootstrap", self.bootstrap.address]
+        args += ["--transfer-backend", self.backend, *NODE_ARGS, *extra]
+        if script == "decode-server":
+            args = ["--mode", "disaggregated", *args]
+        context = running_node(script, args, self.tmp / f"{name}.log", probe=_registered)
+        server = context.__enter__()
+        try:
+            health = server.stub.Health(node_pb2.HealthRequest(), timeout=RPC_TIMEOUT)
+        except BaseException:
+            context.__exit__(None, None, None)
+            raise
+        return FleetNode(server, health.node_id, context)
+
+    def __getitem__(self, name: str) -> NodeServer:
+        return self.nodes[name].server
+
+    def node_id(self, name: str) -> str:
+        return self.nodes[name].node_id
+
+    def close(self) -> None:
+        stops = [
+            self.pool.submit(node.context.__exit__, None, None, None)
+            for node in self.nodes.values()
+        ]
+        for future in stops:
+            future.result()
+        self.nodes.clear()
+        self._bootstrap_cm.__exit__(None, None, None)
+
+    # ---- checks shared by the cases --------------------------------------------------------
+
+    def assert_idle(self, *names: str) -> None:
+        """No request left and no page in use (cached prefix pages are fine), integrity ok."""
+        for name in names:
+            check = self[name].wait_idle(timeout=WAIT_TIMEOUT)
+            assert check.ok, f"{name}: {check.error}"
+            assert check.used_pages == 0, f"{name}: {check.used_pages} pages leaked"
+            total = check.free_pages + check.used_pages + check.cached_pages
+            assert total == check.total_pages, f"{name}: {check}"
+
+    def assert_pair_serves(self, prefill: str = "prefill", decode: str = "decode") -> None:
+        """A normal request through the pair gives what the decode node computes by itself."""
+        ids = prompt(40, seed=1)
+        outcome = run_pd(self, prefill, decode, ids)
+        assert outcome.finished is not None, outcome.decode_error
+        assert outcome.finished.finish_reason == "length", outcome.finished.detail
+        assert outcome.prefill_error is None, outcome.prefill_error
+        assert outcome.token_ids == colocated(self[decode], ids)
+        self.assert_idle(prefill, decode)
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama allowed 65536 positions, so a long prompt takes many chunks."""
+    path = tmp_path_factory.mktemp("tiny-llama-long") / "model"
+    shutil.copytree(tiny_model_dir("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 65536
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(max_workers=32, thread_name_prefix="pd-failures") as executor:
+        yield executor
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def fleet(
+    request: pytest.FixtureRequest,
+    long_context_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    pool: ThreadPoolExecutor,
+) -> Iterator[Fleet]:
+    backend: str = request.param
+    fleet = Fleet(tmp_path_factory.mktemp(f"fleet-{backend}"), long_context_model, backend, pool)
+    try:
+        fleet.ensure(*FLEET)
+        yield fleet
+    finally:
+        fleet.close()
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+
+@dataclass
+class PDOutcome:
+    """What both sides of one disaggregated request said."""
+
+    room: int
+    rid: str
+    token_ids: list[int] = field(default_factory=list)
+    finished: node_pb2.Finished | None = None
+    decode_error: grpc.RpcError | None = None  # the Generate stream itself broke
+    prefill: node_pb2.PrefillResponse | None = None
+    prefill_error: grpc.RpcError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.finished is not None and self.finished.finish_reason != "abort"
+
+
+@dataclass
+class PDCall:
+    """One request in flight: Generate(room) on D and Prefill(room) on P, at the same time."""
+
+    outcome: PDOutcome
+    decode: Future[None] | None
+    prefill: Future[None] | None
+
+    def result(self) -> PDOutcome:
+        for future in (self.decode, self.prefill):
+            if future is not None:
+                future.result(timeout=RPC_TIMEOUT)
+        return self.outcome
+
+    def decode_result(self) -> PDOutcome:
+        """Once D's stream ended; P's call may still run."""
+        assert self.decode is not None
+        self.decode.result(timeout=RPC_TIMEOUT)
+        return self.outcome
+
+
+def start_pd(
+    fleet: Fleet,
+    prefill: str,
+    decode: str,
+    ids: list[int],
+    *,
+    send_decode: bool = True,
+    send_prefill: bool = True,
+) -> PDCall:
+    room = new_room()
+    outcome = PDOutcome(room=room, rid=f"room-{room}")
+    d_future = p_future = None
+    if send_decode:
+        request = node_pb2.GenerateRequest(
+            rid=outcome.rid,
+            input_ids=ids,
+            sampling=greedy(),
+            bootstrap_room=room,
+            prefill_node_id=fleet.node_id(prefill),
+        )
+        stream = fleet[decode].stub.Generate(request, timeout=RPC_TIMEOUT)
+        d_future = fleet.pool.submit(_read_stream, stream, outcome)
+    if send_prefill:
+        p_request = node_pb2.PrefillRequest(
+            rid=outcome.rid,
+            input_ids=ids,
+            sampling=greedy(),
+            bootstrap_room=room,
+            decode_node_id=fleet.node_id(decode),
+        )
+        p_future = fleet.pool.submit(_call_prefill, fleet[prefill], p_request, outcome)
+    return PDCall(outcome, d_future, p_future)
+
+
+def run_pd(fleet: Fleet, prefill: str, decode: str, ids: list[int]) -> PDOutcome:
+    return start_pd(fleet, prefill, decode, ids).result()
+
+
+def _read_stream(stream: Iterator[node_pb2.GenerateResponse], outcome: PDOutcome) -> None:
+    try:
+        for message in stream:
+            assert outcome.finished is None, f"a message after Finished: {message}"
+            if message.HasField("chunk"):
+                outcome.token_ids.extend(message.chunk.token_ids)
+            else:
+                outcome.finished = message.finished
+    except grpc.RpcError as exc:
+        outcome.decode_error = exc
+        return
+    assert outcome.finished is not None, "the stream ended without Finished"
+
+
+def _call_prefill(
+    server: NodeServer, request: node_pb2.PrefillRequest, outcome: PDOutcome
+) -> None:
+    try:
+        outcome.prefill = server.stub.Prefill(request, timeout=RPC_TIMEOUT)
+    except grpc.RpcError as exc:
+        outcome.prefill_error = exc
+
+
+def colocated(server: NodeServer, ids: list[int]) -> list[int]:
+    """The decode node prefilling the prompt itself (no room)."""
+    request = node_pb2.GenerateRequest(input_ids=ids, sampling=greedy())
+    tokens: list[int] = []
+    finished = None
+    for message in server.stub.Generate(request, timeout=RPC_TIMEOUT):
+        if message.HasField("chunk"):
+            tokens.extend(message.chunk.token_ids)
+        else:
+            finished = message.finished
+    assert finished is not None and finished.finish_reason == "length", finished
+    return tokens
+
+
+def abort(server: NodeServer, rid: str) -> None:
+    response = server.stub.Abort(node_pb2.AbortRequest(rid=rid), timeout=RPC_TIMEOUT)
+    assert response.found
+
+
+# ---- what the errors must say ----------------------------------------------------------------
+
+
+def assert_decode_failed(outcome: PDOutcome, *node_ids: str) -> str:
+    """D's stream ended with an abort whose detail names the room and the given nodes."""
+    assert outcome.decode_error is None, outcome.decode_error
+    finished = outcome.finished
+    assert finished is not None and finished.finish_reason == "abort", finished
+    for word in (f"room {outcome.room}", *node_ids):
+        assert word in finished.detail, f"{word!r} not in {finished.detail!r}"
+    return finished.detail
+
+
+def assert_prefill_failed(outcome: PDOutcome, *node_ids: str) -> str:
+    """P's Prefill call failed with the room and the given nodes in its details."""
+    assert outcome.prefill is None, outcome.prefill
+    error = outcome.prefill_error
+    assert error is not None
+    assert error.code() == grpc.StatusCode.ABORTED, f"{error.code()}: {error.details()}"
+    details = error.details() or ""
+    for word in (f"room {outcome.room}", *node_ids):
+        assert word in details, f"{word!r} not in {details!r}"
+    return details
+
+
+# ---- logs ------------------------------------------------------------------------------------
+
+
+def log_size(server: NodeServer) -> int:
+    return server.log_path.stat().st_size
+
+
+def log_since(server: NodeServer, offset: int) -> str:
+    with server.log_path.open("rb") as log:
+        log.seek(offset)
+        return log.read().decode(errors="replace")
+
+
+def wait_for_log(
+    server: NodeServer, offset: int, found: Callable[[str], bool], what: str
+) -> None:
+    deadline = time.monotonic() + WAIT_TIMEOUT
+    while not found(log_since(server, offset)):
+        assert server.process.poll() is None, f"{what}: the server exited\n{server.log_tail()}"
+        assert time.monotonic() < deadline, f"no {what} in the log\n{server.log_tail()}"
+        time.sleep(0.01)
+
+
+def wait_first_prefill_batch(server: NodeServer, offset: int) -> None:
+    """The prefill node has computed (and started sending) the first chunk of a long prompt."""
+    wait_for_log(server, offset, lambda text: "prefill batch" in text, "prefill batch")
+
+
+def wait_delivered(bootstrap: NodeServer, offset: int, room: int) -> None:
+    """Bootstrap handed the room's destination to P: P may be writing into D's pages now."""
+
+    def delivered(text: str) -> bool:
+        return any(f"room {room} (" in ln and "delivered to P" in ln for ln in text.splitlines())
+
+    wait_for_log(bootstrap, offset, delivered, f"delivery of room {room}")
+
+
+# ---- 1. D never gets a P ---------------------------------------------------------------------
+
+
+def test_decode_never_gets_prefill(fleet: Fleet) -> None:
+    """Generate(room) reaches D, Prefill never reaches P. Both orders of the two timeouts:
+
+    - `decode-short`: D's transfer timeout (2 s) fires first; D gives the room up while P holds
+      the destination without a request, P confirms at once that it never writes, D frees.
+    - `decode`: P's bootstrap timeout (3 s) fires first; P confirms the unclaimed destination
+      as unused (FAILED), D ends the request with that and frees.
+    """
+    fleet.ensure("decode", "decode-short", "prefill")
+    p_id = fleet.node_id("prefill")
+    ids = prompt(50, seed=2)
+    first = start_pd(fleet, "prefill", "decode-short", ids, send_prefill=False)
+    second = start_pd(fleet, "prefill", "decode", ids, send_prefill=False)
+
+    detail = assert_decode_failed(first.result(), fleet.node_id("decode-short"), p_id)
+    assert "timeout" in detail, detail
+    detail = assert_decode_failed(second.result(), fleet.node_id("decode"), p_id)
+    assert "no prefill request" in detail, detail
+    fleet.assert_idle("decode-short", "decode", "prefill")
+    fleet.assert_pair_serves()
+
+
+# ---- 2. P never gets D -----------------------------------------------------------------------
+
+
+def test_prefill_never_gets_decode(fleet: Fleet) -> None:
+    """Prefill(room) reaches P, Generate never reaches D: P fails after its bootstrap timeout."""
+    fleet.ensure("decode", "prefill")
+    call = start_pd(fleet, "prefill", "decode", prompt(50, seed=3), send_decode=False)
+    details = assert_prefill_failed(call.result(), fleet.node_id("decode"))
+    assert "bootstrap timeout" in details, details
+    fleet.assert_idle("prefill", "decode")
+    fleet.assert_pair_serves()
+
+
+# ---- 3. P dies mid-transfer (and 7. no early free) -------------------------------------------
+
+
+def test_prefill_dies_mid_transfer(fleet: Fleet) -> None:
+    """SIGKILL P while it writes a long prompt: bootstrap declares P dead, D ends the request
+    with an error naming the room and P, frees its pages and keeps serving.
+
+    Late writes (case 7): a second room whose destination P holds is given up by D (client
+    abort) while P is frozen (SIGSTOP) so it cannot confirm. D must keep those pages until P is
+    known dead: right after the abort they are still in use unless bootstrap already declared
+    P dead, and they are freed on bootstrap's word, not by the quarantine expiry.
+    """
+    fleet.ensure("decode", "prefill-victim", "prefill")
+    victim, decode = fleet["prefill-victim"], fleet["decode"]
+    p_id, d_id = fleet.node_id("prefill-victim"), fleet.node_id("decode")
+    p_offset, b_offset = log_size(victim), log_size(fleet.bootstrap)
+    d_offset = log_size(decode)
+    writing = start_pd(fleet, "prefill-victim", "decode", prompt(LONG_PROMPT, seed=4))
+    queued = start_pd(fleet, "prefill-victim", "decode", prompt(LONG_PROMPT, seed=5))
+    wait_first_prefill_batch(victim, p_offset)
+    wait_delivered(fleet.bootstrap, b_offset, queued.outcome.room)
+
+    os.kill(victim.pid, signal.SIGSTOP)
+    held = decode.integrity().used_pages
+    abort(decode, queued.outcome.rid)
+    given_up = queued.decode_result()  # P's side ends when P is killed below
+    assert given_up.finished is not None and given_up.finished.finish_reason == "abort"
+    still_held = decode.integrity().used_pages
+    dead_line = f"prefill node {p_id} missed heartbeats"
+    p_known_dead = dead_line in log_since(fleet.bootstrap, b_offset)
+    assert still_held == held or p_known_dead, (
+        f"D freed the pages of room {given_up.room} ({held} -> {still_held} in use) while "
+        f"prefill node {p_id} could still write into them"
+    )
+
+    os.kill(victim.pid, signal.SIGKILL)
+    outcome = writing.result()
+    assert_decode_failed(outcome, p_id, d_id)
+    assert outcome.prefill_error is not None  # the connection died with P
+    fleet.assert_idle("decode")
+    bootstrap_log = log_since(fleet.bootstrap, b_offset)
+    assert dead_line in bootstrap_log, fleet.bootstrap.log_tail()
+    assert "freeing quarantined pages" not in log_since(decode, d_offset)
+
+    colocated(decode, prompt(30, seed=6))  # D serves without P ...
+    fleet.assert_pair_serves()  # ... and with the other prefill node
+
+
+# ---- 4. D dies while P is sending ------------------------------------------------------------
+
+
+def test_decode_dies_while_prefill_sends(fleet: Fleet) -> None:
+    """SIGKILL D while P writes a long prompt into it: P's Prefill fails naming the room and D,
+    P frees everything, refuses new work for the dead D clearly and serves the live one."""
+    fleet.ensure("decode-short", "prefill", "decode")
+    prefill, victim = fleet["prefill"], fleet["decode-short"]
+    d_id = fleet.node_id("decode-short")
+    p_offset, b_offset = log_size(prefill), log_size(fleet.bootstrap)
+    call = start_pd(fleet, "prefill", "decode-short", prompt(LONG_PROMPT, seed=7))
+    wait_first_prefill_batch(prefill, p_offset)
+    os.kill(victim.pid, signal.SIGKILL)
+
+    outcome = call.result()
+    assert outcome.decode_error is not None  # the stream died with D
+    assert_prefill_failed(outcome, d_id)
+    fleet.assert_idle("prefill")
+
+    wait_for_log(fleet.bootstrap, b_offset, lambda t: f"decode node {d_id} removed" in t, "death")
+    refused = start_pd(fleet, "prefill", "decode-short", prompt(20, seed=8), send_decode=False)
+    error = refused.result().prefill_error
+    assert error is not None
+    # FAILED_PRECONDITION once P saw D leave; before that P waits for a destination in vain.
+    assert error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
+    assert d_id in (error.details() or ""), error.details()
+    fleet.assert_idle("prefill")
+    fleet.assert_pair_serves()
+
+
+# ---- 5. abort on either side -----------------------------------------------------------------
+
+
+def test_abort_on_decode(fleet: Fleet) -> None:
+    """Abort(rid) on D while the room waits for its KV: the stream ends with "abort" and D frees
+    its pages once P confirmed it writes no more.
+
+    (a) P never got the request (it holds only the destination); (b) P is mid-prefill: P stops,
+    its Prefill fails naming the room and D.
+    """
+    fleet.ensure("decode", "prefill")
+    prefill, decode = fleet["prefill"], fleet["decode"]
+    b_offset = log_size(fleet.bootstrap)
+    waiting = start_pd(fleet, "prefill", "decode", prompt(50, seed=9), send_prefill=False)
+    wait_delivered(fleet.bootstrap, b_offset, waiting.outcome.room)
+    abort(decode, waiting.outcome.rid)
+    finished = waiting.result().finished
+    assert finished is not None and finished.finish_reason == "abort", finished
+    fleet.assert_idle("decode", "prefill")
+
+    p_offset = log_size(prefill)
+    call = start_pd(fleet, "prefill", "decode", prompt(LONG_PROMPT, seed=10))
+    wait_first_prefill_batch(prefill, p_offset)
+    abort(decode, call.outcome.rid)
+    outcome = call.result()
+    assert outcome.finished is not None and outcome.finished.finish_reason == "abort"
+    assert_prefill_failed(outcome, fleet.node_id("decode"))
+    fleet.assert_idle("decode", "prefill")
+    fleet.assert_pair_serves()
+
+
+def test_abort_on_prefill(fleet: Fleet) -> None:
+    """Abort(rid) on P mid-prefill: D's stream ends with an error naming the room and P."""
+    fleet.ensure("decode", "prefill")
+    prefill = fleet["prefill"]
+    p_offset = log_size(prefill)
+    call = start_pd(fleet, "prefill", "decode", prompt(LONG_PROMPT, seed=11))
+    wait_first_prefill_batch(prefill, p_offset)
+    abort(prefill, call.outcome.rid)
+    outcome = call.result()
+    assert_decode_failed(outcome, fleet.node_id("prefill"), fleet.node_id("decode"))
+    error = outcome.prefill_error
+    assert error is not None and error.code() == grpc.StatusCode.ABORTED, error
+    fleet.assert_idle("decode", "prefill")
+    fleet.assert_pair_serves()
+
+
+# ---- 6. failed KV writes ---------------------------------------------------------------------
+
+
+FAULT_LENGTHS = [5, 16, 17, 40, 64, 100, 200, 333]  # one page to eleven chunks
+
+
+def test_every_transfer_fails(fleet: Fleet) -> None:
+    """P with every KV write failing: each request fails clearly on both sides, no leaks."""
+    fleet.ensure("decode", "prefill-fail-all")
+    p_id, d_id = fleet.node_id("prefill-fail-all"), fleet.node_id("decode")
+    calls = [
+        start_pd(fleet, "prefill-fail-all", "decode", prompt(n, seed=20 + i))
+        for i, n in enumerate(FAULT_LENGTHS[::3])
+    ]
+    for call in calls:
+        outcome = call.result()
+        assert_decode_failed(outcome, p_id, d_id)
+        assert "KV write" in assert_prefill_failed(outcome, d_id)
+    fleet.assert_idle("decode", "prefill-fail-all")
+    fleet.assert_pair_serves()
+
+
+def test_some_transfers_fail_under_concurrency(fleet: Fleet) -> None:
+    """P with 30% of KV writes failing, 8 requests at once: each either gives exactly the
+    colocated tokens or fails clearly on both sides; no leaks."""
+    fleet.ensure("decode", "prefill-fail-some")
+    p_id, d_id = fleet.node_id("prefill-fail-some"), fleet.node_id("decode")
+    prompts = [prompt(n, seed=30 + i) for i, n in enumerate(FAULT_LENGTHS)]
+    calls = [start_pd(fleet, "prefill-fail-some", "decode", ids) for ids in prompts]
+    outcomes = [call.result() for call in calls]
+    for ids, outcome in zip(prompts, outcomes, strict=True):
+        if outcome.ok:
+            assert outcome.prefill_error is None, outcome.prefill_error
+            assert outcome.token_ids == colocated(fleet["decode"], ids)
+        else:
+            assert_decode_failed(outcome, p_id, d_id)
+            assert_prefill_failed(outcome, d_id)
+    fleet.assert_idle("decode", "prefill-fail-some")
+    fleet.assert_pair_serves()
