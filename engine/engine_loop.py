@@ -124,8 +124,8 @@ class EngineLoop:
         self._commands.put(cmd)
         return cmd.future
 
-    def abort(self, rid: str) -> Future[Any]:
-        return self.call(lambda s: self._abort(s, rid))
+    def abort(self, rid: str, reason: str = "aborted by the client") -> Future[Any]:
+        return self.call(lambda s: self._abort(s, rid, reason))
 
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -136,10 +136,16 @@ class EngineLoop:
                 self._step()
                 if role_busy and not self.scheduler.has_work:
                     time.sleep(0.001)  # only transfers to poll: don't spin a core
-        except BaseException as exc:  # the node cannot serve without its loop: report, stop
+        except BaseException as exc:  # the node cannot serve without its loop: report, die
             logger.exception("engine loop crashed: %s", exc)
             self.fatal_error = exc
             self._fail_all(f"engine loop crashed: {exc}")
+            # A node without its loop would accept requests and never answer: exit instead, so
+            # clients and bootstrap see it gone. The pause lets the failures above be sent.
+            time.sleep(0.5)
+            logger.critical("exiting: the engine loop is gone")
+            logging.shutdown()
+            os._exit(1)
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -198,14 +204,14 @@ class EngineLoop:
             del self._sinks[req.rid]
             sink(_finish_event(req))
 
-    def _abort(self, scheduler: Scheduler, rid: str) -> bool:
+    def _abort(self, scheduler: Scheduler, rid: str, reason: str) -> bool:
         req = self.role.abort(scheduler, rid) if self.role else None
         req = req or scheduler.abort(rid)
         if req is None:
             return False
         sink = self._sinks.pop(rid, None)
         if sink is not None:
-            sink(_finish_event(req, "aborted by the client"))
+            sink(_finish_event(req, reason))
         return True
 
     def _fail_all(self, detail: str) -> None:

@@ -30,6 +30,11 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.context_length = config.context_length or model_config.max_position_embeddings
+        if self.context_length > model_config.max_position_embeddings:
+            raise ValueError(
+                f"context_length {self.context_length} exceeds the model's "
+                f"max_position_embeddings {model_config.max_position_embeddings}; lower it"
+            )
         self.model = load_model(model_config, config.load_format, config.torch_dtype, self.device)
         self.kv_layout = KVLayout(
             num_layers=model_config.num_layers,

@@ -46,7 +46,14 @@ async def serve_node(
     logger.info(
         "shutting down: no new requests, %.1f s grace for in-flight", config.shutdown_grace_s
     )
-    await server.stop(config.shutdown_grace_s)
+    stopping = asyncio.create_task(server.stop(config.shutdown_grace_s))
+    # Requests still running shortly before the grace ends are aborted through the engine, so
+    # their streams end with Finished(abort) instead of a cancelled call.
+    await asyncio.wait({stopping}, timeout=max(config.shutdown_grace_s - 1.0, 0.0))
+    if not stopping.done():
+        aborted = service.abort_all("the node is shutting down")
+        logger.info("aborted %d in-flight requests", aborted)
+    await stopping
     if on_stopping is not None:
         await on_stopping()
     engine_loop.stop()

@@ -210,6 +210,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
             if not finished:  # the client cancelled or the server is shutting down
                 self.engine.abort(req.rid)
 
+    def abort_all(self, reason: str) -> int:
+        """Abort every request still streaming (shutdown); each ends with Finished(abort)."""
+        for rid in list(self._live):
+            self.engine.abort(rid, reason)
+        return len(self._live)
+
     async def _on_engine(self, fn):  # type: ignore[no-untyped-def]
         return await asyncio.wrap_future(self.engine.call(fn))
 

@@ -63,15 +63,26 @@ def _chat_prompts(tokenizer) -> list[list[int]]:
     ]
 
 
+DEFAULT_PARAMS = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def chat_prompts_and_reference(default_model_dir):
+    from transformers import AutoTokenizer
+
+    prompts = _chat_prompts(AutoTokenizer.from_pretrained(default_model_dir))
+    return prompts, hf_greedy(default_model_dir, prompts, DEFAULT_PARAMS.max_new_tokens)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_default_model_matches_hf(default_model_dir, page_size: int) -> None:
-    llm = LLM(str(default_model_dir), page_size=page_size, chunked_prefill_size=96)
-    prompts = _chat_prompts(llm.tokenizer)
+def test_default_model_matches_hf(
+    default_model_dir, chat_prompts_and_reference, page_size: int
+) -> None:
+    prompts, expected = chat_prompts_and_reference
     assert max(len(p) for p in prompts) > 96 and min(len(p) for p in prompts) < 40
-    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    expected = hf_greedy(default_model_dir, prompts, params.max_new_tokens)
-    for run in _run_twice(llm, prompts, params):
+    llm = LLM(str(default_model_dir), page_size=page_size, chunked_prefill_size=96)
+    for run in _run_twice(llm, prompts, DEFAULT_PARAMS):
         assert run == expected
 
 
