@@ -43,7 +43,7 @@ def main() -> int:
             tokenize=True,
             return_dict=False,
         )
-        prompts.append([int(t) for t in ids])
+        prompts.append([int(t) for t in ids])  # type: ignore[arg-type]
     if not prompts:
         p.error("give at least one --chat or --prompt-ids")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
