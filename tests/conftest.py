@@ -6,6 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+# The machines running the suite are small and shared: never fail a property test on speed.
+settings.register_profile("pdserve", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("pdserve")
 
 
 def _save_tiny(arch: str, path: Path) -> Path:

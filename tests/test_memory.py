@@ -426,7 +426,7 @@ class MemoryMachine(RuleBasedStateMachine):
         self.allocator.free(req.own_pages)
         self.cache.unlock(req.node)
 
-    # Hypothesis favours argument-less rules; on an empty tree these would be wasted steps.
+    # Hypothesis tries argument-less rules first; on an empty tree they would waste steps.
     @precondition(lambda self: self.cache.evictable_pages > 0)
     @rule(num_pages=st.integers(0, MAX_REQUEST_PAGES))
     def evict_pages(self, num_pages: int) -> None:
@@ -476,6 +476,7 @@ class MemoryMachine(RuleBasedStateMachine):
     def locked_pages_stay_cached(self) -> None:
         for req in self.live.values():
             for k, page in enumerate(req.matched_pages, start=1):
+                assert self.allocator.state_of(page) is PageState.CACHED
                 assert self.reference.get(self.prefix(req.tokens, k)) == page
             assert req.node is self.cache.root or req.node.lock_ref > 0
 
