@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -209,7 +210,11 @@ class NodeSession:
         self.load = load
         self.on_reregistered = on_reregistered
         self.heartbeat_interval_s = 1.0
+        self.heartbeat_timeout_s = 5.0
         self.registrations = 0
+        # Send time of the last heartbeat (or registration) bootstrap acknowledged: bootstrap
+        # saw us alive no earlier than this.
+        self.last_ack = 0.0
         self._heartbeats: asyncio.Task[None] | None = None
 
     @property
@@ -244,7 +249,10 @@ class NodeSession:
                 logger.warning("deregister of node %s failed: %s", self.node_id, exc.code())
 
     async def _register(self, give_up_after_s: float | None) -> None:
+        sent = time.monotonic()
         response = await self.client.register(self.node, give_up_after_s)
+        self.last_ack = sent
+        self.heartbeat_timeout_s = response.heartbeat_timeout_s or self.heartbeat_timeout_s
         self.node.node_id = response.node_id  # re-registrations keep this id
         self.heartbeat_interval_s = response.heartbeat_interval_s or self.heartbeat_interval_s
         self.registrations += 1
@@ -255,8 +263,10 @@ class NodeSession:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
+            sent = time.monotonic()
             try:
                 await self.client.heartbeat(self.node_id, self.load())
+                self.last_ack = sent
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:
                     logger.warning("heartbeat of node %s failed: %s", self.node_id, exc.code())

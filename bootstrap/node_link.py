@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -75,6 +76,16 @@ class NodeLink:
     @property
     def node_id(self) -> str:
         return self.session.node_id
+
+    @property
+    def epoch(self) -> int:
+        return self.session.registrations
+
+    def lease_ok(self) -> bool:
+        # Bootstrap saw us alive no earlier than `last_ack`; stop writing well before it can
+        # declare us dead (20% margin for writes already started).
+        age = time.monotonic() - self.session.last_ack
+        return age < 0.8 * self.session.heartbeat_timeout_s
 
     async def start(self) -> str:
         self._loop = asyncio.get_running_loop()

@@ -11,7 +11,10 @@ Life of a room (`RoomPhase`); every transition runs on the service's event loop:
     open + FailRoom from P                      -> closed; D gets FAILED
     open + P dead, left or re-registered        -> closed; D gets FAILED naming P
     open + D dead, left or re-registered        -> closed; P gets `cancelled` if it had the room
-    open longer than the TTL                    -> closed; D gets FAILED, P `cancelled` if delivered
+    QUEUED longer than the TTL                  -> closed; D gets FAILED (nobody writes)
+    DELIVERED longer than the TTL               -> CANCELLING; P gets `cancelled`, D waits for
+                                                   P's FAILED (P may be writing into its pages)
+    CANCELLING longer than twice the TTL        -> closed; D gets FAILED (P is stuck, not dead)
 
 A closed room is forgotten, so its number may be reused and a late post about it gets NOT_FOUND.
 Messages wait in the addressee's outbox (`streams.Outbox`) until its stream takes them.
@@ -211,10 +214,17 @@ class RoomTable:
 
     def expire(self, now: float, ttl_s: float) -> list[Room]:
         old = [room for room in self.rooms.values() if now - room.opened_at > ttl_s]
+        closed = []
         for room in old:
             reason = f"room {room.room_id} expired after {ttl_s:g} s"
-            self._close(room, bootstrap_pb2.FAILED, reason, tell_decode=True, tell_prefill=True)
-        return old
+            if room.phase is RoomPhase.DELIVERED:
+                room.phase = RoomPhase.CANCELLING
+                self.destination_outbox(room.prefill_node_id).put(room.cancelled_destination())
+                logger.info("%s expired: cancelling, waiting for P to confirm", room.label)
+            elif room.phase is RoomPhase.QUEUED or now - room.opened_at > 2 * ttl_s:
+                self._close(room, bootstrap_pb2.FAILED, reason, tell_decode=True, tell_prefill=True)
+                closed.append(room)
+        return closed
 
     def _require(self, room_id: int) -> Room:
         room = self.rooms.get(room_id)

@@ -80,7 +80,9 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         logger.info("%s registered at %s", record.label, record.info.grpc_address)
         self.node_events.publish(NodeEvent(kind=NodeEvent.JOINED, status=record.status()))
         return bootstrap_pb2.RegisterResponse(
-            node_id=record.node_id, heartbeat_interval_s=self.config.heartbeat_interval_s
+            node_id=record.node_id,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            heartbeat_timeout_s=self.config.heartbeat_timeout_s,
         )
 
     @_refusals_to_status

@@ -86,6 +86,9 @@ async def pd_generate(
                 result.chunk_times.append(time.monotonic())
             else:
                 result.finished = response.finished
+    except asyncio.CancelledError:
+        if not result.prefill_error:
+            raise  # not our own cancel after a failed prefill
     finally:
         if prefill_task is not None:
             await prefill_task

@@ -48,6 +48,7 @@ class PrefillEntry:
     sender: KVSender | None = None
     failure: str = ""  # set once the room is doomed; reported after writes settle
     inflight_since: float = 0.0
+    epoch: int = 0  # the link's registration epoch when the room started
 
 
 class PrefillRole:
@@ -108,6 +109,9 @@ class PrefillRole:
         for entry in list(self.active.values()):
             if entry.failure or id(entry.req) in finishing:  # sent whole by _finish_prefill
                 continue
+            if self._fenced(entry):
+                self._doom(scheduler, entry, self._fence_reason())
+                continue
             assert entry.sender is not None
             started = entry.sender.stats.pages > 0
             try:
@@ -134,12 +138,10 @@ class PrefillRole:
     def _on_destination(self, scheduler: Scheduler, dest: RoomDestination) -> None:
         entry = self.bootstrap.get(dest.room) or self.active.get(dest.room)
         if dest.cancelled:
-            if entry is not None:
-                self._fail_entry(scheduler, entry, f"decode node {dest.decode_node_id} gave up")
-            else:  # never started: confirm at once that nothing will be written
-                self._early.pop(dest.room, None)
-                self._confirm_unused(dest, "cancelled before the prefill request arrived")
+            self._on_cancel(scheduler, dest, entry)
             return
+        if dest.room in self.active or dest.room in self.inflight:
+            return  # a replay: bootstrap delivers destinations at least once
         if entry is None:
             self._early[dest.room] = (dest, self.clock())
             return
@@ -152,6 +154,19 @@ class PrefillRole:
             )
             return
         self._start(scheduler, entry, dest)
+
+    def _on_cancel(
+        self, scheduler: Scheduler, dest: RoomDestination, entry: PrefillEntry | None
+    ) -> None:
+        reason = f"decode node {dest.decode_node_id} gave the room up"
+        if entry is not None:
+            self._fail_entry(scheduler, entry, reason)
+        elif dest.room in self.inflight:  # writes may be pending: report after they settle
+            inflight = self.inflight[dest.room]
+            inflight.failure = inflight.failure or reason
+        else:  # never started: confirm at once that nothing will be written
+            self._early.pop(dest.room, None)
+            self._confirm_unused(dest, "cancelled before the prefill request arrived")
 
     def _start(self, scheduler: Scheduler, entry: PrefillEntry, dest: RoomDestination) -> None:
         peer = self.link.peer(dest.decode_node_id)
@@ -166,6 +181,7 @@ class PrefillRole:
             self._fail_entry(scheduler, entry, f"cannot reach decode node: {exc}")
             return
         entry.dest = dest
+        entry.epoch = self.link.epoch
         entry.sender = KVSender(
             self.engine,
             dest,
@@ -185,6 +201,10 @@ class PrefillRole:
         assert dest is not None and sender is not None and req.slot is not None
         scheduler.prefilled.remove(req)
         scheduler.parked.append(req)
+        if self._fenced(entry):
+            entry.failure = self._fence_reason()
+            self._to_inflight(entry)
+            return
         first = FirstToken(
             room=req.room,
             token=req.output_ids[0],
@@ -229,6 +249,8 @@ class PrefillRole:
 
     def _settle(self, scheduler: Scheduler, entry: PrefillEntry) -> StepOutput:
         req = entry.req
+        if not entry.failure and self._fenced(entry):  # D may have freed the pages meanwhile
+            entry.failure = self._fence_reason()
         if entry.sender is not None:
             stats = entry.sender.stats
             req.transfer = TransferSummary(stats.pages, stats.bytes, stats.descriptors)
@@ -243,6 +265,13 @@ class PrefillRole:
         else:
             req.finish_reason = FinishReason.PREFILLED
         return StepOutput(req, [], True)
+
+    def _fenced(self, entry: PrefillEntry) -> bool:
+        return entry.epoch != self.link.epoch or not self.link.lease_ok()
+
+    @staticmethod
+    def _fence_reason() -> str:
+        return "this prefill node lost its bootstrap lease (missed heartbeats): writes stopped"
 
     def _post(self, req: Req, state: RoomState, reason: str) -> None:
         self.link.post_status(

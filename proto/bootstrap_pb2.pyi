@@ -108,12 +108,14 @@ class RegisterRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("node_id", "heartbeat_interval_s")
+    __slots__ = ("node_id", "heartbeat_interval_s", "heartbeat_timeout_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     heartbeat_interval_s: float
-    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    heartbeat_timeout_s: float
+    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("node_id",)

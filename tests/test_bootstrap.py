@@ -451,10 +451,27 @@ def test_rooms_expire_after_ttl(log_dir: Path) -> None:
             await client.post_destination(dest(room, prefill_id, decode_id))
             destinations = client.watch_destinations(prefill_id)
             assert (await next_item(destinations)).room == room
-            status = await next_item(client.watch_room_status(decode_id))
-            assert (status.state, status.reason) == (pb.FAILED, f"room {room} expired after 1 s")
+            # Delivered: P may be writing, so D hears nothing until P confirms the cancel.
             cancel = await next_item(destinations)
             assert (cancel.room, cancel.cancelled) == (room, True)
+            await client.post_room_status(
+                pb.RoomStatus(
+                    room=room,
+                    prefill_node_id=prefill_id,
+                    decode_node_id=decode_id,
+                    state=pb.FAILED,
+                    reason="stopped",
+                )
+            )
+            statuses = client.watch_room_status(decode_id)
+            status = await next_item(statuses)
+            assert (status.room, status.state, status.reason) == (room, pb.FAILED, "stopped")
+            # Never delivered (P does not watch): closed at once, D told.
+            queued = next(_rooms)
+            other_prefill, _ = await pair(client)
+            await client.post_destination(dest(queued, other_prefill, decode_id))
+            status = await next_item(statuses)
+            assert (status.state, status.reason) == (pb.FAILED, f"room {queued} expired after 1 s")
 
     try:
         run(scenario)

@@ -13,10 +13,11 @@ the same three promises:
 
 Cases: 1 D never gets a P, 2 P never gets a D, 3 P dies mid-transfer (with 7: D keeps the pages
 of a room it gave up until the frozen P is known dead), 4 D dies while P sends, 5 abort on
-either side, 6 failed KV writes (all of them, then 30% under concurrency). At the end, known
-bugs as strict xfails: P's connection to bootstrap reset mid-prefill (bootstrap replays the
-destination, at-least-once), and the prefill role's side of the late-write rule driven with
-fakes (a replayed destination; a cancel that arrives while the last writes are in flight).
+either side, 6 failed KV writes (all of them, then 30% under concurrency). Then: a prefill
+node frozen past the heartbeat timeout must fence itself (no writes after its lease ran out),
+P's connection to bootstrap reset mid-prefill (bootstrap replays the destination,
+at-least-once), and the prefill role's side of the late-write rule driven with fakes (a
+replayed destination; a cancel that arrives while the last writes are in flight).
 
 One module-scoped fleet per backend (one bootstrap, named nodes on it) is shared by all cases:
 the tiny llama with 65536 positions, so a 4000-token prompt in 32-token chunks keeps the prefill
@@ -482,12 +483,6 @@ def greedy_logprobs(server: NodeServer, ids: list[int]) -> tuple[list[float], in
     return logprobs, cached
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no self-fencing on the prefill node: once declared dead (frozen past the heartbeat "
-    "timeout) it wakes up, keeps writing its room's KV into pages D has freed and reused, and "
-    "reports the room done (prefill_role.py; node_link.NodeLink._reregistered only logs)",
-)
 def test_prefill_frozen_past_heartbeat_timeout(fleet: Fleet) -> None:
     """P freezes (SIGSTOP) mid-prefill for longer than the heartbeat timeout: bootstrap declares
     it dead, D fails the room and frees its pages, and a new request on D takes them (lowest
@@ -721,11 +716,6 @@ def reset_bootstrap_connection(node: NodeServer, bootstrap: NodeServer) -> None:
             pytest.skip(f"`ss -K` cannot close sockets here (root, INET_DIAG_DESTROY): {killed}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prefill_role.PrefillRole._on_destination runs _start again for a replayed "
-    "destination of an active room: KeyError in `del self.bootstrap[room]` kills the engine loop",
-)
 def test_bootstrap_connection_reset_mid_prefill(fleet: Fleet) -> None:
     """P's connection to bootstrap breaks while it prefills: its streams reconnect, bootstrap
     replays the room's destination, and P must ignore the duplicate and finish the request."""
@@ -768,9 +758,13 @@ DEST = RoomDestination(
 
 class FakeLink:
     node_id = "prefill-1"
+    epoch = 1
 
     def __init__(self) -> None:
         self.posted: list[RoomStatus] = []
+
+    def lease_ok(self) -> bool:
+        return True
 
     def post_status(self, status: RoomStatus) -> None:
         self.posted.append(status)
@@ -848,11 +842,6 @@ def prefill_role_with_room() -> tuple[PrefillRole, FakeLink, FakeEngine, Any, Re
     return role, link, engine, scheduler, req
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prefill_role.PrefillRole._on_destination: a replayed destination of an active room "
-    "runs _start again (KeyError, new sender)",
-)
 def test_prefill_role_ignores_a_replayed_destination() -> None:
     role, link, _, scheduler, req = prefill_role_with_room()
     sender = role.active[ROOM].sender
@@ -863,11 +852,6 @@ def test_prefill_role_ignores_a_replayed_destination() -> None:
     assert link.final == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prefill_role.PrefillRole._on_destination: a cancel for a room in `inflight` is "
-    "confirmed (FAILED) at once, while its writes may still land in D's pages",
-)
 def test_prefill_role_confirms_a_cancel_only_after_its_writes_settle() -> None:
     role, link, engine, scheduler, req = prefill_role_with_room()
     # The first token is sampled: the last pages and the aux slot go out (still in flight).
