@@ -95,3 +95,52 @@ def test_default_model_answers_paris(default_model_dir) -> None:
     )[0]
     assert "Paris" in out.text
     assert out.finish_reason in ("stop", "length")
+
+
+def test_llama3_rope_scaling_and_sharded_checkpoint(tmp_path) -> None:
+    """Llama-3 style RoPE scaling and a sharded safetensors index load and match HF."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(3)
+    tf.LlamaForCausalLM(config).eval().save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (300, 700)]
+    expected = hf_greedy(tmp_path, prompts, 8)
+    llm = LLM(str(tmp_path), page_size=16, chunked_prefill_size=256, max_total_tokens=4096)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def test_lpm_policy_and_retraction_keep_outputs(tiny_model_dir) -> None:
+    """Longest-prefix-match scheduling and a KV pool small enough to force retraction change
+    the order of work, never the tokens."""
+    model_dir = tiny_model_dir("llama")
+    gen = torch.Generator().manual_seed(9)
+    base = torch.randint(1, 256, (48,), generator=gen).tolist()
+    prompts = [base[: 16 + 8 * (i % 4)] + [i + 1] * (i % 5 + 1) for i in range(12)]
+    expected = hf_greedy(model_dir, prompts, 24)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    lpm = LLM(str(model_dir), page_size=4, max_total_tokens=4096, schedule_policy="lpm")
+    assert [o.token_ids for o in lpm.generate(prompts, params)] == expected
+    small = LLM(str(model_dir), page_size=4, max_total_tokens=160, chunked_prefill_size=64)
+    assert [o.token_ids for o in small.generate(prompts, params)] == expected
+    assert small.scheduler.num_retractions > 0
+    small.check_integrity()
