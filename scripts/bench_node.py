@@ -413,9 +413,10 @@ def decode_steps(scheduler: Any, steps: int, batch: int) -> list[Any]:
 def measure_overhead(cfg: BenchConfig, model_path: str) -> OverheadResult:
     """Build, step and profile on one dedicated thread, as the node's engine loop does.
 
-    Where the steps run matters on a busy machine: with torch's default two OpenMP threads, decode
-    steps driven from the main thread took 2-10 s at batch 32 here, against ~0.6 s from a
-    separate thread (the node's case), so the main thread would not measure what the node does.
+    OpenMP keeps one thread team per calling thread, so the thread that drives the steps is part
+    of what is measured. On a shared machine the absolute step time swings with the load (with
+    two OpenMP threads a step waits at every barrier for a descheduled worker); `--threads 1`
+    gives steadier absolute figures, and the overhead fraction moves much less than the step.
     """
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-loop") as pool:
         return pool.submit(_measure_overhead, cfg, model_path).result()
