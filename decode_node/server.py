@@ -9,21 +9,18 @@ requests without a room are still prefilled locally, so one binary serves both w
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
 from decode_node.decode_role import DecodeRole, DecodeRoleConfig
-from engine.builder import Engine, build_engine, resolve_model
+from engine.builder import Engine
 from engine.engine_loop import EngineLoop
-from engine.model_config import ModelConfigError
-from engine.node_server import install_uvloop, serve_node
+from engine.node_server import run_node_main, serve_node, serve_registered
 from engine.node_service import NodeService
 from engine.server_args import (
     add_disagg_args,
     add_node_args,
     configure_logging,
-    engine_config,
     loop_config,
     server_config,
     transfer_config,
@@ -66,15 +63,7 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
     engine_loop = EngineLoop(scheduler, loop_config(args), role)
     service = NodeService(engine_loop, "decode", model_path, link)
 
-    async def started() -> None:
-        node_id = await link.start()
-        logger.info("registered with bootstrap %s as decode node %s", args.bootstrap, node_id)
-
-    engine_loop.start()
-    try:
-        await serve_node(engine_loop, service, server_config(args), started, link.stop)
-    finally:
-        transfer.engine.close()
+    await serve_registered(engine_loop, service, server_config(args), link, transfer.engine.close)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,19 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "disaggregated" and not args.bootstrap:
         logger.error("--mode disaggregated needs --bootstrap HOST:PORT")
         return 2
-    try:
-        model_path = resolve_model(args.model)
-        engine = build_engine(engine_config(args, model_path, weight_bytes=0))
-    except (ValueError, FileNotFoundError, ModelConfigError) as exc:
-        logger.error("cannot start: %s", exc)
-        return 2
-    install_uvloop()
-    try:
-        asyncio.run(_run(args, engine, model_path))
-    except Exception as exc:
-        logger.error("decode-server failed: %s", exc)
-        return 1
-    return 0
+    return run_node_main(args, "decode-server", _run)
 
 
 if __name__ == "__main__":

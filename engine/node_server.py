@@ -7,16 +7,21 @@ requests the grace period, abort the rest, deregister from bootstrap, exit 0.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import grpc
 
+from bootstrap.node_link import NodeLink
+from engine.builder import Engine, build_engine, resolve_model
 from engine.engine_loop import EngineLoop
+from engine.model_config import ModelConfigError
 from engine.node_service import NodeService
-from engine.server_args import ServerConfig
+from engine.server_args import ServerConfig, engine_config
 from proto import node_pb2_grpc
 
 logger = logging.getLogger("pdserve.node")
@@ -66,3 +71,44 @@ def install_uvloop() -> None:
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         return
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+async def serve_registered(
+    engine_loop: EngineLoop,
+    service: NodeService,
+    config: ServerConfig,
+    link: NodeLink,
+    close_transfer: Callable[[], None],
+) -> None:
+    """Serve a disaggregated node: register once listening, deregister and close at the end."""
+
+    async def started() -> None:
+        node_id = await link.start()
+        logger.info("registered with bootstrap as %s node %s", service.role, node_id)
+
+    engine_loop.start()
+    try:
+        await serve_node(engine_loop, service, config, started, link.stop)
+    finally:
+        close_transfer()
+
+
+def run_node_main(
+    args: argparse.Namespace,
+    name: str,
+    run: Callable[[argparse.Namespace, Engine, str], Coroutine[Any, Any, None]],
+) -> int:
+    """The common `main` of the node servers: load the model, then run `run` on uvloop."""
+    try:
+        model_path = resolve_model(args.model)
+        engine = build_engine(engine_config(args, model_path, weight_bytes=0))
+    except (ValueError, FileNotFoundError, ModelConfigError) as exc:
+        logger.error("%s cannot start: %s", name, exc)
+        return 2
+    install_uvloop()
+    try:
+        asyncio.run(run(args, engine, model_path))
+    except Exception as exc:
+        logger.error("%s failed: %s", name, exc)
+        return 1
+    return 0

@@ -5,20 +5,17 @@ the decode node's pages (see prefill_role.py for the queues). It never decodes."
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
-from engine.builder import Engine, build_engine, resolve_model
+from engine.builder import Engine
 from engine.engine_loop import EngineLoop
-from engine.model_config import ModelConfigError
-from engine.node_server import install_uvloop, serve_node
+from engine.node_server import run_node_main, serve_registered
 from engine.node_service import NodeService
 from engine.server_args import (
     add_disagg_args,
     add_node_args,
     configure_logging,
-    engine_config,
     loop_config,
     server_config,
     transfer_config,
@@ -59,15 +56,7 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
     engine_loop = EngineLoop(scheduler, loop_config(args), role)
     service = NodeService(engine_loop, "prefill", model_path, link)
 
-    async def started() -> None:
-        node_id = await link.start()
-        logger.info("registered with bootstrap %s as prefill node %s", args.bootstrap, node_id)
-
-    engine_loop.start()
-    try:
-        await serve_node(engine_loop, service, server_config(args), started, link.stop)
-    finally:
-        transfer.engine.close()
+    await serve_registered(engine_loop, service, server_config(args), link, transfer.engine.close)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,19 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.bootstrap:
         logger.error("prefill-server needs --bootstrap HOST:PORT")
         return 2
-    try:
-        model_path = resolve_model(args.model)
-        engine = build_engine(engine_config(args, model_path, weight_bytes=0))
-    except (ValueError, FileNotFoundError, ModelConfigError) as exc:
-        logger.error("cannot start: %s", exc)
-        return 2
-    install_uvloop()
-    try:
-        asyncio.run(_run(args, engine, model_path))
-    except Exception as exc:
-        logger.error("prefill-server failed: %s", exc)
-        return 1
-    return 0
+    return run_node_main(args, "prefill-server", _run)
 
 
 if __name__ == "__main__":

@@ -485,8 +485,9 @@ def profile_steps(scheduler: Any, steps: int, batch: int) -> list[dict[str, Any]
 
 def profile_rows(stats: pstats.Stats, steps: int) -> list[dict[str, Any]]:
     """Per step: the functions with the most own time, and the engine's by cumulative time."""
+    raw: dict[tuple[str, int, str], tuple[Any, ...]] = stats.stats  # type: ignore[attr-defined]
     rows = []
-    for (path, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+    for (path, line, func), (_, ncalls, tottime, cumtime, _) in raw.items():
         if func in ("forward_unprofiled", "<method 'disable' of '_lsprof.Profiler' objects>"):
             continue
         where = _short_path(path)
@@ -500,7 +501,7 @@ def profile_rows(stats: pstats.Stats, steps: int) -> list[dict[str, Any]]:
             }
         )
     by_own = sorted(rows, key=lambda r: -r["own_ms_per_step"])[:PROFILE_TOP]
-    engine = [r for r in rows if r["engine"] and r not in by_own]
+    engine = [r for r in rows if r["engine"]]
     by_cum = sorted(engine, key=lambda r: -r["cum_ms_per_step"])[:PROFILE_TOP]
     return [dict(r, ranked_by="own") for r in by_own] + [dict(r, ranked_by="cum") for r in by_cum]
 
