@@ -70,6 +70,9 @@ class KVManager:
         if end <= start:
             return
         ps = self.page_size
+        if end - start == 1:  # a decode step: one entry, no tensors to build
+            self.req_to_token.table[req.slot, start] = req.pages[start // ps] * ps + start % ps
+            return
         table = self.req_to_token.table
         pos = torch.arange(start, end, device=table.device)
         pages = torch.tensor(req.pages, dtype=torch.int64, device=table.device)

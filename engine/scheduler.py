@@ -240,7 +240,8 @@ class Scheduler:
                 sample_rows.append(i)
         if not sample_rows:
             return []
-        sampled = sample_batch(logits[sample_rows], [reqs[i].sampler for i in sample_rows])
+        rows = logits if len(sample_rows) == len(reqs) else logits[sample_rows]
+        sampled = sample_batch(rows, [reqs[i].sampler for i in sample_rows])
         outputs = []
         for j, i in enumerate(sample_rows):
             req = reqs[i]

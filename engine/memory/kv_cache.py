@@ -61,9 +61,20 @@ class PagedKVCache:
         self.v_view(layer)[pages, offsets] = v.to(self.layout.dtype)
 
     def gather(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at `locs` (any shape S) -> [*S, kv_heads, head_dim] each."""
-        pages, offsets = locs // self.page_size, locs % self.page_size
-        return self.k_view(layer)[pages, offsets], self.v_view(layer)[pages, offsets]
+        """K and V of a request's context: `locs` [..., T] are the KV locations of positions
+        0..T-1 (a row of `req_to_token`) -> [..., T, kv_heads, head_dim] each.
+
+        Copies whole pages, not single tokens: position i sits at offset i % page_size of the
+        page of position i - i % page_size, so the first location of each page run names it.
+        """
+        ps = self.page_size
+        length = locs.shape[-1]
+        pages = (locs[..., ::ps] // ps).reshape(-1)
+        lead = locs.shape[:-1]
+        shape = (*lead, -1, self.layout.num_kv_heads, self.layout.head_dim)
+        k = self.k_view(layer).index_select(0, pages).view(shape)[..., :length, :, :]
+        v = self.v_view(layer).index_select(0, pages).view(shape)[..., :length, :, :]
+        return k, v
 
 
 class ReqToTokenPool:
