@@ -95,6 +95,7 @@ def handoff(backend: str, lengths: list[int], requests: int, chunk: int) -> list
                 f"| {backend} | {n} | {colo * 1e3:.0f} | {pd * 1e3:.0f} | {over * 1e3:+.0f} | "
                 f"{over / colo * 100:+.1f}% |"
             )
+            print(rows[-1], flush=True)
         cluster.check_no_leaks()
     return rows
 
