@@ -57,3 +57,18 @@ def default_model_dir() -> Path:
     from engine.model_fetch import ensure_default_model
 
     return ensure_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def long_context_model(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama allowed 65536 positions: same weights and outputs, but a long prompt takes
+    many chunks and a request with a huge max_new_tokens never finishes during a test."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny-llama-long") / "model"
+    shutil.copytree(tiny_model_dir("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 65536
+    (path / "config.json").write_text(json.dumps(config))
+    return path

@@ -25,13 +25,13 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 
-def _bootstrap_ready(channel: grpc.Channel) -> bool:
+def bootstrap_ready(channel: grpc.Channel) -> bool:
     stub = bootstrap_pb2_grpc.BootstrapStub(channel)
     stub.ListNodes(bootstrap_pb2.ListNodesRequest(), timeout=5)
     return True
 
 
-def _registered(channel: grpc.Channel) -> bool:
+def registered(channel: grpc.Channel) -> bool:
     health = node_pb2_grpc.NodeStub(channel).Health(node_pb2.HealthRequest(), timeout=5)
     return bool(health.ok and health.node_id)
 
@@ -91,7 +91,7 @@ def pd_cluster(
                 "bootstrap-server",
                 list(bootstrap_args),
                 tmp_path / "bootstrap.log",
-                probe=_bootstrap_ready,
+                probe=bootstrap_ready,
             )
         )
         common = ["--model", str(model), "--bootstrap", bootstrap.address]
@@ -101,7 +101,7 @@ def pd_cluster(
                 "prefill-server",
                 [*common, *prefill_args],
                 tmp_path / "prefill.log",
-                probe=_registered,
+                probe=registered,
             )
         )
         decode = stack.enter_context(
@@ -109,7 +109,7 @@ def pd_cluster(
                 "decode-server",
                 ["--mode", "disaggregated", *common, *decode_args],
                 tmp_path / "decode.log",
-                probe=_registered,
+                probe=registered,
             )
         )
         ids = [

@@ -14,8 +14,6 @@ SIGTERM and the watchdog each stop their server, so they start their own.
 
 from __future__ import annotations
 
-import json
-import shutil
 import signal
 import threading
 import time
@@ -128,17 +126,6 @@ def assert_rpc_error(
 
 
 # ---- servers ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def long_context_model(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny llama allowed 65536 positions: same weights, same outputs for short sequences."""
-    path = tmp_path_factory.mktemp("tiny-llama-long") / "model"
-    shutil.copytree(tiny_model_dir("llama"), path)
-    config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = 65536
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,6 @@ Nothing here asserts how fast anything is; timeouts only guard against hangs.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -54,8 +53,9 @@ from kvtransfer.aux import AuxBuffer
 from kvtransfer.base import MemoryRegion, PeerInfo, TransferHandle, TransferRange, TransferState
 from kvtransfer.room import RoomDestination, RoomState, RoomStatus
 from prefill_node.prefill_role import PrefillRole, PrefillRoleConfig
-from proto import bootstrap_pb2, bootstrap_pb2_grpc, node_pb2, node_pb2_grpc
+from proto import node_pb2
 from tests.node_harness import NodeServer, running_node
+from tests.pd_cluster import bootstrap_ready, registered
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only; the servers inherit it
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -101,16 +101,6 @@ def prompt(n: int, seed: int) -> list[int]:
 # ---- the fleet -------------------------------------------------------------------------------
 
 
-def _bootstrap_ready(channel: grpc.Channel) -> bool:
-    bootstrap_pb2_grpc.BootstrapStub(channel).ListNodes(bootstrap_pb2.ListNodesRequest(), timeout=5)
-    return True
-
-
-def _registered(channel: grpc.Channel) -> bool:
-    health = node_pb2_grpc.NodeStub(channel).Health(node_pb2.HealthRequest(), timeout=5)
-    return bool(health.ok and health.node_id)
-
-
 @dataclass
 class FleetNode:
     server: NodeServer
@@ -139,7 +129,7 @@ class Fleet:
             "bootstrap-server",
             ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--heartbeat-interval", "0.5"],
             tmp / "bootstrap.log",
-            probe=_bootstrap_ready,
+            probe=bootstrap_ready,
         )
         self.bootstrap = self._bootstrap_cm.__enter__()
 
@@ -164,7 +154,7 @@ class Fleet:
         args += ["--transfer-backend", self.backend, *NODE_ARGS, *extra]
         if script == "decode-server":
             args = ["--mode", "disaggregated", *args]
-        context = running_node(script, args, self.tmp / f"{name}.log", probe=_registered)
+        context = running_node(script, args, self.tmp / f"{name}.log", probe=registered)
         server = context.__enter__()
         try:
             health = server.stub.Health(node_pb2.HealthRequest(), timeout=RPC_TIMEOUT)
@@ -209,17 +199,6 @@ class Fleet:
         assert outcome.prefill_error is None, outcome.prefill_error
         assert outcome.token_ids == colocated(self[decode], ids)
         self.assert_idle(prefill, decode)
-
-
-@pytest.fixture(scope="module")
-def long_context_model(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny llama allowed 65536 positions, so a long prompt takes many chunks."""
-    path = tmp_path_factory.mktemp("tiny-llama-long") / "model"
-    shutil.copytree(tiny_model_dir("llama"), path)
-    config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = 65536
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="module")
