@@ -195,7 +195,14 @@ class NodeLink:
         async for msg in self.client.watch_room_status(self.node_id):
             state = _STATES.get(msg.state, RoomState.FAILED)
             self.deliver(
-                RoomStatus(msg.room, msg.prefill_node_id, msg.decode_node_id, state, msg.reason)
+                RoomStatus(
+                    msg.room,
+                    msg.prefill_node_id,
+                    msg.decode_node_id,
+                    state,
+                    msg.reason,
+                    may_still_write=msg.may_still_write,
+                )
             )
 
     async def _reregistered(self, node_id: str) -> None:

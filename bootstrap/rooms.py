@@ -9,14 +9,27 @@ Life of a room (`RoomPhase`); every transition runs on the service's event loop:
     open + PostRoomStatus(TRANSFERRING) from P  -> unchanged; the progress is forwarded to D
     open + PostRoomStatus(DONE|FAILED) from P   -> closed; D gets the status
     open + FailRoom from P                      -> closed; D gets FAILED
-    open + P dead, left or re-registered        -> closed; D gets FAILED naming P
+    open + P dead, left or re-registered        -> closed; D gets FAILED naming P. If P had the
+                                                   room and its process may live on (its
+                                                   destination stream is still up: frozen, or
+                                                   partitioned), the FAILED says
+                                                   `may_still_write` and the room stays UNSETTLED
     open + D dead, left or re-registered        -> closed; P gets `cancelled` if it had the room
     QUEUED longer than the TTL                  -> closed; D gets FAILED (nobody writes)
     DELIVERED longer than the TTL               -> CANCELLING; P gets `cancelled`, D waits for
                                                    P's FAILED (P may be writing into its pages)
-    CANCELLING longer than twice the TTL        -> closed; D gets FAILED (P is stuck, not dead)
+    CANCELLING longer than twice the TTL        -> closed; D gets FAILED with `may_still_write`
+                                                   (P is stuck, not dead): UNSETTLED
+    UNSETTLED + DONE|FAILED (or FailRoom) from P -> D gets FAILED without the flag: free the pages
+    UNSETTLED + P's process gone                -> the same (its last destination stream closed
+                                                   while it is not registered)
 
-A closed room is forgotten, so its number may be reused and a late post about it gets NOT_FOUND.
+D frees a room's pages only on a status without `may_still_write`: a prefill node declared dead
+by missed heartbeats may only be frozen, and its transfer engine finishes the writes it had
+started when it wakes up, whatever its lease says by then.
+
+A closed room is forgotten (once settled), so its number may be reused and a late post about it
+gets NOT_FOUND.
 Messages wait in the addressee's outbox (`streams.Outbox`) until its stream takes them.
 """
 
@@ -69,13 +82,19 @@ class Room:
     def involves(self, node_id: str) -> bool:
         return node_id in (self.prefill_node_id, self.decode_node_id)
 
-    def status(self, state: int, reason: str) -> RoomStatus:
+    @property
+    def writing(self) -> bool:
+        """P has (or may have) the destination, so it may be writing into D's pages."""
+        return self.phase is not RoomPhase.QUEUED
+
+    def status(self, state: int, reason: str, may_still_write: bool = False) -> RoomStatus:
         return RoomStatus(
             room=self.room_id,
             prefill_node_id=self.prefill_node_id,
             decode_node_id=self.decode_node_id,
             state=state,  # type: ignore[arg-type]
             reason=reason,
+            may_still_write=may_still_write,
         )
 
     def cancelled_destination(self) -> RoomDestination:
@@ -95,6 +114,7 @@ class RoomTable:
     def __init__(self, replay_window_s: float) -> None:
         self.replay_window_s = replay_window_s  # see `streams.Outbox`
         self.rooms: dict[int, Room] = {}
+        self.unsettled: dict[int, Room] = {}  # closed while P may still write into D's pages
         self.destinations: dict[str, Outbox[RoomDestination]] = {}  # by prefill node id
         self.statuses: dict[str, Outbox[RoomStatus]] = {}  # by decode node id
 
@@ -158,7 +178,12 @@ class RoomTable:
             logger.info("%s delivered to P", room.label)
         return True
 
-    def post_status(self, status: RoomStatus) -> Room:
+    def post_status(self, status: RoomStatus) -> Room | None:
+        """P's status for an open room (None: it settled an UNSETTLED one)."""
+        if status.room not in self.rooms and self._settle(
+            status.room, status.prefill_node_id, f"prefill node reported {state_name(status.state)}"
+        ):
+            return None
         room = self._require(status.room)
         if status.prefill_node_id != room.prefill_node_id:
             raise PermissionDenied(
@@ -178,6 +203,8 @@ class RoomTable:
 
     def fail(self, room_id: int, node_id: str, reason: str) -> bool:
         """FailRoom from one side of the room; returns safe_to_free (for D's pages)."""
+        if room_id not in self.rooms and self._settle(room_id, node_id, "prefill node failed it"):
+            return True
         room = self._require(room_id)
         if node_id == room.prefill_node_id:
             reason = reason or f"prefill node {node_id} failed the room"
@@ -198,19 +225,40 @@ class RoomTable:
             )
         return False
 
-    def fail_node(self, node_id: str, reason: str) -> list[Room]:
-        """Close every room involving a node that is gone; the other side is told why."""
+    def fail_node(self, node_id: str, reason: str, process_gone: bool) -> list[Room]:
+        """Close every room involving a node that is gone; the other side is told why.
+
+        `process_gone`: the node's process cannot write any more (its connection closed). If
+        not, the rooms it held as P stay UNSETTLED until it confirms or its connection closes.
+        """
         gone = [room for room in self.rooms.values() if room.involves(node_id)]
         for room in gone:
+            may_write = room.prefill_node_id == node_id and room.writing and not process_gone
             self._close(
                 room,
                 bootstrap_pb2.FAILED,
                 reason,
                 tell_decode=room.decode_node_id != node_id,
                 tell_prefill=room.prefill_node_id != node_id,
+                may_still_write=may_write,
             )
         self.forget_outboxes(node_id, clear=True)
         return gone
+
+    def writer_gone(self, prefill_node_id: str) -> None:
+        """The prefill node's process is gone: its UNSETTLED rooms' pages may be freed."""
+        for room in [r for r in self.unsettled.values() if r.prefill_node_id == prefill_node_id]:
+            self._settle(room.room_id, prefill_node_id, "its bootstrap connection closed")
+
+    def _settle(self, room_id: int, prefill_node_id: str, how: str) -> bool:
+        room = self.unsettled.get(room_id)
+        if room is None or room.prefill_node_id != prefill_node_id:
+            return False
+        del self.unsettled[room_id]
+        reason = f"prefill node {prefill_node_id} stopped writing ({how})"
+        self.status_outbox(room.decode_node_id).put(room.status(bootstrap_pb2.FAILED, reason))
+        logger.info("%s settled: %s", room.label, reason)
+        return True
 
     def expire(self, now: float, ttl_s: float) -> list[Room]:
         old = [room for room in self.rooms.values() if now - room.opened_at > ttl_s]
@@ -222,8 +270,19 @@ class RoomTable:
                 self.destination_outbox(room.prefill_node_id).put(room.cancelled_destination())
                 logger.info("%s expired: cancelling, waiting for P to confirm", room.label)
             elif room.phase is RoomPhase.QUEUED or now - room.opened_at > 2 * ttl_s:
-                self._close(room, bootstrap_pb2.FAILED, reason, tell_decode=True, tell_prefill=True)
+                self._close(
+                    room,
+                    bootstrap_pb2.FAILED,
+                    reason,
+                    tell_decode=True,
+                    tell_prefill=True,
+                    may_still_write=room.writing,  # P is stuck, not known dead
+                )
                 closed.append(room)
+        for room_id, room in list(self.unsettled.items()):
+            if now - room.opened_at > 4 * ttl_s:  # D's own quarantine expiry freed it long ago
+                del self.unsettled[room_id]
+                logger.warning("%s forgotten unsettled: P never confirmed", room.label)
         return closed
 
     def _require(self, room_id: int) -> Room:
@@ -236,9 +295,18 @@ class RoomTable:
         return room
 
     def _close(
-        self, room: Room, state: int, reason: str, *, tell_decode: bool, tell_prefill: bool
+        self,
+        room: Room,
+        state: int,
+        reason: str,
+        *,
+        tell_decode: bool,
+        tell_prefill: bool,
+        may_still_write: bool = False,
     ) -> None:
         del self.rooms[room.room_id]
+        if may_still_write:
+            self.unsettled[room.room_id] = room
         if room.phase is RoomPhase.QUEUED:
             outbox = self.destinations.get(room.prefill_node_id)
             if outbox is not None:
@@ -246,7 +314,12 @@ class RoomTable:
         elif tell_prefill and room.phase is RoomPhase.DELIVERED:
             self.destination_outbox(room.prefill_node_id).put(room.cancelled_destination())
         if tell_decode:
-            self.status_outbox(room.decode_node_id).put(room.status(state, reason))
+            self.status_outbox(room.decode_node_id).put(room.status(state, reason, may_still_write))
         logger.info(
-            "%s closed %s (was %s): %s", room.label, state_name(state), room.phase.value, reason
+            "%s closed %s (was %s%s): %s",
+            room.label,
+            state_name(state),
+            room.phase.value,
+            ", P may still write: unsettled" if may_still_write else "",
+            reason,
         )

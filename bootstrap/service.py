@@ -9,6 +9,7 @@ under a live id (it restarted) has its rooms failed towards the other side; see 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import time
@@ -66,6 +67,12 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         self.registry = NodeRegistry()
         self.rooms = RoomTable(replay_window_s=config.heartbeat_timeout_s)
         self.node_events: Broadcast[bootstrap_pb2.NodeEvent] = Broadcast(config.watch_backlog)
+        # Open WatchDestinations streams per prefill node: while one is up, the node's process
+        # is alive (a frozen process keeps its TCP connections), so it may still write KV.
+        self.destination_streams: collections.Counter[str] = collections.Counter()
+
+    def _process_gone(self, node_id: str) -> bool:
+        return self.destination_streams[node_id] == 0
 
     # ---- nodes -------------------------------------------------------------------------------
 
@@ -74,7 +81,9 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         record, replaced = self.registry.register(request.node, self.clock())
         if replaced:
             failed = self.rooms.fail_node(
-                record.node_id, f"{record.label} re-registered (restarted): its open rooms are lost"
+                record.node_id,
+                f"{record.label} re-registered (restarted): its open rooms are lost",
+                process_gone=self._process_gone(record.node_id),
             )
             logger.warning("%s re-registered; %d open rooms failed", record.label, len(failed))
         logger.info("%s registered at %s", record.label, record.info.grpc_address)
@@ -124,7 +133,9 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
 
     def _remove_node(self, record: NodeRecord, reason: str) -> None:
         self.registry.remove(record.node_id)
-        failed = self.rooms.fail_node(record.node_id, reason)
+        failed = self.rooms.fail_node(
+            record.node_id, reason, process_gone=self._process_gone(record.node_id)
+        )
         self.node_events.publish(NodeEvent(kind=NodeEvent.LEFT, status=record.status(alive=False)))
         logger.warning("%s removed (%s); %d open rooms failed", record.label, reason, len(failed))
 
@@ -179,7 +190,15 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         if not node_id:
             raise InvalidArgument("prefill_node_id is required to watch destinations")
         outbox = self.rooms.destination_outbox(node_id)
-        await self._pump(context, node_id, "destinations", outbox, self.rooms.take_destination)
+        self.destination_streams[node_id] += 1
+        try:
+            await self._pump(context, node_id, "destinations", outbox, self.rooms.take_destination)
+        finally:
+            self.destination_streams[node_id] -= 1
+            if self._process_gone(node_id):
+                del self.destination_streams[node_id]
+                if self.registry.get(node_id) is None:
+                    self.rooms.writer_gone(node_id)
 
     @_refusals_to_status
     async def WatchRoomStatus(

@@ -7,12 +7,12 @@ Queues of a disaggregated decode request (one bootstrap room each):
     transfer    pages reserved and published to bootstrap as the room's destination; waiting
                 for the prefill node to report DONE (then the aux slot is checked and the
                 request joins the running batch with no prefill forward) or FAILED
-    quarantine  given up (client abort or `transfer_timeout_s`) while P may still be writing:
-                the client has its error, but the pages stay held until bootstrap says no write
-                can land any more (never delivered, P confirmed FAILED, or P is dead). If no
-                answer comes (bootstrap restarted and forgot the room), the pages are freed
-                after another `transfer_timeout_s`: P's own transfer timeout has ended its
-                writes by then.
+    quarantine  given up (client abort or `transfer_timeout_s`), or failed by bootstrap with
+                `may_still_write` (P declared dead while its process may be frozen), while P
+                may still be writing: the client has its error, but the pages stay held until
+                bootstrap says no write can land any more (never delivered, P confirmed it
+                stopped, or P's process is gone). If no answer comes (bootstrap restarted and
+                forgot the room), the pages are freed after another `transfer_timeout_s`.
 
 Requests without a room prefill locally (colocated): they go straight to the scheduler.
 """
@@ -161,7 +161,7 @@ class DecodeRole:
                 self._free(scheduler, self.quarantine.pop(event.room).req)
             return []
         if event.room in self.quarantine:
-            if event.state in (RoomState.DONE, RoomState.FAILED):
+            if event.state in (RoomState.DONE, RoomState.FAILED) and not event.may_still_write:
                 self._free(scheduler, self.quarantine.pop(event.room).req)
             return []
         if event.state not in (RoomState.DONE, RoomState.FAILED):
@@ -174,7 +174,11 @@ class DecodeRole:
             return []
         if event.state is RoomState.DONE:
             return [self._take_over(scheduler, entry.req)]
-        return [self._fail(scheduler, entry.req, event.reason or "prefill failed")]
+        reason = event.reason or "prefill failed"
+        if event.may_still_write:
+            self._hold(event.room, entry)
+            return [self._fail(scheduler, entry.req, reason, free=False)]
+        return [self._fail(scheduler, entry.req, reason)]
 
     def _take_over(self, scheduler: Scheduler, req: Req) -> StepOutput:
         assert req.slot is not None
@@ -193,8 +197,9 @@ class DecodeRole:
         scheduler.check_finish(req, first.token)
         return StepOutput(req, [first.token], req.finished)
 
-    def _fail(self, scheduler: Scheduler, req: Req, reason: str) -> StepOutput:
-        self._free(scheduler, req)
+    def _fail(self, scheduler: Scheduler, req: Req, reason: str, free: bool = True) -> StepOutput:
+        if free:
+            self._free(scheduler, req)
         req.finish_reason = FinishReason.ABORT
         req.finish_detail = (
             f"room {req.room} (prefill node {req.peer_node_id} -> decode node "
@@ -209,10 +214,12 @@ class DecodeRole:
         scheduler.kv.release(req, cache=False)
 
     def _give_up(self, room: int, reason: str) -> None:
-        entry = self.transfer.pop(room)
+        self._hold(room, self.transfer.pop(room))
+        self.link.fail_room(room, reason)
+
+    def _hold(self, room: int, entry: DecodeEntry) -> None:
         entry.published = self.clock()  # quarantine clock
         self.quarantine[room] = entry
-        self.link.fail_room(room, reason)
 
     def _expire(self, scheduler: Scheduler) -> list[StepOutput]:
         outputs = []

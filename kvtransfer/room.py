@@ -42,6 +42,7 @@ class RoomStatus:
     decode_node_id: str
     state: RoomState
     reason: str = ""
+    may_still_write: bool = False  # FAILED while P may still be writing: keep the pages
 
 
 @dataclass(frozen=True)

@@ -204,18 +204,20 @@ class RoomDestination(_message.Message):
     def __init__(self, room: _Optional[int] = ..., decode_node_id: _Optional[str] = ..., prefill_node_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., aux_slot: _Optional[int] = ..., prompt_len: _Optional[int] = ..., cancelled: _Optional[bool] = ...) -> None: ...
 
 class RoomStatus(_message.Message):
-    __slots__ = ("room", "prefill_node_id", "decode_node_id", "state", "reason")
+    __slots__ = ("room", "prefill_node_id", "decode_node_id", "state", "reason", "may_still_write")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    MAY_STILL_WRITE_FIELD_NUMBER: _ClassVar[int]
     room: int
     prefill_node_id: str
     decode_node_id: str
     state: RoomState
     reason: str
-    def __init__(self, room: _Optional[int] = ..., prefill_node_id: _Optional[str] = ..., decode_node_id: _Optional[str] = ..., state: _Optional[_Union[RoomState, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    may_still_write: bool
+    def __init__(self, room: _Optional[int] = ..., prefill_node_id: _Optional[str] = ..., decode_node_id: _Optional[str] = ..., state: _Optional[_Union[RoomState, str]] = ..., reason: _Optional[str] = ..., may_still_write: _Optional[bool] = ...) -> None: ...
 
 class PostAck(_message.Message):
     __slots__ = ()

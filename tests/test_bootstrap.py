@@ -427,6 +427,7 @@ def test_dead_nodes_fail_their_rooms(log_dir: Path) -> None:
             assert (status.room, status.state) == (to_dead_prefill, pb.FAILED)
             assert f"prefill node {silent_prefill} missed heartbeats" in status.reason
             assert "(dead)" in status.reason
+            assert not status.may_still_write  # never delivered: P cannot be writing
             cancel = await next_item(destinations)
             assert (cancel.room, cancel.cancelled) == (from_dead_decode, True)
 
@@ -434,6 +435,48 @@ def test_dead_nodes_fail_their_rooms(log_dir: Path) -> None:
             assert alive == {live_decode.node_id, live_prefill.node_id}
             await live_decode.stop()
             await live_prefill.stop()
+
+    try:
+        run(scenario)
+    finally:
+        assert srv.stop() == 0, srv.log.read_text()
+
+
+def test_prefill_dead_while_connected_leaves_its_rooms_unsettled(log_dir: Path) -> None:
+    """A prefill node that misses heartbeats while its destination stream stays up may only be
+    frozen: D hears FAILED with `may_still_write`, and a second FAILED without it once P says it
+    stopped writing, or once P's stream closes (its process is gone)."""
+    srv = start_server(log_dir, "--heartbeat-timeout", "1", "--heartbeat-interval", "0.2")
+
+    async def scenario() -> None:
+        async with BootstrapClient(srv.address, fast_policy()) as client:
+            decode = NodeSession(client, node(pb.DECODE))
+            await decode.start()
+            statuses = client.watch_room_status(decode.node_id)
+            frozen = (await client.register(node(pb.PREFILL))).node_id  # never heartbeats
+            killed = (await client.register(node(pb.PREFILL))).node_id
+            rooms = {frozen: next(_rooms), killed: next(_rooms)}
+            streams = {}
+            for prefill_id, room in rooms.items():
+                await client.post_destination(dest(room, prefill_id, decode.node_id))
+                streams[prefill_id] = client.watch_destinations(prefill_id)
+                assert (await next_item(streams[prefill_id])).room == room  # delivered
+
+            failed = [await next_item(statuses) for _ in rooms]
+            assert {(s.room, s.state, s.may_still_write) for s in failed} == {
+                (room, pb.FAILED, True) for room in rooms.values()
+            }
+            await client.post_room_status(  # the frozen P wakes up and settles its room
+                pb.RoomStatus(room=rooms[frozen], prefill_node_id=frozen, state=pb.FAILED)
+            )
+            settled = await next_item(statuses)
+            assert (settled.room, settled.may_still_write) == (rooms[frozen], False)
+            assert f"prefill node {frozen} stopped writing" in settled.reason
+            await streams[killed].aclose()  # the other one's process dies
+            settled = await next_item(statuses)
+            assert (settled.room, settled.may_still_write) == (rooms[killed], False)
+            assert "connection closed" in settled.reason
+            await decode.stop()
 
     try:
         run(scenario)

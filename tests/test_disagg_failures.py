@@ -464,21 +464,23 @@ def greedy_logprobs(server: NodeServer, ids: list[int]) -> tuple[list[float], in
 
 def test_prefill_frozen_past_heartbeat_timeout(fleet: Fleet) -> None:
     """P freezes (SIGSTOP) mid-prefill for longer than the heartbeat timeout: bootstrap declares
-    it dead, D fails the room and frees its pages, and a new request on D takes them (lowest
-    free pages first) and leaves them in D's prefix cache. When P wakes up it must not write
-    into them: a request reusing that cache gets the logprobs of a clean run, and P's Prefill
-    fails naming the room."""
+    it dead and D fails the request, but a frozen P's transfer engine finishes the writes it had
+    started when P wakes up, so D keeps the room's pages until P confirms it stopped. A request
+    D runs meanwhile (its KV stays in D's prefix cache) is unharmed by P's late writes: reusing
+    that cache gives the logprobs of a clean run. P's Prefill fails naming the room."""
     fleet.ensure("decode", "prefill-victim")
     victim, decode = fleet["prefill-victim"], fleet["decode"]
     p_id, d_id = fleet.node_id("prefill-victim"), fleet.node_id("decode")
-    p_offset = log_size(victim)
+    p_offset, b_offset, d_offset = log_size(victim), log_size(fleet.bootstrap), log_size(decode)
     call = start_pd(fleet, "prefill-victim", "decode", prompt(LONG_PROMPT, seed=50))
     wait_first_prefill_batch(victim, p_offset)
     os.kill(victim.pid, signal.SIGSTOP)
     try:
         assert_decode_failed(call.decode_result(), p_id, d_id)  # P is dead to bootstrap and D
+        held = decode.integrity().used_pages
+        assert held >= LONG_PROMPT // PAGE_SIZE, f"D freed the room's pages ({held} in use)"
         cached_prompt = [7] * 1000
-        colocated(decode, cached_prompt)  # its KV, in the room's old pages, stays cached on D
+        colocated(decode, cached_prompt)  # its KV stays cached on D
     finally:
         os.kill(victim.pid, signal.SIGCONT)
     outcome = call.result()  # P carried on with the room
@@ -489,6 +491,8 @@ def test_prefill_frozen_past_heartbeat_timeout(fleet: Fleet) -> None:
     fleet.assert_idle("decode", "prefill-victim")
     assert reused == clean, "P's late writes changed KV pages D had given to another request"
     assert_prefill_failed(outcome, d_id)
+    assert f"prefill node {p_id} stopped writing" in log_since(fleet.bootstrap, b_offset)
+    assert "freeing quarantined pages" not in log_since(decode, d_offset)
 
 
 # ---- 3. P dies mid-transfer (and 7. no early free) -------------------------------------------
