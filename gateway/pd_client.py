@@ -2,15 +2,23 @@
 
 `Generate(room, P id)` goes to the decode node and `Prefill(room, D id)` to the prefill node at
 the same time; the decode node streams the tokens. Without a prefill node the decode node
-prefills locally (colocated). If the prefill call fails, the decode call is aborted so that its
-pages are released at once instead of waiting for the transfer timeout.
+prefills locally (colocated). If the prefill call fails before the decode node produced a token,
+the decode call is cancelled so that its pages are released at once instead of waiting for the
+transfer timeout.
+
+`PDStream` yields the decode node's responses as they arrive (the gateway streams them on);
+`pd_generate` runs one request to completion. Leaving a `PDStream` early (the consumer stops
+iterating or is cancelled, e.g. because the HTTP client went away) cancels both calls, which
+aborts the request on both nodes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,6 +40,7 @@ class PDResult:
     finished: node_pb2.Finished | None = None
     prefill: node_pb2.PrefillResponse | None = None
     prefill_error: str = ""
+    prefill_code: grpc.StatusCode | None = None
 
     @property
     def ttft_s(self) -> float:
@@ -48,6 +57,99 @@ class NodeTarget:
     stub: node_pb2_grpc.NodeStub
 
 
+class PDStream:
+    """One request on a (decode, optional prefill) pair; iterate once for D's responses.
+
+    Raises grpc.aio.AioRpcError if the decode node refuses or fails. When the prefill call fails
+    first, iteration simply ends with `result.finished` None and `result.prefill_error` set.
+    """
+
+    def __init__(
+        self,
+        decode: NodeTarget,
+        prefill: NodeTarget | None,
+        input_ids: list[int],
+        sampling: node_pb2.SamplingParams,
+        room: int | None = None,
+        rid: str = "",
+    ) -> None:
+        self.decode = decode
+        self.prefill = prefill
+        room = (room or new_room()) if prefill is not None else 0
+        self.rid = rid or f"r{room or new_room()}"
+        self.result = PDResult(room=room)
+        self._generate = node_pb2.GenerateRequest(
+            rid=self.rid,
+            input_ids=input_ids,
+            sampling=sampling,
+            bootstrap_room=room,
+            prefill_node_id=prefill.node_id if prefill else "",
+        )
+        self._prefill_request = (
+            node_pb2.PrefillRequest(
+                rid=self.rid,
+                input_ids=input_ids,
+                sampling=sampling,
+                bootstrap_room=room,
+                decode_node_id=decode.node_id,
+            )
+            if prefill is not None
+            else None
+        )
+        self._cancelled_decode = False
+
+    def __aiter__(self) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
+        return self._responses()
+
+    async def _responses(self) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
+        result = self.result
+        result.sent_at = time.monotonic()
+        call = self.decode.stub.Generate(self._generate)
+        prefill_task = None
+        if self.prefill is not None and self._prefill_request is not None:
+            prefill_task = asyncio.create_task(self._run_prefill(self.prefill, call))
+        try:
+            async for response in call:
+                if response.HasField("chunk"):
+                    result.token_ids.extend(response.chunk.token_ids)
+                    result.chunk_times.append(time.monotonic())
+                else:
+                    result.finished = response.finished
+                yield response
+        except asyncio.CancelledError:
+            if not self._cancelled_decode or _being_cancelled():
+                raise  # not (only) our own cancel after a failed prefill
+        finally:
+            if result.finished is None:
+                call.cancel()  # the consumer left early: abort on D
+                if prefill_task is not None:
+                    prefill_task.cancel()  # ... and on P
+            if prefill_task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await prefill_task
+
+    async def _run_prefill(self, prefill: NodeTarget, decode_call: object) -> None:
+        result = self.result
+        assert self._prefill_request is not None
+        try:
+            result.prefill = await prefill.stub.Prefill(self._prefill_request)
+        except grpc.aio.AioRpcError as exc:
+            result.prefill_error = f"{exc.code().name}: {exc.details()}"
+            result.prefill_code = exc.code()
+            cancel = getattr(decode_call, "cancel", None)
+            # Once D streams tokens it holds the whole prompt's KV: a late P error is moot.
+            if cancel is not None and result.finished is None and not result.token_ids:
+                self._cancelled_decode = True
+                cancel()
+
+
+def _being_cancelled() -> bool:
+    """True when someone cancelled the running task (Python >= 3.11 can tell)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is not None and cancelling() > 0
+
+
 async def pd_generate(
     decode: NodeTarget,
     prefill: NodeTarget | None,
@@ -57,51 +159,7 @@ async def pd_generate(
     rid: str = "",
 ) -> PDResult:
     """Run one request to completion; raises grpc.aio.AioRpcError if the decode node refuses."""
-    room = (room or new_room()) if prefill is not None else 0
-    rid = rid or f"r{room or new_room()}"
-    result = PDResult(room=room, sent_at=time.monotonic())
-    call = decode.stub.Generate(
-        node_pb2.GenerateRequest(
-            rid=rid,
-            input_ids=input_ids,
-            sampling=sampling,
-            bootstrap_room=room,
-            prefill_node_id=prefill.node_id if prefill else "",
-        )
-    )
-    prefill_task = None
-    if prefill is not None:
-        request = node_pb2.PrefillRequest(
-            rid=rid,
-            input_ids=input_ids,
-            sampling=sampling,
-            bootstrap_room=room,
-            decode_node_id=decode.node_id,
-        )
-        prefill_task = asyncio.create_task(_prefill(prefill, request, result, call))
-    try:
-        async for response in call:
-            if response.HasField("chunk"):
-                result.token_ids.extend(response.chunk.token_ids)
-                result.chunk_times.append(time.monotonic())
-            else:
-                result.finished = response.finished
-    except asyncio.CancelledError:
-        if not result.prefill_error:
-            raise  # not our own cancel after a failed prefill
-    finally:
-        if prefill_task is not None:
-            await prefill_task
-    return result
-
-
-async def _prefill(
-    prefill: NodeTarget, request: node_pb2.PrefillRequest, result: PDResult, decode_call: object
-) -> None:
-    try:
-        result.prefill = await prefill.stub.Prefill(request)
-    except grpc.aio.AioRpcError as exc:
-        result.prefill_error = f"{exc.code().name}: {exc.details()}"
-        cancel = getattr(decode_call, "cancel", None)
-        if cancel is not None and result.finished is None:
-            cancel()
+    stream = PDStream(decode, prefill, input_ids, sampling, room, rid)
+    async for _ in stream:
+        pass
+    return stream.result

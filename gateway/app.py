@@ -1,0 +1,275 @@
+"""The HTTP layer: a Starlette app (served by uvicorn on uvloop, see server.py).
+
+Every API request goes through `Gateway.serve`: API key (401), admission (`max_inflight`, 429
+with Retry-After), body size (413) and JSON (400) checks, then the handler. A handler returns
+either a response object (sent as JSON) or an SSE byte stream (`EventStream`). While a handler
+works and while a stream is sent, the client's connection is watched: when it goes away the
+work is cancelled, which aborts the request on its prefill and decode nodes. Errors are
+answered in OpenAI's error shape, unknown paths and methods included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from bootstrap.client import BootstrapClient
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher
+from gateway.errors import APIError, bad_request
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.native_api import NativeHandler
+from gateway.nodes import ROLE_NAMES, NodeDirectory
+from gateway.openai_api import OpenAIHandlers, Payload
+from gateway.text import TextCodec
+
+logger = logging.getLogger("pdserve.gateway")
+
+Handler = Callable[[dict[str, Any]], Coroutine[Any, Any, Payload]]
+CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(receive: Receive, work: Awaitable[Payload]) -> Payload:
+    """Await `work`; cancel it and raise ClientGone if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientGone()
+    return task.result()
+
+
+class EventStream(Response):
+    """`text/event-stream` from an async iterator of SSE frames; stops when the client leaves."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, frames: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
+        super().__init__(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # Response sets `content-length: 0` for its empty body; a stream has no length.
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self.frames = frames
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, watch):
+                task.cancel()
+            await asyncio.gather(pump, watch, return_exceptions=True)
+            self.on_close()
+        if not pump.cancelled() and pump.exception() is not None:
+            logger.error("stream failed", exc_info=pump.exception())
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async with contextlib.aclosing(self.frames) as frames:
+            async for frame in frames:
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class Gateway:
+    """The gateway's state and request handling; built once by server.py."""
+
+    def __init__(self, config: GatewayConfig, codec: TextCodec) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.directory = NodeDirectory(config.routing.node_cooldown_s, self._nodes_changed)
+        self.dispatcher = Dispatcher(self.directory, config.routing, self.metrics)
+        self.openai = OpenAIHandlers(codec, self.dispatcher, config.model, config.limits)
+        self.native = NativeHandler(codec, self.dispatcher, config.model, config.limits)
+        self.inflight = 0
+
+    def _nodes_changed(self, directory: NodeDirectory) -> None:
+        for role, name in ROLE_NAMES.items():
+            self.metrics.live_nodes.labels(name).set(directory.count(role))
+
+    async def serve(self, request: Request, endpoint: str, handler: Handler) -> Response:
+        status = 200
+        try:
+            self._authorize(request)
+            self._admit()
+            try:
+                body = await self._read_json(request)
+                payload = await until_disconnected(request.receive, handler(body))
+            except BaseException:
+                self._release()
+                raise
+            if isinstance(payload, dict):
+                self._release()
+                return JSONResponse(payload)
+            return EventStream(payload, on_close=self._release)
+        except APIError as exc:
+            status = exc.status
+            return error_response(exc)
+        except ClientGone:
+            status = CLIENT_CLOSED
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception:
+            logger.exception("internal error on %s", endpoint)
+            status = 500
+            return error_response(APIError(500, "internal error in the gateway; see its log",
+                                           type_="server_error"))  # fmt: skip
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    def _authorize(self, request: Request) -> None:
+        keys = self.config.limits.api_keys
+        if not keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode()
+        if scheme.lower() == "bearer" and any(hmac.compare_digest(given, k.encode()) for k in keys):
+            return
+        raise APIError(
+            401,
+            "missing or wrong API key: send the header `Authorization: Bearer <key>` with a key "
+            "the gateway was started with (--api-key)",
+            code="invalid_api_key",
+        )
+
+    def _admit(self) -> None:
+        limit = self.config.limits.max_inflight
+        if self.inflight >= limit:
+            self.metrics.rejected.labels("inflight").inc()
+            raise APIError(
+                429,
+                f"the gateway is at its limit of {limit} requests in progress (--max-inflight): "
+                "retry after the delay in Retry-After",
+                type_="rate_limit_error",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+        self.inflight += 1
+        self.metrics.inflight.set(self.inflight)
+
+    def _release(self) -> None:
+        self.inflight -= 1
+        self.metrics.inflight.set(self.inflight)
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.config.limits.max_body_bytes
+        too_large = APIError(
+            413,
+            f"the request body exceeds the limit of {limit} bytes (--max-body-bytes): "
+            "send a shorter prompt",
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        data = bytearray()
+        async for piece in request.stream():
+            data += piece
+            if len(data) > limit:
+                raise too_large
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(None, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise bad_request(None, "the request body must be a JSON object")
+        return body
+
+    def health(self) -> JSONResponse:
+        counts = {name: self.directory.count(role) for role, name in ROLE_NAMES.items()}
+        ok = counts["decode"] + counts["colocated"] > 0
+        body = {"status": "ok" if ok else "no decode node", **counts, "inflight": self.inflight}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+
+def _report_watch_end(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("node discovery stopped: %r; routing is frozen", task.exception())
+
+
+def build_app(gateway: Gateway) -> Starlette:
+    async def completions(request: Request) -> Response:
+        return await gateway.serve(request, "completions", gateway.openai.completions)
+
+    async def chat(request: Request) -> Response:
+        return await gateway.serve(request, "chat", gateway.openai.chat)
+
+    async def generate(request: Request) -> Response:
+        return await gateway.serve(request, "generate", gateway.native.generate)
+
+    async def models(request: Request) -> Response:
+        try:
+            gateway._authorize(request)
+        except APIError as exc:
+            return error_response(exc)
+        return JSONResponse(gateway.openai.models())
+
+    async def health(request: Request) -> Response:
+        return gateway.health()
+
+    async def metrics(request: Request) -> Response:
+        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+        message = f"{request.method} {request.url.path}: {detail}"
+        return error_response(APIError(status, message, code=str(status)))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncGenerator[None, None]:
+        client = BootstrapClient(gateway.config.bootstrap)
+        watch = asyncio.create_task(gateway.directory.watch(client), name="watch-nodes")
+        watch.add_done_callback(_report_watch_end)
+        logger.info("following nodes at bootstrap %s", gateway.config.bootstrap)
+        try:
+            yield
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            await gateway.directory.close()
+            await client.close()
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/generate", generate, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    return Starlette(
+        routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan
+    )

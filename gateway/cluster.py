@@ -1,0 +1,326 @@
+"""`pd-cluster`: a whole local cluster in one command, for trying pdserve and for tests.
+
+Starts, on 127.0.0.1 with free ports: a bootstrap-server, `--prefill N` prefill-servers,
+`--decode M` decode-servers (disaggregated) and a gateway-server; waits until the gateway's
+/health is 200 with every node registered; prints the base URL and a curl example; streams the
+children's logs with a `[name]` prefix. On Ctrl-C / SIGTERM, or when the bootstrap or the
+gateway dies, it stops everything: SIGTERM to each child (gateway first, bootstrap last), SIGKILL
+after the grace period, and a kill of each child's whole process group, so nothing is left
+behind even if a child died or left processes of its own. Children also get SIGTERM from the
+kernel if pd-cluster itself is killed (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+HOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    prefill: int
+    decode: int
+    backend: str
+    model: str | None
+    port: int  # gateway port; 0: a free one
+    max_total_tokens: int
+    node_args: tuple[str, ...] = ()
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    ready_timeout_s: float = 600.0
+    stop_grace_s: float = 15.0
+    log_dir: Path | None = None
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    address: str
+    essential: bool  # its death takes the cluster down
+    reported_exit: bool = False
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+@dataclass
+class Cluster:
+    config: ClusterConfig
+    out: IO[str] = field(default_factory=lambda: sys.stdout)
+    children: list[Child] = field(default_factory=list)
+    _print_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def say(self, line: str) -> None:
+        with self._print_lock:
+            self.out.write(line + "\n")
+            self.out.flush()
+
+    def start(self, stop: threading.Event) -> str:
+        """Start every process and wait until the gateway is healthy; returns its base URL."""
+        c = self.config
+        bootstrap = self._spawn("bootstrap", "bootstrap-server", [], essential=True)
+        common = ["--bootstrap", bootstrap.address, "--transfer-backend", c.backend]
+        common += ["--max-total-tokens", str(c.max_total_tokens), *self._model_args()]
+        common += list(c.node_args)
+        for i in range(c.prefill):
+            self._spawn(f"prefill-{i}", "prefill-server", [*common, *c.prefill_args])
+        for i in range(c.decode):
+            args = ["--mode", "disaggregated", *common, *c.decode_args]
+            self._spawn(f"decode-{i}", "decode-server", args)
+        gateway_args = ["--bootstrap", bootstrap.address, *self._model_args(), *c.gateway_args]
+        gateway = self._spawn("gateway", "gateway-server", gateway_args, True, port=c.port)
+        url = f"http://{gateway.address}"
+        self._wait_healthy(url, stop)
+        return url
+
+    def _model_args(self) -> list[str]:
+        return ["--model", self.config.model] if self.config.model else []
+
+    def _spawn(
+        self, name: str, script: str, args: list[str], essential: bool = False, port: int = 0
+    ) -> Child:
+        port = port or free_port()
+        command = [_script(script), *args, "--host", HOST, "--port", str(port)]
+        self.say(f"[pd-cluster] starting {name}: {shlex.join(command)}")
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # our own signal order; the whole group can be killed
+            preexec_fn=_die_with_parent,
+        )
+        child = Child(name, process, f"{HOST}:{port}", essential)
+        self.children.append(child)
+        threading.Thread(target=self._relay, args=(child,), daemon=True).start()
+        return child
+
+    def _relay(self, child: Child) -> None:
+        """Copy a child's output to ours, each line prefixed with its name (and to its log)."""
+        log = None
+        if self.config.log_dir is not None:
+            self.config.log_dir.mkdir(parents=True, exist_ok=True)
+            log = (self.config.log_dir / f"{child.name}.log").open("ab")
+        assert child.process.stdout is not None
+        with contextlib.ExitStack() as stack:
+            if log is not None:
+                stack.enter_context(log)
+            for raw in child.process.stdout:
+                if log is not None:
+                    log.write(raw)
+                    log.flush()
+                self.say(f"[{child.name}] {raw.decode(errors='replace').rstrip()}")
+
+    def _wait_healthy(self, url: str, stop: threading.Event) -> None:
+        c = self.config
+        deadline = time.monotonic() + c.ready_timeout_s
+        want = {"prefill": c.prefill, "decode": c.decode}
+        while not stop.is_set():
+            dead = self.dead_children()
+            if dead:
+                raise ClusterError(f"{dead[0].name} exited with code {dead[0].process.returncode}")
+            health = _get_json(url + "/health")
+            if health is not None and all(health.get(k) == n for k, n in want.items()):
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"not healthy after {c.ready_timeout_s:.0f} s (last /health: {health})"
+                )
+            time.sleep(_POLL_S)
+        raise ClusterError("interrupted while starting")
+
+    def dead_children(self) -> list[Child]:
+        return [c for c in self.children if not c.alive]
+
+    def watch(self, stop: threading.Event) -> int:
+        """Until asked to stop or an essential child dies; returns the exit code to use."""
+        while not stop.wait(_POLL_S):
+            for child in self.dead_children():
+                if child.reported_exit:
+                    continue
+                child.reported_exit = True
+                self.say(f"[pd-cluster] {child.name} exited with code {child.process.returncode}")
+                if child.essential:
+                    return 1
+        return 0
+
+    def stop(self) -> None:
+        """Stop every child (gateway first, bootstrap last); kill what does not stop."""
+        order = sorted(self.children, key=lambda c: (c.name == "bootstrap", c.name != "gateway"))
+        for child in order:
+            if child.alive:
+                child.process.send_signal(signal.SIGTERM)
+            if child.name == "gateway":
+                _wait(child, self.config.stop_grace_s)  # no new work reaches the nodes
+        deadline = time.monotonic() + self.config.stop_grace_s
+        for child in order:
+            _wait(child, max(deadline - time.monotonic(), 0.1))
+            if child.alive:
+                self.say(f"[pd-cluster] {child.name} did not stop: killing it")
+            # The whole group, grandchildren included; it may outlive a dead leader.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.process.pid, signal.SIGKILL)
+            child.process.wait()
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not start; the message names the process or the wait that failed."""
+
+
+def _wait(child: Child, timeout: float) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.process.wait(timeout)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when pd-cluster dies, however it dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _script(name: str) -> str:
+    """The console script next to the running interpreter (the project's venv)."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        raise ClusterError(f"{path} does not exist: install the project (`make setup`)")
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _get_json(url: str) -> dict[str, object] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return json.loads(response.read())  # type: ignore[no-any-return]
+    except urllib.error.HTTPError as exc:  # 503 while no decode node is up: still JSON
+        with contextlib.suppress(ValueError):
+            return json.loads(exc.read())  # type: ignore[no-any-return]
+        return None
+    except (OSError, ValueError):
+        return None
+
+
+def banner(url: str, model: str) -> str:
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        }
+    )
+    return "\n".join(
+        [
+            f"[pd-cluster] ready: {url}",
+            f"[pd-cluster] OpenAI-compatible API at {url}/v1 (model {model!r})",
+            "[pd-cluster] try:",
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+            "[pd-cluster] Ctrl-C stops the cluster",
+        ]
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pd-cluster", description=__doc__.splitlines()[0])
+    parser.add_argument("--prefill", type=int, default=1, help="prefill nodes (0: colocated)")
+    parser.add_argument("--decode", type=int, default=1, help="decode nodes")
+    parser.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "nixl"])
+    parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
+    parser.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
+    parser.add_argument("--max-total-tokens", type=int, default=16384, help="KV tokens per node")
+    parser.add_argument("--node-args", default="", help="extra flags for every node (quoted)")
+    parser.add_argument("--prefill-args", default="", help="extra flags for prefill nodes")
+    parser.add_argument("--decode-args", default="", help="extra flags for decode nodes")
+    parser.add_argument("--gateway-args", default="", help="extra flags for the gateway")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds")
+    parser.add_argument("--log-dir", type=Path, default=None, help="also write <name>.log here")
+    return parser
+
+
+def build_config(args: argparse.Namespace) -> ClusterConfig:
+    if args.prefill < 0 or args.decode < 1:
+        raise ValueError("--prefill must be >= 0 and --decode >= 1")
+    return ClusterConfig(
+        prefill=args.prefill,
+        decode=args.decode,
+        backend=args.transfer_backend,
+        model=args.model,
+        port=args.port,
+        max_total_tokens=args.max_total_tokens,
+        node_args=tuple(shlex.split(args.node_args)),
+        prefill_args=tuple(shlex.split(args.prefill_args)),
+        decode_args=tuple(shlex.split(args.decode_args)),
+        gateway_args=tuple(shlex.split(args.gateway_args)),
+        ready_timeout_s=args.ready_timeout,
+        log_dir=args.log_dir,
+    )
+
+
+def _served_name(config: ClusterConfig, url: str) -> str:
+    models = _get_json(url + "/v1/models") or {}
+    data = models.get("data")
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        return str(data[0].get("id", ""))
+    return Path(config.model or "model").name
+
+
+def run(config: ClusterConfig, on_ready: Callable[[str], None] | None = None) -> int:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # NIXL over loopback only
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = Cluster(config)
+    try:
+        url = cluster.start(stop)
+        cluster.say(banner(url, _served_name(config, url)))
+        if on_ready is not None:
+            on_ready(url)
+        code = cluster.watch(stop)
+    except ClusterError as exc:
+        cluster.say(f"[pd-cluster] error: {exc}")
+        code = 1
+    cluster.say("[pd-cluster] stopping")
+    cluster.stop()
+    cluster.say("[pd-cluster] stopped")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = build_config(args)
+    except ValueError as exc:
+        print(f"pd-cluster: {exc}", file=sys.stderr)
+        return 2
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The gateway's frozen configuration, built once from the command line (see server.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str  # HF directory: the tokenizer and chat template come from here
+    served_name: str  # the `model` clients must send
+    context_length: int  # prompt + completion tokens; longer requests get 400
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_inflight: int  # HTTP requests in progress; beyond it: 429 + Retry-After
+    max_body_bytes: int  # beyond it: 413
+    max_n: int  # choices per request
+    max_stop: int  # stop strings per request
+    max_stop_chars: int  # characters of one stop string
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+
+    def __post_init__(self) -> None:
+        for name in ("max_inflight", "max_body_bytes", "max_n", "max_stop", "max_stop_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    prefill_policy: str  # round_robin | least_load | prefix_aware
+    decode_policy: str
+    # Prompts of at most this many tokens are prefilled by the decode node itself.
+    local_prefill_max_tokens: int
+    max_attempts: int  # tries on different nodes while no token has been sent
+    node_cooldown_s: float  # a node whose connection failed is skipped this long
+    prefix_block_tokens: int  # prefix_aware hashes prompts in blocks of this many tokens
+    prefix_max_blocks: int  # remembered prefix blocks (LRU)
+    prefix_balance_slack: int  # prefix_aware ignores a match this much busier than the idlest
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("--max-attempts must be >= 1")
+        if self.prefix_block_tokens < 1:
+            raise ValueError("--prefix-block-tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str
+    port: int
+    bootstrap: str  # bootstrap-server host:port: where nodes are discovered
+    model: ModelInfo
+    limits: LimitsConfig
+    routing: RoutingConfig
+    log_level: str = "info"

@@ -1,0 +1,71 @@
+"""The gateway's Prometheus metrics (GET /metrics, text exposition format).
+
+Per-node counters carry `role` and `node_id` labels, so an operator (and the routing tests) can
+see where traffic went and how much of it hit a prefill node's prefix cache.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdserve_gateway_requests", "HTTP requests answered", ["endpoint", "status"], registry=r
+        )
+        self.inflight = Gauge("pdserve_gateway_inflight", "HTTP requests in progress", registry=r)
+        self.rejected = Counter(
+            "pdserve_gateway_rejected", "requests refused by admission control", ["reason"],
+            registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "pdserve_gateway_prompt_tokens", "prompt tokens of finished choices", registry=r
+        )
+        self.completion_tokens = Counter(
+            "pdserve_gateway_completion_tokens", "generated tokens", registry=r
+        )
+        self.node_requests = Counter(
+            "pdserve_gateway_node_requests", "choices sent to a node", ["role", "node_id"],
+            registry=r,
+        )  # fmt: skip
+        self.node_cached_tokens = Counter(
+            "pdserve_gateway_node_cached_tokens",
+            "prompt tokens served from a node's prefix cache",
+            ["role", "node_id"],
+            registry=r,
+        )
+        self.local_prefills = Counter(
+            "pdserve_gateway_local_prefills",
+            "choices the decode node prefilled itself (short prompt or no prefill node)",
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_gateway_retries", "choices moved to another node before their first token",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.failures = Counter(
+            "pdserve_gateway_failures", "choices that failed after their first token", registry=r
+        )
+        self.live_nodes = Gauge(
+            "pdserve_gateway_live_nodes", "nodes known from bootstrap", ["role"], registry=r
+        )
+        self.ttft = Histogram(
+            "pdserve_gateway_time_to_first_token_seconds", "time to first token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "pdserve_gateway_e2e_seconds", "request latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

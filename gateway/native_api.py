@@ -1,0 +1,88 @@
+"""The native endpoint, `POST /generate`: text or token ids in, text and token ids out.
+
+Body: `{"text": "..."}` or `{"input_ids": [...]}`, optional `sampling_params` (the node's names:
+max_new_tokens (default 128), temperature, top_p, top_k, min_p, seed, stop, stop_token_ids,
+ignore_eos, logprobs, top_logprobs, penalties), `stream`, `rid`. Answer:
+`{"text", "output_ids", "meta_info": {"id", "finish_reason", "matched", "prompt_tokens",
+"completion_tokens", "cached_tokens", "output_token_logprobs"?}}`. Streaming sends the same
+objects with the text and ids of each piece (deltas), `meta_info.finish_reason` on the last,
+then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from gateway.choices import ChoiceEvent, ChoiceJob, choice_events, collect
+from gateway.config import LimitsConfig, ModelInfo
+from gateway.dispatch import Dispatcher
+from gateway.errors import APIError
+from gateway.openai_api import DONE, Payload, primed, sse, token_budget
+from gateway.protocol import parse_native
+from gateway.text import TextCodec
+from proto import node_pb2
+
+NATIVE_DEFAULT_MAX_TOKENS = 128
+
+
+class NativeHandler:
+    def __init__(
+        self, codec: TextCodec, dispatcher: Dispatcher, model: ModelInfo, limits: LimitsConfig
+    ) -> None:
+        self.codec = codec
+        self.dispatcher = dispatcher
+        self.model = model
+        self.limits = limits
+
+    async def generate(self, body: dict[str, Any]) -> Payload:
+        req = parse_native(body, self.limits)
+        param = "text" if isinstance(req.prompt, str) else "input_ids"
+        ids = self.codec.encode_prompt(req.prompt, param)
+        budget = token_budget(
+            self.model, len(ids), req.sampling.max_tokens, NATIVE_DEFAULT_MAX_TOKENS, param
+        )
+        job = ChoiceJob(0, ids, req.sampling.to_proto(budget))
+        rid = req.rid or "gen-" + secrets.token_hex(12)
+        if req.stream:
+            events = await primed(choice_events(job, self.codec, self.dispatcher, rid))
+            return self._stream(events, rid)
+        [result] = await collect([choice_events(job, self.codec, self.dispatcher, rid)])
+        return self._object(rid, result.text, result.token_ids, result.logprobs, result.end)
+
+    def _object(
+        self,
+        rid: str,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[node_pb2.TokenLogprobs],
+        end: Any,
+    ) -> dict[str, Any]:
+        meta: dict[str, Any] = {"id": rid, "finish_reason": None}
+        if logprobs:
+            meta["output_token_logprobs"] = [
+                [lp.logprob, t] for t, lp in zip(token_ids, logprobs, strict=False)
+            ]
+        if end is not None:
+            meta.update(
+                finish_reason=end.reason,
+                matched=end.matched,
+                prompt_tokens=end.prompt_tokens,
+                completion_tokens=end.completion_tokens,
+                cached_tokens=end.cached_tokens,
+            )
+        return {"text": text, "output_ids": list(token_ids), "meta_info": meta}
+
+    async def _stream(
+        self, events: AsyncGenerator[ChoiceEvent, None], rid: str
+    ) -> AsyncGenerator[bytes, None]:
+        try:
+            async with contextlib.aclosing(events):
+                async for e in events:
+                    yield sse(self._object(rid, e.text, e.token_ids, e.logprobs, e.end))
+        except APIError as exc:
+            yield sse(exc.body())
+            return
+        yield DONE

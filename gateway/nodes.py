@@ -1,0 +1,150 @@
+"""The gateway's view of the cluster: live nodes discovered from the bootstrap's WatchNodes.
+
+`NodeDirectory.watch` follows the bootstrap's node events for as long as the gateway runs: a node
+that JOINs is routable at once, one that LEAVEs (deregistered or declared dead) is dropped at
+once, and LOAD events refresh the heartbeat load that `least_load` reads. After the watch stream
+reconnects (bootstrap restart) a reset marker arrives: every node is forgotten and the fresh
+snapshot that follows rebuilds the table.
+
+Besides the bootstrap's word, the gateway keeps its own: `inflight` (requests it has on the node
+now) and `cooldown_until` (a node whose connection just failed is skipped for a while, until the
+bootstrap notices it is dead). gRPC channels are kept per address and reused by a node that
+comes back on the same address.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+import grpc
+
+from bootstrap.client import BootstrapClient
+from gateway.pd_client import NodeTarget
+from proto import bootstrap_pb2, node_pb2_grpc
+
+logger = logging.getLogger("pdserve.gateway.nodes")
+
+PREFILL = bootstrap_pb2.PREFILL
+DECODE = bootstrap_pb2.DECODE
+COLOCATED = bootstrap_pb2.COLOCATED
+ROLE_NAMES: dict[int, str] = {PREFILL: "prefill", DECODE: "decode", COLOCATED: "colocated"}
+
+
+@dataclass
+class LiveNode:
+    node_id: str
+    role: int
+    address: str
+    stub: node_pb2_grpc.NodeStub
+    load: bootstrap_pb2.NodeLoad = field(default_factory=bootstrap_pb2.NodeLoad)
+    inflight: int = 0  # requests this gateway has on the node right now
+    cooldown_until: float = 0.0
+
+    @property
+    def role_name(self) -> str:
+        return ROLE_NAMES.get(self.role, "unknown")
+
+    @property
+    def target(self) -> NodeTarget:
+        return NodeTarget(self.node_id, self.stub)
+
+    @property
+    def busy(self) -> int:
+        """Requests on the node: the gateway's own count, or the heartbeat's if that is higher
+        (other gateways); the heartbeat lags by up to an interval, the own count does not."""
+        load = self.load
+        reported = (
+            load.running_requests
+            + load.queued_requests
+            + load.transfer_queue
+            + load.bootstrap_queue
+        )
+        return max(self.inflight, reported)
+
+    @property
+    def kv_usage(self) -> float:
+        total = self.load.total_pages
+        return 1.0 - self.load.free_pages / total if total else 0.0
+
+    def cooling(self, now: float) -> bool:
+        return now < self.cooldown_until
+
+
+class NodeDirectory:
+    def __init__(
+        self, cooldown_s: float, on_change: Callable[[NodeDirectory], None] | None = None
+    ) -> None:
+        self.cooldown_s = cooldown_s
+        self.on_change = on_change
+        self.nodes: dict[str, LiveNode] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def live(self, roles: Collection[int], excluded: Collection[str] = ()) -> list[LiveNode]:
+        """Routable nodes of these roles, by id; nodes cooling down only if nothing else is left."""
+        nodes = [n for n in self.nodes.values() if n.role in roles and n.node_id not in excluded]
+        now = time.monotonic()
+        healthy = [n for n in nodes if not n.cooling(now)]
+        return sorted(healthy or nodes, key=lambda n: n.node_id)
+
+    def count(self, role: int) -> int:
+        return sum(1 for n in self.nodes.values() if n.role == role)
+
+    def report_unreachable(self, node_id: str) -> None:
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.cooldown_until = time.monotonic() + self.cooldown_s
+            logger.warning(
+                "%s node %s (%s) unreachable: skipped for %.1f s",
+                node.role_name,
+                node_id,
+                node.address,
+                self.cooldown_s,
+            )
+
+    def apply(self, event: bootstrap_pb2.NodeEvent) -> None:
+        kind = event.kind
+        info = event.status.node
+        if kind == bootstrap_pb2.NodeEvent.KIND_UNSPECIFIED:
+            logger.info("bootstrap watch reconnected: reloading the node table")
+            self.nodes.clear()
+        elif kind == bootstrap_pb2.NodeEvent.JOINED:
+            self._join(info, event.status.load)
+        elif kind == bootstrap_pb2.NodeEvent.LEFT:
+            left = self.nodes.pop(info.node_id, None)
+            if left is not None:
+                logger.info("%s node %s left", left.role_name, left.node_id)
+        elif kind == bootstrap_pb2.NodeEvent.LOAD:
+            node = self.nodes.get(info.node_id)
+            if node is not None:
+                node.load = event.status.load
+        if self.on_change is not None and kind != bootstrap_pb2.NodeEvent.LOAD:
+            self.on_change(self)
+
+    def _join(self, info: bootstrap_pb2.NodeInfo, load: bootstrap_pb2.NodeLoad) -> None:
+        if info.role not in ROLE_NAMES:
+            return
+        channel = self._channels.get(info.grpc_address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(info.grpc_address)
+            self._channels[info.grpc_address] = channel
+        old = self.nodes.get(info.node_id)
+        node = LiveNode(
+            info.node_id, info.role, info.grpc_address, node_pb2_grpc.NodeStub(channel), load
+        )
+        if old is not None:
+            node.inflight = old.inflight
+        self.nodes[info.node_id] = node
+        logger.info("%s node %s joined at %s", node.role_name, node.node_id, node.address)
+
+    async def watch(self, client: BootstrapClient) -> None:
+        """Follow the bootstrap's node events until cancelled."""
+        async for event in client.watch_nodes():
+            self.apply(event)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

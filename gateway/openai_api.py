@@ -1,0 +1,316 @@
+"""The OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+
+A handler parses the body (protocol.py), tokenises (text.py), checks the token budget against
+the context length, makes one `ChoiceJob` per (prompt, choice) and runs them (choices.py). It
+returns either the response object or, for `stream: true`, the SSE byte stream. A streaming
+handler waits for the first event before returning, so that a request no node can take still
+gets a proper HTTP error instead of a 200 stream that fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.choices import (
+    ChoiceEvent,
+    ChoiceJob,
+    ChoiceResult,
+    choice_events,
+    collect,
+    merge,
+    usage,
+)
+from gateway.config import LimitsConfig, ModelInfo
+from gateway.dispatch import Dispatcher
+from gateway.errors import APIError, bad_request
+from gateway.protocol import SamplingOptions, parse_chat, parse_completion
+from gateway.text import TextCodec
+from proto import node_pb2
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DONE = b"data: [DONE]\n\n"
+
+Payload = dict[str, Any] | AsyncGenerator[bytes, None]
+
+
+def sse(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def token_budget(
+    model: ModelInfo, prompt_len: int, requested: int | None, default: int | None, param: str
+) -> int:
+    """max_new_tokens for a prompt: the request's, else the default, within the context."""
+    room = model.context_length - prompt_len
+    if room < 1:
+        raise bad_request(
+            param,
+            f"the prompt has {prompt_len} tokens but the context length is "
+            f"{model.context_length}: shorten it to at most {model.context_length - 1} tokens",
+            code="context_length_exceeded",
+        )
+    if requested is not None and requested > room:
+        raise bad_request(
+            "max_tokens",
+            f"max_tokens={requested} plus the prompt's {prompt_len} tokens exceed the context "
+            f"length of {model.context_length}: ask for at most {room}",
+            code="context_length_exceeded",
+        )
+    return min(requested or default or room, room)
+
+
+@dataclass
+class StreamState:
+    """What a streaming response tracks per choice (completions' text_offset)."""
+
+    offsets: dict[int, int] = field(default_factory=dict)
+    ends: list[Any] = field(default_factory=list)
+
+
+async def primed(events: AsyncGenerator[ChoiceEvent, None]) -> AsyncGenerator[ChoiceEvent, None]:
+    """Pull the first event now (errors raise here), then yield it and the rest lazily."""
+    try:
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+
+    async def rest() -> AsyncGenerator[ChoiceEvent, None]:
+        async with contextlib.aclosing(events):
+            yield first
+            async for event in events:
+                yield event
+
+    return rest()
+
+
+class OpenAIHandlers:
+    def __init__(
+        self, codec: TextCodec, dispatcher: Dispatcher, model: ModelInfo, limits: LimitsConfig
+    ) -> None:
+        self.codec = codec
+        self.dispatcher = dispatcher
+        self.model = model
+        self.limits = limits
+
+    def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.model.served_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": self.model.context_length,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, body: dict[str, Any]) -> Payload:
+        req = parse_completion(body, self.model.served_name, self.limits)
+        jobs: list[ChoiceJob] = []
+        prompt_tokens = 0
+        for p_index, prompt in enumerate(req.prompts):
+            ids = self.codec.encode_prompt(prompt)
+            prompt_tokens += len(ids)
+            budget = token_budget(
+                self.model,
+                len(ids),
+                req.sampling.max_tokens,
+                COMPLETIONS_DEFAULT_MAX_TOKENS,
+                "prompt",
+            )
+            echo = (
+                (prompt if isinstance(prompt, str) else self.codec.decode(ids)) if req.echo else ""
+            )
+            for c in range(req.n):
+                sampling = req.sampling.to_proto(budget, c)
+                jobs.append(ChoiceJob(p_index * req.n + c, ids, sampling, echo))
+        rid = "cmpl-" + secrets.token_hex(12)
+        streams = self._run(jobs, rid)
+        if req.stream:
+            events = await primed(merge(streams))
+            return self._completion_stream(events, rid, req.include_usage, prompt_tokens)
+        results = await collect(streams)
+        return {
+            **self._header(rid, "text_completion"),
+            "choices": [
+                {
+                    "index": r.index,
+                    "text": r.text,
+                    "logprobs": self._completion_logprobs(r, req.sampling),
+                    "finish_reason": r.end.reason if r.end else None,
+                }
+                for r in results
+            ],
+            "usage": usage([r.end for r in results if r.end], prompt_tokens),
+        }
+
+    async def chat(self, body: dict[str, Any]) -> Payload:
+        req = parse_chat(body, self.model.served_name, self.limits)
+        ids = self.codec.chat_prompt(req.messages)
+        budget = token_budget(self.model, len(ids), req.sampling.max_tokens, None, "messages")
+        jobs = [ChoiceJob(c, ids, req.sampling.to_proto(budget, c)) for c in range(req.n)]
+        rid = "chatcmpl-" + secrets.token_hex(12)
+        streams = self._run(jobs, rid)
+        if req.stream:
+            events = await primed(merge(streams))
+            return self._chat_stream(events, rid, req.n, req.include_usage, len(ids))
+        results = await collect(streams)
+        return {
+            **self._header(rid, "chat.completion"),
+            "choices": [
+                {
+                    "index": r.index,
+                    "message": {"role": "assistant", "content": r.text},
+                    "logprobs": self._chat_logprobs(r.token_ids, r.logprobs, req.sampling),
+                    "finish_reason": r.end.reason if r.end else None,
+                }
+                for r in results
+            ],
+            "usage": usage([r.end for r in results if r.end], len(ids)),
+        }
+
+    def _run(self, jobs: Sequence[ChoiceJob], rid: str) -> list[AsyncGenerator[ChoiceEvent, None]]:
+        return [choice_events(job, self.codec, self.dispatcher, rid) for job in jobs]
+
+    def _header(self, rid: str, kind: str) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model.served_name,
+        }
+
+    async def _completion_stream(
+        self,
+        events: AsyncGenerator[ChoiceEvent, None],
+        rid: str,
+        include_usage: bool,
+        prompt_tokens: int,
+    ) -> AsyncGenerator[bytes, None]:
+        header = self._header(rid, "text_completion")
+        state = StreamState()
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if event.end is not None:
+                        state.ends.append(event.end)
+                    elif not event.text and not event.logprobs:
+                        continue
+                    logprobs = None
+                    if event.logprobs:
+                        offset = state.offsets.get(event.index, 0)
+                        logprobs = self._completion_logprob_lists(
+                            event.token_ids, event.logprobs, offset
+                        )
+                        state.offsets[event.index] = offset + sum(
+                            len(t) for t in logprobs["tokens"]
+                        )
+                    choice = {
+                        "index": event.index,
+                        "text": event.text,
+                        "logprobs": logprobs,
+                        "finish_reason": event.end.reason if event.end else None,
+                    }
+                    yield sse({**header, "choices": [choice]})
+        except APIError as exc:
+            yield sse(exc.body())
+            return
+        if include_usage:
+            yield sse({**header, "choices": [], "usage": usage(state.ends, prompt_tokens)})
+        yield DONE
+
+    async def _chat_stream(
+        self,
+        events: AsyncGenerator[ChoiceEvent, None],
+        rid: str,
+        n: int,
+        include_usage: bool,
+        prompt_tokens: int,
+    ) -> AsyncGenerator[bytes, None]:
+        header = self._header(rid, "chat.completion.chunk")
+        if include_usage:
+            header["usage"] = None
+        ends = []
+        for index in range(n):
+            delta = {"role": "assistant", "content": ""}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            yield sse({**header, "choices": [choice]})
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if event.end is not None:
+                        ends.append(event.end)
+                    elif not event.text and not event.logprobs:
+                        continue
+                    logprobs = None
+                    if event.logprobs:
+                        logprobs = {"content": self._chat_entries(event.token_ids, event.logprobs)}
+                    choice = {
+                        "index": event.index,
+                        "delta": {"content": event.text} if event.text else {},
+                        "logprobs": logprobs,
+                        "finish_reason": event.end.reason if event.end else None,
+                    }
+                    yield sse({**header, "choices": [choice]})
+        except APIError as exc:
+            yield sse(exc.body())
+            return
+        if include_usage:
+            yield sse({**header, "choices": [], "usage": usage(ends, prompt_tokens)})
+        yield DONE
+
+    # -- logprobs ---------------------------------------------------------------------------
+
+    def _chat_logprobs(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[node_pb2.TokenLogprobs],
+        sampling: SamplingOptions,
+    ) -> dict[str, Any] | None:
+        if not sampling.logprobs:
+            return None
+        return {"content": self._chat_entries(token_ids, logprobs)}
+
+    def _chat_entries(
+        self, token_ids: Sequence[int], logprobs: Sequence[node_pb2.TokenLogprobs]
+    ) -> list[dict[str, Any]]:
+        entries = []
+        for token_id, lp in zip(token_ids, logprobs, strict=False):
+            entries.append({**self._token_entry(token_id, lp.logprob), "top_logprobs": [
+                self._token_entry(top.token_id, top.logprob) for top in lp.top
+            ]})  # fmt: skip
+        return entries
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.codec.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _completion_logprobs(
+        self, result: ChoiceResult, sampling: SamplingOptions
+    ) -> dict[str, Any] | None:
+        if not sampling.logprobs:
+            return None
+        return self._completion_logprob_lists(result.token_ids, result.logprobs, 0)
+
+    def _completion_logprob_lists(
+        self, token_ids: Sequence[int], logprobs: Sequence[node_pb2.TokenLogprobs], offset: int
+    ) -> dict[str, Any]:
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token_id, lp in zip(token_ids, logprobs, strict=False):
+            text = self.codec.token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(lp.logprob)
+            tops.append({self.codec.token_text(t.token_id): t.logprob for t in lp.top})
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }

@@ -1,0 +1,133 @@
+"""`gateway-server`: the HTTP front door of a pdserve cluster (OpenAI-compatible + native API).
+
+Flags -> frozen `GatewayConfig` -> tokenizer -> Starlette app on uvicorn (uvloop, httptools).
+Nodes are not configured here: they are discovered from the bootstrap (`--bootstrap`). SIGINT /
+SIGTERM: uvicorn stops accepting, lets open requests finish, then the app closes its channels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from engine.server_args import configure_logging
+from gateway.config import GatewayConfig, LimitsConfig, ModelInfo, RoutingConfig
+from gateway.routing import POLICIES
+
+logger = logging.getLogger("pdserve.gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gateway-server", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--bootstrap", required=True, help="bootstrap-server address host:port")
+    parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
+    parser.add_argument("--served-model-name", default=None, help="default: the directory name")
+    parser.add_argument("--context-length", type=int, default=None, help="default: the model's")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    g = parser.add_argument_group("routing")
+    g.add_argument("--prefill-policy", default="prefix_aware", choices=sorted(POLICIES))
+    g.add_argument("--decode-policy", default="least_load", choices=sorted(POLICIES))
+    g.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=256,
+        help="prompts of at most this many tokens are prefilled by the decode node itself",
+    )
+    g.add_argument("--max-attempts", type=int, default=3, help="nodes tried before the first token")
+    g.add_argument("--node-cooldown", type=float, default=5.0, help="seconds to skip a failed node")
+    g.add_argument("--prefix-block-tokens", type=int, default=16)
+    g.add_argument("--prefix-max-blocks", type=int, default=1 << 20)
+    g.add_argument("--prefix-balance-slack", type=int, default=16, help="requests")
+    g = parser.add_argument_group("admission")
+    g.add_argument("--max-inflight", type=int, default=1024, help="beyond it: 429")
+    g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="beyond it: 413")
+    g.add_argument("--max-n", type=int, default=16, help="choices per request")
+    g.add_argument("--max-stop", type=int, default=4, help="stop strings per request")
+    g.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
+    g.add_argument(
+        "--api-key", action="append", default=[], help="require this bearer key (repeatable)"
+    )
+    return parser
+
+
+def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
+    from engine.model_config import ModelConfig
+
+    positions = ModelConfig.from_dir(model_path).max_position_embeddings
+    context = args.context_length or positions
+    if not 1 < context <= positions:
+        raise ValueError(f"--context-length must be in [2, {positions}], got {context}")
+    model = ModelInfo(model_path, args.served_model_name or Path(model_path).name, context)
+    limits = LimitsConfig(
+        max_inflight=args.max_inflight,
+        max_body_bytes=args.max_body_bytes,
+        max_n=args.max_n,
+        max_stop=args.max_stop,
+        max_stop_chars=args.max_stop_chars,
+        api_keys=tuple(args.api_key),
+    )
+    routing = RoutingConfig(
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        max_attempts=args.max_attempts,
+        node_cooldown_s=args.node_cooldown,
+        prefix_block_tokens=args.prefix_block_tokens,
+        prefix_max_blocks=args.prefix_max_blocks,
+        prefix_balance_slack=args.prefix_balance_slack,
+    )
+    return GatewayConfig(
+        args.host, args.port, args.bootstrap, model, limits, routing, args.log_level
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        from engine.builder import resolve_model
+        from gateway.text import TextCodec
+
+        model_path = resolve_model(args.model)
+        config = build_config(args, model_path)
+        codec = TextCodec.load(model_path)
+    except (ValueError, FileNotFoundError) as exc:
+        logger.error("gateway-server cannot start: %s", exc)
+        return 2
+    import uvicorn
+
+    from gateway.app import Gateway, build_app
+
+    app = build_app(Gateway(config, codec))
+    logger.info(
+        "gateway for %r on http://%s:%d (prefill policy %s, decode policy %s)",
+        config.model.served_name,
+        config.host,
+        config.port,
+        config.routing.prefill_policy,
+        config.routing.decode_policy,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            loop="uvloop",
+            http="httptools",
+            log_level=config.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
+    )
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
