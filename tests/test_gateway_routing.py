@@ -1,0 +1,172 @@
+"""Gateway routing on a real 2P2D `pd-cluster` (tiny random-weight llama with the default model's
+tokenizer, Mooncake over loopback).
+
+- round_robin on both sides: sequential requests reach all four nodes;
+- prefix_aware (a second gateway on the same bootstrap): prompts sharing a prefix all go to one
+  prefill node, and its prefix-cache hits show in the responses' cached-token counts;
+- SIGKILL of an idle prefill node: every later request succeeds (a failed first attempt is
+  retried on the other prefill node) and the bootstrap's LEFT event removes the dead node.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.node_harness import console_script, free_port
+from tests.test_gateway import RunningCluster, pd_cluster_process
+
+GATEWAY_ARGS = ["--local-prefill-max-tokens", "0", "--decode-policy", "round_robin"]
+SHARED_PREFIX = 96  # tokens: six 16-token pages
+
+
+@pytest.fixture(scope="module")
+def tiny_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random weights, real tokenizer: text round-trips, and nodes start and run fast."""
+    import transformers as tf
+
+    path = tmp_path_factory.mktemp("tiny-llama-tokenizer")
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    tf.LlamaForCausalLM(config).eval().save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default_model_dir / name).exists():
+            shutil.copy(default_model_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
+    log = tmp_path_factory.mktemp("gateway-2p2d") / "pd-cluster.log"
+    args = [*GATEWAY_ARGS, "--prefill-policy", "round_robin"]
+    with pd_cluster_process(
+        log, tiny_model, "mooncake", prefill=2, decode=2, gateway_args=args
+    ) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def prefix_gateway(
+    cluster: RunningCluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningCluster]:
+    """A second gateway-server on the same bootstrap, routing prefills by prefix."""
+    port = free_port()
+    command = [console_script("gateway-server"), "--bootstrap", cluster.node_address("bootstrap")]
+    command += ["--model", str(tiny_model), "--port", str(port), *GATEWAY_ARGS]
+    command += ["--prefill-policy", "prefix_aware", "--prefix-block-tokens", "16"]
+    log = tmp_path_factory.mktemp("gateway-prefix") / "gateway.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    gateway = RunningCluster(process, f"http://127.0.0.1:{port}", log)
+    try:
+        while _prefill_count(gateway.url) != 2:
+            assert process.poll() is None, log.read_text()
+            time.sleep(0.2)
+        yield gateway
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+
+
+def _prefill_count(url: str) -> int | None:
+    try:
+        return int(httpx.get(url + "/health", timeout=5).json()["prefill"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def per_node(gateway: RunningCluster, metric: str, role: str) -> dict[str, float]:
+    text = httpx.get(gateway.url + "/metrics").text
+    pattern = re.compile(rf'^{metric}\{{node_id="([^"]+)",role="{role}"\}} (\S+)$', re.M)
+    return {node: float(value) for node, value in pattern.findall(text)}
+
+
+def _complete(client: openai.OpenAI, model: str, prompt: list[int]) -> openai.types.Completion:
+    return client.completions.create(
+        model=model, prompt=prompt, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 40000, (length,), generator=gen).tolist()
+
+
+def test_round_robin_reaches_all_four_nodes(cluster: RunningCluster, tiny_model: Path) -> None:
+    client = _client(cluster.url)
+    for i in range(8):
+        out = _complete(client, tiny_model.name, _prompt(i, 40))
+        assert out.choices[0].finish_reason == "length"
+    requests = "pdserve_gateway_node_requests_total"
+    prefill = per_node(cluster, requests, "prefill")
+    decode = per_node(cluster, requests, "decode")
+    assert len(prefill) == 2 and all(n >= 2 for n in prefill.values()), prefill
+    assert len(decode) == 2 and all(n >= 2 for n in decode.values()), decode
+
+
+def test_prefix_aware_keeps_a_shared_prefix_on_one_prefill_node(
+    prefix_gateway: RunningCluster, tiny_model: Path
+) -> None:
+    client = _client(prefix_gateway.url)
+    prefix = _prompt(100, SHARED_PREFIX)
+    requests = "pdserve_gateway_node_requests_total"
+    before = per_node(prefix_gateway, requests, "prefill")
+    cached = []
+    for i in range(4):
+        out = _complete(client, tiny_model.name, prefix + _prompt(200 + i, 8))
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)
+    after = per_node(prefix_gateway, requests, "prefill")
+    deltas = {node: after[node] - before.get(node, 0) for node in after}
+    assert [d for d in deltas.values() if d] == [4], deltas  # one prefill node took them all
+    # The first request filled that node's radix cache; the others reuse the shared pages.
+    assert all(c >= SHARED_PREFIX - 16 for c in cached[1:]), cached
+    hits = per_node(prefix_gateway, "pdserve_gateway_node_cached_tokens_total", "prefill")
+    assert sum(hits.values()) >= 3 * (SHARED_PREFIX - 16)
+
+
+def test_sigkill_of_an_idle_prefill_node_moves_traffic(
+    cluster: RunningCluster, tiny_model: Path
+) -> None:
+    client = _client(cluster.url)
+    requests = "pdserve_gateway_node_requests_total"
+    victim_pid = cluster.child_pid("prefill-0")
+    before = per_node(cluster, requests, "prefill")
+    os.kill(victim_pid, signal.SIGKILL)
+    for i in range(6):
+        out = _complete(client, tiny_model.name, _prompt(300 + i, 40))  # raises on any error
+        assert out.choices[0].finish_reason == "length"
+    after = per_node(cluster, requests, "prefill")
+    served = {node: after[node] - before.get(node, 0) for node in after}
+    # Every request ended on the survivor; the victim got at most the attempts that failed.
+    assert max(served.values()) == 6, served
+    # The bootstrap declares the node dead; its LEFT event takes it out of the gateway's table.
+    while _prefill_count(cluster.url) != 1:
+        time.sleep(0.2)
+    out = _complete(client, tiny_model.name, _prompt(400, 40))
+    assert out.choices[0].finish_reason == "length"
