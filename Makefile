@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 PACKAGES := engine kvtransfer bootstrap prefill_node decode_node gateway
 
-.PHONY: proto setup run test lint typecheck pytest fetch-model bench-engine clean
+.PHONY: proto setup run test lint typecheck pytest fetch-model bench-engine bench-gateway clean
 
 setup: $(STAMP)
 
@@ -26,8 +26,9 @@ $(STAMP): pyproject.toml Makefile
 fetch-model: setup
 	$(BIN)/pdserve-fetch-model
 
+# A local cluster: bootstrap + 1 prefill + 1 decode + the gateway; Ctrl-C stops it.
 run: setup fetch-model
-	$(BIN)/pdserve-generate --chat "What is the capital of France?"
+	$(BIN)/pd-cluster --prefill 1 --decode 1
 
 lint: setup
 	$(BIN)/ruff check .
@@ -43,6 +44,9 @@ test: lint typecheck pytest
 
 bench-engine: setup fetch-model
 	$(BIN)/python scripts/bench_engine.py
+
+bench-gateway: setup fetch-model
+	$(BIN)/python scripts/bench_gateway.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache
