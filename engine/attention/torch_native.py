@@ -1,7 +1,9 @@
 """Reference attention in plain PyTorch (CPU and GPU).
 
-Single-token requests (decodes) run together as one padded batch; multi-token extends run one
-request at a time with a causal mask offset by the cached prefix.
+Single-token requests (decodes) run together as one padded batch (no mask when every context
+has the same length); multi-token extends run one request at a time with a causal mask offset by
+the cached prefix. An extend without a cached prefix attends over its own new K/V directly
+instead of reading them back from the cache.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from engine.forward_batch import ForwardBatch
 
 @dataclass
 class _PaddedDecode:
-    rows: torch.Tensor  # [Bd] token rows of the single-token requests
+    rows: torch.Tensor | None  # [Bd] token rows of the single-token requests; None: all rows
     locs: torch.Tensor  # [Bd, T] KV locations, padded with the scratch location 0
-    mask: torch.Tensor  # [Bd, 1, 1, T] True where a key is real
+    mask: torch.Tensor | None  # [Bd, 1, 1, T] True where a key is real; None: no padding
 
 
 @dataclass
@@ -32,6 +34,7 @@ class _Extend:
 
 @dataclass
 class TorchNativeMetadata:
+    write_at: tuple[torch.Tensor, torch.Tensor]  # (pages, offsets) of the new tokens
     decode: _PaddedDecode | None
     extends: list[_Extend]
 
@@ -56,48 +59,64 @@ class TorchNativeBackend(AttentionBackend):
                     mask = torch.arange(seq, device=device).unsqueeze(0) <= q_pos
                 extends.append(_Extend(row, ext, table[slot, :seq], mask))
             row += ext
-        batch.attn_metadata = TorchNativeMetadata(self._padded(batch, decode_reqs), extends)
+        batch.attn_metadata = TorchNativeMetadata(
+            self.kv_cache.split(batch.out_cache_loc), self._padded(batch, decode_reqs), extends
+        )
 
     def _padded(self, batch: ForwardBatch, reqs: list[int]) -> _PaddedDecode | None:
         if not reqs:
             return None
         table = self.req_to_token.table
-        starts = torch.tensor(batch.extend_lens).cumsum(0) - torch.tensor(batch.extend_lens)
-        lens = torch.tensor([batch.seq_lens[i] for i in reqs], device=table.device)
-        width = int(lens.max())
+        seq_lens = [batch.seq_lens[i] for i in reqs]
+        width = max(seq_lens)
         slots = torch.tensor([batch.req_slots[i] for i in reqs], device=table.device)
+        rows = None
+        if len(reqs) < batch.batch_size:
+            starts = torch.tensor(batch.extend_lens).cumsum(0) - torch.tensor(batch.extend_lens)
+            rows = starts[reqs].to(table.device)
+        if min(seq_lens) == width:
+            return _PaddedDecode(rows, table[slots, :width], None)
+        lens = torch.tensor(seq_lens, device=table.device)
         mask = torch.arange(width, device=table.device).unsqueeze(0) < lens.unsqueeze(1)
         locs = torch.where(mask, table[slots, :width], 0)
-        rows = starts[reqs].to(table.device)
         return _PaddedDecode(rows, locs, mask[:, None, None, :])
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        self.kv_cache.write(layer, batch.out_cache_loc, k, v)
         md: TorchNativeMetadata = batch.attn_metadata
+        self.kv_cache.write(layer, md.write_at, k, v)
+        decode = md.decode
+        if decode is not None and decode.rows is None:  # every request decodes one token
+            return self._decode(q, layer, decode)
         out = torch.empty_like(q)
-        if md.decode is not None:
-            keys, values = self.kv_cache.gather(layer, md.decode.locs)
-            qd = q[md.decode.rows].unsqueeze(2)  # [Bd, Hq, 1, D]
-            o = F.scaled_dot_product_attention(
-                qd,
-                keys.transpose(1, 2).to(q.dtype),
-                values.transpose(1, 2).to(q.dtype),
-                attn_mask=md.decode.mask,
-                enable_gqa=True,
-            )
-            out[md.decode.rows] = o.squeeze(2)
+        if decode is not None:
+            out[decode.rows] = self._decode(q[decode.rows], layer, decode)
         for ext in md.extends:
-            keys, values = self.kv_cache.gather(layer, ext.locs)
-            qe = q[ext.start : ext.start + ext.length].transpose(0, 1)  # [Hq, L, D]
+            rows = slice(ext.start, ext.start + ext.length)
+            if ext.mask is None:  # nothing cached before: the new K/V are the whole context
+                keys, values = k[rows], v[rows]
+            else:
+                keys, values = self.kv_cache.gather(layer, ext.locs)
             o = F.scaled_dot_product_attention(
-                qe,
+                q[rows].transpose(0, 1),  # [Hq, L, D]
                 keys.transpose(0, 1).to(q.dtype),
                 values.transpose(0, 1).to(q.dtype),
                 attn_mask=ext.mask,
                 is_causal=ext.mask is None,
                 enable_gqa=True,
             )
-            out[ext.start : ext.start + ext.length] = o.transpose(0, 1)
+            out[rows] = o.transpose(0, 1)
         return out
+
+    def _decode(self, q: torch.Tensor, layer: int, decode: _PaddedDecode) -> torch.Tensor:
+        """q: [Bd, Hq, D] of the single-token requests -> [Bd, Hq, D]."""
+        keys, values = self.kv_cache.gather(layer, decode.locs)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [Bd, Hq, 1, D]
+            keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype),
+            attn_mask=decode.mask,
+            enable_gqa=True,
+        )
+        return o.squeeze(2)

@@ -55,10 +55,16 @@ class PagedKVCache:
     def v_view(self, layer: int) -> torch.Tensor:
         return self.buffer[:, layer, 1]
 
-    def write(self, layer: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        pages, offsets = locs // self.page_size, locs % self.page_size
-        self.k_view(layer)[pages, offsets] = k.to(self.layout.dtype)
-        self.v_view(layer)[pages, offsets] = v.to(self.layout.dtype)
+    def split(self, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Locations -> (pages, offsets): computed once per batch, used by every layer."""
+        return locs // self.page_size, locs % self.page_size
+
+    def write(
+        self, layer: int, where: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store the new tokens' K and V at `where` (from `split`)."""
+        self.k_view(layer)[where] = k.to(self.layout.dtype)
+        self.v_view(layer)[where] = v.to(self.layout.dtype)
 
     def gather(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a request's context: `locs` [..., T] are the KV locations of positions
