@@ -6,7 +6,8 @@ moves the default model's KV for a 2,000-token prompt laid out as the engine lay
 
 Part 2, PD handoff overhead: TTFT through a prefill/decode pair minus TTFT of the decode node
 prefilling locally (colocated), for 512- and 2,000-token prompts, p50 over --requests requests
-each (one at a time, fresh random prompts so no prefix cache hits), per backend.
+each (one at a time, the two paths alternating request by request, fresh random prompts so
+no prefix cache hits), per backend.
 
     .venv/bin/python scripts/bench_transfer.py                 # both parts, both backends
     .venv/bin/python scripts/bench_transfer.py --skip-raw --requests 20 --backends mooncake
@@ -45,7 +46,9 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-async def _ttfts(cluster: PDCluster, prompts: list[list[int]], pd: bool) -> list[float]:
+async def _ttfts(cluster: PDCluster, prompts: list[list[int]]) -> tuple[list[float], list[float]]:
+    """TTFTs (colocated, PD), alternating the two paths request by request so that load from
+    elsewhere on the machine falls on both alike."""
     sampling = node_pb2.SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
     async with (
         grpc.aio.insecure_channel(cluster.decode.address) as d_chan,
@@ -53,12 +56,13 @@ async def _ttfts(cluster: PDCluster, prompts: list[list[int]], pd: bool) -> list
     ):
         decode = NodeTarget(cluster.decode_id, node_pb2_grpc.NodeStub(d_chan))
         prefill = NodeTarget(cluster.prefill_id, node_pb2_grpc.NodeStub(p_chan))
-        out = []
-        for prompt in prompts:
+        out: tuple[list[float], list[float]] = ([], [])
+        for i, prompt in enumerate(prompts):
+            pd = i % 2 == 1
             result = await pd_generate(decode, prefill if pd else None, prompt, sampling)
             if result.finished is None or result.finished.finish_reason != "length":
                 raise SystemExit(f"request failed: {result.finished} {result.prefill_error}")
-            out.append(result.ttft_s)
+            out[pd].append(result.ttft_s)
         return out
 
 
@@ -81,15 +85,12 @@ def handoff(backend: str, lengths: list[int], requests: int, chunk: int) -> list
     ):
         for n in lengths:
             print(
-                f"[{backend}] {n}-token prompts: colocated, then PD ({requests} each)", flush=True
+                f"[{backend}] {n}-token prompts: colocated and PD alternating ({requests} each)",
+                flush=True,
             )
-            asyncio.run(_ttfts(cluster, _prompts(gen, n, 2), pd=True))  # warm up both paths
-            colo = statistics.median(
-                asyncio.run(_ttfts(cluster, _prompts(gen, n, requests), pd=False))
-            )
-            pd = statistics.median(
-                asyncio.run(_ttfts(cluster, _prompts(gen, n, requests), pd=True))
-            )
+            asyncio.run(_ttfts(cluster, _prompts(gen, n, 2)))  # warm up both paths
+            colo_s, pd_s = asyncio.run(_ttfts(cluster, _prompts(gen, n, 2 * requests)))
+            colo, pd = statistics.median(colo_s), statistics.median(pd_s)
             over = pd - colo
             rows.append(
                 f"| {backend} | {n} | {colo * 1e3:.0f} | {pd * 1e3:.0f} | {over * 1e3:+.0f} | "
