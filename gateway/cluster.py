@@ -169,21 +169,25 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop every child (gateway first, bootstrap last); kill what does not stop."""
-        order = sorted(self.children, key=lambda c: (c.name == "bootstrap", c.name != "gateway"))
-        for child in order:
-            if child.alive:
-                child.process.send_signal(signal.SIGTERM)
-            if child.name == "gateway":
-                _wait(child, self.config.stop_grace_s)  # no new work reaches the nodes
-        deadline = time.monotonic() + self.config.stop_grace_s
-        for child in order:
-            _wait(child, max(deadline - time.monotonic(), 0.1))
-            if child.alive:
-                self.say(f"[pd-cluster] {child.name} did not stop: killing it")
-            # The whole group, grandchildren included; it may outlive a dead leader.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.process.pid, signal.SIGKILL)
-            child.process.wait()
+        # Gateway first (no new work reaches the nodes), bootstrap last (nodes deregister).
+        phases = [
+            [c for c in self.children if c.name == "gateway"],
+            [c for c in self.children if c.name not in ("gateway", "bootstrap")],
+            [c for c in self.children if c.name == "bootstrap"],
+        ]
+        for phase in phases:
+            for child in phase:
+                if child.alive:
+                    child.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.config.stop_grace_s
+            for child in phase:
+                _wait(child, max(deadline - time.monotonic(), 0.1))
+                if child.alive:
+                    self.say(f"[pd-cluster] {child.name} did not stop: killing it")
+                # The whole group, grandchildren included; it may outlive a dead leader.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait()
 
 
 class ClusterError(RuntimeError):

@@ -29,6 +29,7 @@ from tests.test_gateway import RunningCluster, pd_cluster_process
 
 GATEWAY_ARGS = ["--local-prefill-max-tokens", "0", "--decode-policy", "round_robin"]
 SHARED_PREFIX = 96  # tokens: six 16-token pages
+LOCAL_PREFILL_MAX = 32  # the prefix gateway lets the decode node prefill prompts this short
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,7 @@ def prefix_gateway(
     command = [console_script("gateway-server"), "--bootstrap", cluster.node_address("bootstrap")]
     command += ["--model", str(tiny_model), "--port", str(port), *GATEWAY_ARGS]
     command += ["--prefill-policy", "prefix_aware", "--prefix-block-tokens", "16"]
+    command += ["--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX)]
     log = tmp_path_factory.mktemp("gateway-prefix") / "gateway.log"
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -150,6 +152,19 @@ def test_prefix_aware_keeps_a_shared_prefix_on_one_prefill_node(
     assert sum(hits.values()) >= 3 * (SHARED_PREFIX - 16)
 
 
+def test_short_prompts_are_prefilled_by_the_decode_node(
+    prefix_gateway: RunningCluster, tiny_model: Path
+) -> None:
+    requests = "pdserve_gateway_node_requests_total"
+    before = per_node(prefix_gateway, requests, "prefill")
+    local = prefix_gateway.metric("pdserve_gateway_local_prefills_total")
+    for i in range(3):
+        out = _complete(_client(prefix_gateway.url), tiny_model.name, _prompt(500 + i, 20))
+        assert out.choices[0].finish_reason == "length"
+    assert per_node(prefix_gateway, requests, "prefill") == before
+    assert prefix_gateway.metric("pdserve_gateway_local_prefills_total") == local + 3
+
+
 def test_sigkill_of_an_idle_prefill_node_moves_traffic(
     cluster: RunningCluster, tiny_model: Path
 ) -> None:
@@ -170,3 +185,11 @@ def test_sigkill_of_an_idle_prefill_node_moves_traffic(
         time.sleep(0.2)
     out = _complete(client, tiny_model.name, _prompt(400, 40))
     assert out.choices[0].finish_reason == "length"
+
+    # No prefill node left at all: the decode nodes prefill locally, still without an error.
+    local = cluster.metric("pdserve_gateway_local_prefills_total")
+    os.kill(cluster.child_pid("prefill-1"), signal.SIGKILL)
+    for i in range(3):
+        out = _complete(client, tiny_model.name, _prompt(600 + i, 40))
+        assert out.choices[0].finish_reason == "length"
+    assert cluster.metric("pdserve_gateway_local_prefills_total") == local + 3
