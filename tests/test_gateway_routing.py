@@ -4,6 +4,7 @@ tokenizer, Mooncake over loopback).
 - round_robin on both sides: sequential requests reach all four nodes;
 - prefix_aware (a second gateway on the same bootstrap): prompts sharing a prefix all go to one
   prefill node, and its prefix-cache hits show in the responses' cached-token counts;
+- a decode node started later joins the routing at once, and leaves it when it stops;
 - SIGKILL of an idle prefill node: every later request succeeds (a failed first attempt is
   retried on the other prefill node) and the bootstrap's LEFT event removes the dead node.
 """
@@ -24,7 +25,8 @@ import openai
 import pytest
 import torch
 
-from tests.node_harness import console_script, free_port
+from tests.node_harness import console_script, free_port, running_node
+from tests.pd_cluster import registered
 from tests.test_gateway import RunningCluster, pd_cluster_process
 
 GATEWAY_ARGS = ["--local-prefill-max-tokens", "0", "--decode-policy", "round_robin"]
@@ -163,6 +165,29 @@ def test_short_prompts_are_prefilled_by_the_decode_node(
         assert out.choices[0].finish_reason == "length"
     assert per_node(prefix_gateway, requests, "prefill") == before
     assert prefix_gateway.metric("pdserve_gateway_local_prefills_total") == local + 3
+
+
+def test_a_decode_node_joining_gets_traffic_without_restart(
+    cluster: RunningCluster, tiny_model: Path, tmp_path: Path
+) -> None:
+    client = _client(cluster.url)
+    requests = "pdserve_gateway_node_requests_total"
+    bootstrap = cluster.node_address("bootstrap")
+    args = ["--mode", "disaggregated", "--model", str(tiny_model), "--bootstrap", bootstrap]
+    args += ["--transfer-backend", "mooncake", "--max-total-tokens", "8192"]
+    with running_node("decode-server", args, tmp_path / "decode-new.log", probe=registered) as new:
+        while httpx.get(cluster.url + "/health").json()["decode"] != 3:
+            time.sleep(0.1)
+        before = per_node(cluster, requests, "decode")
+        for i in range(6):
+            _complete(client, tiny_model.name, _prompt(700 + i, 40))
+        after = per_node(cluster, requests, "decode")
+        assert len(after) == 3 and all(after[n] > before.get(n, 0) for n in after), after
+        new.process.send_signal(signal.SIGTERM)  # it deregisters: LEFT
+        while httpx.get(cluster.url + "/health").json()["decode"] != 2:
+            time.sleep(0.1)
+    out = _complete(client, tiny_model.name, _prompt(800, 40))
+    assert out.choices[0].finish_reason == "length"
 
 
 def test_sigkill_of_an_idle_prefill_node_moves_traffic(
