@@ -30,6 +30,8 @@ from proto import node_pb2, node_pb2_grpc
 from tests.node_harness import console_script, free_port, session_members
 from tests.reference import hf_greedy
 
+pytestmark = pytest.mark.slow  # the real default model
+
 API_KEY = "test-key"
 MAX_INFLIGHT = 2
 MAX_BODY = 65536
