@@ -193,11 +193,11 @@ class EngineLoop:
         sink = self._sinks.get(req.rid)
         if sink is None:
             return
-        n = len(out.new_token_ids)
-        if n:
+        if out.new_token_ids:
+            span = slice(out.start, out.start + len(out.new_token_ids))
             sink(
                 TokenEvent(
-                    out.new_token_ids, req.output_logprobs[-n:], req.output_top_logprobs[-n:]
+                    out.new_token_ids, req.output_logprobs[span], req.output_top_logprobs[span]
                 )
             )
         if out.finished:

@@ -24,7 +24,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
@@ -42,6 +42,12 @@ class StepOutput:
     req: Req
     new_token_ids: list[int]
     finished: bool
+    # Index of the first new token in the request's output lists, fixed when the output is
+    # made: it may be emitted after a later step appended more (a decode node's first token).
+    start: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start = len(self.req.output_ids) - len(self.new_token_ids)
 
 
 @dataclass

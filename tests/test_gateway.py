@@ -319,8 +319,8 @@ def test_chat_logprobs(client, model_name) -> None:
         assert entry.logprob <= 0
         assert len(entry.top_logprobs) == 3
         assert entry.bytes == list(entry.token.encode())
-    # Greedy: every token after the first is its step's top-1 (the first: see the xfail below).
-    for entry in content[1:]:
+    # Greedy: every token is its step's top-1, the first (sampled on the prefill node) too.
+    for entry in content:
         assert entry.token == entry.top_logprobs[0].token
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
 
@@ -334,24 +334,6 @@ def test_completion_logprobs(client, model_name) -> None:
     assert "".join(lp.tokens) == out.choices[0].text
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     assert all(len(top) == 2 for top in lp.top_logprobs)
-
-
-@pytest.mark.xfail(
-    reason="decode node: the first token (from the prefill node) is emitted with the second "
-    "token's logprobs (engine_loop._emit slices req.output_logprobs after the next step ran)",
-    strict=False,
-)
-def test_first_token_logprob_is_its_own(client, model_name) -> None:
-    out = client.chat.completions.create(
-        model=model_name,
-        messages=CHATS[0],
-        max_tokens=3,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=2,
-    )
-    first = out.choices[0].logprobs.content[0]
-    assert first.token == first.top_logprobs[0].token
 
 
 def test_echo_and_native_generate(cluster, client, model_name, tokenizer) -> None:
