@@ -3,6 +3,7 @@ parsing, routing policies."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -149,19 +150,24 @@ def test_router_conditional_disaggregation_and_cooldown() -> None:
 
 
 def test_directory_follows_node_events() -> None:
-    directory = NodeDirectory(cooldown_s=1.0)
-    info = bootstrap_pb2.NodeInfo(
-        node_id="d-1", role=bootstrap_pb2.DECODE, grpc_address="127.0.0.1:9"
-    )
-    status = bootstrap_pb2.NodeStatus(node=info, alive=True)
-    kinds = bootstrap_pb2.NodeEvent
-    directory.apply(bootstrap_pb2.NodeEvent(kind=kinds.JOINED, status=status))
-    assert directory.count(DECODE) == 1
-    status.load.running_requests = 3
-    directory.apply(bootstrap_pb2.NodeEvent(kind=kinds.LOAD, status=status))
-    assert directory.nodes["d-1"].busy == 3
-    directory.apply(bootstrap_pb2.NodeEvent(kind=kinds.LEFT, status=status))
-    assert directory.count(DECODE) == 0
-    directory.apply(bootstrap_pb2.NodeEvent(kind=kinds.JOINED, status=status))
-    directory.apply(bootstrap_pb2.NodeEvent(kind=kinds.KIND_UNSPECIFIED))  # watch reconnected
-    assert directory.nodes == {}
+    # The directory opens grpc.aio channels: like the gateway, apply events inside a loop.
+    async def scenario() -> None:
+        directory = NodeDirectory(cooldown_s=1.0)
+        info = bootstrap_pb2.NodeInfo(
+            node_id="d-1", role=bootstrap_pb2.DECODE, grpc_address="127.0.0.1:9"
+        )
+        status = bootstrap_pb2.NodeStatus(node=info, alive=True)
+        kinds = bootstrap_pb2.NodeEvent
+        directory.apply(bootstrap_pb2.NodeEvent(kind=kinds.JOINED, status=status))
+        assert directory.count(DECODE) == 1
+        status.load.running_requests = 3
+        directory.apply(bootstrap_pb2.NodeEvent(kind=kinds.LOAD, status=status))
+        assert directory.nodes["d-1"].busy == 3
+        directory.apply(bootstrap_pb2.NodeEvent(kind=kinds.LEFT, status=status))
+        assert directory.count(DECODE) == 0
+        directory.apply(bootstrap_pb2.NodeEvent(kind=kinds.JOINED, status=status))
+        directory.apply(bootstrap_pb2.NodeEvent(kind=kinds.KIND_UNSPECIFIED))  # watch reconnected
+        assert directory.nodes == {}
+        await directory.close()
+
+    asyncio.run(scenario())
