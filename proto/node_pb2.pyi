@@ -67,20 +67,46 @@ class PrefillRequest(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., bootstrap_room: _Optional[int] = ..., decode_node_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("bootstrap_room", "prompt_tokens", "cached_tokens", "sent_pages", "sent_bytes", "descriptors")
+    __slots__ = ("bootstrap_room", "prompt_tokens", "cached_tokens", "sent_pages", "sent_bytes", "descriptors", "timing")
     BOOTSTRAP_ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SENT_PAGES_FIELD_NUMBER: _ClassVar[int]
     SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     bootstrap_room: int
     prompt_tokens: int
     cached_tokens: int
     sent_pages: int
     sent_bytes: int
     descriptors: int
-    def __init__(self, bootstrap_room: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., sent_pages: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., descriptors: _Optional[int] = ...) -> None: ...
+    timing: NodeTiming
+    def __init__(self, bootstrap_room: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., sent_pages: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ...) -> None: ...
+
+class NodeTiming(_message.Message):
+    __slots__ = ("bootstrap_wait_s", "queue_s", "prefill_s", "transfer_s", "prealloc_s", "kv_wait_s", "admit_s", "first_decode_s", "decode_s", "total_s")
+    BOOTSTRAP_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    PREALLOC_S_FIELD_NUMBER: _ClassVar[int]
+    KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    bootstrap_wait_s: float
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    prealloc_s: float
+    kv_wait_s: float
+    admit_s: float
+    first_decode_s: float
+    decode_s: float
+    total_s: float
+    def __init__(self, bootstrap_wait_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., prealloc_s: _Optional[float] = ..., kv_wait_s: _Optional[float] = ..., admit_s: _Optional[float] = ..., first_decode_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -117,14 +143,16 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("finish_reason", "detail", "usage")
+    __slots__ = ("finish_reason", "detail", "usage", "timing")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     detail: str
     usage: Usage
-    def __init__(self, finish_reason: _Optional[str] = ..., detail: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    timing: NodeTiming
+    def __init__(self, finish_reason: _Optional[str] = ..., detail: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "finished")
