@@ -210,6 +210,15 @@ class RequestSampler:
         if self._output_counts is not None:
             self._output_counts[token_id] += 1
 
+    def adopt(self, token_id: int) -> None:
+        """Take a token sampled for this request elsewhere (a decode node gets the first token
+        from the prefill node) as if this sampler had drawn it: observe it and consume the draw
+        it would have made, so a seeded request continues the same stream as colocated."""
+        if not self.params.is_greedy:  # one V-sized exponential block, as `_sample_rows`
+            draw = torch.empty(self.vocab_size, dtype=torch.float32, device=self.device)
+            draw.exponential_(generator=self.generator)
+        self.observe(token_id)
+
     def apply_penalties(self, row_logits: torch.Tensor) -> None:
         """Penalise this request's `[V]` float logits in place (no-op without penalties)."""
         if self._seen_mask is not None:

@@ -2,7 +2,8 @@
 127.0.0.1 with a real transfer engine (Mooncake over TCP, NIXL over UCX).
 
 Greedy output through the pair equals the decode node prefilling locally (colocated) and HF
-transformers, token for token; afterwards neither node holds a page.
+transformers, token for token, and so does seeded sampling through the pair and colocated;
+afterwards neither node holds a page.
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ def test_pd_matches_colocated_and_hf(
         assert pd_tokens == hf_reference
         if backend == "mooncake":  # the node path is the same for both backends
             assert _colocated_on_decode_node(cluster, prompts, sampling) == hf_reference
+            # Seeded sampling: D continues the stream P started with the first token.
+            seeded = node_pb2.SamplingParams(
+                max_new_tokens=MAX_NEW, temperature=0.9, seed=11, ignore_eos=True
+            )
+            few = prompts[::5]
+            pd_seeded = [r.token_ids for r in cluster.generate_many(few, seeded)]
+            assert pd_seeded == _colocated_on_decode_node(cluster, few, seeded)
         # Coalescing: each request's pages go in a few descriptors, not one per page.
         long = results[-1].prefill
         assert long is not None and long.descriptors < long.sent_pages

@@ -297,6 +297,21 @@ def test_seeded_request_is_independent_of_batch_composition_and_position() -> No
     assert run_steps(target_row=6, batch=7, steps=12, mix_seed=2) == alone
 
 
+@pytest.mark.parametrize(
+    "params", [{"temperature": 0.8, "seed": 5}, {"temperature": 0.0, "repetition_penalty": 1.3}]
+)
+def test_adopted_first_token_continues_the_same_stream(params: dict[str, Any]) -> None:
+    """A decode node adopts the prefill node's first token: its next draws are the ones the
+    request would have drawn had it sampled that token itself (seeded and penalised rows)."""
+    steps = [random_logits(1, 500, seed=s, scale=1.0) for s in range(6)]
+    local = make_sampler(500, prompt_ids=(1, 2), **params)
+    tokens = [sample_batch(logits, [local]).token_ids[0] for logits in steps]
+    remote = make_sampler(500, prompt_ids=(1, 2), **params)
+    remote.adopt(tokens[0])
+    assert [sample_batch(logits, [remote]).token_ids[0] for logits in steps[1:]] == tokens[1:]
+    assert remote.output_token_ids == local.output_token_ids
+
+
 def test_unseeded_requests_differ() -> None:
     logits = torch.zeros(2, 1000)
     samplers = [make_sampler(1000), make_sampler(1000)]
