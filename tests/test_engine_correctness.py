@@ -40,6 +40,18 @@ def test_tiny_models_match_hf(tiny_model_dir, arch: str, page_size: int) -> None
         assert run == expected
 
 
+def test_equal_length_prompts_batched_together_match_hf(tiny_model_dir) -> None:
+    """Consecutive fresh prompts of one length attend as one batch (torch_native's fresh runs)."""
+    model_dir = tiny_model_dir("llama")
+    gen = torch.Generator().manual_seed(2)
+    lengths = [12, 12, 12, 30, 30, 7, 40, 7, 7]
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in lengths]
+    expected = hf_greedy(model_dir, prompts, GREEDY.max_new_tokens)
+    llm = LLM(str(model_dir), page_size=16, chunked_prefill_size=512, max_total_tokens=4096)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    llm.check_integrity()
+
+
 def _chat_prompts(tokenizer) -> list[list[int]]:
     questions = [
         "What is the capital of France?",

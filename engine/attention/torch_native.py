@@ -2,8 +2,8 @@
 
 Single-token requests (decodes) run together as one padded batch (no mask when every context
 has the same length); multi-token extends run one request at a time with a causal mask offset by
-the cached prefix. An extend without a cached prefix attends over its own new K/V directly
-instead of reading them back from the cache.
+the cached prefix. Extends without a cached prefix attend over their own new K/V directly
+instead of reading them back from the cache, consecutive ones of equal length as one batch.
 """
 
 from __future__ import annotations
@@ -26,10 +26,26 @@ class _PaddedDecode:
 
 @dataclass
 class _Extend:
+    """One request extending a cached prefix: attends over its whole context from the cache."""
+
     start: int  # first token row
     length: int
     locs: torch.Tensor  # [seq_len] KV locations of the whole context
-    mask: torch.Tensor | None  # [length, seq_len] causal mask with prefix; None when no prefix
+    mask: torch.Tensor  # [length, seq_len] causal mask offset by the prefix
+
+
+@dataclass
+class _FreshRun:
+    """`count` consecutive requests with no cached prefix and the same length: their new K/V
+    are their whole context, so they attend over them directly, as one causal batch."""
+
+    start: int  # first token row
+    length: int
+    count: int = 1
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count * self.length
 
 
 @dataclass
@@ -37,6 +53,7 @@ class TorchNativeMetadata:
     write_at: tuple[torch.Tensor, torch.Tensor]  # (pages, offsets) of the new tokens
     decode: _PaddedDecode | None
     extends: list[_Extend]
+    fresh: list[_FreshRun]
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -45,22 +62,30 @@ class TorchNativeBackend(AttentionBackend):
     def init_metadata(self, batch: ForwardBatch) -> None:
         table = self.req_to_token.table
         device = table.device
-        decode_reqs, extends, row = [], [], 0
+        decode_reqs: list[int] = []
+        extends: list[_Extend] = []
+        fresh: list[_FreshRun] = []
+        row = 0
         for i, (slot, seq, ext) in enumerate(
             zip(batch.req_slots, batch.seq_lens, batch.extend_lens, strict=True)
         ):
+            prefix = seq - ext
             if ext == 1:
                 decode_reqs.append(i)
-            else:
-                prefix = seq - ext
-                mask = None
-                if prefix:
-                    q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
-                    mask = torch.arange(seq, device=device).unsqueeze(0) <= q_pos
+            elif prefix:
+                q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
+                mask = torch.arange(seq, device=device).unsqueeze(0) <= q_pos
                 extends.append(_Extend(row, ext, table[slot, :seq], mask))
+            elif fresh and fresh[-1].end == row and fresh[-1].length == ext:
+                fresh[-1].count += 1
+            else:
+                fresh.append(_FreshRun(row, ext))
             row += ext
         batch.attn_metadata = TorchNativeMetadata(
-            self.kv_cache.split(batch.out_cache_loc), self._padded(batch, decode_reqs), extends
+            self.kv_cache.split(batch.out_cache_loc),
+            self._padded(batch, decode_reqs),
+            extends,
+            fresh,
         )
 
     def _padded(self, batch: ForwardBatch, reqs: list[int]) -> _PaddedDecode | None:
@@ -94,19 +119,26 @@ class TorchNativeBackend(AttentionBackend):
             out[decode.rows] = self._decode(q[decode.rows], layer, decode)
         for ext in md.extends:
             rows = slice(ext.start, ext.start + ext.length)
-            if ext.mask is None:  # nothing cached before: the new K/V are the whole context
-                keys, values = k[rows], v[rows]
-            else:
-                keys, values = self.kv_cache.gather(layer, ext.locs)
+            keys, values = self.kv_cache.gather(layer, ext.locs)
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1),  # [Hq, L, D]
                 keys.transpose(0, 1).to(q.dtype),
                 values.transpose(0, 1).to(q.dtype),
                 attn_mask=ext.mask,
-                is_causal=ext.mask is None,
                 enable_gqa=True,
             )
             out[rows] = o.transpose(0, 1)
+        for run in md.fresh:
+            rows = slice(run.start, run.end)
+            per_req = (run.count, run.length, -1, q.shape[-1])  # [n, L, H, D] -> [n, H, L, D]
+            o = F.scaled_dot_product_attention(
+                q[rows].view(per_req).transpose(1, 2),
+                k[rows].view(per_req).transpose(1, 2),
+                v[rows].view(per_req).transpose(1, 2),
+                is_causal=True,
+                enable_gqa=True,
+            )
+            out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
         return out
 
     def _decode(self, q: torch.Tensor, layer: int, decode: _PaddedDecode) -> torch.Tensor:
