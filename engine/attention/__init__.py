@@ -9,6 +9,7 @@ from engine.attention.base import AttentionBackend
 ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
     # name: (module:class, the package a user must install for it)
     "torch_native": ("engine.attention.torch_native:TorchNativeBackend", "torch"),
+    "triton": ("engine.attention.triton_backend:TritonBackend", "triton"),
 }
 
 

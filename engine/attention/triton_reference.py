@@ -1,0 +1,164 @@
+"""The Triton backend's plans and its algorithm in plain torch (runs anywhere, CPU included).
+
+A plan is what the kernels need besides q and the cache: int32 tensors on the cache's device, the
+split count, the decode workspace. The reference functions below compute exactly what
+`triton_kernels.py` computes, with the same address math (flat offsets from page/offset/head
+strides), the same split boundaries and the same log2-domain log-sum-exp merge, so that logic is
+tested on CPU against the torch-native backend; on a GPU the kernels are checked against both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 64  # one key block of the decode kernel
+
+
+@dataclass(frozen=True)
+class KVStrides:
+    """Element strides of one layer's K (or V) view `[pages, page_size, kv_heads, head_dim]`."""
+
+    page: int
+    token: int
+    head: int
+
+    @classmethod
+    def of(cls, view: torch.Tensor) -> KVStrides:
+        if view.stride(-1) != 1:
+            raise ValueError("the KV cache view must be contiguous in head_dim")
+        return cls(view.stride(0), view.stride(1), view.stride(2))
+
+
+def token_offsets(locs: torch.Tensor, page_size: int, strides: KVStrides) -> torch.Tensor:
+    """Element offset of each location's first K element of head 0 from the view's start."""
+    return (locs // page_size) * strides.page + (locs % page_size) * strides.token
+
+
+def gather_tokens(view: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
+    """[n] locations -> [n, kv_heads, head_dim], read by the kernels' flat address math."""
+    pages, page_size, heads, dim = view.shape
+    strides = KVStrides.of(view)
+    span = (pages - 1) * strides.page + (page_size - 1) * strides.token
+    span += (heads - 1) * strides.head + dim
+    flat = view.as_strided((span,), (1,), view.storage_offset())
+    head_d = torch.arange(heads, device=view.device)[:, None] * strides.head
+    head_d = head_d + torch.arange(dim, device=view.device)[None, :]
+    return flat[token_offsets(locs, page_size, strides)[:, None, None] + head_d]
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough (request, kv head, split) programs for four per multiprocessor, each split at least
+    64 keys long, at most 64 splits (measured on an H100: scripts/gpu/tune_attention.py)."""
+    want = math.ceil(4 * num_sms / max(1, batch * num_kv_heads))
+    return max(1, min(want, 64, math.ceil(max_seq_len / MIN_SPLIT_TOKENS)))
+
+
+def split_bounds(seq_len: int, num_splits: int, split: int) -> tuple[int, int]:
+    """Key range [start, end) of one split, as the decode kernel computes it."""
+    split_len = -(-seq_len // num_splits)
+    start = split * split_len
+    return start, min(start + split_len, seq_len)
+
+
+@dataclass
+class DecodePlan:
+    """Every request adds one token. `mid_o`/`mid_lse` are stage 1's per-split results."""
+
+    slots: torch.Tensor  # [B] int32 rows of req_to_token
+    seq_lens: torch.Tensor  # [B] int32 context lengths including the new token
+    num_splits: int
+    mid_o: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    mid_lse: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+
+    def ensure_workspace(self, num_heads: int, head_dim: int) -> None:
+        batch = self.slots.shape[0]
+        if self.mid_o.shape != (batch, num_heads, self.num_splits, head_dim):
+            dev = self.slots.device
+            self.mid_o = torch.empty(
+                batch, num_heads, self.num_splits, head_dim, dtype=torch.float32, device=dev
+            )
+            self.mid_lse = torch.empty(
+                batch, num_heads, self.num_splits, dtype=torch.float32, device=dev
+            )
+
+
+@dataclass(frozen=True)
+class ExtendPlan:
+    """Request r's new tokens are rows q_starts[r]..+extend_lens[r], after prefix_lens[r] cached."""
+
+    slots: torch.Tensor  # [R] int32
+    q_starts: torch.Tensor  # [R] int32
+    extend_lens: torch.Tensor  # [R] int32
+    prefix_lens: torch.Tensor  # [R] int32
+    max_extend_len: int
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.slots.shape[0])
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_view: torch.Tensor,
+    v_view: torch.Tensor,
+    table: torch.Tensor,
+    plan: DecodePlan,
+    out: torch.Tensor,
+) -> None:
+    """Reference of `triton_kernels.paged_decode`: stage 1 per split, then the merge."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_view.shape[2]
+    group = num_heads // num_kv_heads
+    scale_log2 = head_dim**-0.5 * LOG2E
+    for b in range(batch):
+        seq_len, slot = int(plan.seq_lens[b]), int(plan.slots[b])
+        qb = q[b].float().view(num_kv_heads, group, head_dim)
+        for s in range(plan.num_splits):
+            start, end = split_bounds(seq_len, plan.num_splits, s)
+            if end <= start:
+                plan.mid_o[b, :, s] = 0.0
+                plan.mid_lse[b, :, s] = float("-inf")
+                continue
+            locs = table[slot, start:end]
+            k = gather_tokens(k_view, locs).float()  # [n, Hkv, D]
+            v = gather_tokens(v_view, locs).float()
+            scores = torch.einsum("hgd,nhd->hgn", qb, k) * scale_log2
+            m = scores.amax(-1, keepdim=True)
+            p = torch.exp2(scores - m)
+            denom = p.sum(-1, keepdim=True)
+            part = torch.einsum("hgn,nhd->hgd", p, v) / denom
+            plan.mid_o[b, :, s] = part.reshape(num_heads, head_dim)
+            plan.mid_lse[b, :, s] = (m + torch.log2(denom)).reshape(num_heads)
+    weight = torch.exp2(plan.mid_lse - plan.mid_lse.amax(-1, keepdim=True))  # [B, Hq, S]
+    merged = (plan.mid_o * weight[..., None]).sum(2) / weight.sum(-1)[..., None]
+    out.copy_(merged.to(out.dtype))
+
+
+def paged_extend(
+    q: torch.Tensor,
+    k_view: torch.Tensor,
+    v_view: torch.Tensor,
+    table: torch.Tensor,
+    plan: ExtendPlan,
+    out: torch.Tensor,
+) -> None:
+    """Reference of `triton_kernels.paged_extend`: causal over prefix + new keys from the cache."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_view.shape[2]
+    group = num_heads // num_kv_heads
+    for r in range(plan.num_requests):
+        start, ext = int(plan.q_starts[r]), int(plan.extend_lens[r])
+        prefix, slot = int(plan.prefix_lens[r]), int(plan.slots[r])
+        locs = table[slot, : prefix + ext]
+        k = gather_tokens(k_view, locs).float().repeat_interleave(group, dim=1)
+        v = gather_tokens(v_view, locs).float().repeat_interleave(group, dim=1)
+        qr = q[start : start + ext].float()  # [ext, Hq, D]
+        scores = torch.einsum("mhd,nhd->hmn", qr, k) * head_dim**-0.5
+        q_pos = torch.arange(prefix, prefix + ext, device=q.device)[:, None]
+        visible = torch.arange(prefix + ext, device=q.device)[None, :] <= q_pos
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start : start + ext] = torch.einsum("hmn,nhd->mhd", probs, v).to(out.dtype)
