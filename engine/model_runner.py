@@ -8,6 +8,7 @@ import torch
 
 from engine.attention import attention_backend_class
 from engine.config import EngineConfig
+from engine.cuda_graph import DecodeGraphRunner
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.kv_manager import KVManager
 from engine.memory import (
@@ -53,6 +54,10 @@ class ModelRunner:
         self.kv = KVManager(self.allocator, self.req_to_token, config.page_size, radix)
         backend_cls = attention_backend_class(config.attention_backend)
         self.attn_backend = backend_cls(self.kv_cache, self.req_to_token)
+        self.graph_runner: DecodeGraphRunner | None = None
+        if self.device.type == "cuda" and hasattr(self.attn_backend, "init_graph_metadata"):
+            # Padding rows read one key through slot 0 (reads only) and write to location 0.
+            self.graph_runner = DecodeGraphRunner(self.model, self.context_length, pad_slot=0)
 
     def build_batch(self, reqs: Sequence[Req], extend_lens: Sequence[int]) -> ForwardBatch:
         """Batch running `extend_lens[i]` pending tokens of `reqs[i]` (KV already reserved)."""
@@ -86,6 +91,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [batch_size, vocab] of each request's last new token."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         logits: torch.Tensor = self.model(batch)
         return logits
 
