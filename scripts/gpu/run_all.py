@@ -1,0 +1,549 @@
+"""One GPU run: correctness of the GPU attention backends, then the engine's figures against the
+ceilings measured in the same run on the same GPU, as a markdown table.
+
+    PYTHONUNBUFFERED=1 python3 scripts/gpu/run_all.py --out "$OUT"
+
+Needs torch with CUDA and Triton, nothing else (the GPU image has both). Steps:
+1. ceilings: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate
+   (8192^3, random data);
+2. correctness, before any number counts: the Triton backend against torch-native on random bf16
+   inputs (paged decode with split-KV, extends with prefixes, a Llama-3-8B-shaped model's logits
+   through chunked prefill and decode); relative error ||out - ref|| / ||ref||;
+3. decode step time of a Llama-3-8B-shaped model (dummy bf16 weights, bf16 KV, page size 16) at
+   batch 1/16/64/256 and context 1k, eager and with CUDA graphs, against the HBM roofline
+   (weight bytes + KV bytes read) / copy bandwidth;
+4. prefill throughput of one 1k/4k/8k-token chunk against the matmul rate (MFU: the model's
+   matmul FLOPs, causal attention counted once).
+A section that fails records its error in the table; the run goes on with the next one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from engine.attention.torch_native import TorchNativeBackend  # noqa: E402
+from engine.attention.triton_backend import TritonBackend  # noqa: E402
+from engine.cuda_graph import DecodeGraphRunner  # noqa: E402
+from engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from engine.memory.kv_cache import KVLayout, PagedKVCache, ReqToTokenPool  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from engine.models import build_model  # noqa: E402
+
+LLAMA3_8B = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
+PAGE_SIZE = 16
+MODEL_LINE = (
+    "Model: Llama-3-8B shapes (32 layers, hidden 4096, 32 q / 8 kv heads, head dim 128, "
+    "MLP 14336, vocab 128256), dummy bf16 weights, bf16 KV, page size 16."
+)
+BF16_REL_TOL = 2e-2  # bf16 operands: errors of 1e-3..1e-2 are rounding; NaN never passes
+
+
+@dataclass
+class Report:
+    rows: list[tuple[str, str, str, str]] = field(default_factory=list)  # what, value, ceiling, %
+    checks: list[tuple[str, float, bool]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def row(self, what: str, value: str, ceiling: str = "", ratio: float | None = None) -> None:
+        pct = f"{100 * ratio:.1f}%" if ratio is not None else ""
+        self.rows.append((what, value, ceiling, pct))
+        print(f"  {what}: {value} {ceiling} {pct}", flush=True)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def cuda_time_ms(fn: Callable[[], object], warmup: int = 3, repeats: int = 10) -> float:
+    """Median of `repeats` timed calls, each between two CUDA events, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+# ---- ceilings ---------------------------------------------------------------------------------
+def _copy_ms() -> tuple[float, int]:
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
+    dst = torch.empty_like(src)
+    return cuda_time_ms(lambda: dst.copy_(src), warmup=3, repeats=20), 2 * src.nbytes
+
+
+def _matmul_ms(n: int) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return cuda_time_ms(lambda: a @ b, warmup=3, repeats=20)
+
+
+def measure_ceilings(rep: Report) -> tuple[float, float]:
+    ms, moved = _copy_ms()
+    copy_bw = moved / (ms * 1e-3)
+    n = 8192
+    matmul = 2 * n**3 / (_matmul_ms(n) * 1e-3)
+    torch.cuda.empty_cache()
+    rep.row("HBM copy bandwidth (2 GiB, read + write)", f"{copy_bw / 1e9:.0f} GB/s")
+    rep.row("bf16 matmul rate (8192^3, random)", f"{matmul / 1e12:.0f} TFLOP/s")
+    rep.raw["copy_bw"], rep.raw["matmul_flops"] = copy_bw, matmul
+    return copy_bw, matmul
+
+
+# ---- random paged batches ---------------------------------------------------------------------
+@dataclass
+class PagedSetup:
+    cache: PagedKVCache
+    pool: ReqToTokenPool
+    batch: ForwardBatch
+
+
+def paged_setup(
+    layout: KVLayout,
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    *,
+    slack_pages: int = 4,
+    random_kv: bool = True,
+    shuffle: bool = True,
+) -> PagedSetup:
+    """Requests owning (shuffled) pages of a random cache, and a batch adding `extend_lens`
+    tokens to `prefix_lens` cached ones."""
+    ps = layout.page_size
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    pages_per_req = [-(-s // ps) for s in seq_lens]
+    num_pages = 1 + sum(pages_per_req) + slack_pages
+    cache = PagedKVCache(layout, num_pages, torch.device("cuda"))
+    if random_kv:
+        for chunk in cache.buffer.split(1024):
+            chunk.normal_()
+    pool = ReqToTokenPool(len(seq_lens) + 1, max(seq_lens) + ps, torch.device("cuda"))
+    order = torch.randperm(num_pages - 1) + 1 if shuffle else torch.arange(1, num_pages)
+    within = torch.arange(ps)
+    used = 0
+    new_locs, positions = [], []
+    for i, (seq, prefix, n) in enumerate(zip(seq_lens, prefix_lens, pages_per_req, strict=True)):
+        pages = order[used : used + n]
+        used += n
+        locs = (pages[:, None] * ps + within[None, :]).reshape(-1)[:seq].cuda()
+        pool.table[i + 1, :seq] = locs
+        new_locs.append(locs[prefix:])
+        positions.append(torch.arange(prefix, seq, device="cuda"))
+    mode = ForwardMode.DECODE if all(e == 1 for e in extend_lens) else ForwardMode.EXTEND
+    batch = ForwardBatch(
+        mode=mode,
+        input_ids=torch.randint(0, 1000, (sum(extend_lens),), device="cuda"),
+        positions=torch.cat(positions),
+        out_cache_loc=torch.cat(new_locs),
+        req_slots=list(range(1, len(seq_lens) + 1)),
+        seq_lens=seq_lens,
+        extend_lens=list(extend_lens),
+        attn_backend=None,  # type: ignore[arg-type]
+    )
+    return PagedSetup(cache, pool, batch)
+
+
+def run_layer(backend_cls: type, setup: PagedSetup, q, k, v) -> torch.Tensor:
+    cache = PagedKVCache(setup.cache.layout, setup.cache.num_pages, torch.device("cuda"))
+    cache.buffer.copy_(setup.cache.buffer)
+    backend = backend_cls(cache, setup.pool)
+    batch = replace(setup.batch, attn_backend=backend)
+    backend.init_metadata(batch)
+    out: torch.Tensor = backend.forward(q, k, v, 1, batch)
+    return out
+
+
+def check_backend_kernels(rep: Report) -> None:
+    layout = KVLayout(2, 8, 128, PAGE_SIZE, torch.bfloat16)
+    rand_ctx = torch.randint(0, 3000, (64,), generator=torch.Generator().manual_seed(0))
+    cases = {
+        "decode B=1 ctx 1024": ([1023], [1]),
+        "decode B=64 ctx 1..3000": (rand_ctx.tolist(), [1] * 64),
+        "decode B=3 ctx 5/17/2049": ([4, 16, 2048], [1, 1, 1]),
+        "extend fresh 1000+7": ([0, 0], [1000, 7]),
+        "extend prefix 300+200, 17+1, 0+64, 1500+513": ([300, 17, 0, 1500], [200, 1, 64, 513]),
+    }
+    for name, (prefix, ext) in cases.items():
+        setup = paged_setup(layout, prefix, ext)
+        n = sum(ext)
+        q = torch.randn(n, 32, 128, dtype=torch.bfloat16, device="cuda")
+        k = torch.randn(n, 8, 128, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn(n, 8, 128, dtype=torch.bfloat16, device="cuda")
+        ref = run_layer(TorchNativeBackend, setup, q, k, v)
+        out = run_layer(TritonBackend, setup, q, k, v)
+        err = rel_err(out, ref)
+        ok = bool(torch.isfinite(out).all()) and err < BF16_REL_TOL and ref.abs().sum() > 0
+        rep.checks.append((f"triton vs torch_native, {name}", err, ok))
+        log(f"check {name}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+
+
+def check_engine(rep: Report, workdir: Path) -> None:
+    """The whole engine on the GPU (scheduler, chunked prefill, prefix cache, decode through CUDA
+    graphs with changing batch sizes): greedy output with the Triton backend equals torch-native,
+    token for token, on a small fp32 dummy-weight Llama (the kernels use exact fp32 products)."""
+    from engine import LLM, SamplingParams
+
+    model_dir = workdir / "small-llama"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 2048, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": False,
+    }  # fmt: skip
+    (model_dir / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(2)
+    shared = torch.randint(0, 2048, (40,), generator=gen).tolist()
+    prompts = [
+        (shared if i % 3 == 0 else []) + torch.randint(0, 2048, (n,), generator=gen).tolist()
+        for i, n in enumerate((5, 17, 64, 130, 300, 9, 33, 250, 77, 1, 190, 41))
+    ]
+    params = [
+        SamplingParams(max_new_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]  # requests finish at different steps: the decode batch shrinks through several buckets
+    outputs = {}
+    for backend in ("torch_native", "triton"):
+        llm = LLM(str(model_dir), load_format="dummy", dtype="float32", device="cuda",
+                  page_size=16, chunked_prefill_size=128, attention_backend=backend)  # fmt: skip
+        outputs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+        if backend == "triton":
+            graphs = llm.runner.graph_runner
+            rep.raw["engine_graph_buckets"] = sorted(graphs.graphs) if graphs else []
+        llm.check_integrity()
+        del llm
+    same = sum(a == b for a, b in zip(outputs["triton"], outputs["torch_native"], strict=True))
+    name = (f"engine greedy, triton + CUDA graphs (buckets {rep.raw['engine_graph_buckets']}) "
+            f"== torch_native, 12 requests, fp32 (requests identical: {same}/12)")  # fmt: skip
+    rep.checks.append((name, 1 - same / len(prompts), same == len(prompts)))
+    log(f"check {name}")
+
+
+# ---- the Llama-3-8B-shaped model --------------------------------------------------------------
+def build_dummy_model(num_layers: int = LLAMA3_8B.num_layers) -> torch.nn.Module:
+    """Random bf16 weights of Llama-3-8B's shapes, made on the GPU (uniform like the loader's)."""
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = build_model(replace(LLAMA3_8B, num_layers=num_layers))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.fill_(1.0)
+            else:
+                param.uniform_(-0.05, 0.05, generator=gen)
+    return model.eval()
+
+
+def weight_bytes(model: torch.nn.Module, batch: int) -> int:
+    """Bytes a decode step must read: every weight once, of the embedding only the batch's rows."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name.startswith("embed_tokens"):
+            total += batch * p.shape[1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_layout() -> KVLayout:
+    c = LLAMA3_8B
+    return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, PAGE_SIZE, torch.bfloat16)
+
+
+def check_model(rep: Report, model: torch.nn.Module, gate: bool) -> None:
+    """Logits of chunked prefill (fresh, then with a prefix) and decode steps, both backends.
+    `gate`: a pass criterion (a model of few layers); otherwise reported only, since bf16
+    differences between two correct kernels compound through 32 layers of random weights."""
+    num_layers = model.config.num_layers
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    prompts = [torch.randint(0, LLAMA3_8B.vocab_size, (n,), device="cuda", generator=gen)
+               for n in (700, 300)]  # fmt: skip
+    logits: dict[str, list[torch.Tensor]] = {}
+    decode_ids: list[torch.Tensor] = []  # torch-native's greedy picks, fed to both backends
+    for cls in (TorchNativeBackend, TritonBackend):
+        layout = replace(kv_layout(), num_layers=num_layers)
+        setup = paged_setup(layout, [0, 0], [716, 316], random_kv=False)
+        backend = cls(setup.cache, setup.pool)
+        steps: list[torch.Tensor] = []
+        chunks = [([0, 0], [400, 100]), ([400, 100], [300, 200])]  # (prefix, extend) per request
+        for prefix, ext in chunks:
+            ids = torch.cat([p[s : s + n] for p, s, n in zip(prompts, prefix, ext, strict=True)])
+            steps.append(_forward(model, backend, setup.pool, ids, prefix, ext))
+        seq = [700, 300]
+        for i in range(8):
+            if cls is TorchNativeBackend:
+                decode_ids.append(steps[-1].argmax(-1))
+            steps.append(_forward(model, backend, setup.pool, decode_ids[i], seq, [1, 1]))
+            seq = [s + 1 for s in seq]
+        logits[cls.name] = steps
+        del setup, backend
+    errs = [rel_err(o, r) for r, o in zip(logits["torch_native"], logits["triton"], strict=True)]
+    picks = [
+        bool((o.argmax(-1) == r.argmax(-1)).all())
+        for r, o in zip(logits["torch_native"], logits["triton"], strict=True)
+    ]
+    finite = all(bool(torch.isfinite(t).all()) for t in logits["triton"])
+    name = f"{num_layers}-layer Llama-3-8B-shaped logits, 2 prefill chunks + 8 decode steps"
+    log(f"check {name}: rel errs {[f'{e:.1e}' for e in errs]}, argmax agree {picks}")
+    if gate:
+        ok = max(errs) < BF16_REL_TOL and finite
+        rep.checks.append((name, max(errs), ok))
+    else:
+        rep.row(f"info: {name}", f"worst rel. error {max(errs):.2e}",
+                f"same greedy pick in {sum(picks)}/{len(picks)} steps")  # fmt: skip
+
+
+def _forward(model, backend, pool, ids, prefix_lens, extend_lens, graphs=None) -> torch.Tensor:
+    batch = make_batch(backend, pool, ids, prefix_lens, extend_lens)
+    with torch.inference_mode():
+        if graphs is not None:
+            return graphs.replay(batch)
+        out: torch.Tensor = model(batch)
+        return out
+
+
+def make_batch(backend, pool, ids, prefix_lens, extend_lens) -> ForwardBatch:
+    """What ModelRunner.build_batch makes, from the slots 1..R of `pool`."""
+    slots = list(range(1, len(prefix_lens) + 1))
+    positions = torch.cat(
+        [torch.arange(p, p + n) for p, n in zip(prefix_lens, extend_lens, strict=True)]
+    ).cuda()
+    slot_per_token = torch.repeat_interleave(torch.tensor(slots), torch.tensor(extend_lens))
+    mode = ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND
+    batch = ForwardBatch(
+        mode=mode,
+        input_ids=ids,
+        positions=positions,
+        out_cache_loc=pool.table[slot_per_token.cuda(), positions],
+        req_slots=slots,
+        seq_lens=[p + n for p, n in zip(prefix_lens, extend_lens, strict=True)],
+        extend_lens=list(extend_lens),
+        attn_backend=backend,
+    )
+    backend.init_metadata(batch)
+    return batch
+
+
+# ---- decode and prefill figures ---------------------------------------------------------------
+def bench_decode(rep: Report, model, copy_bw: float, batches: list[int], context: int) -> None:
+    c = LLAMA3_8B
+    kv_token_bytes = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+    for bs in batches:
+        setup = paged_setup(kv_layout(), [context - 1] * bs, [1] * bs, slack_pages=1)
+        ids = torch.randint(0, c.vocab_size, (bs,), device="cuda")
+        floor_bytes = weight_bytes(model, bs) + bs * context * kv_token_bytes
+        floor_ms = floor_bytes / copy_bw * 1e3
+        ceiling = f"roofline {floor_ms:.2f} ms ({floor_bytes / 1e9:.1f} GB)"
+        for name in ("triton", "torch_native"):
+            if name == "torch_native" and bs > 64:
+                continue  # its padded gather copies the whole context per layer: minutes here
+            cls = TritonBackend if name == "triton" else TorchNativeBackend
+            backend = cls(setup.cache, setup.pool)
+            step = _step_fn(model, backend, setup.pool, ids, bs, context)
+            ms = cuda_time_ms(step)
+            rep.row(f"decode {name} eager, batch {bs}, ctx {context}", f"{ms:.2f} ms/step",
+                    ceiling, floor_ms / ms)  # fmt: skip
+            rep.raw[f"decode_{name}_eager_{bs}"] = ms
+        backend = TritonBackend(setup.cache, setup.pool)
+        graphs = DecodeGraphRunner(model, c.max_position_embeddings, pad_slot=0, buckets=(bs,))
+        step = _step_fn(model, backend, setup.pool, ids, bs, context, graphs)
+        ms = cuda_time_ms(step)
+        rep.row(f"decode triton CUDA graph, batch {bs}, ctx {context}", f"{ms:.2f} ms/step",
+                ceiling, floor_ms / ms)  # fmt: skip
+        rep.raw[f"decode_triton_graph_{bs}"] = ms
+        rep.raw[f"decode_floor_ms_{bs}"] = floor_ms
+        del setup, graphs, backend
+        torch.cuda.empty_cache()
+
+
+def _step_fn(model, backend, pool, ids, bs, context, graphs=None) -> Callable[[], object]:
+    """One decode step (metadata built on the host each time, as the engine does)."""
+
+    def step() -> object:
+        return _forward(model, backend, pool, ids, [context - 1] * bs, [1] * bs, graphs)
+
+    return step
+
+
+def model_matmul_flops(tokens: int) -> float:
+    """Matmul FLOPs of one fresh prefill chunk: projections and MLP of every token, causal
+    attention (QK^T and PV over each token's visible keys), the LM head of the last token."""
+    c = LLAMA3_8B
+    per_token_linear = c.hidden_size * (c.q_size + 2 * c.kv_size + c.q_size)
+    per_token_linear += 3 * c.hidden_size * c.intermediate_size
+    linear = 2 * tokens * per_token_linear * c.num_layers
+    visible = tokens * (tokens + 1) / 2
+    attention = 2 * 2 * visible * c.num_heads * c.head_dim * c.num_layers
+    return linear + attention + 2 * c.hidden_size * c.vocab_size
+
+
+def bench_prefill(rep: Report, model, matmul: float, chunks: list[int]) -> None:
+    for n in chunks:
+        flops = model_matmul_flops(n)
+        floor_ms = flops / matmul * 1e3
+        for name in ("triton", "torch_native"):
+            ms = _prefill_ms(model, name, n)
+            rep.row(f"prefill {name}, one {n}-token chunk",
+                    f"{ms:.1f} ms, {n / ms * 1e3:,.0f} tok/s, {flops / ms / 1e9:.0f} TFLOP/s",
+                    f"MFU floor {floor_ms:.1f} ms", floor_ms / ms)  # fmt: skip
+            rep.raw[f"prefill_{name}_{n}"] = ms
+        torch.cuda.empty_cache()
+
+
+def _prefill_ms(model, name: str, n: int) -> float:
+    setup = paged_setup(kv_layout(), [0], [n], slack_pages=1, random_kv=False)
+    ids = torch.randint(0, LLAMA3_8B.vocab_size, (n,), device="cuda")
+    cls = TritonBackend if name == "triton" else TorchNativeBackend
+    backend = cls(setup.cache, setup.pool)
+    return cuda_time_ms(
+        lambda: _forward(model, backend, setup.pool, ids, [0], [n]), warmup=2, repeats=5
+    )
+
+
+def bench_kv_transfer(rep: Report) -> None:
+    import importlib.util
+
+    if torch.cuda.device_count() < 2 or importlib.util.find_spec("nixl") is None:
+        rep.row("KV transfer GPU0 -> GPU1", "not measured: needs 2 GPUs and the nixl wheels")
+        return
+    from bench_kv_transfer import bench_transfer
+
+    for r in bench_transfer():
+        if not r.checked:
+            rep.errors.append(f"KV transfer {r.tokens} tokens {r.layout}: checksum mismatch")
+        what = (f"KV transfer NIXL GPU0 -> GPU1, {r.tokens}-token prompt, {r.layout} pages "
+                f"({r.descriptors} descriptors)")  # fmt: skip
+        value = f"{r.ms:.2f} ms, {r.gbps:.0f} GB/s{', data checked' if r.checked else ''}"
+        ceiling = f"torch peer copy {r.peer_copy_gbps:.0f} GB/s"
+        rep.row(what, value, ceiling, r.gbps / r.peer_copy_gbps)
+        rep.raw[f"transfer_{r.tokens}_{r.layout}_ms"] = r.ms
+
+
+# ---- the table --------------------------------------------------------------------------------
+def environment() -> dict[str, str]:
+    import triton  # type: ignore[import-untyped]
+
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
+         "--format=csv,noheader"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return {
+        "date (UTC)": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "GPU": torch.cuda.get_device_name(0),
+        "nvidia-smi": smi.stdout.strip(),
+        "SMs": str(torch.cuda.get_device_properties(0).multi_processor_count),
+        "torch": torch.__version__,
+        "CUDA (torch)": str(torch.version.cuda),
+        "triton": triton.__version__,
+        "python": sys.version.split()[0],
+    }  # fmt: skip
+
+
+def markdown(env: dict[str, str], rep: Report) -> str:
+    lines = ["# GPU figures: attention, decode and prefill of a Llama-3-8B-shaped model", ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += ["", MODEL_LINE, ""]
+    lines += ["## Correctness (must pass before any number counts)", "",
+              "| check | rel. error | pass |", "|---|---|---|"]  # fmt: skip
+    lines += [f"| {name} | {err:.2e} | {'yes' if ok else 'NO'} |" for name, err, ok in rep.checks]
+    lines += ["", "(for the engine check the error column is the fraction of requests that differ)"]
+    lines += ["", "## Figures", "", "| what | measured | ceiling | % of ceiling |",
+              "|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rep.rows]
+    if rep.errors:
+        lines += ["", "## Sections that failed", ""] + [f"- {e}" for e in rep.errors]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--chunks", default="1024,4096,8192")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    log(f"environment: {env}")
+    rep = Report()
+    copy_bw, matmul = measure_ceilings(rep)
+
+    def section(name: str, fn: Callable[[], object]) -> None:
+        log(f"== {name}")
+        try:
+            fn()
+        except Exception as exc:  # a failed section is reported, the run goes on
+            traceback.print_exc()
+            rep.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+
+    section("kernel checks", lambda: check_backend_kernels(rep))
+    section("engine check", lambda: check_engine(rep, Path(tempfile.mkdtemp())))
+    section("model check", lambda: check_model(rep, build_dummy_model(2), gate=True))
+    t0 = time.perf_counter()
+    model = build_dummy_model()
+    log(f"model built in {time.perf_counter() - t0:.1f} s")
+    section("model check", lambda: check_model(rep, model, gate=False))
+    if all(ok for _, _, ok in rep.checks) and rep.checks and not rep.errors:
+        batches = [int(b) for b in args.batches.split(",")]
+        section("decode", lambda: bench_decode(rep, model, copy_bw, batches, args.context))
+        chunks = [int(c) for c in args.chunks.split(",")]
+        section("prefill", lambda: bench_prefill(rep, model, matmul, chunks))
+        del model
+        torch.cuda.empty_cache()
+        section("kv transfer", lambda: bench_kv_transfer(rep))
+    else:
+        rep.errors.append("correctness checks failed or did not run: no figures measured")
+    text = markdown(env, rep)
+    name = f"gpu-{env['date (UTC)'][:10]}-{env['GPU'].split()[1].lower()}"
+    (args.out / f"{name}.md").write_text(text)
+    (args.out / f"{name}.json").write_text(json.dumps({"env": env, **rep.raw}, indent=1))
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
