@@ -18,12 +18,19 @@ from dataclasses import dataclass
 
 import grpc
 
+from bootstrap.metrics import BootstrapMetrics
 from bootstrap.service import BootstrapConfig, BootstrapService
+from bootstrap.telemetry import (
+    LogConfig,
+    add_log_args,
+    add_metrics_port_arg,
+    configure_logging,
+    serve_metrics,
+)
 from proto import bootstrap_pb2_grpc
 
 logger = logging.getLogger("pdserve.bootstrap")
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 STOP_GRACE_S = 0.5  # open watch streams never finish by themselves: cut them after this
 
 
@@ -31,6 +38,7 @@ STOP_GRACE_S = 0.5  # open watch streams never finish by themselves: cut them af
 class ListenConfig:
     host: str
     port: int
+    metrics_port: int | None = None  # GET /metrics on this HTTP port (None: not served)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,9 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--room-ttl", type=float, default=600.0, help="seconds a room may stay open"
     )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
+    add_metrics_port_arg(parser)
+    add_log_args(parser)
     return parser
 
 
@@ -71,11 +78,14 @@ def build_configs(
         heartbeat_interval_s=args.heartbeat_interval,
         room_ttl_s=args.room_ttl,
     )
-    return ListenConfig(args.host, args.port), service
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        parser.error(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
+    return ListenConfig(args.host, args.port, args.metrics_port), service
 
 
 async def serve(listen: ListenConfig, config: BootstrapConfig) -> None:
-    service = BootstrapService(config)
+    metrics = BootstrapMetrics()
+    service = BootstrapService(config, metrics=metrics)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     bootstrap_pb2_grpc.add_BootstrapServicer_to_server(service, server)
     address = f"{listen.host}:{listen.port}"
@@ -85,6 +95,7 @@ async def serve(listen: ListenConfig, config: BootstrapConfig) -> None:
         bound = 0
     if bound == 0:
         raise OSError(f"cannot listen on {address}: the port is in use or the host is not local")
+    metrics_server = serve_metrics(metrics.registry, listen.host, listen.metrics_port)
     await server.start()
     sweeper = asyncio.create_task(service.run_sweeper(), name="bootstrap-sweeper")
     logger.info(
@@ -104,6 +115,8 @@ async def serve(listen: ListenConfig, config: BootstrapConfig) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await sweeper
     await server.stop(STOP_GRACE_S)
+    if metrics_server is not None:
+        metrics_server.close()
     logger.info("stopped")
 
 
@@ -114,9 +127,7 @@ def _sizes(service: BootstrapService) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True
-    )
+    configure_logging(LogConfig(args.log_level, args.log_format))
     listen, config = build_configs(parser, args)
     _install_uvloop()
     try:

@@ -20,9 +20,11 @@ from typing import Any, TypeVar, cast
 import grpc
 
 from bootstrap.errors import BootstrapError, FailedPrecondition, InvalidArgument
+from bootstrap.metrics import BootstrapMetrics
 from bootstrap.registry import NodeRecord, NodeRegistry
-from bootstrap.rooms import RoomTable
+from bootstrap.rooms import RoomPhase, RoomTable
 from bootstrap.streams import Broadcast, Outbox
+from bootstrap.telemetry import current_room
 from proto import bootstrap_pb2, bootstrap_pb2_grpc
 
 logger = logging.getLogger("pdserve.bootstrap")
@@ -45,7 +47,10 @@ class BootstrapConfig:
 
 
 def _refusals_to_status(handler: Handler) -> Handler:
-    """A `BootstrapError` from the state becomes the gRPC status it names, with its message."""
+    """A `BootstrapError` from the state becomes the gRPC status it names, with its message.
+
+    The metrics' gauges are refreshed after the handler, whatever it changed.
+    """
 
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -54,16 +59,22 @@ def _refusals_to_status(handler: Handler) -> Handler:
         except BootstrapError as exc:
             logger.warning("%s refused (%s): %s", handler.__name__, exc.code.name, exc)
             await context.abort(exc.code, str(exc))
+        finally:
+            self.metrics.refresh(self.registry, self.rooms)
 
     return cast(Handler, wrapper)
 
 
 class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
     def __init__(
-        self, config: BootstrapConfig, clock: Callable[[], float] = time.monotonic
+        self,
+        config: BootstrapConfig,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: BootstrapMetrics | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
+        self.metrics = metrics or BootstrapMetrics()
         self.registry = NodeRegistry()
         self.rooms = RoomTable(replay_window_s=config.heartbeat_timeout_s)
         self.node_events: Broadcast[bootstrap_pb2.NodeEvent] = Broadcast(config.watch_backlog)
@@ -105,6 +116,7 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
 
     @_refusals_to_status
     async def Heartbeat(self, request: bootstrap_pb2.HeartbeatRequest, context: Any) -> Any:
+        self.metrics.heartbeats.inc()
         if self.registry.heartbeat(request.node_id, request.load, self.clock()):
             status = self.registry.require(request.node_id).status()
             self.node_events.publish(NodeEvent(kind=NodeEvent.LOAD, status=status))
@@ -136,6 +148,7 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         failed = self.rooms.fail_node(
             record.node_id, reason, process_gone=self._process_gone(record.node_id)
         )
+        self.metrics.node_failures.inc(len(failed))
         self.node_events.publish(NodeEvent(kind=NodeEvent.LEFT, status=record.status(alive=False)))
         logger.warning("%s removed (%s); %d open rooms failed", record.label, reason, len(failed))
 
@@ -143,8 +156,10 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
 
     @_refusals_to_status
     async def PostDestination(self, request: bootstrap_pb2.RoomDestination, context: Any) -> Any:
+        current_room.set(request.room)
         self._check_destination(request)
         self.rooms.open(request, self.clock())
+        self.metrics.rooms_opened.inc()
         return bootstrap_pb2.PostAck()
 
     def _check_destination(self, dest: bootstrap_pb2.RoomDestination) -> None:
@@ -173,11 +188,15 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
 
     @_refusals_to_status
     async def PostRoomStatus(self, request: bootstrap_pb2.RoomStatus, context: Any) -> Any:
-        self.rooms.post_status(request)
+        current_room.set(request.room)
+        room = self.rooms.post_status(request)
+        if room is not None and request.state in (bootstrap_pb2.DONE, bootstrap_pb2.FAILED):
+            self.metrics.rooms_closed.labels(bootstrap_pb2.RoomState.Name(request.state)).inc()
         return bootstrap_pb2.PostAck()
 
     @_refusals_to_status
     async def FailRoom(self, request: bootstrap_pb2.FailRoomRequest, context: Any) -> Any:
+        current_room.set(request.room)
         reason = request.reason or f"node {request.node_id} gave the room up"
         safe = self.rooms.fail(request.room, request.node_id, reason)
         return bootstrap_pb2.FailRoomResponse(safe_to_free=safe)
@@ -192,13 +211,22 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         outbox = self.rooms.destination_outbox(node_id)
         self.destination_streams[node_id] += 1
         try:
-            await self._pump(context, node_id, "destinations", outbox, self.rooms.take_destination)
+            await self._pump(context, node_id, "destinations", outbox, self._take_destination)
         finally:
             self.destination_streams[node_id] -= 1
             if self._process_gone(node_id):
                 del self.destination_streams[node_id]
                 if self.registry.get(node_id) is None:
                     self.rooms.writer_gone(node_id)
+
+    def _take_destination(self, destination: bootstrap_pb2.RoomDestination) -> bool:
+        """`RoomTable.take_destination`, timing the rendezvous (D's post -> P's stream)."""
+        room = self.rooms.rooms.get(destination.room)
+        queued = room is not None and room.phase is RoomPhase.QUEUED
+        admitted = self.rooms.take_destination(destination)
+        if queued and room is not None and room.phase is RoomPhase.DELIVERED:
+            self.metrics.rendezvous.observe(self.clock() - room.opened_at)
+        return admitted
 
     @_refusals_to_status
     async def WatchRoomStatus(
@@ -246,11 +274,21 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         timeout = self.config.heartbeat_timeout_s
         for record in self.registry.silent(now, timeout):
             silent_s = now - record.last_heartbeat
+            self.metrics.heartbeats_missed.inc()
             self._remove_node(
                 record, f"{record.label} missed heartbeats for {silent_s:.1f} s (dead)"
             )
-        self.rooms.expire(now, self.config.room_ttl_s)
+        ttl = self.config.room_ttl_s
+        self.metrics.rooms_expired.inc(
+            sum(
+                1
+                for room in self.rooms.rooms.values()
+                if now - room.opened_at > ttl and room.phase is not RoomPhase.CANCELLING
+            )
+        )
+        self.rooms.expire(now, ttl)
         self.rooms.prune_outboxes(now)
+        self.metrics.refresh(self.registry, self.rooms)
 
     async def run_sweeper(self) -> None:
         while True:

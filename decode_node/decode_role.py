@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.metrics import DecodeMetrics
 from engine.request import FinishReason, Req
 from engine.scheduler import Scheduler, StepOutput
 from kvtransfer.aux import AuxBuffer, AuxMismatchError
@@ -35,6 +36,7 @@ from kvtransfer.room import (
     RoomLink,
     RoomMessage,
     RoomState,
+    RoomStatus,
 )
 
 logger = logging.getLogger("pdserve.decode")
@@ -61,13 +63,16 @@ class DecodeRole:
         aux: AuxBuffer,
         page_size: int,
         clock: Callable[[], float] = time.monotonic,
+        metrics: DecodeMetrics | None = None,
     ) -> None:
         self.config = config
         self.link = link
         self.aux = aux
         self.page_size = page_size
         self.clock = clock
+        self.metrics = metrics or DecodeMetrics()
         self.inbox: queue.Queue[RoomMessage] = queue.Queue()
+        self._kv_arrived: dict[int, float] = {}  # room -> when P's DONE came (link thread)
         self.prealloc: deque[DecodeEntry] = deque()
         self.transfer: dict[int, DecodeEntry] = {}
         self.quarantine: dict[int, DecodeEntry] = {}
@@ -82,6 +87,12 @@ class DecodeRole:
     def submit(self, scheduler: Scheduler, req: Req) -> None:
         self.prealloc.append(DecodeEntry(req, created=self.clock()))
 
+    def deliver(self, message: RoomMessage) -> None:
+        """Called by the bootstrap link's thread: stamp P's DONE, then queue the message."""
+        if isinstance(message, RoomStatus) and message.state is RoomState.DONE:
+            self._kv_arrived[message.room] = time.monotonic()
+        self.inbox.put(message)
+
     def before_step(self, scheduler: Scheduler) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         while True:
@@ -92,6 +103,7 @@ class DecodeRole:
             outputs += self._on_event(scheduler, event)
         outputs += self._expire(scheduler)
         self._admit(scheduler)
+        self.metrics.observe_queues(len(self.prealloc), len(self.transfer), len(self.quarantine))
         return outputs
 
     def after_step(self, scheduler: Scheduler) -> None:
@@ -106,6 +118,7 @@ class DecodeRole:
         for room, entry in self.transfer.items():
             if entry.req.rid == rid:
                 self._give_up(room, "aborted by the client")
+                self._count_failure("aborted")
                 entry.req.finish_reason = FinishReason.ABORT
                 return entry.req
         return None
@@ -149,6 +162,8 @@ class DecodeRole:
             prompt_len=len(req.prompt_ids),
         )
         entry.published = self.clock()
+        req.timing.mark("published")
+        self.metrics.prealloc_wait.observe(req.timing.span("arrived", "published"))
         self.transfer[req.room] = entry
         self.link.post_destination(dest)
 
@@ -169,12 +184,17 @@ class DecodeRole:
             if progressing is not None:  # P started writing: the timeout restarts
                 progressing.published = self.clock()
             return []
+        arrived = self._kv_arrived.pop(event.room, None)
         entry = self.transfer.pop(event.room, None)
         if entry is None:
             return []
         if event.state is RoomState.DONE:
+            timing = entry.req.timing
+            timing.mark("kv_arrived", arrived)
+            self.metrics.transfer_wait.observe(timing.span("published", "kv_arrived"))
             return [self._take_over(scheduler, entry.req)]
         reason = event.reason or "prefill failed"
+        self._count_failure("prefill_failed")
         if event.may_still_write:
             self._hold(event.room, entry)
             return [self._fail(scheduler, entry.req, reason, free=False)]
@@ -185,14 +205,24 @@ class DecodeRole:
         try:
             first = self.aux.read(req.slot, req.room)
         except AuxMismatchError as exc:
+            self._count_failure("aux_mismatch")
             return self._fail(scheduler, req, str(exc))
+        self.metrics.rooms.labels("done").inc()
+        req.timing.mark("first_token")
+        req.timing.mark("admitted")
+        logger.debug(
+            "room %d: KV and first token from prefill node %s; joining the batch",
+            req.room,
+            req.peer_node_id,
+            extra={"room": req.room},
+        )
         scheduler.parked.remove(req)
         req.kv_len = len(req.prompt_ids)
         req.cached_tokens = first.cached_tokens
         req.output_ids.append(first.token)
         req.output_logprobs.append(first.logprob)
         req.output_top_logprobs.append(first.top_logprobs)
-        req.sampler.adopt(first.token)
+        req.sampler.observe(first.token)
         scheduler.admit_prefilled(req)
         scheduler.check_finish(req, first.token)
         return StepOutput(req, [first.token], req.finished)
@@ -205,8 +235,12 @@ class DecodeRole:
             f"room {req.room} (prefill node {req.peer_node_id} -> decode node "
             f"{self.link.node_id}): {reason}"
         )
-        logger.warning("%s", req.finish_detail)
+        logger.warning("%s", req.finish_detail, extra={"room": req.room})
         return StepOutput(req, [], True)
+
+    def _count_failure(self, reason: str) -> None:
+        self.metrics.rooms.labels("failed").inc()
+        self.metrics.failures.labels(reason).inc()
 
     def _free(self, scheduler: Scheduler, req: Req) -> None:
         if req in scheduler.parked:
@@ -235,6 +269,7 @@ class DecodeRole:
                     f"{self.config.transfer_timeout_s:.1f} s (transfer timeout)"
                 )
                 self._give_up(room, reason)
+                self._count_failure("transfer_timeout")
                 req = entry.req
                 req.finish_reason = FinishReason.ABORT
                 req.finish_detail = f"room {room} (decode node {self.link.node_id}): {reason}"

@@ -15,6 +15,7 @@ import sys
 from decode_node.decode_role import DecodeRole, DecodeRoleConfig
 from engine.builder import Engine
 from engine.engine_loop import EngineLoop
+from engine.metrics import DecodeMetrics, NodeMetrics
 from engine.node_server import run_node_main, serve_node, serve_registered
 from engine.node_service import NodeService
 from engine.server_args import (
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> None:
     scheduler = engine.scheduler
     if args.mode == "colocated":
-        engine_loop = EngineLoop(scheduler, loop_config(args))
+        engine_loop = EngineLoop(scheduler, loop_config(args), metrics=NodeMetrics("colocated"))
         service = NodeService(engine_loop, "colocated", model_path)
         engine_loop.start()
         await serve_node(engine_loop, service, server_config(args))
@@ -53,14 +54,16 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
         bootstrap_pb2.DECODE, f"{args.host}:{args.port}", transfer, runner, args.node_id
     )
     load = lambda: node_load(scheduler, lambda: (len(role.transfer), len(role.prealloc)))  # noqa: E731
-    link = make_link(args.bootstrap, info, lambda msg: role.inbox.put(msg), load)
+    link = make_link(args.bootstrap, info, lambda msg: role.deliver(msg), load)
+    metrics = NodeMetrics("decode")
     role = DecodeRole(
         DecodeRoleConfig(args.decode_headroom, args.transfer_timeout),
         link=link,
         aux=transfer.aux,
         page_size=runner.config.page_size,
+        metrics=DecodeMetrics(metrics.registry),
     )
-    engine_loop = EngineLoop(scheduler, loop_config(args), role)
+    engine_loop = EngineLoop(scheduler, loop_config(args), role, metrics)
     service = NodeService(engine_loop, "decode", model_path, link)
 
     await serve_registered(engine_loop, service, server_config(args), link, transfer.engine.close)
@@ -68,7 +71,7 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args)
     if args.mode == "disaggregated" and not args.bootstrap:
         logger.error("--mode disaggregated needs --bootstrap HOST:PORT")
         return 2

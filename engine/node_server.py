@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from bootstrap.node_link import NodeLink
+from bootstrap.telemetry import serve_metrics
 from engine.builder import Engine, build_engine, resolve_model
 from engine.engine_loop import EngineLoop
 from engine.model_config import ModelConfigError
@@ -39,6 +40,23 @@ async def serve_node(
     address = f"{config.host}:{config.port}"
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot listen on {address}: the port is in use or the host is not local")
+    metrics = serve_metrics(engine_loop.metrics.registry, config.host, config.metrics_port)
+    try:
+        await _serve(server, engine_loop, service, config, on_started, on_stopping)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+async def _serve(
+    server: grpc.aio.Server,
+    engine_loop: EngineLoop,
+    service: NodeService,
+    config: ServerConfig,
+    on_started: Callable[[], Awaitable[None]] | None,
+    on_stopping: Callable[[], Awaitable[None]] | None,
+) -> None:
+    address = f"{config.host}:{config.port}"
     await server.start()
     if on_started is not None:
         await on_started()

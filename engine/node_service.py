@@ -15,10 +15,12 @@ from dataclasses import fields
 import grpc
 
 from bootstrap.node_link import NodeLink
+from bootstrap.telemetry import current_room
 from engine.engine_loop import EngineLoop, FinishEvent, RequestEvent, TokenEvent
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
 from engine.scheduler import Scheduler
+from engine.timing import RequestTiming
 from proto import node_pb2, node_pb2_grpc
 
 _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
@@ -46,6 +48,27 @@ def sampling_to_proto(params: SamplingParams) -> node_pb2.SamplingParams:
     return msg
 
 
+def timing_to_proto(t: RequestTiming | None) -> node_pb2.NodeTiming:
+    """The spans between a request's marks on this node (engine/timing.py)."""
+    if t is None:
+        return node_pb2.NodeTiming()
+    prefill_node = bool(t.transfer_done)
+    decode_start = "admitted" if t.admitted else "first_token"
+    decode_first_end = "second_token" if t.second_token else "finished"
+    return node_pb2.NodeTiming(
+        bootstrap_wait_s=t.span("arrived", "destination"),
+        queue_s=t.span("destination" if t.destination else "arrived", "scheduled"),
+        prefill_s=t.span("scheduled", "first_token"),
+        transfer_s=t.span("first_token", "transfer_done"),
+        prealloc_s=t.span("arrived", "published"),
+        kv_wait_s=t.span("published", "kv_arrived"),
+        admit_s=t.span("kv_arrived", "admitted"),
+        first_decode_s=0.0 if prefill_node else t.span(decode_start, decode_first_end),
+        decode_s=0.0 if prefill_node else t.span("second_token", "finished"),
+        total_s=t.span("arrived", "finished"),
+    )
+
+
 def _event_to_proto(event: RequestEvent) -> node_pb2.GenerateResponse:
     if isinstance(event, TokenEvent):
         chunk = node_pb2.TokenChunk(token_ids=event.token_ids)
@@ -61,7 +84,12 @@ def _event_to_proto(event: RequestEvent) -> node_pb2.GenerateResponse:
         completion_tokens=event.completion_tokens,
         cached_tokens=event.cached_tokens,
     )
-    finished = node_pb2.Finished(finish_reason=event.reason, detail=event.detail, usage=usage)
+    finished = node_pb2.Finished(
+        finish_reason=event.reason,
+        detail=event.detail,
+        usage=usage,
+        timing=timing_to_proto(event.timing),
+    )
     return node_pb2.GenerateResponse(finished=finished)
 
 
@@ -130,6 +158,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         context: grpc.aio.ServicerContext,
     ) -> Req:
         prefill = isinstance(request, node_pb2.PrefillRequest)
+        current_room.set(request.bootstrap_room)  # this handler's log lines name the room
         try:
             req = self._build_req(request)
             if isinstance(request, node_pb2.PrefillRequest):
@@ -177,6 +206,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             sent_pages=t.pages if t else 0,
             sent_bytes=t.bytes if t else 0,
             descriptors=t.descriptors if t else 0,
+            timing=timing_to_proto(finish.timing),
         )
 
     async def Generate(

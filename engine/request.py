@@ -12,6 +12,7 @@ from enum import Enum
 
 from engine.memory.radix_cache import RadixNode
 from engine.sampling import RequestSampler, SamplingParams
+from engine.timing import RequestTiming
 
 
 class FinishReason(str, Enum):
@@ -53,6 +54,7 @@ class Req:
     peer_node_id: str = ""
     stop_after_prefill: bool = False  # prefill node: hand off after the first token, no decode
     transfer: TransferSummary | None = None
+    timing: RequestTiming = field(default_factory=RequestTiming)
 
     @property
     def all_ids(self) -> list[int]:

@@ -206,6 +206,7 @@ class Scheduler:
         self.kv.attach_prefix(req)
         if not req.output_ids:
             req.cached_tokens = req.kv_len
+        req.timing.mark("scheduled")
         return req
 
     def _reserve_decodes(self) -> list[Req]:
@@ -234,7 +235,9 @@ class Scheduler:
         victim.num_retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(victim)
-        logger.info("retracted request %s (KV pool exhausted)", victim.rid)
+        logger.info(
+            "retracted request %s (KV pool exhausted)", victim.rid, extra={"room": victim.room}
+        )
         return victim
 
     # ---- after the forward ---------------------------------------------------------------

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
 from dataclasses import dataclass
 
+from bootstrap.telemetry import LogConfig, add_log_args, add_metrics_port_arg
+from bootstrap.telemetry import configure_logging as _configure_logging
 from engine.config import EngineConfig
 from engine.engine_loop import LoopConfig
 from kvtransfer.base import TransferConfig
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 @dataclass(frozen=True)
@@ -20,6 +18,7 @@ class ServerConfig:
     host: str
     port: int
     shutdown_grace_s: float
+    metrics_port: int | None = None  # GET /metrics on this HTTP port (None: not served)
 
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
@@ -49,11 +48,13 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=30001)
     g.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds for in-flight work")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_metrics_port_arg(g)
+    add_log_args(g)
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+def configure_logging(args: argparse.Namespace) -> None:
+    """`--log-level` / `--log-format` -> the process's one log format (bootstrap/telemetry.py)."""
+    _configure_logging(LogConfig(args.log_level, args.log_format))
 
 
 def engine_config(args: argparse.Namespace, model_path: str, weight_bytes: int) -> EngineConfig:
@@ -106,7 +107,14 @@ def loop_config(args: argparse.Namespace) -> LoopConfig:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(host=args.host, port=args.port, shutdown_grace_s=args.shutdown_grace)
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        raise ValueError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        shutdown_grace_s=args.shutdown_grace,
+        metrics_port=args.metrics_port,
+    )
 
 
 def add_disagg_args(parser: argparse.ArgumentParser) -> None:

@@ -34,11 +34,14 @@ from gateway.native_api import NativeHandler
 from gateway.nodes import ROLE_NAMES, NodeDirectory
 from gateway.openai_api import OpenAIHandlers, Payload
 from gateway.text import TextCodec
+from gateway.timeline import RequestTrace, current_trace
 
 logger = logging.getLogger("pdserve.gateway")
 
 Handler = Callable[[dict[str, Any]], Coroutine[Any, Any, Payload]]
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
+# Non-streaming answers carry the timing breakdown of their slowest choice (gateway/timeline.py).
+TIMING_HEADER = "Server-Timing"
 
 
 class ClientGone(Exception):
@@ -121,6 +124,8 @@ class Gateway:
 
     async def serve(self, request: Request, endpoint: str, handler: Handler) -> Response:
         status = 200
+        trace = RequestTrace()
+        current_trace.set(trace)  # this request's choices record their timelines here
         try:
             self._authorize(request)
             self._admit()
@@ -132,10 +137,14 @@ class Gateway:
                 raise
             if isinstance(payload, dict):
                 self._release()
-                return JSONResponse(payload)
+                timeline = trace.slowest()
+                headers = {TIMING_HEADER: timeline.server_timing()} if timeline else None
+                return JSONResponse(payload, headers=headers)
             return EventStream(payload, on_close=self._release)
         except APIError as exc:
             status = exc.status
+            if status == 503:
+                self.metrics.rejected.labels("unavailable").inc()
             return error_response(exc)
         except ClientGone:
             status = CLIENT_CLOSED

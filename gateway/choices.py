@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from gateway.dispatch import Dispatcher
 from gateway.text import StopTrimmer, TextCodec
+from gateway.timeline import Timeline
 from proto import node_pb2
 
 
@@ -35,6 +36,7 @@ class ChoiceEnd:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    timeline: Timeline | None = None  # where the time went (gateway/timeline.py)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ async def choice_events(
         prompt_tokens=len(job.prompt_ids),
         completion_tokens=finished.usage.completion_tokens,
         cached_tokens=generation.cached_tokens,
+        timeline=generation.timeline,
     )
     yield ChoiceEvent(job.index, tail, end=end)
 

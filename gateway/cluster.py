@@ -2,7 +2,10 @@
 
 Starts, on 127.0.0.1 with free ports: a bootstrap-server, `--prefill N` prefill-servers,
 `--decode M` decode-servers (disaggregated) and a gateway-server; waits until the gateway's
-/health is 200 with every node registered; prints the base URL and a curl example; streams the
+/health is 200 with every node registered; prints the base URL, a curl example and where each
+process serves its Prometheus metrics (the bootstrap and every node get a free `--metrics-port`;
+the gateway serves /metrics on its API port: one `[pd-cluster] metrics <name> <url>` line each,
+for scrape configs and tests); streams the
 children's logs with a `[name]` prefix. On Ctrl-C / SIGTERM, or when the bootstrap or the
 gateway dies, it stops everything: SIGTERM to each child (gateway first, bootstrap last), SIGKILL
 after the grace period, and a kill of each child's whole process group, so nothing is left
@@ -31,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from bootstrap.telemetry import add_log_args
+
 HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.25
@@ -51,6 +56,7 @@ class ClusterConfig:
     ready_timeout_s: float = 600.0
     stop_grace_s: float = 15.0
     log_dir: Path | None = None
+    log_args: tuple[str, ...] = ()  # --log-level / --log-format for every child
 
 
 @dataclass
@@ -59,6 +65,7 @@ class Child:
     process: subprocess.Popen[bytes]
     address: str
     essential: bool  # its death takes the cluster down
+    metrics_url: str = ""
     reported_exit: bool = False
 
     @property
@@ -81,29 +88,44 @@ class Cluster:
     def start(self, stop: threading.Event) -> str:
         """Start every process and wait until the gateway is healthy; returns its base URL."""
         c = self.config
-        bootstrap = self._spawn("bootstrap", "bootstrap-server", [], essential=True)
+        bootstrap = self._spawn("bootstrap", "bootstrap-server", [], essential=True, metrics=True)
         common = ["--bootstrap", bootstrap.address, "--transfer-backend", c.backend]
         common += ["--max-total-tokens", str(c.max_total_tokens), *self._model_args()]
         common += list(c.node_args)
         for i in range(c.prefill):
-            self._spawn(f"prefill-{i}", "prefill-server", [*common, *c.prefill_args])
+            args = [*common, *c.prefill_args]
+            self._spawn(f"prefill-{i}", "prefill-server", args, metrics=True)
         for i in range(c.decode):
             args = ["--mode", "disaggregated", *common, *c.decode_args]
-            self._spawn(f"decode-{i}", "decode-server", args)
+            self._spawn(f"decode-{i}", "decode-server", args, metrics=True)
         gateway_args = ["--bootstrap", bootstrap.address, *self._model_args(), *c.gateway_args]
         gateway = self._spawn("gateway", "gateway-server", gateway_args, True, port=c.port)
         url = f"http://{gateway.address}"
+        gateway.metrics_url = f"{url}/metrics"
         self._wait_healthy(url, stop)
         return url
+
+    def metrics_lines(self) -> list[str]:
+        return [f"[pd-cluster] metrics {c.name} {c.metrics_url}" for c in self.children]
 
     def _model_args(self) -> list[str]:
         return ["--model", self.config.model] if self.config.model else []
 
     def _spawn(
-        self, name: str, script: str, args: list[str], essential: bool = False, port: int = 0
+        self,
+        name: str,
+        script: str,
+        args: list[str],
+        essential: bool = False,
+        port: int = 0,
+        metrics: bool = False,
     ) -> Child:
         port = port or free_port()
-        command = [_script(script), *args, "--host", HOST, "--port", str(port)]
+        command = [_script(script), *self.config.log_args, *args, "--host", HOST]
+        command += ["--port", str(port)]
+        metrics_port = free_port() if metrics else 0
+        if metrics_port:
+            command += ["--metrics-port", str(metrics_port)]
         self.say(f"[pd-cluster] starting {name}: {shlex.join(command)}")
         process = subprocess.Popen(
             command,
@@ -114,6 +136,8 @@ class Cluster:
             preexec_fn=_die_with_parent,
         )
         child = Child(name, process, f"{HOST}:{port}", essential)
+        if metrics_port:
+            child.metrics_url = f"http://{HOST}:{metrics_port}/metrics"
         self.children.append(child)
         threading.Thread(target=self._relay, args=(child,), daemon=True).start()
         return child
@@ -264,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gateway-args", default="", help="extra flags for the gateway")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--log-dir", type=Path, default=None, help="also write <name>.log here")
+    add_log_args(parser)
     return parser
 
 
@@ -283,6 +308,7 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         gateway_args=tuple(shlex.split(args.gateway_args)),
         ready_timeout_s=args.ready_timeout,
         log_dir=args.log_dir,
+        log_args=("--log-level", args.log_level, "--log-format", args.log_format),
     )
 
 
@@ -304,6 +330,8 @@ def run(config: ClusterConfig, on_ready: Callable[[str], None] | None = None) ->
     try:
         url = cluster.start(stop)
         cluster.say(banner(url, _served_name(config, url)))
+        for line in cluster.metrics_lines():
+            cluster.say(line)
         if on_ready is not None:
             on_ready(url)
         code = cluster.watch(stop)

@@ -28,6 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.nodes import NodeDirectory
 from gateway.pd_client import PDResult, PDStream
 from gateway.routing import Route, Router
+from gateway.timeline import Timeline, assemble, current_trace
 from proto import node_pb2
 
 logger = logging.getLogger("pdserve.gateway.dispatch")
@@ -85,6 +86,10 @@ class Generation:
         self.cached_tokens = 0
         self.route: Route | None = None
         self.attempts = 0
+        self.timeline: Timeline | None = None
+        trace = current_trace.get()
+        self.trace = trace
+        self.started = trace.started if trace is not None else time.monotonic()
 
     def __aiter__(self) -> AsyncGenerator[node_pb2.TokenChunk, None]:
         return self._chunks()
@@ -93,7 +98,7 @@ class Generation:
         d = self.dispatcher
         excluded: set[str] = set()
         failure: AttemptFailure | None = None
-        started = time.monotonic()
+        started = self.started
         for attempt in range(d.config.max_attempts):
             self.attempts = attempt + 1
             route = self.route = d.router.choose(self.prompt_ids, excluded)
@@ -105,14 +110,18 @@ class Generation:
                 rid=f"{self.rid}-{attempt}",
             )
             sent = False
+            last_chunk = 0.0
             d.enter(route)
             try:
                 async with contextlib.aclosing(aiter(stream)) as responses:
                     async for response in responses:
                         if response.HasField("chunk"):
-                            if not sent:
-                                d.metrics.ttft.observe(time.monotonic() - started)
-                            sent = True
+                            now = time.monotonic()
+                            if sent:
+                                d.metrics.itl.observe(now - last_chunk)
+                            else:
+                                d.metrics.ttft.observe(now - started)
+                            sent, last_chunk = True, now
                             yield response.chunk
                         else:
                             self.finished = response.finished
@@ -127,7 +136,11 @@ class Generation:
             excluded.add(failure.node_id)
             d.metrics.retries.labels(failure.kind).inc()
             logger.warning(
-                "request %s attempt %d failed: %s", self.rid, attempt + 1, failure.reason
+                "request %s attempt %d failed: %s",
+                self.rid,
+                attempt + 1,
+                failure.reason,
+                extra={"room": stream.result.room},
             )
         assert failure is not None
         raise unavailable(
@@ -190,3 +203,17 @@ class Generation:
         m.prompt_tokens.inc(len(self.prompt_ids))
         m.completion_tokens.inc(finished.usage.completion_tokens)
         m.e2e.observe(time.monotonic() - started)
+        prefill = result.prefill if route.prefill is not None else None
+        self.timeline = assemble(started, result.sent_at, result.finished_at, finished, prefill)
+        if self.trace is not None:
+            self.trace.timelines.append(self.timeline)
+        logger.debug(
+            "request %s (%s -> decode node %s) finished %s: %d tokens; timeline %s",
+            self.rid,
+            f"prefill node {route.prefill.node_id}" if route.prefill else "local prefill",
+            route.decode.node_id,
+            finished.finish_reason,
+            finished.usage.completion_tokens,
+            self.timeline.as_dict(),
+            extra={"room": result.room},
+        )

@@ -63,6 +63,11 @@ class GatewayMetrics:
             "pdserve_gateway_time_to_first_token_seconds", "time to first token",
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.itl = Histogram(
+            "pdserve_gateway_inter_token_latency_seconds",
+            "time between two token chunks of one choice",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.e2e = Histogram(
             "pdserve_gateway_e2e_seconds", "request latency", buckets=_LATENCY_BUCKETS, registry=r
         )

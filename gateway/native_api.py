@@ -4,7 +4,8 @@ Body: `{"text": "..."}` or `{"input_ids": [...]}`, optional `sampling_params` (t
 max_new_tokens (default 128), temperature, top_p, top_k, min_p, seed, stop, stop_token_ids,
 ignore_eos, logprobs, top_logprobs, penalties), `stream`, `rid`. Answer:
 `{"text", "output_ids", "meta_info": {"id", "finish_reason", "matched", "prompt_tokens",
-"completion_tokens", "cached_tokens", "output_token_logprobs"?}}`. Streaming sends the same
+"completion_tokens", "cached_tokens", "timing", "output_token_logprobs"?}}`; `timing` is the
+request's breakdown in seconds (gateway/timeline.py). Streaming sends the same
 objects with the text and ids of each piece (deltas), `meta_info.finish_reason` on the last,
 then `[DONE]`.
 """
@@ -73,6 +74,8 @@ class NativeHandler:
                 completion_tokens=end.completion_tokens,
                 cached_tokens=end.cached_tokens,
             )
+            if end.timeline is not None:
+                meta["timing"] = end.timeline.as_dict()
         return {"text": text, "output_ids": list(token_ids), "meta_info": meta}
 
     async def _stream(

@@ -37,6 +37,7 @@ class PDResult:
     token_ids: list[int] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)  # monotonic arrival of each chunk
     sent_at: float = 0.0
+    finished_at: float = 0.0  # monotonic arrival of the decode node's Finished
     finished: node_pb2.Finished | None = None
     prefill: node_pb2.PrefillResponse | None = None
     prefill_error: str = ""
@@ -115,6 +116,7 @@ class PDStream:
                     result.chunk_times.append(time.monotonic())
                 else:
                     result.finished = response.finished
+                    result.finished_at = time.monotonic()
                 yield response
         except asyncio.CancelledError:
             if not self._cancelled_decode or _being_cancelled():

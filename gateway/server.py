@@ -12,6 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
+from bootstrap.telemetry import add_log_args
 from engine.server_args import configure_logging
 from gateway.config import GatewayConfig, LimitsConfig, ModelInfo, RoutingConfig
 from gateway.routing import POLICIES
@@ -27,9 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
     parser.add_argument("--served-model-name", default=None, help="default: the directory name")
     parser.add_argument("--context-length", type=int, default=None, help="default: the model's")
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
+    add_log_args(parser)
     g = parser.add_argument_group("routing")
     g.add_argument("--prefill-policy", default="prefix_aware", choices=sorted(POLICIES))
     g.add_argument("--decode-policy", default="least_load", choices=sorted(POLICIES))
@@ -89,7 +88,7 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args)
     try:
         from engine.builder import resolve_model
         from gateway.text import TextCodec
@@ -121,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             loop="uvloop",
             http="httptools",
             log_level=config.log_level,
+            log_config=None,  # uvicorn's loggers go through ours (one format everywhere)
             access_log=False,
             timeout_graceful_shutdown=5,
         )

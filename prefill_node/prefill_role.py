@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.metrics import PrefillMetrics
 from engine.request import FinishReason, Req, TransferSummary
 from engine.scheduler import Scheduler, StepOutput
 from kvtransfer.aux import AuxBuffer, FirstToken
@@ -47,8 +48,14 @@ class PrefillEntry:
     dest: RoomDestination | None = None
     sender: KVSender | None = None
     failure: str = ""  # set once the room is doomed; reported after writes settle
+    failure_kind: str = ""  # metrics label: write_failed, transfer_timeout, lease_lost, ...
     inflight_since: float = 0.0
     epoch: int = 0  # the link's registration epoch when the room started
+
+    def fail(self, kind: str, reason: str) -> None:
+        """Doom the room (the first failure is the one reported)."""
+        if not self.failure:
+            self.failure, self.failure_kind = reason, kind
 
 
 class PrefillRole:
@@ -62,8 +69,10 @@ class PrefillRole:
         page_bytes: int,
         page_size: int,
         clock: Callable[[], float] = time.monotonic,
+        metrics: PrefillMetrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics or PrefillMetrics()
         self.link = link
         self.engine = engine
         self.aux = aux
@@ -110,14 +119,14 @@ class PrefillRole:
             if entry.failure or id(entry.req) in finishing:  # sent whole by _finish_prefill
                 continue
             if self._fenced(entry):
-                self._doom(scheduler, entry, self._fence_reason())
+                self._doom(scheduler, entry, "lease_lost", self._fence_reason())
                 continue
             assert entry.sender is not None
             started = entry.sender.stats.pages > 0
             try:
                 entry.sender.send_pages(entry.req.pages, entry.req.kv_len // self.page_size)
             except TransferError as exc:
-                self._doom(scheduler, entry, f"KV write failed: {exc}")
+                self._doom(scheduler, entry, "write_failed", f"KV write failed: {exc}")
                 continue
             if not started and entry.sender.stats.pages:  # first pages out: D resets its timer
                 self._post(entry.req, RoomState.TRANSFERRING, "")
@@ -125,12 +134,13 @@ class PrefillRole:
             done = self.active.get(req.room)
             if done is not None and done.req is req:
                 self._finish_prefill(scheduler, done)
+        self.metrics.observe_queues(len(self.bootstrap), len(self.active), len(self.inflight))
 
     def abort(self, scheduler: Scheduler, rid: str) -> Req | None:
         for entries in (self.bootstrap, self.active):
             for entry in entries.values():
                 if entry.req.rid == rid:
-                    self._fail_entry(scheduler, entry, "aborted by the client")
+                    self._fail_entry(scheduler, entry, "aborted", "aborted by the client")
                     return entry.req
         return None
 
@@ -149,6 +159,7 @@ class PrefillRole:
             self._fail_entry(
                 scheduler,
                 entry,
+                "wrong_decode_node",
                 f"destination from decode node {dest.decode_node_id}, "
                 f"expected {entry.req.peer_node_id}",
             )
@@ -160,10 +171,9 @@ class PrefillRole:
     ) -> None:
         reason = f"decode node {dest.decode_node_id} gave the room up"
         if entry is not None:
-            self._fail_entry(scheduler, entry, reason)
+            self._fail_entry(scheduler, entry, "decode_cancelled", reason)
         elif dest.room in self.inflight:  # writes may be pending: report after they settle
-            inflight = self.inflight[dest.room]
-            inflight.failure = inflight.failure or reason
+            self.inflight[dest.room].fail("decode_cancelled", reason)
         else:  # never started: confirm at once that nothing will be written
             self._early.pop(dest.room, None)
             self._confirm_unused(dest, "cancelled before the prefill request arrived")
@@ -172,13 +182,18 @@ class PrefillRole:
         peer = self.link.peer(dest.decode_node_id)
         if peer is None or "kv" not in peer.regions:
             self._fail_entry(
-                scheduler, entry, f"decode node {dest.decode_node_id} is not registered"
+                scheduler,
+                entry,
+                "decode_gone",
+                f"decode node {dest.decode_node_id} is not registered",
             )
             return
         try:
             self.engine.connect(peer)
         except TransferError as exc:
-            self._fail_entry(scheduler, entry, f"cannot reach decode node: {exc}")
+            self._fail_entry(
+                scheduler, entry, "decode_unreachable", f"cannot reach decode node: {exc}"
+            )
             return
         entry.dest = dest
         entry.epoch = self.link.epoch
@@ -192,6 +207,9 @@ class PrefillRole:
         )
         del self.bootstrap[dest.room]
         self.active[dest.room] = entry
+        timing = entry.req.timing
+        timing.mark("destination")
+        self.metrics.bootstrap_wait.observe(timing.span("arrived", "destination"))
         scheduler.add_request(entry.req)
 
     # ---- finishing ---------------------------------------------------------------------
@@ -201,8 +219,9 @@ class PrefillRole:
         assert dest is not None and sender is not None and req.slot is not None
         scheduler.prefilled.remove(req)
         scheduler.parked.append(req)
+        req.timing.mark("first_token")
         if self._fenced(entry):
-            entry.failure = self._fence_reason()
+            entry.fail("lease_lost", self._fence_reason())
             self._to_inflight(entry)
             return
         first = FirstToken(
@@ -221,7 +240,7 @@ class PrefillRole:
             dst_aux = peer.regions["aux"].addr + dest.aux_slot * self.aux.slot_bytes()
             sender.send_aux(self.aux.slot_addr(req.slot), dst_aux, self.aux.slot_bytes())
         except TransferError as exc:
-            entry.failure = f"KV write failed: {exc}"
+            entry.fail("write_failed", f"KV write failed: {exc}")
         self._to_inflight(entry)
 
     def _to_inflight(self, entry: PrefillEntry) -> None:
@@ -238,11 +257,11 @@ class PrefillRole:
                 if self.clock() - entry.inflight_since < self.config.transfer_timeout_s:
                     continue
                 if not entry.failure:
-                    entry.failure = "KV transfer timed out"
+                    entry.fail("transfer_timeout", "KV transfer timed out")
                     logger.error("room %d: transfer pending past the timeout; holding pages", room)
                 continue
-            if state is TransferState.FAILED and not entry.failure:
-                entry.failure = "KV write to the decode node failed"
+            if state is TransferState.FAILED:
+                entry.fail("write_failed", "KV write to the decode node failed")
             del self.inflight[room]
             outputs.append(self._settle(scheduler, entry))
         return outputs
@@ -250,10 +269,11 @@ class PrefillRole:
     def _settle(self, scheduler: Scheduler, entry: PrefillEntry) -> StepOutput:
         req = entry.req
         if not entry.failure and self._fenced(entry):  # D may have freed the pages meanwhile
-            entry.failure = self._fence_reason()
+            entry.fail("lease_lost", self._fence_reason())
         if entry.sender is not None:
             stats = entry.sender.stats
             req.transfer = TransferSummary(stats.pages, stats.bytes, stats.descriptors)
+        self._count(entry)
         if req in scheduler.parked:
             scheduler.parked.remove(req)
         scheduler.kv.release(req, cache=not entry.failure)
@@ -261,10 +281,32 @@ class PrefillRole:
         if entry.failure:
             req.finish_reason = FinishReason.ABORT
             req.finish_detail = self._describe(req, entry.failure)
-            logger.warning("%s", req.finish_detail)
+            logger.warning("%s", req.finish_detail, extra={"room": req.room})
         else:
             req.finish_reason = FinishReason.PREFILLED
         return StepOutput(req, [], True)
+
+    def _count(self, entry: PrefillEntry) -> None:
+        req, m = entry.req, self.metrics
+        req.timing.mark("transfer_done")
+        if entry.failure:
+            m.rooms.labels("failed").inc()
+            m.failures.labels(entry.failure_kind or "other").inc()
+            return
+        m.rooms.labels("done").inc()
+        m.transfer_seconds.observe(req.timing.span("first_token", "transfer_done"))
+        if req.transfer is not None:
+            m.transfer_bytes.inc(req.transfer.bytes)
+            m.transfer_pages.inc(req.transfer.pages)
+            m.transfer_descriptors.inc(req.transfer.descriptors)
+        logger.debug(
+            "room %d: %d prompt tokens (%d cached) prefilled, KV sent to decode node %s",
+            req.room,
+            len(req.prompt_ids),
+            req.cached_tokens,
+            req.peer_node_id,
+            extra={"room": req.room},
+        )
 
     def _fenced(self, entry: PrefillEntry) -> bool:
         return entry.epoch != self.link.epoch or not self.link.lease_ok()
@@ -282,31 +324,34 @@ class PrefillRole:
         nodes = f"prefill node {self.link.node_id} -> decode node {req.peer_node_id}"
         return f"room {req.room} ({nodes}): {failure}"
 
-    def _doom(self, scheduler: Scheduler, entry: PrefillEntry, reason: str) -> None:
+    def _doom(self, scheduler: Scheduler, entry: PrefillEntry, kind: str, reason: str) -> None:
         """Stop computing for a room whose writes may still be in flight."""
-        entry.failure = reason
+        entry.fail(kind, reason)
         req = scheduler.detach(entry.req.rid)
         if req is not None:
             scheduler.parked.append(req)
         self._to_inflight(entry)
 
-    def _fail_entry(self, scheduler: Scheduler, entry: PrefillEntry, reason: str) -> None:
+    def _fail_entry(
+        self, scheduler: Scheduler, entry: PrefillEntry, kind: str, reason: str
+    ) -> None:
         if entry.req.room in self.bootstrap:  # nothing computed, nothing written
             del self.bootstrap[entry.req.room]
-            entry.failure = reason
+            entry.fail(kind, reason)
             self.inflight[entry.req.room] = entry
             entry.inflight_since = self.clock()
             return
-        self._doom(scheduler, entry, reason)
+        self._doom(scheduler, entry, kind, reason)
 
     def _expire_bootstrap(self) -> list[StepOutput]:
         now = self.clock()
         for room, entry in list(self.bootstrap.items()):
             if now - entry.created > self.config.bootstrap_timeout_s:
                 del self.bootstrap[room]
-                entry.failure = (
+                entry.fail(
+                    "bootstrap_timeout",
                     f"no destination from decode node {entry.req.peer_node_id} within "
-                    f"{self.config.bootstrap_timeout_s:.1f} s (bootstrap timeout)"
+                    f"{self.config.bootstrap_timeout_s:.1f} s (bootstrap timeout)",
                 )
                 entry.inflight_since = now
                 self.inflight[room] = entry

@@ -10,6 +10,7 @@ import sys
 
 from engine.builder import Engine
 from engine.engine_loop import EngineLoop
+from engine.metrics import NodeMetrics, PrefillMetrics
 from engine.node_server import run_node_main, serve_registered
 from engine.node_service import NodeService
 from engine.server_args import (
@@ -44,6 +45,7 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
     )
     load = lambda: node_load(scheduler, lambda: (len(role.inflight), len(role.bootstrap)))  # noqa: E731
     link = make_link(args.bootstrap, info, lambda msg: role.inbox.put(msg), load)
+    metrics = NodeMetrics("prefill")
     role = PrefillRole(
         PrefillRoleConfig(args.bootstrap_timeout, args.transfer_timeout),
         link=link,
@@ -52,8 +54,9 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
         kv_base=transfer.kv_base,
         page_bytes=runner.kv_layout.page_bytes,
         page_size=runner.config.page_size,
+        metrics=PrefillMetrics(metrics.registry),
     )
-    engine_loop = EngineLoop(scheduler, loop_config(args), role)
+    engine_loop = EngineLoop(scheduler, loop_config(args), role, metrics)
     service = NodeService(engine_loop, "prefill", model_path, link)
 
     await serve_registered(engine_loop, service, server_config(args), link, transfer.engine.close)
@@ -61,7 +64,7 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args)
     if not args.bootstrap:
         logger.error("prefill-server needs --bootstrap HOST:PORT")
         return 2

@@ -1,0 +1,188 @@
+"""Load test of any OpenAI-compatible server: TTFT / ITL / TPOT / E2E, throughput, goodput.
+
+Sends a workload (datasets: random, prefix, sharegpt, multiturn; see scripts/serving/datasets.py)
+with Poisson arrivals (`--request-rate`, `--burstiness`), at most `--max-concurrency` sessions
+in flight, for `--num-prompts` sessions or `--duration` seconds; every request streams. Prints
+a summary table; `--output-file` writes every setting, figure and per-request trace as JSON;
+`--plot DIR` writes PNGs (latency CDFs, TTFT/TPOT over time, throughput over time). Metric
+definitions: scripts/serving/metrics.py.
+
+    .venv/bin/python scripts/bench_serving.py --base-url http://127.0.0.1:8000 \\
+        --dataset random --random-input-len 256 --random-output-len 32 --num-prompts 50 \\
+        --request-rate 1 --ignore-eos --slo-ttft-ms 2000 --slo-tpot-ms 200 \\
+        --output-file out.json --plot plots/
+
+Exit codes: 0 done (even with failed requests: see the error counts), 2 bad options or data,
+3 the server does not answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run as `python scripts/bench_serving.py` from anywhere
+
+from scripts.serving.benchmark import BenchmarkConfig, run_benchmark  # noqa: E402
+from scripts.serving.client import (  # noqa: E402
+    ClientConfig,
+    ServerUnreachable,
+    normalize_base_url,
+    served_model,
+)
+from scripts.serving.datasets import GENERATORS, DatasetConfig, build_sessions  # noqa: E402
+from scripts.serving.load import LoadConfig  # noqa: E402
+from scripts.serving.metrics import SLO  # noqa: E402
+from scripts.serving.report import document, plot, pyplot, table, write_json  # noqa: E402
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """Dataset, arrival and SLO flags (shared with tune_ratio.py)."""
+    g = parser.add_argument_group("dataset")
+    g.add_argument("--dataset", default="random", choices=sorted(GENERATORS))
+    g.add_argument("--dataset-path", type=Path, default=None, help="ShareGPT JSON file")
+    g.add_argument("--random-input-len", type=int, default=128, help="tokens (mean)")
+    g.add_argument("--random-output-len", type=int, default=32, help="tokens (mean)")
+    g.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths +- ratio")
+    g.add_argument("--token-id-range", default="1000:10000", help="random prompt ids LOW:HIGH")
+    g.add_argument("--prefix-len", type=int, default=512, help="shared prefix tokens")
+    g.add_argument("--prefix-group-size", type=int, default=8, help="requests per prefix")
+    g.add_argument("--multiturn-turns", type=int, default=3, help="user turns per conversation")
+    g.add_argument("--sharegpt-output-len", type=int, default=None, help="default: reply's")
+    g.add_argument("--sharegpt-max-output-len", type=int, default=256)
+    g.add_argument("--seed", type=int, default=0)
+    g = parser.add_argument_group("load")
+    g.add_argument("--num-prompts", type=int, default=None, help="sessions (default 100)")
+    g.add_argument("--duration", type=float, default=None, help="seconds of arrivals instead")
+    g.add_argument("--request-rate", type=float, default=math.inf, help="sessions/s, or inf")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    g.add_argument("--max-concurrency", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true", help="exact output lengths")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g = parser.add_argument_group("SLOs (goodput counts requests meeting all given)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None)
+    g.add_argument("--slo-tpot-ms", type=float, default=None)
+    g.add_argument("--slo-e2e-ms", type=float, default=None)
+
+
+def dataset_config(args: argparse.Namespace, num_sessions: int) -> DatasetConfig:
+    try:
+        low, high = (int(x) for x in args.token_id_range.split(":"))
+    except ValueError:
+        raise ValueError(
+            f"--token-id-range must be LOW:HIGH, got {args.token_id_range!r}"
+        ) from None
+    return DatasetConfig(
+        name=args.dataset,
+        num_sessions=num_sessions,
+        seed=args.seed,
+        input_len=args.random_input_len,
+        output_len=args.random_output_len,
+        range_ratio=args.random_range_ratio,
+        token_id_low=low,
+        token_id_high=high,
+        prefix_len=args.prefix_len,
+        prefix_group_size=args.prefix_group_size,
+        turns=args.multiturn_turns,
+        path=args.dataset_path,
+        sharegpt_output_len=args.sharegpt_output_len,
+        sharegpt_max_output_len=args.sharegpt_max_output_len,
+    )
+
+
+def load_config(args: argparse.Namespace, request_rate: float | None = None) -> LoadConfig:
+    num = args.num_prompts
+    if num is None and args.duration is None:
+        num = 100
+    return LoadConfig(
+        request_rate=args.request_rate if request_rate is None else request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        num_sessions=num,
+        duration_s=args.duration,
+        seed=args.seed,
+    )
+
+
+def slo_config(args: argparse.Namespace) -> SLO:
+    return SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, e2e_ms=args.slo_e2e_ms)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
+    parser.add_argument("--api-key", default="")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    add_workload_args(parser)
+    g = parser.add_argument_group("output")
+    g.add_argument("--output-file", type=Path, default=None, help="JSON with every field")
+    g.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write PNGs here")
+    g.add_argument("--label", default="", help="title of the table and prefix of the PNGs")
+    g.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def build_config(args: argparse.Namespace) -> BenchmarkConfig:
+    """Everything the run needs, checked; ValueError names the flag that is wrong."""
+    load = load_config(args)
+    # With --duration the workload is cycled: 1,000 sessions are plenty of variety.
+    dataset = dataset_config(args, load.num_sessions or 1000)
+    slo = slo_config(args)
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    base_url = normalize_base_url(args.base_url)
+    client = ClientConfig(
+        base_url, args.model or "", args.ignore_eos, args.temperature, args.timeout, args.api_key
+    )
+    return BenchmarkConfig(dataset, load, client, slo)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = build_config(args)
+        sessions = build_sessions(config.dataset)  # bad data fails before any request
+        if args.plot is not None:
+            pyplot()  # fail now, not after the run
+        if not config.client.model:
+            model = served_model(config.client.base_url)
+            config = BenchmarkConfig(
+                config.dataset, config.load, _with_model(config.client, model), config.slo
+            )
+        else:
+            served_model(config.client.base_url)  # fail fast if nothing answers
+        run = run_benchmark(config, sessions, progress=not args.no_progress)
+    except ServerUnreachable as exc:
+        print(f"bench_serving: error: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("bench_serving: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, ImportError) as exc:
+        print(f"bench_serving: error: {exc}", file=sys.stderr)
+        return 2
+    print(table(run.summary, args.label or f"{config.dataset.name} @ {args.request_rate} req/s"))
+    if args.output_file is not None:
+        write_json(args.output_file, document(run.summary, run.load.traces, config.settings()))
+        print(f"wrote {args.output_file}")
+    if args.plot is not None:
+        prefix = f"{args.label}_" if args.label else ""
+        for path in plot(run.load.traces, args.plot, prefix):
+            print(f"wrote {path}")
+    return 0
+
+
+def _with_model(client: ClientConfig, model: str) -> ClientConfig:
+    from dataclasses import replace
+
+    return replace(client, model=model)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

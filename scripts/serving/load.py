@@ -1,0 +1,135 @@
+"""Arrivals and concurrency: sends the sessions of a workload and collects their traces.
+
+Sessions arrive as a Poisson process of `request_rate` per second (`inf`: all at once); with
+`burstiness` b != 1 the gaps are gamma-distributed with shape b and the same mean (b < 1:
+burstier, b > 1: more regular). `max_concurrency` caps the sessions in progress: an arrival
+waits for a free slot. A run stops after `num_sessions` arrivals, or after `duration_s` of
+arrivals (the workload is cycled) and then waits for what is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from .client import ClientConfig, send
+from .datasets import Session
+from .metrics import RequestTrace
+
+
+class LoadError(ValueError):
+    """Load options that cannot describe a run; the message names the flag and the limit."""
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    request_rate: float = math.inf  # sessions per second
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    num_sessions: int | None = 100  # None: run for duration_s
+    duration_s: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.request_rate > 0:  # also rejects nan
+            raise LoadError(f"--request-rate must be > 0 (or inf), got {self.request_rate}")
+        if not (math.isfinite(self.burstiness) and self.burstiness > 0):
+            raise LoadError(f"--burstiness must be a positive number, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise LoadError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if (self.num_sessions is None) == (self.duration_s is None):
+            raise LoadError("give exactly one of --num-prompts and --duration")
+        if self.duration_s is not None and not (0 < self.duration_s < math.inf):
+            raise LoadError(
+                f"--duration must be a positive number of seconds, got {self.duration_s}"
+            )
+        if self.num_sessions is not None and self.num_sessions < 1:
+            raise LoadError(f"--num-prompts must be >= 1, got {self.num_sessions}")
+
+
+def arrival_gaps(rate: float, burstiness: float, rng: np.random.Generator) -> Iterator[float]:
+    """Seconds between consecutive arrivals: gamma(shape=b, scale=1/(rate*b)), mean 1/rate."""
+    while True:
+        if math.isinf(rate):
+            yield 0.0
+        else:
+            yield float(rng.gamma(burstiness, 1.0 / (rate * burstiness)))
+
+
+@dataclass
+class LoadResult:
+    traces: list[RequestTrace]
+    duration_s: float  # first arrival -> last completion
+    sessions_started: int
+
+
+async def run_load(
+    sessions: Sequence[Session],
+    client: ClientConfig,
+    load: LoadConfig,
+    progress: bool = True,
+) -> LoadResult:
+    if not sessions:
+        raise LoadError("the workload has no sessions")
+    rng = np.random.default_rng(load.seed)
+    gaps = arrival_gaps(load.request_rate, load.burstiness, rng)
+    slots = asyncio.Semaphore(load.max_concurrency or 1 << 30)
+    total = None if load.num_sessions is None else sum(len(s.turns) for s in sessions)
+    bar = tqdm(total=total, disable=not progress, desc="requests", unit="req", leave=False)
+    traces: list[RequestTrace] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    headers = {"Authorization": f"Bearer {client.api_key}"} if client.api_key else {}
+    async with httpx.AsyncClient(
+        base_url=client.base_url, timeout=client.timeout_s, limits=limits, headers=headers
+    ) as http:
+        zero = time.perf_counter()
+        tasks = []
+        index = 0
+        next_at = 0.0
+        while load.num_sessions is None or index < load.num_sessions:
+            next_at += next(gaps)
+            if load.duration_s is not None and next_at >= load.duration_s:
+                break
+            delay = next_at - (time.perf_counter() - zero)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            session = sessions[index % len(sessions)]
+            tasks.append(asyncio.create_task(_session(http, client, session, index, zero, slots)))
+            tasks[-1].add_done_callback(lambda t: bar.update(len(t.result())))
+            index += 1
+        for task in tasks:
+            traces.extend(await task)
+        duration = time.perf_counter() - zero
+    bar.close()
+    return LoadResult(traces, duration, index)
+
+
+async def _session(
+    http: httpx.AsyncClient,
+    client: ClientConfig,
+    session: Session,
+    index: int,
+    zero: float,
+    slots: asyncio.Semaphore,
+) -> list[RequestTrace]:
+    traces = []
+    history: list[dict[str, str]] = []
+    async with slots:
+        for turn, spec in enumerate(session.turns):
+            trace, reply = await send(http, client, spec, history, zero)
+            trace.session, trace.turn = index, turn
+            traces.append(trace)
+            if not trace.ok:
+                break  # the conversation cannot go on without this reply
+            history += [
+                {"role": "user", "content": str(spec.prompt)},
+                {"role": "assistant", "content": reply},
+            ]
+    return traces

@@ -1,0 +1,153 @@
+"""Output of a benchmark run: the summary table, the JSON document and the PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .metrics import RequestTrace, Summary
+
+
+def table(summary: Summary, title: str) -> str:
+    s = summary
+    rows: list[tuple[str, str]] = [
+        ("Successful requests", f"{s.completed}"),
+        ("Failed requests", f"{s.failed}"),
+    ]
+    rows += [(f"  errors: {kind}", f"{n}") for kind, n in sorted(s.errors.items())]
+    rows += [
+        ("Benchmark duration (s)", f"{s.duration_s:.2f}"),
+        ("Total input tokens", f"{s.input_tokens}"),
+        ("Total output tokens", f"{s.output_tokens}"),
+        ("Request throughput (req/s)", f"{s.request_throughput:.3f}"),
+        ("Output token throughput (tok/s)", f"{s.output_token_throughput:.2f}"),
+        ("Total token throughput (tok/s)", f"{s.total_token_throughput:.2f}"),
+    ]
+    if s.goodput is not None and s.slo_attainment is not None:
+        rows += [
+            ("Goodput (req/s)", f"{s.goodput:.3f}"),
+            ("SLO attainment", f"{s.slo_attainment:.1%}"),
+        ]
+    width = 44
+    lines = [f"{' ' + title + ' ':=^{width + 14}}"]
+    lines += [f"{name:<{width}}{value:>14}" for name, value in rows]
+    for label, dist in (
+        ("TTFT", s.ttft_ms),
+        ("TPOT", s.tpot_ms),
+        ("ITL", s.itl_ms),
+        ("E2E", s.e2e_ms),
+    ):
+        lines.append(f"{' ' + label + ' (ms) ':-^{width + 14}}")
+        for stat in ("mean", "median", "p90", "p99", "max"):
+            lines.append(f"{f'{stat} {label}':<{width}}{getattr(dist, stat):>14.2f}")
+    lines.append("=" * (width + 14))
+    return "\n".join(lines)
+
+
+def document(
+    summary: Summary, traces: Sequence[RequestTrace], settings: dict[str, Any]
+) -> dict[str, Any]:
+    """Every field: the settings, the summary and each request's trace."""
+    return {
+        "settings": _finite(settings),
+        "summary": asdict(summary),
+        "requests": [{**asdict(t), "ttft": t.ttft, "tpot": t.tpot, "e2e": t.e2e} for t in traces],
+    }
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+
+
+def _finite(settings: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no inf: an infinite rate is written as the string "inf"."""
+    return {
+        k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in settings.items()
+    }
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or an ImportError that says what to install."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError(
+            "plots need matplotlib: pip install -e '.[bench]' (or pip install matplotlib)"
+        ) from None
+    return plt
+
+
+def plot(traces: Sequence[RequestTrace], out_dir: Path, prefix: str) -> list[Path]:
+    """Latency CDFs, TTFT and TPOT over time, throughput over time: one PNG each."""
+    plt = pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ok = [t for t in traces if t.ok]
+    paths = []
+
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    series = {
+        "TTFT": [t.ttft for t in ok if t.ttft is not None],
+        "TPOT": [t.tpot for t in ok if t.tpot is not None],
+        "ITL": [g for t in ok for g in t.itls],
+        "E2E": [t.e2e for t in ok],
+    }
+    for ax, (name, values) in zip(axes, series.items(), strict=True):
+        ms = sorted(v * 1000 for v in values)
+        ax.plot(ms, [(i + 1) / len(ms) for i in range(len(ms))] if ms else [])
+        ax.set(title=f"{name} CDF", xlabel="ms", ylabel="fraction of requests")
+        ax.grid(alpha=0.3)
+    paths.append(_save(fig, out_dir / f"{prefix}latency_cdf.png", plt))
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
+    for ax, name, getter in (
+        (axes[0], "TTFT", lambda t: t.ttft),
+        (axes[1], "TPOT", lambda t: t.tpot),
+    ):
+        points = [(t.sent, getter(t)) for t in ok if getter(t) is not None]
+        ax.scatter([p[0] for p in points], [p[1] * 1000 for p in points], s=8)
+        ax.set(title=f"{name} by send time", xlabel="send time (s)", ylabel="ms")
+        ax.grid(alpha=0.3)
+    paths.append(_save(fig, out_dir / f"{prefix}latency_over_time.png", plt))
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    seconds, tokens, requests = throughput_series(ok)
+    ax.plot(seconds, tokens, label="output tok/s")
+    ax.set(title="throughput over time", xlabel="time (s)", ylabel="tokens / s")
+    ax2 = ax.twinx()
+    ax2.plot(seconds, requests, color="tab:orange", label="completed req/s")
+    ax2.set_ylabel("requests / s")
+    ax.grid(alpha=0.3)
+    fig.legend(loc="upper right")
+    paths.append(_save(fig, out_dir / f"{prefix}throughput_over_time.png", plt))
+    return paths
+
+
+def throughput_series(
+    traces: Sequence[RequestTrace], bucket_s: float = 1.0
+) -> tuple[list[float], list[float], list[float]]:
+    """Per bucket: its start, output tokens per second, completed requests per second."""
+    end = max((t.done for t in traces), default=0.0)
+    n = max(1, math.ceil(end / bucket_s))
+    tokens = [0.0] * n
+    requests = [0.0] * n
+    for t in traces:
+        per_chunk = t.output_tokens / len(t.chunks) if t.chunks else 0.0
+        for at in t.chunks:
+            tokens[min(int(at / bucket_s), n - 1)] += per_chunk / bucket_s
+        requests[min(int(t.done / bucket_s), n - 1)] += 1 / bucket_s
+    return [i * bucket_s for i in range(n)], tokens, requests
+
+
+def _save(fig: Any, path: Path, plt: Any) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
