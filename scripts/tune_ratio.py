@@ -1,0 +1,246 @@
+"""Prefill:decode ratio tuning: each split of a node budget, and colocated, at a sweep of rates.
+
+For every split (`--splits 1:1,1:2,2:1,colocated`, or `all` for every P:D of `--budget` plus
+colocated) this starts a cluster with `pd-cluster`'s launcher (bootstrap + P prefill + D decode
+nodes + the gateway, on 127.0.0.1), sends a few warm-up requests, then runs the same workload
+(bench_serving.py's dataset and SLO flags, same seed) at each rate of `--rates`, and stops the
+cluster. Disaggregated splits send every prompt through a prefill node (the gateway's
+`--local-prefill-max-tokens 0`); colocated runs `--budget` decode nodes that prefill themselves.
+
+Reported per split: goodput and SLO attainment at each rate, and the highest rate at which at
+least `--slo-attainment` of the requests met every SLO; the best split is the one with the
+highest such rate. Writes `tune_ratio.json` (every summary) and `goodput_vs_rate.png` under
+`--output-dir`. The same command works on a GPU host (pass `--node-args "--device cuda ..."`).
+
+    .venv/bin/python scripts/tune_ratio.py --budget 2 --splits 1:1,colocated --rates 0.2,0.4 \\
+        --num-prompts 30 --random-input-len 256 --random-output-len 16 --ignore-eos \\
+        --slo-ttft-ms 3000 --slo-tpot-ms 300 --output-dir benchmarks/serving-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run as `python scripts/tune_ratio.py` from anywhere
+
+from gateway.cluster import Cluster, ClusterConfig, ClusterError  # noqa: E402
+from scripts.bench_serving import (  # noqa: E402
+    add_workload_args,
+    dataset_config,
+    load_config,
+    slo_config,
+)
+from scripts.serving.benchmark import BenchmarkConfig, run_benchmark  # noqa: E402
+from scripts.serving.client import ClientConfig, served_model  # noqa: E402
+from scripts.serving.datasets import build_sessions  # noqa: E402
+from scripts.serving.report import pyplot  # noqa: E402
+from scripts.serving.sweep import (  # noqa: E402
+    RatePoint,
+    Split,
+    SplitResult,
+    SweepError,
+    best_split,
+    parse_rates,
+    parse_splits,
+    plot_goodput,
+    sweep_table,
+)
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    splits: tuple[Split, ...]
+    rates: tuple[float, ...]
+    attainment: float  # fraction of requests that must meet the SLOs
+    warmup: int  # requests sent before the sweep of each split (not measured)
+    bench: BenchmarkConfig  # the workload; base_url and model are filled per cluster
+    cluster: ClusterConfig  # prefill/decode are replaced per split
+    pd_gateway_args: tuple[str, ...]  # extra gateway flags of disaggregated splits
+    output_dir: Path
+    progress: bool = True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    g = parser.add_argument_group("sweep")
+    g.add_argument("--budget", type=int, default=4, help="nodes per cluster")
+    g.add_argument("--splits", default="all", help="P:D list and/or 'colocated', or 'all'")
+    g.add_argument("--rates", default="0.25,0.5,1,2", help="request rates (req/s)")
+    g.add_argument("--slo-attainment", type=float, default=0.9, help="fraction of requests")
+    g.add_argument("--warmup", type=int, default=2, help="unmeasured requests per cluster")
+    g.add_argument("--output-dir", type=Path, required=True)
+    g.add_argument("--no-progress", action="store_true")
+    g = parser.add_argument_group("cluster (as pd-cluster)")
+    g.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
+    g.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "nixl"])
+    g.add_argument("--max-total-tokens", type=int, default=16384, help="KV tokens per node")
+    g.add_argument("--node-args", default="", help="extra flags for every node (quoted)")
+    g.add_argument("--gateway-args", default="", help="extra flags for the gateway")
+    g.add_argument(
+        "--pd-local-prefill-max-tokens",
+        type=int,
+        default=0,
+        help="disaggregated splits: prompts up to this long are prefilled on D (default 0)",
+    )
+    g.add_argument(
+        "--threads-per-node",
+        type=int,
+        default=0,
+        help="OMP_NUM_THREADS of each node process (0: leave as is); CPU hosts only",
+    )
+    add_workload_args(parser)
+    return parser
+
+
+def build_config(args: argparse.Namespace) -> TuneConfig:
+    splits = parse_splits(args.splits, args.budget)
+    rates = parse_rates(args.rates)
+    if not 0 < args.slo_attainment <= 1:
+        raise SweepError(f"--slo-attainment must be in (0, 1], got {args.slo_attainment}")
+    if args.warmup < 0:
+        raise SweepError(f"--warmup must be >= 0, got {args.warmup}")
+    slo = slo_config(args)
+    if not slo.given:
+        raise SweepError("give at least one of --slo-ttft-ms, --slo-tpot-ms, --slo-e2e-ms")
+    load = load_config(args, request_rate=rates[0])
+    dataset = dataset_config(args, load.num_sessions or 1000)
+    client = ClientConfig("http://unset", "", args.ignore_eos, args.temperature)
+    cluster = ClusterConfig(
+        prefill=0,
+        decode=1,
+        backend=args.transfer_backend,
+        model=args.model,
+        port=0,
+        max_total_tokens=args.max_total_tokens,
+        node_args=tuple(shlex.split(args.node_args)),
+        gateway_args=tuple(shlex.split(args.gateway_args)),
+    )
+    pd_args = ("--local-prefill-max-tokens", str(args.pd_local_prefill_max_tokens))
+    return TuneConfig(
+        splits=splits,
+        rates=rates,
+        attainment=args.slo_attainment,
+        warmup=args.warmup,
+        bench=BenchmarkConfig(dataset, load, client, slo),
+        cluster=cluster,
+        pd_gateway_args=pd_args,
+        output_dir=args.output_dir,
+        progress=not args.no_progress,
+    )
+
+
+def cluster_for(config: TuneConfig, split: Split) -> ClusterConfig:
+    gateway_args = config.cluster.gateway_args
+    if not split.colocated:
+        gateway_args = (*config.pd_gateway_args, *gateway_args)
+    log_dir = config.output_dir / "logs" / split.name.replace(" ", "_")
+    return replace(
+        config.cluster,
+        prefill=split.prefill,
+        decode=split.decode,
+        gateway_args=gateway_args,
+        log_dir=log_dir,
+    )
+
+
+def sweep_split(config: TuneConfig, split: Split) -> SplitResult:
+    result = SplitResult(split)
+    cluster_config = cluster_for(config, split)
+    assert cluster_config.log_dir is not None
+    cluster_config.log_dir.mkdir(parents=True, exist_ok=True)
+    with (cluster_config.log_dir / "cluster.out").open("w") as out:
+        cluster = Cluster(cluster_config, out=out)
+        try:
+            started = time.monotonic()
+            url = cluster.start(threading.Event())
+            print(f"[{split.name}] up at {url} in {time.monotonic() - started:.0f} s", flush=True)
+            client = replace(config.bench.client, base_url=url, model=served_model(url))
+            bench = replace(config.bench, client=client)
+            warm(bench, config.warmup)
+            sessions = build_sessions(bench.dataset)
+            for rate in config.rates:
+                run = run_benchmark(
+                    replace(bench, load=replace(bench.load, request_rate=rate)),
+                    sessions,
+                    config.progress,
+                )
+                point = RatePoint(rate, run.summary)
+                result.points.append(point)
+                print(
+                    f"[{split.name}] rate {rate:g}: goodput {point.goodput:.3f} req/s, "
+                    f"SLO met {point.attainment:.0%}, failed {run.summary.failed}",
+                    flush=True,
+                )
+        except ClusterError as exc:
+            result.error = f"cluster did not start: {exc} (logs in {cluster_config.log_dir})"
+        finally:
+            cluster.stop()
+    return result
+
+
+def warm(bench: BenchmarkConfig, count: int) -> None:
+    """A few unmeasured requests (other seed) so first-request costs stay out of the sweep."""
+    if count == 0:
+        return
+    dataset = replace(bench.dataset, num_sessions=count, seed=bench.dataset.seed + 1)
+    load = replace(bench.load, num_sessions=count, duration_s=None, request_rate=float("inf"))
+    run_benchmark(replace(bench, dataset=dataset, load=load), progress=False)
+
+
+def write_outputs(config: TuneConfig, results: list[SplitResult]) -> None:
+    best = best_split(results, config.attainment)
+    doc: dict[str, Any] = {
+        "settings": {
+            **config.bench.settings(),
+            "request_rate": None,  # swept: see "rates"
+            "rates": list(config.rates),
+            "slo_attainment": config.attainment,
+            "splits": [s.name for s in config.splits],
+            "node_args": list(config.cluster.node_args),
+            "threads_per_node": os.environ.get("OMP_NUM_THREADS", ""),
+        },
+        "best_split": best.split.name if best else None,
+        "results": [r.to_json(config.attainment) for r in results],
+    }
+    path = config.output_dir / "tune_ratio.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path}")
+    png = config.output_dir / "goodput_vs_rate.png"
+    plot_goodput(results, png, f"goodput vs rate ({config.bench.dataset.name} workload)")
+    print(f"wrote {png}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = build_config(args)
+        build_sessions(config.bench.dataset)  # bad data fails before any cluster starts
+        pyplot()
+    except (ValueError, ImportError) as exc:
+        print(f"tune_ratio: error: {exc}", file=sys.stderr)
+        return 2
+    if args.threads_per_node > 0:  # inherited by every node process the launcher starts
+        os.environ["OMP_NUM_THREADS"] = str(args.threads_per_node)
+    config.output_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for split in config.splits:
+        results.append(sweep_split(config, split))
+    print(sweep_table(results, config.attainment))
+    write_outputs(config, results)
+    return 0 if all(not r.error for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
