@@ -1,0 +1,257 @@
+"""Capacity planner: profile a node once, simulate clusters we cannot run, recommend P:D.
+
+    profile    measure this machine's node (prefill time vs tokens, decode step time vs batch
+               and context) in-process and save it as JSON; the KV transfer (bandwidth and
+               rendezvous latency) and the gateway's latency are flags, stored with it
+    simulate   one cluster shape under a workload (bench_serving.py's flags) and arrival rate:
+               the summary table bench_serving would print
+    recommend  for a node (GPU) budget and SLOs, the highest rate each split sustains with
+               >= --slo-attainment of the requests meeting the SLOs, and the best split
+    calibrate  the step-time factor (--slowdown) that makes one measured bench_serving.py run's
+               mean E2E come out of the simulator (the host as it was during the runs)
+    validate   simulate what tune_ratio.py measured (its tune_ratio.json: same splits, rates
+               and workload) and print predicted vs measured goodput, with the error
+
+The simulator (scripts/serving/simulator.py) is a discrete-event model of the nodes' queues
+and batching rules. On a CPU host where nodes share cores, pass --host-cores and
+--threads-per-node so that steps running at once slow each other down.
+
+    .venv/bin/python scripts/plan_capacity.py profile --threads 1 --output profile.json
+    .venv/bin/python scripts/plan_capacity.py recommend --profile profile.json --gpus 8 \\
+        --random-input-len 2048 --random-output-len 256 --slo-ttft-ms 1000 --slo-tpot-ms 50
+    .venv/bin/python scripts/plan_capacity.py validate --profile profile.json \\
+        --measured benchmarks/serving-.../tune_ratio.json --host-cores 2 --threads-per-node 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run as `python scripts/plan_capacity.py` from anywhere
+
+from scripts.bench_serving import (  # noqa: E402
+    add_workload_args,
+    dataset_config,
+    load_config,
+    slo_config,
+)
+from scripts.serving.planning import (  # noqa: E402
+    Comparison,
+    calibrate_slowdown,
+    comparison_table,
+    max_rate,
+    simulate,
+    workload_from_settings,
+)
+from scripts.serving.profile import NodeProfile  # noqa: E402
+from scripts.serving.report import table  # noqa: E402
+from scripts.serving.simulator import HostConfig  # noqa: E402
+from scripts.serving.sweep import Split, SweepError, parse_splits  # noqa: E402
+
+VALIDATION_TARGET = 0.15  # relative goodput error the issue asks for
+
+
+def add_host_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("host")
+    g.add_argument("--profile", type=Path, required=True, help="JSON written by `profile`")
+    g.add_argument("--host-cores", type=int, default=0, help="0: a device per node (GPU)")
+    g.add_argument("--threads-per-node", type=int, default=1)
+    g.add_argument("--slowdown", type=float, default=1.0, help="scales every step time")
+
+
+def host_config(args: argparse.Namespace) -> HostConfig:
+    if args.host_cores < 0 or args.threads_per_node < 1 or not args.slowdown > 0:
+        raise ValueError("--host-cores must be >= 0, --threads-per-node >= 1, --slowdown > 0")
+    return HostConfig(args.host_cores, args.threads_per_node, args.slowdown)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("profile", help="measure this machine's node")
+    p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads, as each node uses")
+    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--transfer-gbps", type=float, default=0.9, help="KV transfer GB/s")
+    p.add_argument("--handoff-ms", type=float, default=10.0, help="rendezvous latency")
+    p.add_argument("--gateway-ms", type=float, default=5.0, help="gateway + HTTP latency")
+    p.add_argument("--chunked-prefill-size", type=int, default=2048)
+    p.add_argument("--max-total-tokens", type=int, default=16384)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--decode-headroom", type=int, default=32)
+
+    p = sub.add_parser("simulate", help="one cluster shape at one rate")
+    p.add_argument("--prefill", type=int, default=1, help="prefill nodes (0: colocated)")
+    p.add_argument("--decode", type=int, default=1)
+    add_host_args(p)
+    add_workload_args(p)
+
+    p = sub.add_parser("recommend", help="best P:D for a node budget")
+    p.add_argument("--gpus", type=int, required=True, help="nodes (one GPU each)")
+    p.add_argument("--slo-attainment", type=float, default=0.9)
+    p.add_argument("--max-rate", type=float, default=100.0, help="upper end of the search")
+    add_host_args(p)
+    add_workload_args(p)
+
+    p = sub.add_parser("calibrate", help="--slowdown from one measured bench_serving run")
+    p.add_argument("--measured", type=Path, required=True, help="bench_serving --output-file")
+    p.add_argument("--prefill", type=int, required=True, help="the run's prefill nodes")
+    p.add_argument("--decode", type=int, required=True)
+    add_host_args(p)
+
+    p = sub.add_parser("validate", help="predicted vs tune_ratio.py's measured goodput")
+    p.add_argument("--measured", type=Path, required=True, help="tune_ratio.json")
+    p.add_argument("--output", type=Path, default=None, help="write the comparison as JSON")
+    add_host_args(p)
+    return parser
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from scripts.serving.profiler import ProfilePlan, fit_decode, measure
+
+    plan = ProfilePlan(
+        model=args.model,
+        threads=args.threads,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_total_tokens=args.max_total_tokens,
+    )
+    measured = measure(plan)
+    profile = NodeProfile(
+        prefill_points=tuple(measured.prefill),
+        decode_coef=fit_decode(measured.decode),
+        kv_bytes_per_token=measured.kv_bytes_per_token,
+        transfer_bytes_per_s=args.transfer_gbps * 1e9,
+        handoff_s=args.handoff_ms / 1000,
+        gateway_s=args.gateway_ms / 1000,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_running_requests=args.max_running_requests,
+        max_total_tokens=args.max_total_tokens,
+        decode_headroom=args.decode_headroom,
+        meta={"model": measured.model, "threads": args.threads, "decode_points": measured.decode},
+    )
+    profile.save(args.output)
+    d0, d1, d2 = profile.decode_coef
+    print(f"decode step = {d0 * 1e3:.2f} ms + {d1 * 1e3:.3f} ms/req + {d2 * 1e6:.3f} us/req-token")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    profile = NodeProfile.load(args.profile)
+    load = load_config(args)
+    if math.isinf(load.request_rate):
+        raise ValueError("simulate needs a finite --request-rate")
+    dataset = dataset_config(args, load.num_sessions or 1000)
+    split = Split(args.prefill, args.decode)
+    summary = simulate(profile, split, dataset, load, slo_config(args), host_config(args))
+    print(table(summary, f"simulated {split.name} @ {load.request_rate:g} req/s"))
+    return 0
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    profile = NodeProfile.load(args.profile)
+    slo = slo_config(args)
+    if not slo.given:
+        raise ValueError("give at least one of --slo-ttft-ms, --slo-tpot-ms, --slo-e2e-ms")
+    if not 0 < args.slo_attainment <= 1:
+        raise ValueError(f"--slo-attainment must be in (0, 1], got {args.slo_attainment}")
+    load = load_config(args, request_rate=1.0)
+    dataset = dataset_config(args, load.num_sessions or 1000)
+    host = host_config(args)
+    rows = []
+    for split in parse_splits("all", args.gpus):
+        rate = max_rate(
+            profile, split, dataset, load, slo, host, args.slo_attainment, args.max_rate
+        )
+        rows.append((split, rate))
+        print(f"{split.name:<14} max rate meeting the SLOs: {rate:8.3f} req/s", flush=True)
+    best = max(rows, key=lambda r: r[1])
+    if best[1] <= 0:
+        print("no split meets the SLOs at any rate: relax them or add nodes")
+        return 0
+    print(f"recommended: {best[0].name} ({best[1]:.3f} req/s, {best[1] / args.gpus:.3f} per node)")
+    return 0
+
+
+def read_measured(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or "settings" not in doc:
+            raise ValueError("no settings")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--measured {path} is not a benchmark JSON: {exc}") from None
+    return doc
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    profile = NodeProfile.load(args.profile)
+    doc = read_measured(args.measured)
+    dataset, load, _ = workload_from_settings(doc["settings"])
+    load = replace(load, request_rate=float(doc["settings"]["request_rate"]))
+    measured = float(doc["summary"]["e2e_ms"]["mean"])
+    split = Split(args.prefill, args.decode)
+    factor = calibrate_slowdown(profile, split, dataset, load, host_config(args), measured)
+    print(f"measured mean E2E {measured:.0f} ms on {split.name}: --slowdown {factor:.3f}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    profile = NodeProfile.load(args.profile)
+    host = host_config(args)
+    doc = read_measured(args.measured)
+    settings, results = doc["settings"], doc.get("results")
+    if not isinstance(results, list):
+        raise ValueError(f"--measured {args.measured} is not a tune_ratio.json: no results")
+    dataset, load, slo = workload_from_settings(settings)
+    rows = []
+    for result in results:
+        split = Split(**result["split"])
+        for point in result["points"]:
+            rate = float(point["rate"])
+            predicted = simulate(
+                profile, split, dataset, replace(load, request_rate=rate), slo, host
+            )
+            measured = float(point["summary"]["goodput"] or 0.0)
+            rows.append(Comparison(split, rate, measured, predicted.goodput or 0.0))
+    print(comparison_table(rows, VALIDATION_TARGET))
+    if args.output is not None:
+        doc_out = {
+            "profile": str(args.profile),
+            "host": asdict(host),
+            "rows": [{**asdict(r), "split": r.split.name, "error": r.error} for r in rows],
+        }
+        args.output.write_text(json.dumps(doc_out, indent=1))
+        print(f"wrote {args.output}")
+    return 0
+
+
+COMMANDS = {
+    "profile": cmd_profile,
+    "simulate": cmd_simulate,
+    "recommend": cmd_recommend,
+    "calibrate": cmd_calibrate,
+    "validate": cmd_validate,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, SweepError) as exc:
+        print(f"plan_capacity: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The planner's pieces on top of the simulator: workloads as arrivals, max rates, validation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .datasets import DatasetConfig, build_sessions
+from .load import LoadConfig, arrival_gaps
+from .metrics import SLO, Summary, summarize
+from .profile import NodeProfile
+from .simulator import Arrival, HostConfig, Simulation
+from .sweep import Split
+
+
+class PlanError(ValueError):
+    """Planner input that cannot be simulated; the message names the option."""
+
+
+def arrivals(dataset: DatasetConfig, load: LoadConfig) -> list[Arrival]:
+    """The arrivals bench_serving would make for this workload (same seed, same lengths)."""
+    sessions = build_sessions(dataset)
+    if any(len(s.turns) != 1 for s in sessions):
+        raise PlanError("the simulator models single-turn requests: not --dataset multiturn")
+    gaps = arrival_gaps(load.request_rate, load.burstiness, np.random.default_rng(load.seed))
+    out: list[Arrival] = []
+    at = 0.0
+    while load.num_sessions is None or len(out) < load.num_sessions:
+        at += next(gaps)
+        if load.duration_s is not None and at >= load.duration_s:
+            break
+        spec = sessions[len(out) % len(sessions)].turns[0]
+        out.append(Arrival(at, spec.prompt_len, spec.output_len))
+    return out
+
+
+def simulate(
+    profile: NodeProfile,
+    split: Split,
+    dataset: DatasetConfig,
+    load: LoadConfig,
+    slo: SLO,
+    host: HostConfig,
+) -> Summary:
+    sim = Simulation(profile, split.prefill, split.decode, host, load.max_concurrency)
+    traces = sim.run(arrivals(dataset, load))
+    duration = max(t.done for t in traces)
+    return summarize(traces, duration, slo)
+
+
+def max_rate(
+    profile: NodeProfile,
+    split: Split,
+    dataset: DatasetConfig,
+    load: LoadConfig,
+    slo: SLO,
+    host: HostConfig,
+    attainment: float,
+    high: float,
+    iterations: int = 12,
+) -> float:
+    """Bisection for the highest rate with >= attainment of the requests meeting the SLOs."""
+
+    def ok(rate: float) -> bool:
+        s = simulate(profile, split, dataset, _at_rate(load, rate), slo, host)
+        return (s.slo_attainment or 0.0) >= attainment
+
+    low = 0.0
+    if ok(high):
+        return high
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        low, high = (mid, high) if ok(mid) else (low, mid)
+    return low
+
+
+def _at_rate(load: LoadConfig, rate: float) -> LoadConfig:
+    return LoadConfig(
+        request_rate=rate,
+        burstiness=load.burstiness,
+        max_concurrency=load.max_concurrency,
+        num_sessions=load.num_sessions,
+        duration_s=load.duration_s,
+        seed=load.seed,
+    )
+
+
+def workload_from_settings(settings: dict[str, Any]) -> tuple[DatasetConfig, LoadConfig, SLO]:
+    """The dataset, load and SLOs of a bench_serving / tune_ratio JSON's settings."""
+    try:
+        fields = DatasetConfig.__dataclass_fields__
+        raw = {k: settings[k] for k in fields if k in settings and k != "path"}
+        raw["num_sessions"] = raw.get("num_sessions") or 1000
+        dataset = DatasetConfig(**raw)
+        load = LoadConfig(
+            request_rate=1.0,
+            burstiness=float(settings.get("burstiness", 1.0)),
+            max_concurrency=settings.get("max_concurrency"),
+            num_sessions=settings.get("num_sessions"),
+            duration_s=settings.get("duration_s"),
+            seed=int(settings.get("seed", 0)),
+        )
+        slo = SLO(settings.get("ttft_ms"), settings.get("tpot_ms"), settings.get("e2e_ms"))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanError(f"the measured file's settings do not describe a workload: {exc}") from None
+    return dataset, load, slo
+
+
+@dataclass
+class Comparison:
+    split: Split
+    rate: float
+    measured: float  # goodput, req/s
+    predicted: float
+
+    @property
+    def error(self) -> float | None:
+        """Relative error of the prediction (None when nothing was measured)."""
+        if self.measured <= 0:
+            return None if self.predicted <= 0 else math.inf
+        return (self.predicted - self.measured) / self.measured
+
+
+def comparison_table(rows: Sequence[Comparison], target: float) -> str:
+    lines = [
+        f"{'split':<14}{'rate':>7}{'measured':>10}{'predicted':>11}{'error':>9}",
+        "-" * 51,
+    ]
+    for row in rows:
+        err = row.error
+        shown = "n/a" if err is None else ("inf" if math.isinf(err) else f"{err:+.0%}")
+        lines.append(
+            f"{row.split.name:<14}{row.rate:>7.2f}{row.measured:>10.3f}{row.predicted:>11.3f}"
+            f"{shown:>9}"
+        )
+    errors = [abs(r.error) for r in rows if r.error is not None and math.isfinite(r.error)]
+    if errors:
+        within = sum(1 for e in errors if e <= target)
+        lines.append(
+            f"mean |error| {np.mean(errors):.1%}, max {max(errors):.1%}; "
+            f"{within}/{len(errors)} points within {target:.0%}"
+        )
+    return "\n".join(lines)
+
+
+def calibrate_slowdown(
+    profile: NodeProfile,
+    split: Split,
+    dataset: DatasetConfig,
+    load: LoadConfig,
+    host: HostConfig,
+    measured_e2e_ms: float,
+    iterations: int = 20,
+) -> float:
+    """The step-time factor that makes the simulated mean E2E equal the measured one.
+
+    Calibrates the profile (taken on an idle host, in-process) to the host as it was during a
+    real run (other load, the gateway and the client on the same cores). Mean E2E grows with
+    the factor, so a bisection on log(factor) in [1/8, 16] finds it.
+    """
+    low, high = math.log(1 / 8), math.log(16)
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        trial = HostConfig(host.host_cores, host.threads_per_node, math.exp(mid))
+        e2e = simulate(profile, split, dataset, load, SLO(), trial).e2e_ms.mean
+        low, high = (mid, high) if e2e < measured_e2e_ms else (low, mid)
+    return math.exp((low + high) / 2)

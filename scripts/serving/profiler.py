@@ -1,0 +1,117 @@
+"""Measures a `NodeProfile` on this machine: the engine in-process, one scheduler step at a time.
+
+Prefill: one fresh request of T tokens (max_new_tokens=1) is one prefill step; the median
+step time of `repeats` runs per T. Decode: B requests of a C-token prompt are prefilled, then
+`decode_steps` decode-only steps are timed (median); d0 + d1*B + d2*B*context is fitted by
+least squares. The transfer and gateway terms are not measured here (flags of `profile`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ProfilePlan:
+    model: str | None
+    threads: int
+    prefill_tokens: tuple[int, ...] = (16, 64, 128, 256, 512, 1024, 2048)
+    decode_batches: tuple[int, ...] = (1, 4, 16)
+    decode_contexts: tuple[int, ...] = (64, 320)
+    repeats: int = 2
+    decode_steps: int = 6
+    chunked_prefill_size: int = 2048
+    max_total_tokens: int = 16384
+
+
+@dataclass
+class Measured:
+    prefill: list[tuple[int, float]]
+    decode: list[tuple[int, float, float]]  # (batch, mean context, seconds)
+    kv_bytes_per_token: int
+    model: str
+
+
+def measure(plan: ProfilePlan, log: bool = True) -> Measured:
+    import torch
+
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    torch.set_num_threads(plan.threads)
+    llm = LLM(
+        plan.model,
+        chunked_prefill_size=plan.chunked_prefill_size,
+        max_total_tokens=plan.max_total_tokens,
+        enable_prefix_cache=False,
+    )
+    rng = np.random.default_rng(0)
+
+    def ids(n: int) -> list[int]:
+        return [int(x) for x in np.asarray(rng.integers(1000, 10000, size=n))]
+
+    sched = llm.scheduler
+    llm.generate([ids(32)], SamplingParams(max_new_tokens=2, temperature=0))  # warm-up
+
+    prefill = []
+    for tokens in plan.prefill_tokens:
+        times = []
+        for _ in range(plan.repeats):
+            req = llm._make_req(ids(tokens), SamplingParams(max_new_tokens=1, temperature=0))
+            sched.add_request(req)
+            start = time.perf_counter()
+            while not req.finished:
+                sched.step()
+            times.append(time.perf_counter() - start)
+        prefill.append((tokens, statistics.median(times)))
+        _say(log, f"prefill {tokens:5d} tokens: {prefill[-1][1] * 1000:8.1f} ms")
+
+    decode = []
+    for context in plan.decode_contexts:
+        for batch in plan.decode_batches:
+            decode.append(_decode_point(llm, ids, batch, context, plan.decode_steps))
+            _say(
+                log, f"decode batch {batch:3d} context {context:4d}: {decode[-1][2] * 1000:7.1f} ms"
+            )
+    mc = llm.model_config
+    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * llm.config.torch_dtype.itemsize
+    return Measured(prefill, decode, per_token, llm.config.model_path)
+
+
+def _decode_point(llm, ids, batch: int, context: int, steps: int) -> tuple[int, float, float]:  # type: ignore[no-untyped-def]
+    from engine.sampling import SamplingParams
+
+    sched = llm.scheduler
+    params = SamplingParams(max_new_tokens=10_000, temperature=0, ignore_eos=True)
+    reqs = [llm._make_req(ids(context), params) for _ in range(batch)]
+    for req in reqs:
+        sched.add_request(req)
+    while any(not r.output_ids for r in reqs):
+        sched.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        sched.step()
+        times.append(time.perf_counter() - start)
+    mean_context = statistics.fmean(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
+    for req in reqs:
+        sched.abort(req.rid)
+    return batch, mean_context, statistics.median(times)
+
+
+def fit_decode(points: Sequence[tuple[int, float, float]]) -> tuple[float, float, float]:
+    """Least-squares d0, d1, d2 of seconds = d0 + d1 * batch + d2 * batch * context."""
+    a = np.array([[1.0, b, b * c] for b, c, _ in points])
+    y = np.array([s for _, _, s in points])
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    return float(coef[0]), float(coef[1]), float(coef[2])
+
+
+def _say(log: bool, line: str) -> None:
+    if log:
+        print(line, flush=True)

@@ -1,0 +1,292 @@
+"""Discrete-event simulation of a pdserve cluster: N prefill + M decode nodes, or colocated.
+
+It follows the queues and batching rules of the real nodes (engine/scheduler.py,
+prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from a `NodeProfile`:
+
+- gateway: each arrival goes to the decode node and the prefill node with the fewest requests
+  in flight (least load); tokens reach the client `gateway_s` after the node emits them.
+- decode node, disaggregated: prealloc queue (FIFO) -> admitted when fewer than
+  max_running_requests are busy and the KV pool holds prompt + decode_headroom tokens -> the
+  destination reaches the prefill node `handoff_s` later -> prefill (below) -> KV bytes and
+  P's DONE through bootstrap (`transfer_s`) -> at the node's next step boundary the request
+  joins the running batch and its first token (sampled by P) is emitted -> one token per
+  decode step until output_len.
+- prefill node: waiting queue (FIFO); a step carries partially prefilled requests first, then
+  new ones, under the chunked_prefill_size token budget; a request whose last chunk ran starts
+  its transfer (transfer_s of its prompt) and frees its pages when the transfer completes.
+- colocated node: one scheduler; a step carries every decoding request plus prefill chunks under
+  the budget; a request's first token is emitted at the end of its last prefill chunk.
+- shared host (CPU): with host_cores > 0, a step that starts while k nodes are stepping is
+  slowed by max(1, k * threads_per_node / host_cores); slowdown scales every step.
+
+Not modelled: prefix cache hits, retraction, multi-turn sessions, network jitter.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .metrics import RequestTrace
+from .profile import NodeProfile
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    host_cores: int = 0  # 0: every node has its own accelerator (no sharing)
+    threads_per_node: int = 1
+    slowdown: float = 1.0
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float
+    prompt_len: int
+    output_len: int
+
+
+@dataclass
+class SimRequest:
+    index: int
+    arrival: Arrival
+    sent: float = 0.0
+    prefilled: int = 0
+    emitted: list[float] = field(default_factory=list)
+    decode: Node | None = None
+    prefill: Node | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.emitted) >= self.arrival.output_len
+
+    @property
+    def context(self) -> int:
+        return self.arrival.prompt_len + len(self.emitted)
+
+
+class Node:
+    """One node's queues; `role` is prefill, decode or colocated."""
+
+    def __init__(self, sim: Simulation, role: str, index: int) -> None:
+        self.sim = sim
+        self.role = role
+        self.name = f"{role}-{index}"
+        self.waiting: deque[SimRequest] = deque()  # P/colocated: to prefill; D: prealloc
+        self.running: list[SimRequest] = []
+        self.arrived: list[SimRequest] = []  # D: transfer done, joins at the next step
+        self.reserved = 0  # D: requests between prealloc and the running batch
+        self.kv_used = 0
+        self.assigned = 0  # requests routed here and not finished (the gateway's load)
+        self.stepping = False
+
+    # -- work arriving --------------------------------------------------------------------
+    def submit(self, req: SimRequest) -> None:
+        self.waiting.append(req)
+        self.kick()
+
+    def transfer_done(self, req: SimRequest) -> None:
+        self.arrived.append(req)
+        self.kick()
+
+    def kick(self) -> None:
+        if not self.stepping:
+            self.sim.at(self.sim.now, self.start_step)
+
+    # -- one step ---------------------------------------------------------------------------
+    def start_step(self) -> None:
+        if self.stepping:
+            return
+        profile = self.sim.profile
+        if self.role == "decode":
+            self._admit_prealloc()
+            self._take_over()
+        plan = self._prefill_plan() if self.role != "decode" else []
+        decoding = [r for r in self.running if r.emitted] if self.role != "prefill" else []
+        if not plan and not decoding:
+            return
+        tokens = sum(n for _, n in plan)
+        context = sum(r.context for r in decoding) / len(decoding) if decoding else 0.0
+        base = profile.mixed_s(tokens, len(decoding), context)
+        self.stepping = True
+        duration = base * self.sim.contention()
+        self.sim.at(self.sim.now + duration, lambda: self._end_step(plan, decoding))
+
+    def _end_step(self, plan: list[tuple[SimRequest, int]], decoding: list[SimRequest]) -> None:
+        now = self.sim.now
+        self.stepping = False
+        for req, n in plan:
+            req.prefilled += n
+            if req.prefilled < req.arrival.prompt_len:
+                continue
+            if self.role == "prefill":
+                self.running.remove(req)
+                done_at = now + self.sim.profile.transfer_s(req.arrival.prompt_len)
+                self.sim.at(done_at, functools.partial(self._transferred, req))
+            else:
+                decoding.append(req)  # colocated: first token at the end of the last chunk
+        for req in decoding:
+            self._emit(req, now)
+        self.kick()
+
+    def _prefill_plan(self) -> list[tuple[SimRequest, int]]:
+        profile = self.sim.profile
+        budget = profile.chunked_prefill_size
+        plan = []
+        for req in self.running:
+            left = req.arrival.prompt_len - req.prefilled
+            if left > 0 and budget > 0:
+                plan.append((req, min(left, budget)))
+                budget -= plan[-1][1]
+        while budget > 0 and self.waiting:
+            req = self.waiting[0]
+            need = req.arrival.prompt_len + (
+                req.arrival.output_len if self.role == "colocated" else 0
+            )
+            if len(self.running) >= profile.max_running_requests or (
+                self.kv_used + need > profile.max_total_tokens
+            ):
+                break
+            self.waiting.popleft()
+            self.kv_used += need
+            self.running.append(req)
+            plan.append((req, min(req.arrival.prompt_len, budget)))
+            budget -= plan[-1][1]
+        return plan
+
+    def _admit_prealloc(self) -> None:
+        profile = self.sim.profile
+        while self.waiting:
+            req = self.waiting[0]
+            need = req.arrival.prompt_len + max(profile.decode_headroom, req.arrival.output_len)
+            busy = len(self.running) + self.reserved
+            if (
+                busy >= profile.max_running_requests
+                or self.kv_used + need > profile.max_total_tokens
+            ):
+                return
+            self.waiting.popleft()
+            self.kv_used += need
+            self.reserved += 1
+            assert req.prefill is not None
+            self.sim.at(
+                self.sim.now + profile.handoff_s, functools.partial(req.prefill.submit, req)
+            )
+
+    def _take_over(self) -> None:
+        for req in self.arrived:
+            self.reserved -= 1
+            self.running.append(req)
+            self._emit(req, self.sim.now)  # the first token, sampled by the prefill node
+        self.arrived.clear()
+
+    def _transferred(self, req: SimRequest) -> None:
+        self.kv_used -= req.arrival.prompt_len
+        self.assigned -= 1
+        assert req.decode is not None
+        req.decode.transfer_done(req)
+
+    def _emit(self, req: SimRequest, now: float) -> None:
+        req.emitted.append(now + self.sim.profile.gateway_s)
+        if req.finished:
+            self.running.remove(req)
+            profile = self.sim.profile
+            if self.role == "decode":
+                self.kv_used -= req.arrival.prompt_len + max(
+                    profile.decode_headroom, req.arrival.output_len
+                )
+            else:
+                self.kv_used -= req.arrival.prompt_len + req.arrival.output_len
+            self.assigned -= 1
+            self.sim.finished(req)
+
+
+class Simulation:
+    def __init__(
+        self,
+        profile: NodeProfile,
+        prefill: int,
+        decode: int,
+        host: HostConfig = HostConfig(),
+        max_concurrency: int | None = None,
+    ) -> None:
+        if decode < 1 or prefill < 0:
+            raise ValueError(
+                f"need >= 1 decode node and >= 0 prefill nodes, got {prefill}:{decode}"
+            )
+        self.profile = profile
+        self.host = host
+        self.max_concurrency = max_concurrency
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        role = "decode" if prefill else "colocated"
+        self.prefill_nodes = [Node(self, "prefill", i) for i in range(prefill)]
+        self.decode_nodes = [Node(self, role, i) for i in range(decode)]
+        self._backlog: deque[SimRequest] = deque()  # client side, waiting for a slot
+        self._in_flight = 0
+        self.done: list[SimRequest] = []
+
+    @property
+    def nodes(self) -> list[Node]:
+        return self.prefill_nodes + self.decode_nodes
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), action))
+
+    def contention(self) -> float:
+        host = self.host
+        factor = host.slowdown
+        if host.host_cores > 0:
+            stepping = sum(1 for n in self.nodes if n.stepping)  # this node included
+            factor *= max(1.0, stepping * host.threads_per_node / host.host_cores)
+        return factor
+
+    def run(self, arrivals: Sequence[Arrival]) -> list[RequestTrace]:
+        requests = [SimRequest(i, a) for i, a in enumerate(arrivals)]
+        for req in requests:
+            self.at(req.arrival.at, functools.partial(self._arrive, req))
+        while self._events:
+            self.now, _, action = heapq.heappop(self._events)
+            action()
+        if len(self.done) != len(requests):
+            stuck = len(requests) - len(self.done)
+            raise RuntimeError(f"{stuck} requests never finished: a request too large for a node?")
+        return [self._trace(r) for r in requests]
+
+    def _arrive(self, req: SimRequest) -> None:
+        if self.max_concurrency is not None and self._in_flight >= self.max_concurrency:
+            self._backlog.append(req)
+            return
+        self._send(req)
+
+    def _send(self, req: SimRequest) -> None:
+        self._in_flight += 1
+        req.sent = self.now
+        decode = min(self.decode_nodes, key=lambda n: n.assigned)
+        decode.assigned += 1
+        req.decode = decode
+        if self.prefill_nodes:
+            prefill = min(self.prefill_nodes, key=lambda n: n.assigned)
+            prefill.assigned += 1
+            req.prefill = prefill
+        decode.submit(req)
+
+    def finished(self, req: SimRequest) -> None:
+        self.done.append(req)
+        self._in_flight -= 1
+        if self._backlog:
+            self._send(self._backlog.popleft())
+
+    def _trace(self, req: SimRequest) -> RequestTrace:
+        return RequestTrace(
+            sent=req.sent,
+            chunks=list(req.emitted),
+            done=req.emitted[-1],
+            prompt_tokens=req.arrival.prompt_len,
+            output_tokens=len(req.emitted),
+            session=req.index,
+        )

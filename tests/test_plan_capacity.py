@@ -1,0 +1,176 @@
+"""scripts/plan_capacity.py's simulator on cases with closed-form answers, and its pieces."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from scripts.serving.datasets import DatasetConfig
+from scripts.serving.load import LoadConfig, arrival_gaps
+from scripts.serving.metrics import SLO, summarize
+from scripts.serving.planning import Comparison, arrivals, max_rate, workload_from_settings
+from scripts.serving.profile import NodeProfile, ProfileError
+from scripts.serving.simulator import Arrival, HostConfig, Simulation
+from scripts.serving.sweep import (
+    Split,
+    SplitResult,
+    SweepError,
+    best_split,
+    parse_rates,
+    parse_splits,
+)
+
+S = 0.2  # seconds: prefill of one 100-token prompt (0.05 + 0.0015 * 100)
+D0 = 0.03  # seconds per decode step, whatever the batch
+
+
+def profile(**overrides: object) -> NodeProfile:
+    base: dict[str, object] = dict(
+        prefill_points=((0, 0.05), (1000, 1.55)),
+        decode_coef=(D0, 0.0, 0.0),
+        kv_bytes_per_token=1000,
+        transfer_bytes_per_s=1e6,  # 100 tokens -> 0.1 s
+        handoff_s=0.01,
+        gateway_s=0.0,
+        chunked_prefill_size=100,  # one 100-token prompt per step
+    )
+    base.update(overrides)
+    return NodeProfile(**base)  # type: ignore[arg-type]
+
+
+def test_profile_interpolates_and_extrapolates() -> None:
+    p = profile(prefill_points=((100, 1.0), (200, 1.5), (400, 2.0)))
+    assert p.prefill_s(150) == pytest.approx(1.25)
+    assert p.prefill_s(300) == pytest.approx(1.75)
+    assert p.prefill_s(600) == pytest.approx(2.5)  # the last segment, extended
+    assert p.prefill_s(50) == pytest.approx(0.75)  # the first one, extended down
+    assert p.mixed_s(100, 4, 50.0) == pytest.approx(1.0)  # decode terms are zero but d0
+    with pytest.raises(ProfileError, match="ascending"):
+        profile(prefill_points=((200, 1.0), (100, 2.0)))
+
+
+def test_one_node_deterministic_service_all_at_once() -> None:
+    """n requests at t=0 on one node serving one at a time: request k done at (k+1)*S."""
+    n = 6
+    traces = Simulation(profile(), 0, 1).run([Arrival(0.0, 100, 1)] * n)
+    ttfts = sorted(t.ttft or 0.0 for t in traces)
+    assert ttfts == pytest.approx([(k + 1) * S for k in range(n)])
+    s = summarize(traces, max(t.done for t in traces), SLO(ttft_ms=1000 * 3 * S + 1))
+    assert s.ttft_ms.mean == pytest.approx(1000 * S * (n + 1) / 2)
+    assert s.goodput == pytest.approx(3 / (n * S))  # 3 of 6 within 3S, over n*S seconds
+
+
+def test_one_node_md1_mean_wait() -> None:
+    """Poisson arrivals, deterministic service S, utilisation 0.5: M/D/1 mean wait = S/2."""
+    rng = np.random.default_rng(0)
+    gaps = arrival_gaps(0.5 / S, 1.0, rng)
+    at, arrivals_ = 0.0, []
+    for _ in range(20000):
+        at += next(gaps)
+        arrivals_.append(Arrival(at, 100, 1))
+    traces = Simulation(profile(), 0, 1).run(arrivals_)
+    rho = 0.5
+    expected_wait = rho * S / (2 * (1 - rho))
+    mean_ttft = float(np.mean([t.ttft for t in traces]))
+    assert mean_ttft == pytest.approx(S + expected_wait, rel=0.05)
+
+
+def test_colocated_single_request_latencies() -> None:
+    p = profile(gateway_s=0.004)
+    (t,) = Simulation(p, 0, 1).run([Arrival(1.0, 100, 5)])
+    assert t.ttft == pytest.approx(S + 0.004)
+    assert t.itls == pytest.approx([D0] * 4)
+    assert t.tpot == pytest.approx(D0)
+    assert t.output_tokens == 5
+
+
+def test_disaggregated_single_request_latencies() -> None:
+    """1P1D: TTFT = destination hop + prefill + KV bytes + DONE hop; then a token per step."""
+    (t,) = Simulation(profile(), 1, 1).run([Arrival(0.0, 100, 4)])
+    assert t.ttft == pytest.approx(0.01 + S + 0.1 + 0.01)
+    assert t.tpot == pytest.approx(D0)
+    assert t.e2e == pytest.approx(0.01 + S + 0.1 + 0.01 + 3 * D0)
+
+
+def test_two_prefill_nodes_halve_the_queue() -> None:
+    burst = [Arrival(0.0, 100, 1)] * 4
+    one = Simulation(profile(), 1, 1).run(burst)
+    two = Simulation(profile(), 2, 1).run(burst)
+    assert max(t.ttft or 0 for t in one) == pytest.approx(0.01 + 4 * S + 0.1 + 0.01)
+    assert max(t.ttft or 0 for t in two) == pytest.approx(0.01 + 2 * S + 0.1 + 0.01)
+
+
+def test_max_concurrency_queues_at_the_client() -> None:
+    traces = Simulation(profile(), 0, 1, max_concurrency=1).run([Arrival(0.0, 100, 1)] * 3)
+    assert [t.sent for t in traces] == pytest.approx([0.0, S, 2 * S])
+    assert [t.ttft for t in traces] == pytest.approx([S] * 3)
+
+
+def test_shared_host_slows_concurrent_steps() -> None:
+    burst = [Arrival(0.0, 100, 1)] * 2
+    alone = Simulation(profile(), 0, 2).run(burst)
+    shared = Simulation(profile(), 0, 2, HostConfig(host_cores=1)).run(burst)
+    assert sorted(t.ttft or 0 for t in alone) == pytest.approx([S, S])
+    assert max(t.ttft or 0 for t in shared) == pytest.approx(2 * S)
+
+
+def test_arrivals_match_the_benchmark_schedule() -> None:
+    dataset = DatasetConfig("random", 5, input_len=64, output_len=8, range_ratio=0.5, seed=3)
+    load = LoadConfig(request_rate=2.0, num_sessions=5, seed=3)
+    out = arrivals(dataset, load)
+    gaps = arrival_gaps(2.0, 1.0, np.random.default_rng(3))
+    assert [a.at for a in out] == pytest.approx(list(np.cumsum([next(gaps) for _ in range(5)])))
+    assert all(32 <= a.prompt_len <= 96 and 4 <= a.output_len <= 12 for a in out)
+
+
+def test_max_rate_of_one_node_is_near_capacity() -> None:
+    dataset = DatasetConfig("random", 400, input_len=100, output_len=1)
+    load = LoadConfig(request_rate=1.0, num_sessions=400)
+    rate = max_rate(profile(), Split(0, 1), dataset, load, SLO(ttft_ms=5000), HostConfig(), 0.9, 50)
+    # Near the service rate 1/S; a little above it is possible: a finite run's backlog
+    # stays under the TTFT SLO for most of its requests.
+    assert 0.6 / S < rate < 1.2 / S
+
+
+def test_workload_from_tune_ratio_settings() -> None:
+    settings = {
+        "name": "random",
+        "num_sessions": 30,
+        "seed": 4,
+        "input_len": 256,
+        "output_len": 16,
+        "range_ratio": 0.0,
+        "request_rate": None,
+        "burstiness": 1.0,
+        "max_concurrency": None,
+        "duration_s": None,
+        "ttft_ms": 3000.0,
+        "tpot_ms": None,
+        "e2e_ms": None,
+        "path": None,
+    }
+    dataset, load, slo = workload_from_settings(settings)
+    assert (dataset.input_len, dataset.num_sessions, load.num_sessions, load.seed) == (
+        256,
+        30,
+        30,
+        4,
+    )
+    assert slo == SLO(ttft_ms=3000.0)
+
+
+def test_comparison_error_and_best_split() -> None:
+    assert Comparison(Split(1, 1), 1.0, 0.5, 0.55).error == pytest.approx(0.1)
+    assert Comparison(Split(1, 1), 1.0, 0.0, 0.0).error is None
+    assert math.isinf(Comparison(Split(1, 1), 1.0, 0.0, 0.2).error or 0)
+    assert [s.name for s in parse_splits("all", 3)] == ["1P2D", "2P1D", "colocated x3"]
+    names = [s.name for s in parse_splits("1:1, 0:2,colocated,2:1", 3)]
+    assert names == ["1P1D", "colocated x2", "colocated x3", "2P1D"]
+    with pytest.raises(SweepError, match="is not P:D"):
+        parse_splits("1-1", 2)
+    with pytest.raises(SweepError, match="--rates must be positive"):
+        parse_rates("0,1")
+    assert parse_rates("2,0.5") == (0.5, 2.0)
+    assert best_split([SplitResult(Split(1, 1))], 0.9) is None
