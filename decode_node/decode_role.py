@@ -222,7 +222,7 @@ class DecodeRole:
         req.output_ids.append(first.token)
         req.output_logprobs.append(first.logprob)
         req.output_top_logprobs.append(first.top_logprobs)
-        req.sampler.observe(first.token)
+        req.sampler.adopt(first.token)
         scheduler.admit_prefilled(req)
         scheduler.check_finish(req, first.token)
         return StepOutput(req, [first.token], req.finished)
