@@ -22,8 +22,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engine.metrics import NodeMetrics
 from engine.request import Req, TransferSummary
 from engine.scheduler import Scheduler, StepOutput
+from engine.timing import RequestTiming
 
 
 class NodeRole(Protocol):
@@ -72,6 +74,7 @@ class FinishEvent:
     completion_tokens: int
     cached_tokens: int
     transfer: TransferSummary | None = None
+    timing: RequestTiming | None = None
 
 
 RequestEvent = TokenEvent | FinishEvent
@@ -92,11 +95,17 @@ class _Call:
 
 class EngineLoop:
     def __init__(
-        self, scheduler: Scheduler, config: LoopConfig, role: NodeRole | None = None
+        self,
+        scheduler: Scheduler,
+        config: LoopConfig,
+        role: NodeRole | None = None,
+        metrics: NodeMetrics | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.config = config
         self.role = role
+        self.metrics = metrics or NodeMetrics("colocated" if role is None else "node")
+        self._counted_stats = scheduler.last_stats
         self._commands: queue.Queue[_Submit | _Call] = queue.Queue()
         self._sinks: dict[str, EventSink] = {}
         self._stop = threading.Event()
@@ -165,6 +174,7 @@ class EngineLoop:
             except Exception as exc:
                 cmd.future.set_exception(exc)
             return
+        cmd.req.timing.mark("arrived")
         try:
             if self.role is not None and self.role.accepts(cmd.req):
                 self.scheduler.validate_prompt(cmd.req.prompt_ids)
@@ -172,6 +182,7 @@ class EngineLoop:
             else:
                 self.scheduler.add_request(cmd.req)
         except ValueError as exc:
+            self.metrics.finished.labels("abort").inc()
             cmd.sink(FinishEvent("abort", str(exc), len(cmd.req.prompt_ids), 0, 0))
             return
         self._sinks[cmd.req.rid] = cmd.sink
@@ -186,8 +197,13 @@ class EngineLoop:
         if self.scheduler.has_work:
             outputs = self.scheduler.step()
             self._log.record(self.scheduler)
+            stats = self.scheduler.last_stats
+            if stats is not self._counted_stats:  # a step with nothing to run keeps the old
+                self._counted_stats = stats
+                self.metrics.observe_step(self.scheduler, stats)
         if self.role is not None:
             self.role.after_step(self.scheduler)
+        self.metrics.observe_queues(self.scheduler)
         self._step_started = None
         for out in outputs:
             self._emit(out)
@@ -198,6 +214,7 @@ class EngineLoop:
         if sink is None:
             return
         if out.new_token_ids:
+            req.timing.mark("first_token" if out.start == 0 else "second_token")
             span = slice(out.start, out.start + len(out.new_token_ids))
             sink(
                 TokenEvent(
@@ -206,6 +223,7 @@ class EngineLoop:
             )
         if out.finished:
             del self._sinks[req.rid]
+            self.metrics.observe_finish(req)
             sink(_finish_event(req))
 
     def _abort(self, scheduler: Scheduler, rid: str, reason: str) -> bool:
@@ -215,11 +233,13 @@ class EngineLoop:
             return False
         sink = self._sinks.pop(rid, None)
         if sink is not None:
+            self.metrics.observe_finish(req)
             sink(_finish_event(req, reason))
         return True
 
     def _fail_all(self, detail: str) -> None:
         for rid, sink in list(self._sinks.items()):
+            self.metrics.finished.labels("abort").inc()
             sink(FinishEvent("abort", detail, 0, 0, 0))
             del self._sinks[rid]
 
@@ -238,6 +258,7 @@ class EngineLoop:
 
 
 def _finish_event(req: Req, default_detail: str = "") -> FinishEvent:
+    req.timing.mark("finished")
     return FinishEvent(
         reason=req.finish_reason.value if req.finish_reason else "abort",
         detail=req.finish_detail or default_detail,
@@ -245,6 +266,7 @@ def _finish_event(req: Req, default_detail: str = "") -> FinishEvent:
         completion_tokens=len(req.output_ids),
         cached_tokens=req.cached_tokens,
         transfer=req.transfer,
+        timing=req.timing,
     )
 
 
