@@ -36,19 +36,22 @@ def make_case(
     head_dim: int = 16,
     num_layers: int = 2,
     seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[PagedKVCache, ReqToTokenPool, ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A random cache whose requests own shuffled pages, and a batch adding `extend_lens` tokens
     to `prefix_lens` cached ones. Slots are used in reverse order, pages out of order."""
+    dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     pages_per_req = [-(-s // page_size) for s in seq_lens]
     num_pages = 1 + sum(pages_per_req) + 3
-    layout = KVLayout(num_layers, num_kv_heads, head_dim, page_size, torch.float32)
-    cache = PagedKVCache(layout, num_pages, torch.device("cpu"))
+    layout = KVLayout(num_layers, num_kv_heads, head_dim, page_size, dtype)
+    cache = PagedKVCache(layout, num_pages, dev)
     cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=gen))
     max_ctx = max(seq_lens) + page_size
-    pool = ReqToTokenPool(len(seq_lens) + 2, max_ctx, torch.device("cpu"))
+    pool = ReqToTokenPool(len(seq_lens) + 2, max_ctx, dev)
     free_pages = list(range(1, num_pages))
     rng.shuffle(free_pages)
     slots = list(range(len(seq_lens) + 1, 0, -1))[: len(seq_lens)]
@@ -63,18 +66,18 @@ def make_case(
     mode = ForwardMode.DECODE if all(e == 1 for e in extend_lens) else ForwardMode.EXTEND
     batch = ForwardBatch(
         mode=mode,
-        input_ids=torch.zeros(num_new, dtype=torch.int64),
-        positions=torch.cat(positions),
-        out_cache_loc=torch.cat(new_locs),
+        input_ids=torch.zeros(num_new, dtype=torch.int64, device=dev),
+        positions=torch.cat(positions).to(dev),
+        out_cache_loc=torch.cat(new_locs).to(dev),
         req_slots=slots,
         seq_lens=seq_lens,
         extend_lens=list(extend_lens),
         attn_backend=None,  # type: ignore[arg-type]
     )
     num_heads = num_kv_heads * group
-    q = torch.randn(num_new, num_heads, head_dim, generator=gen)
-    k = torch.randn(num_new, num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(num_new, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(num_new, num_heads, head_dim, generator=gen).to(dev, dtype)
+    k = torch.randn(num_new, num_kv_heads, head_dim, generator=gen).to(dev, dtype)
+    v = torch.randn(num_new, num_kv_heads, head_dim, generator=gen).to(dev, dtype)
     return cache, pool, batch, q, k, v
 
 

@@ -10,8 +10,9 @@ is tested on CPU; this file needs a GPU and Triton.
   (request, kv head, split) for all query heads of that kv head's group at once (GQA: the group is
   padded to 16 rows for `tl.dot`), writes a partial output and its log-sum-exp; stage 2 merges the
   splits. Every shape is fixed by (batch, splits), so a CUDA graph can replay it.
-- Extend (a chunk of new tokens on top of a cached prefix): one program per (request, query head,
-  block of new tokens); keys before the block need no causal mask, the diagonal part does.
+- Extend (a chunk of new tokens on top of a cached prefix): one program per (request, kv head,
+  block of new tokens), its tile's rows being those tokens times the kv head's query heads;
+  keys before the block need no causal mask, the diagonal part does.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ _LOG2E = 1.4426950408889634
 
 # Launch settings, chosen with scripts/gpu/tune_attention.py on an H100 (2026-11-22): per layer
 # of Llama-3-8B shapes at context 1k, decode B=256 393 us (93% of copy bandwidth; the first
-# setting, BLOCK_N 64 with 2 stages, took 481 us), B=64 112 us (81%); a fresh 4k extend 0.56 ms,
-# 246 TFLOP/s, where torch's SDPA on contiguous K/V takes 0.26 ms.
+# setting, BLOCK_N 64 with 2 stages, took 481 us), B=64 112 us (81%); a fresh 4k extend 0.57 ms,
+# 241 TFLOP/s (one query head per tile: 0.56 ms; K/V traffic is not what limits it), where
+# torch's SDPA on contiguous K/V takes 0.26 ms.
 DECODE_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
 EXTEND_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 1}
 
@@ -199,36 +201,41 @@ def _extend_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows: TOKENS new tokens x the GROUP query heads of one kv head
+    TOKENS: tl.constexpr,  # BLOCK_M // GROUP
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     r = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     mb = tl.program_id(2)
     ext = tl.load(extend_lens_ptr + r)
-    if mb * BLOCK_M >= ext:
+    if mb * TOKENS >= ext:
         return
     prefix = tl.load(prefix_lens_ptr + r)
     q_start = tl.load(q_starts_ptr + r).to(tl.int64)
     slot = tl.load(slots_ptr + r).to(tl.int64)
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    # GQA: the query heads sharing a kv head are rows of one tile, so each K/V block is loaded
+    # once for all of them.
+    row = tl.arange(0, BLOCK_M)
+    tok = mb * TOKENS + row // GROUP
+    head = kvh * GROUP + row % GROUP
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_m = offs_m < ext
-    rows = q_start + offs_m
+    mask_m = (tok < ext) & (row < TOKENS * GROUP)
+    rows = q_start + tok
     q = tl.load(
-        q_ptr + rows[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+        q_ptr + rows[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
         mask=mask_m[:, None],
         other=0.0,
     )
-    q_pos = prefix + offs_m
+    q_pos = prefix + tok
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table_row = table_ptr + slot * stride_table
-    kv_head_off = (h // GROUP) * stride_head
-    block_first = prefix + mb * BLOCK_M  # every row of the block sees keys before this
-    block_last = prefix + tl.minimum((mb + 1) * BLOCK_M, ext)
+    kv_head_off = kvh * stride_head
+    block_first = prefix + mb * TOKENS  # every row of the block sees keys before this
+    block_last = prefix + tl.minimum((mb + 1) * TOKENS, ext)
     acc, m_i, l_i = _extend_attend_block(
         acc, m_i, l_i, q, k_ptr, v_ptr, table_row, kv_head_off, 0, block_first, q_pos,
         sm_scale_log2, stride_page, stride_tok, False, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION,
@@ -239,7 +246,7 @@ def _extend_kernel(
     )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(
-        o_ptr + rows[:, None] * stride_on + h * stride_oh + offs_d[None, :],
+        o_ptr + rows[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
         out.to(o_ptr.dtype.element_ty),
         mask=mask_m[:, None],
     )
@@ -295,14 +302,16 @@ def paged_extend(
     cfg = config or EXTEND_CONFIG
     _, num_heads, head_dim = q.shape
     strides = KVStrides.of(k_view)
-    group = num_heads // k_view.shape[2]
-    block_m = cfg["BLOCK_M"] if plan.max_extend_len >= cfg["BLOCK_M"] else 64
-    grid = (plan.num_requests, num_heads, triton.cdiv(plan.max_extend_len, block_m))
+    num_kv_heads = k_view.shape[2]
+    group = num_heads // num_kv_heads
+    block_m = max(cfg["BLOCK_M"], triton.next_power_of_2(group))
+    tokens = block_m // group
+    grid = (plan.num_requests, num_kv_heads, triton.cdiv(plan.max_extend_len, tokens))
     _extend_kernel[grid](
         q, out, k_view, v_view, table, plan.slots, plan.q_starts, plan.extend_lens,
         plan.prefix_lens, head_dim**-0.5 * _LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), table.stride(0), strides.page, strides.token,
         strides.head, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=k_view.shape[1],
-        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], DOT_PRECISION=_dot_precision(q),
-        num_warps=cfg["num_warps"] if block_m > 64 else 4, num_stages=cfg["num_stages"],
+        BLOCK_M=block_m, TOKENS=tokens, BLOCK_N=cfg["BLOCK_N"], DOT_PRECISION=_dot_precision(q),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """Launch settings of the Triton attention kernels, timed one layer at a time on Llama-3-8B shapes.
 
-    python3 scripts/gpu/tune_attention.py
+    python3 scripts/gpu/tune_attention.py [--extend-only]
 
 Decode: batch 1/16/64/256 at context 1k; GB/s = K+V bytes read / kernel time, against the copy
 bandwidth measured here. Extend: one fresh 4k-token prompt; TFLOP/s of causal attention, against
@@ -121,7 +121,8 @@ def main() -> None:
     copy_bw = moved / (ms * 1e-3)
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     tune_extend()
-    tune_decode(copy_bw)
+    if "--extend-only" not in sys.argv:
+        tune_decode(copy_bw)
 
 
 if __name__ == "__main__":
