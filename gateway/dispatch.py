@@ -204,7 +204,9 @@ class Generation:
         m.completion_tokens.inc(finished.usage.completion_tokens)
         m.e2e.observe(time.monotonic() - started)
         prefill = result.prefill if route.prefill is not None else None
-        self.timeline = assemble(started, result.sent_at, result.finished_at, finished, prefill)
+        # Done: both calls over (P's answer may come after D's last token; the client waits).
+        done = time.monotonic()
+        self.timeline = assemble(started, result.sent_at, done, finished, prefill)
         if self.trace is not None:
             self.trace.timelines.append(self.timeline)
         logger.debug(

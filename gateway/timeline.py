@@ -1,9 +1,10 @@
 """A request's timing breakdown: where its end-to-end time went, in consecutive segments.
 
 The gateway measures, on its own clock, when the HTTP request came in (`RequestTrace.started`),
-when the attempt that served it sent its node RPCs (`sent`) and when the decode node's final
-message arrived (`done`). The nodes measure their own spans (engine/timing.py) and send them
-back (PrefillResponse.timing, Finished.timing). The segments, in order:
+when the attempt that served it sent its node RPCs (`sent`) and when both calls were over
+(`done`: the decode node's final message and the prefill node's answer are in). The nodes
+measure their own spans (engine/timing.py) and send them back (PrefillResponse.timing,
+Finished.timing). The segments, in order:
 
     gateway_queue           HTTP request in -> node RPCs sent (parsing, tokenising, routing,
                             earlier failed attempts)
@@ -11,8 +12,9 @@ back (PrefillResponse.timing, Finished.timing). The segments, in order:
     prefill_queue           P's waiting queue (a local prefill: D's) -> first chunk scheduled
     prefill                 first chunk -> first token sampled (all chunks)
     transfer                the rest of [sent, done]: P's KV writes until confirmed, the DONE
-                            hand-off through bootstrap and the RPC hops (a local prefill: only
-                            the hops). `transfer_kv` is P's own measure of the writes alone.
+                            hand-off through bootstrap and the RPC hops, P's answer included
+                            (a local prefill: only the hops). `transfer_kv` is P's own measure
+                            of the writes alone.
     decode_queue            D: P's DONE arrived -> the request joined the running batch
     decode_first            D: in the batch -> first decoded token
     decode                  D: first decoded token -> finished
