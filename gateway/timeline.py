@@ -11,17 +11,22 @@ Finished.timing). The segments, in order:
     prefill_bootstrap_wait  P: request in -> D's destination arrived through bootstrap
     prefill_queue           P's waiting queue (a local prefill: D's) -> first chunk scheduled
     prefill                 first chunk -> first token sampled (all chunks)
-    transfer                the rest of [sent, done]: P's KV writes until confirmed, the DONE
-                            hand-off through bootstrap and the RPC hops, P's answer included
-                            (a local prefill: only the hops). `transfer_kv` is P's own measure
-                            of the writes alone.
+    transfer                what D waited for the KV beyond P's three spans above: P's KV
+                            writes until confirmed and the DONE hand-off through bootstrap
+                            (D's prealloc + KV wait minus them; 0 for a local prefill).
+                            `transfer_kv` is P's own measure of the writes alone.
     decode_queue            D: P's DONE arrived -> the request joined the running batch
     decode_first            D: in the batch -> first decoded token
     decode                  D: first decoded token -> finished
+    rpc                     [sent, done] outside D's own span: the gateway <-> node hops, and
+                            waiting for P's answer after D finished
 
-They add up to `e2e` (in -> done) by construction, since `transfer` is what the measured spans
-leave of [sent, done]; tests check that against the E2E a client measures. The OpenAI API sends
-the breakdown as a `Server-Timing` header (milliseconds), the native API in `meta_info.timing`.
+D's spans tile its own [in, finished] and `rpc` is the rest of [sent, done], so the segments add
+up to `e2e` (in -> done); tests check that against the E2E a client measures. Spans measured on
+P and on D are compared as durations only (the two nodes may not share a clock); `transfer`
+assumes both got the request at the same time (the gateway sends both calls at once).
+The OpenAI API sends the breakdown as a `Server-Timing` header (milliseconds), the native API in
+`meta_info.timing` (seconds).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ SEGMENTS = (
     "decode_queue",
     "decode_first",
     "decode",
+    "rpc",
 )
 
 
@@ -56,6 +62,7 @@ class Timeline:
     decode_queue: float
     decode_first: float
     decode: float
+    rpc: float
     e2e: float
     transfer_kv: float
 
@@ -83,19 +90,21 @@ def assemble(
     if prefill is not None:
         p = prefill.timing
         wait, queue, compute, kv = p.bootstrap_wait_s, p.queue_s, p.prefill_s, p.transfer_s
+        transfer = d.prealloc_s + d.kv_wait_s - (wait + queue + compute)
         decode_queue = d.admit_s
     else:
-        wait, queue, compute, kv, decode_queue = 0.0, d.queue_s, d.prefill_s, 0.0, 0.0
-    measured = wait + queue + compute + decode_queue + d.first_decode_s + d.decode_s
+        wait, queue, compute, kv = 0.0, d.queue_s, d.prefill_s, 0.0
+        transfer = decode_queue = 0.0
     return Timeline(
         gateway_queue=sent - started,
         prefill_bootstrap_wait=wait,
         prefill_queue=queue,
         prefill=compute,
-        transfer=(done - sent) - measured,
+        transfer=transfer,
         decode_queue=decode_queue,
         decode_first=d.first_decode_s,
         decode=d.decode_s,
+        rpc=(done - sent) - d.total_s,
         e2e=done - started,
         transfer_kv=kv,
     )

@@ -40,6 +40,7 @@ N = 4  # requests of the counting test
 MAX_TOKENS = 5
 PAGE_SIZE = 16  # the nodes' default
 TIMING_TOLERANCE_S = 0.010  # client-measured E2E minus the breakdown's sum (HTTP in and out)
+TRANSFER_SKEW_S = 0.010  # D may get its call this much after P
 WORDS = ["apple", "river", "mountain", "violin", "copper", "lantern", "meadow", "harbor"]
 PROCESSES = ("gateway", "bootstrap", "prefill-0", "decode-0")
 LOG_LINE = re.compile(
@@ -260,18 +261,20 @@ def _check_breakdown(timing: dict[str, float], client_e2e: float) -> None:
         "decode_queue",
         "decode_first",
         "decode",
+        "rpc",
     ]
     total = sum(timing[s] for s in segments)
     assert abs(total - timing["e2e"]) < 1e-4, timing
     assert timing["e2e"] <= client_e2e, (timing, client_e2e)
     assert client_e2e - total < TIMING_TOLERANCE_S, (timing, client_e2e)
     for name in segments:
-        assert timing[name] >= 0, (name, timing)
-    for measured in ("gateway_queue", "prefill", "decode_first", "decode"):
+        if name != "transfer":
+            assert timing[name] >= 0, (name, timing)
+    for measured in ("gateway_queue", "prefill", "decode_first", "decode", "transfer_kv"):
         assert timing[measured] > 0, (measured, timing)
-    # The KV writes alone happen inside the `transfer` segment (same host: one clock).
-    assert timing["transfer"] >= timing["transfer_kv"] - 1e-4, timing
-    assert timing["transfer_kv"] > 0, timing
+    # The KV writes happen inside D's wait that `transfer` is the rest of; it is only off by
+    # how much later D got the request than P (both calls leave the gateway together).
+    assert timing["transfer"] >= timing["transfer_kv"] - TRANSFER_SKEW_S, timing
 
 
 def test_timing_breakdown_adds_up_to_the_measured_e2e(cluster: Cluster) -> None:

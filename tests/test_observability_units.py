@@ -71,17 +71,20 @@ def test_timeline_segments_tile_the_e2e() -> None:
             bootstrap_wait_s=0.5, queue_s=0.25, prefill_s=0.25, transfer_s=0.5
         )
     )
-    finished = node_pb2.Finished(
-        timing=node_pb2.NodeTiming(admit_s=0.25, first_decode_s=0.5, decode_s=0.5)
-    )
+    d_spans = dict(prealloc_s=0.25, kv_wait_s=1.75, admit_s=0.25, first_decode_s=0.5, decode_s=0.5)
+    finished = node_pb2.Finished(timing=node_pb2.NodeTiming(**d_spans, total_s=3.25))
     t = assemble(started=10.0, sent=10.5, done=14.0, finished=finished, prefill=prefill)
     assert t.gateway_queue == 0.5 and t.e2e == 4.0
-    assert t.transfer == 3.5 - (0.5 + 0.25 + 0.25 + 0.25 + 0.5 + 0.5)
+    assert t.transfer == 2.0 - (0.5 + 0.25 + 0.25)  # D waited 2 s for KV, P computed 1 s
+    assert t.rpc == 3.5 - 3.25
     assert abs(t.segments_total - t.e2e) < 1e-12
     assert set(t.as_dict()) == {*SEGMENTS, "e2e", "transfer_kv"}
     header = t.server_timing()
     assert header.startswith("gateway_queue;dur=500.000, prefill_bootstrap_wait;dur=500.000")
-    local = assemble(10.0, 10.5, 12.0, node_pb2.Finished(timing=node_pb2.NodeTiming(
-        queue_s=0.1, prefill_s=0.2, first_decode_s=0.3, decode_s=0.4)), None)  # fmt: skip
+    d_local = node_pb2.NodeTiming(
+        queue_s=0.1, prefill_s=0.2, first_decode_s=0.3, decode_s=0.4, total_s=1.0
+    )
+    local = assemble(10.0, 10.5, 12.0, node_pb2.Finished(timing=d_local), None)
     assert (local.prefill_queue, local.prefill, local.decode_queue) == (0.1, 0.2, 0.0)
+    assert local.transfer == 0 and abs(local.rpc - 0.5) < 1e-12
     assert abs(local.segments_total - local.e2e) < 1e-12
