@@ -218,9 +218,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         split = Split(**result["split"])
         for point in result["points"]:
             rate = float(point["rate"])
-            predicted = simulate(
-                profile, split, dataset, replace(load, request_rate=rate), slo, host
-            )
+            seeded = replace(dataset, seed=int(point.get("seed", dataset.seed)))
+            load_at = replace(load, request_rate=rate)
+            predicted = simulate(profile, split, seeded, load_at, slo, host)
             measured = float(point["summary"]["goodput"] or 0.0)
             rows.append(Comparison(split, rate, measured, predicted.goodput or 0.0))
     print(comparison_table(rows, VALIDATION_TARGET))

@@ -3,9 +3,11 @@
 For every split (`--splits 1:1,1:2,2:1,colocated`, or `all` for every P:D of `--budget` plus
 colocated) this starts a cluster with `pd-cluster`'s launcher (bootstrap + P prefill + D decode
 nodes + the gateway, on 127.0.0.1), sends a few warm-up requests, then runs the same workload
-(bench_serving.py's dataset and SLO flags, same seed) at each rate of `--rates`, and stops the
-cluster. Disaggregated splits send every prompt through a prefill node (the gateway's
-`--local-prefill-max-tokens 0`); colocated runs `--budget` decode nodes that prefill themselves.
+(bench_serving.py's dataset and SLO flags) at each rate of `--rates`, and stops the cluster.
+Each rate gets fresh prompts (dataset seed `--seed` + 1000 * (rate index + 1), same lengths
+distribution; recorded per point), so no rate is served from an earlier rate's prefix cache.
+Disaggregated splits send every prompt through a prefill node (the gateway's
+`--local-prefill-max-tokens 0`); colocated runs decode nodes that prefill themselves.
 
 Reported per split: goodput and SLO attainment at each rate, and the highest rate at which at
 least `--slo-attainment` of the requests met every SLO; the best split is the one with the
@@ -169,14 +171,17 @@ def sweep_split(config: TuneConfig, split: Split) -> SplitResult:
             client = replace(config.bench.client, base_url=url, model=served_model(url))
             bench = replace(config.bench, client=client)
             warm(bench, config.warmup)
-            sessions = build_sessions(bench.dataset)
-            for rate in config.rates:
+            for i, rate in enumerate(config.rates):
+                seed = rate_seed(bench.dataset.seed, i)
                 run = run_benchmark(
-                    replace(bench, load=replace(bench.load, request_rate=rate)),
-                    sessions,
-                    config.progress,
+                    replace(
+                        bench,
+                        dataset=replace(bench.dataset, seed=seed),
+                        load=replace(bench.load, request_rate=rate),
+                    ),
+                    progress=config.progress,
                 )
-                point = RatePoint(rate, run.summary)
+                point = RatePoint(rate, run.summary, seed)
                 result.points.append(point)
                 print(
                     f"[{split.name}] rate {rate:g}: goodput {point.goodput:.3f} req/s, "
@@ -188,6 +193,12 @@ def sweep_split(config: TuneConfig, split: Split) -> SplitResult:
         finally:
             cluster.stop()
     return result
+
+
+def rate_seed(seed: int, index: int) -> int:
+    """Dataset seed of the index-th rate: fresh prompts per rate, or the prefix cache would
+    serve every prompt of the second rate from the first one's KV."""
+    return seed + 1000 * (index + 1)
 
 
 def warm(bench: BenchmarkConfig, count: int) -> None:

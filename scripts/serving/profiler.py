@@ -1,7 +1,8 @@
 """Measures a `NodeProfile` on this machine: the engine in-process, one scheduler step at a time.
 
 Prefill: one fresh request of T tokens (max_new_tokens=1) is one prefill step; the median
-step time of `repeats` runs per T. Decode: B requests of a C-token prompt are prefilled, then
+step time of `repeats` runs per T, after one unmeasured run (a new shape's first run is slow).
+Decode: B requests of a C-token prompt are prefilled, then
 `decode_steps` decode-only steps are timed (median); d0 + d1*B + d2*B*context is fitted by
 least squares. The transfer and gateway terms are not measured here (flags of `profile`).
 """
@@ -61,14 +62,14 @@ def measure(plan: ProfilePlan, log: bool = True) -> Measured:
     prefill = []
     for tokens in plan.prefill_tokens:
         times = []
-        for _ in range(plan.repeats):
+        for _ in range(plan.repeats + 1):  # the first run of a shape is cold: not counted
             req = llm._make_req(ids(tokens), SamplingParams(max_new_tokens=1, temperature=0))
             sched.add_request(req)
             start = time.perf_counter()
             while not req.finished:
                 sched.step()
             times.append(time.perf_counter() - start)
-        prefill.append((tokens, statistics.median(times)))
+        prefill.append((tokens, statistics.median(times[1:])))
         _say(log, f"prefill {tokens:5d} tokens: {prefill[-1][1] * 1000:8.1f} ms")
 
     decode = []

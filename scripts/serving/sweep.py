@@ -76,6 +76,7 @@ def parse_rates(text: str) -> tuple[float, ...]:
 class RatePoint:
     rate: float
     summary: Summary
+    seed: int = 0  # the dataset seed of this rate's prompts
 
     @property
     def attainment(self) -> float:
@@ -106,7 +107,9 @@ class SplitResult:
             "name": self.split.name,
             "error": self.error,
             "max_rate": self.max_rate(attainment),
-            "points": [{"rate": p.rate, "summary": asdict(p.summary)} for p in self.points],
+            "points": [
+                {"rate": p.rate, "seed": p.seed, "summary": asdict(p.summary)} for p in self.points
+            ],
         }
 
 
