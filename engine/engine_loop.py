@@ -196,10 +196,10 @@ class EngineLoop:
         outputs = []
         if self.scheduler.has_work:
             outputs = self.scheduler.step()
-            self._log.record(self.scheduler)
             stats = self.scheduler.last_stats
             if stats is not self._counted_stats:  # a step with nothing to run keeps the old
                 self._counted_stats = stats
+                self._log.record(self.scheduler)
                 self.metrics.observe_step(self.scheduler, stats)
         if self.role is not None:
             self.role.after_step(self.scheduler)

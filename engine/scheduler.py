@@ -76,6 +76,7 @@ class Scheduler:
         self.num_retractions = 0
         self.last_stats = StepStats()
         self._admitted_cached = 0  # prefix-cache hits of the requests admitted this step
+        self._num_decoding = 0  # the first this many requests of this step's batch decode
         self._dropped: list[Req] = []  # aborted by the scheduler itself, reported by step()
 
     # ---- requests in and out -------------------------------------------------------------
@@ -146,10 +147,11 @@ class Scheduler:
         logits = self.runner.forward(batch)
         forward_s = time.perf_counter() - t0
         outputs = dropped + self._process(reqs, lens, logits)
-        decode_n = sum(1 for n in lens if n == 1)
+        # The decoding requests come first in the batch (a 1-token prefill chunk is no decode).
+        decode_n = self._num_decoding
         self.last_stats = StepStats(
             num_prefill_reqs=len(lens) - decode_n,
-            num_prefill_tokens=sum(n for n in lens if n > 1),
+            num_prefill_tokens=sum(lens[decode_n:]),
             num_decode_reqs=decode_n,
             cached_tokens=self._admitted_cached,
             forward_s=forward_s,
@@ -160,6 +162,7 @@ class Scheduler:
     def _schedule(self) -> tuple[list[Req], list[int]]:
         self._admitted_cached = 0
         decoding = self._reserve_decodes()
+        self._num_decoding = len(decoding)
         batch: list[Req] = list(decoding)
         lens = [1] * len(decoding)
         budget = self.config.chunked_prefill_size

@@ -19,6 +19,7 @@ import asyncio
 import math
 import re
 import shutil
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.pd_client import NodeTarget, PDResult, pd_generate
+from gateway.text import TextCodec
 from proto import node_pb2, node_pb2_grpc
 from tests.node_harness import free_port, running_node
 from tests.pd_cluster import registered
@@ -39,6 +41,7 @@ from tests.test_gateway import RunningCluster, pd_cluster_process
 N = 4  # requests of the counting test
 MAX_TOKENS = 5
 PAGE_SIZE = 16  # the nodes' default
+CHUNK = 16  # prefill chunk: every prompt takes several
 TIMING_TOLERANCE_S = 0.010  # client-measured E2E minus the breakdown's sum (HTTP in and out)
 TRANSFER_SKEW_S = 0.010  # D may get its call this much after P
 WORDS = ["apple", "river", "mountain", "violin", "copper", "lantern", "meadow", "harbor"]
@@ -140,7 +143,7 @@ def tiny_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     log = tmp_path_factory.mktemp("observability") / "pd-cluster.log"
     gateway_args = ["--local-prefill-max-tokens", "0", "--log-level", "debug"]
-    node_args = ["--log-level", "debug"]
+    node_args = ["--log-level", "debug", "--chunked-prefill-size", str(CHUNK)]
     with pd_cluster_process(
         log, tiny_model, "mooncake", gateway_args=gateway_args, node_args=node_args
     ) as running:
@@ -172,15 +175,26 @@ def _complete(cluster: Cluster, prompt: str, max_tokens: int = MAX_TOKENS) -> ht
 # -- tests ------------------------------------------------------------------------------------
 
 
-def test_counters_move_by_exactly_n_requests(cluster: Cluster) -> None:
+def _one_token_tail(codec: TextCodec, prompt: str) -> str:
+    """The prompt, lengthened until its last prefill chunk is a single token."""
+    while len(codec.encode_prompt(prompt)) % CHUNK != 1:
+        prompt += " x"
+    return prompt
+
+
+def test_counters_move_by_exactly_n_requests(cluster: Cluster, tiny_model: Path) -> None:
+    codec = TextCodec.load(str(tiny_model))
+    prompts = [_prompt(i) for i in range(N)]
+    prompts[0] = _one_token_tail(codec, prompts[0])  # a 1-token chunk is still prefill
     before = cluster.scrape_all()
     prompt_tokens = []
-    for i in range(N):
-        out = _complete(cluster, _prompt(i)).json()
+    for prompt in prompts:
+        out = _complete(cluster, prompt).json()
         assert out["usage"]["completion_tokens"] == MAX_TOKENS
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         prompt_tokens.append(out["usage"]["prompt_tokens"])
     after = cluster.scrape_all()
+    assert prompt_tokens[0] % CHUNK == 1, prompt_tokens
 
     def delta(process: str, name: str, **labels: str) -> float:
         return after[process].get(name, **labels) - before[process].get(name, **labels)
@@ -198,10 +212,11 @@ def test_counters_move_by_exactly_n_requests(cluster: Cluster) -> None:
     assert delta("gateway", "pdserve_gateway_retries_total") == 0
     assert delta("gateway", "pdserve_gateway_local_prefills_total") == 0
     assert after["gateway"].get("pdserve_gateway_inflight") == 0
-    # prefill node: one chunk, one room, one transfer per request; every prompt token computed
+    # prefill node: one room and one transfer per request; every prompt token computed
     assert after["prefill-0"].get("pdserve_node_info", role="prefill") == 1
     assert delta("prefill-0", "pdserve_node_requests_finished_total", reason="prefilled") == N
-    assert delta("prefill-0", "pdserve_node_prefill_chunks_total") == N
+    chunks = sum(math.ceil(p / CHUNK) for p in prompt_tokens)
+    assert delta("prefill-0", "pdserve_node_prefill_chunks_total") == chunks
     assert delta("prefill-0", "pdserve_node_prefill_tokens_total") == sum(prompt_tokens)
     assert delta("prefill-0", "pdserve_node_cache_hit_tokens_total") == 0
     assert delta("prefill-0", "pdserve_node_decode_tokens_total") == 0
@@ -251,38 +266,41 @@ def test_counters_move_by_exactly_n_requests(cluster: Cluster) -> None:
     eventually(idle, "the PD queue gauges read 0 once the requests are done")
 
 
-def _check_breakdown(timing: dict[str, float], client_e2e: float) -> None:
-    segments = [
-        "gateway_queue",
-        "prefill_bootstrap_wait",
-        "prefill_queue",
-        "prefill",
-        "transfer",
-        "decode_queue",
-        "decode_first",
-        "decode",
-        "rpc",
-    ]
-    total = sum(timing[s] for s in segments)
+SEGMENTS = [
+    "gateway_queue",
+    "prefill_bootstrap_wait",
+    "prefill_queue",
+    "prefill",
+    "transfer",
+    "decode_queue",
+    "decode_first",
+    "decode",
+    "rpc",
+]
+
+
+def _check_breakdown(timing: dict[str, float], client_e2e: float) -> float:
+    """Checks one request's breakdown; returns the client's E2E minus the breakdown's sum."""
+    total = sum(timing[s] for s in SEGMENTS)
     assert abs(total - timing["e2e"]) < 1e-4, timing
     assert timing["e2e"] <= client_e2e, (timing, client_e2e)
-    assert client_e2e - total < TIMING_TOLERANCE_S, (timing, client_e2e)
-    for name in segments:
-        if name != "transfer":
+    for name in SEGMENTS:
+        if name != "transfer":  # a difference of two nodes' spans, see below
             assert timing[name] >= 0, (name, timing)
     for measured in ("gateway_queue", "prefill", "decode_first", "decode", "transfer_kv"):
         assert timing[measured] > 0, (measured, timing)
-    # The KV writes happen inside D's wait that `transfer` is the rest of; it is only off by
-    # how much later D got the request than P (both calls leave the gateway together).
-    assert timing["transfer"] >= timing["transfer_kv"] - TRANSFER_SKEW_S, timing
+    return client_e2e - total
 
 
 def test_timing_breakdown_adds_up_to_the_measured_e2e(cluster: Cluster) -> None:
+    """A gap in the breakdown shows in every request, a stall of this busy machine in one:
+    the median request must add up within a few ms."""
     # One client, connected before the clock starts: E2E is the request, not the TLS context
     # httpx builds per client or the TCP handshake.
     client = httpx.Client(base_url=cluster.url, timeout=120)
     client.get("/health")
-    for i in range(3):
+    gaps, kv_slack = [], []
+    for i in range(5):
         body = {
             "text": _prompt(100 + i),
             "sampling_params": {"max_new_tokens": MAX_TOKENS, "ignore_eos": True},
@@ -291,7 +309,13 @@ def test_timing_breakdown_adds_up_to_the_measured_e2e(cluster: Cluster) -> None:
         response = client.post("/generate", json=body)
         client_e2e = time.perf_counter() - t0
         assert response.status_code == 200, response.text
-        _check_breakdown(response.json()["meta_info"]["timing"], client_e2e)
+        timing = response.json()["meta_info"]["timing"]
+        gaps.append(_check_breakdown(timing, client_e2e))
+        kv_slack.append(timing["transfer"] - timing["transfer_kv"])
+    assert statistics.median(gaps) < TIMING_TOLERANCE_S, gaps
+    # The KV writes happen inside D's wait that `transfer` is the rest of; it is only off by
+    # how much later D got the request than P (both calls leave the gateway together).
+    assert statistics.median(kv_slack) > -TRANSFER_SKEW_S, kv_slack
 
     body = {"model": cluster.model, "prompt": _prompt(200), "max_tokens": MAX_TOKENS}
     t0 = time.perf_counter()
@@ -299,7 +323,8 @@ def test_timing_breakdown_adds_up_to_the_measured_e2e(cluster: Cluster) -> None:
     client_e2e = time.perf_counter() - t0
     assert response.status_code == 200, response.text
     header = response.headers["server-timing"]
-    timing = {name: float(dur) / 1000 for name, dur in re.findall(r"(\w+);dur=([0-9.]+)", header)}
+    timing = {n: float(ms) / 1000 for n, ms in re.findall(r"(\w+);dur=(-?[0-9.]+)", header)}
+    assert set(timing) == {*SEGMENTS, "e2e", "transfer_kv"}, header
     _check_breakdown(timing, client_e2e + 1e-3)  # the header rounds to the microsecond
 
 
