@@ -109,6 +109,9 @@ class DecodeRole:
     def after_step(self, scheduler: Scheduler) -> None:
         return None
 
+    def queue_summary(self) -> str:
+        return f"#prealloc-req {len(self.prealloc)}, #transfer-req {len(self.transfer)}"
+
     def abort(self, scheduler: Scheduler, rid: str) -> Req | None:
         for entry in self.prealloc:
             if entry.req.rid == rid:

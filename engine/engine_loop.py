@@ -48,6 +48,10 @@ class NodeRole(Protocol):
 
     def abort(self, scheduler: Scheduler, rid: str) -> Req | None: ...
 
+    def queue_summary(self) -> str:
+        """The PD queue sizes for the step log line, e.g. `#prealloc-req 2, #transfer-req 1`."""
+        ...
+
 
 logger = logging.getLogger("pdserve.engine")
 
@@ -199,7 +203,7 @@ class EngineLoop:
             stats = self.scheduler.last_stats
             if stats is not self._counted_stats:  # a step with nothing to run keeps the old
                 self._counted_stats = stats
-                self._log.record(self.scheduler)
+                self._log.record(self.scheduler, self.role.queue_summary() if self.role else "")
                 self.metrics.observe_step(self.scheduler, stats)
         if self.role is not None:
             self.role.after_step(self.scheduler)
@@ -279,21 +283,24 @@ class StepLogger:
         self._decode_tokens = 0
         self._since = time.monotonic()
 
-    def record(self, scheduler: Scheduler) -> None:
+    def record(self, scheduler: Scheduler, pd_queues: str = "") -> None:
+        """`pd_queues`: the node role's queue sizes, appended to each line."""
         stats = scheduler.last_stats
+        tail = f", {pd_queues}" if pd_queues else ""
         kv = scheduler.kv
         alloc = kv.allocator
         usage = (alloc.num_used + alloc.num_cached) / alloc.total
         if stats.num_prefill_reqs:
             logger.info(
                 "prefill batch: #new-seq %d, #new-token %d, #cached-token %d, token usage %.2f, "
-                "#running-req %d, #queue-req %d",
+                "#running-req %d, #queue-req %d%s",
                 stats.num_prefill_reqs,
                 stats.num_prefill_tokens,
                 stats.cached_tokens,
                 usage,
                 len(scheduler.running),
                 len(scheduler.waiting),
+                tail,
             )
         self._decode_tokens += stats.num_decode_reqs
         self._decode_steps += 1 if stats.num_decode_reqs else 0
@@ -301,11 +308,12 @@ class StepLogger:
             elapsed = max(time.monotonic() - self._since, 1e-9)
             logger.info(
                 "decode batch: #running-req %d, #token %d, token usage %.2f, "
-                "gen throughput (token/s) %.2f, #queue-req %d",
+                "gen throughput (token/s) %.2f, #queue-req %d%s",
                 len(scheduler.running),
                 sum(r.seq_len for r in scheduler.running),
                 usage,
                 self._decode_tokens / elapsed,
                 len(scheduler.waiting),
+                tail,
             )
             self._decode_tokens, self._since = 0, time.monotonic()

@@ -136,6 +136,9 @@ class PrefillRole:
                 self._finish_prefill(scheduler, done)
         self.metrics.observe_queues(len(self.bootstrap), len(self.active), len(self.inflight))
 
+    def queue_summary(self) -> str:
+        return f"#bootstrap-req {len(self.bootstrap)}, #inflight-req {len(self.inflight)}"
+
     def abort(self, scheduler: Scheduler, rid: str) -> Req | None:
         for entries in (self.bootstrap, self.active):
             for entry in entries.values():
