@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="measure this machine's node")
     p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=1, help="torch threads, as each node uses")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per prefill point")
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--transfer-gbps", type=float, default=0.9, help="KV transfer GB/s")
     p.add_argument("--handoff-ms", type=float, default=10.0, help="rendezvous latency")
@@ -122,6 +123,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     plan = ProfilePlan(
         model=args.model,
         threads=args.threads,
+        repeats=args.repeats,
         chunked_prefill_size=args.chunked_prefill_size,
         max_total_tokens=args.max_total_tokens,
     )
