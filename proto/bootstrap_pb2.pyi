@@ -108,14 +108,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("node_id", "heartbeat_interval_s", "heartbeat_timeout_s")
+    __slots__ = ("node_id", "heartbeat_interval_s", "heartbeat_timeout_s", "node_secret")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
-    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+    node_secret: str
+    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., node_secret: _Optional[str] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("node_id",)
