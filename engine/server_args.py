@@ -143,9 +143,20 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
         metavar="RATE",
         help="testing only: make this fraction of KV writes fail",
     )
+    g.add_argument(
+        "--inject-aux-corruption",
+        type=float,
+        default=0.0,
+        metavar="RATE",
+        help="testing only: corrupt this fraction of first-token (aux) writes to decode nodes",
+    )
 
 
 def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
+    for flag in ("inject_transfer_failures", "inject_aux_corruption"):
+        if not 0.0 <= getattr(args, flag) <= 1.0:
+            name = "--" + flag.replace("_", "-")
+            raise ValueError(f"{name} is a probability in [0, 1], got {getattr(args, flag)}")
     return TransferConfig(
         backend=args.transfer_backend,
         node_name=f"{role}-{args.host}-{args.port}",
@@ -153,4 +164,5 @@ def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
         protocol=args.transfer_protocol,
         device_names=args.transfer_devices,
         fail_rate=args.inject_transfer_failures,
+        aux_corrupt_rate=args.inject_aux_corruption,
     )

@@ -40,10 +40,12 @@ def create_engine(config: TransferConfig) -> KVTransferEngine:
         ) from exc
     cls: type[KVTransferEngine] = getattr(module, cls_name)
     engine = cls(config)
-    if config.fail_rate > 0:
+    if config.fail_rate > 0 or config.aux_corrupt_rate > 0:
         from kvtransfer.faults import FaultInjectingEngine
 
-        return FaultInjectingEngine(engine, config.fail_rate)
+        return FaultInjectingEngine(
+            engine, config.fail_rate, aux_corrupt_rate=config.aux_corrupt_rate
+        )
     return engine
 
 

@@ -34,6 +34,7 @@ class TransferConfig:
     device_names: str = ""  # mooncake RDMA devices, e.g. "mlx5_0,mlx5_1"
     max_descriptors_per_batch: int = 1024  # larger requests are split into several batches
     fail_rate: float = 0.0  # fault injection: probability that a write fails (tests only)
+    aux_corrupt_rate: float = 0.0  # fault injection: probability that an aux write is corrupted
     nixl_progress_delay_us: int = 100  # nixl: progress thread sleep (0 = spin a core)
 
 

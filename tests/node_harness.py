@@ -154,9 +154,10 @@ def _start_once(
     env: Mapping[str, str] | None,
     probe: ReadinessProbe,
     ready_timeout: float,
+    port: int | None = None,
 ) -> NodeServer | None:
     """Start and wait for readiness; None if the port was taken meanwhile."""
-    port = free_port()
+    port = port or free_port()
     address = f"{LOCALHOST}:{port}"
     with log_path.open("ab") as log:
         log.write(f"$ {' '.join(command)} --host {LOCALHOST} --port {port}\n".encode())
@@ -208,18 +209,20 @@ def running_node(
     ready_timeout: float = 120.0,
     stop_timeout: float = 30.0,
     probe: ReadinessProbe = node_health_probe,
+    port: int | None = None,
 ) -> Iterator[NodeServer]:
     """Run `script args --host 127.0.0.1 --port <free>` until the block ends, whatever happens.
 
     `script` is a console script name (`decode-server`) or a path; `env` adds to (or overrides)
-    this process's environment. The block may stop the server itself (for example to test
+    this process's environment; `port` fixes the port (a process started again after a crash
+    keeps its address). The block may stop the server itself (for example to test
     SIGTERM); stopping an exited server does nothing.
     """
     command = [console_script(script) if os.sep not in script else script, *args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     server = None
     for _ in range(_PORT_ATTEMPTS):
-        server = _start_once(command, log_path, env, probe, ready_timeout)
+        server = _start_once(command, log_path, env, probe, ready_timeout, port)
         if server is not None:
             break
     if server is None:
