@@ -7,9 +7,9 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.tokenizer import StopStringChecker, load_tokenizer
+from engine.tp.workers import start_runner
 
 
 @dataclass
@@ -27,7 +27,7 @@ def build_engine(config: EngineConfig) -> Engine:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     model_config = replace(model_config, eos_token_ids=tuple(sorted(eos)))
-    runner = ModelRunner(config, model_config)
+    runner = start_runner(config, model_config)  # spawns the other TP ranks, if any
     checker = StopStringChecker(tokenizer) if tokenizer is not None else None
     return Engine(config, model_config, tokenizer, Scheduler(config, runner, checker))
 

@@ -23,12 +23,14 @@ class EngineConfig:
     attention_backend: str = "torch_native"
     enable_prefix_cache: bool = True
     schedule_policy: str = "fcfs"  # or "lpm": longest prefix match first
+    tp_size: int = 1  # tensor-parallel ranks of this node (processes; see engine/tp/)
 
     def __post_init__(self) -> None:
         _at_least("page_size", self.page_size, 1)
         _at_least("chunked_prefill_size", self.chunked_prefill_size, 1)
         _at_least("max_running_requests", self.max_running_requests, 1)
         _at_least("max_total_tokens", self.max_total_tokens, self.page_size)
+        _at_least("tp_size", self.tp_size, 1)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.load_format not in ("safetensors", "dummy"):

@@ -96,6 +96,10 @@ class LLM:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks this LLM spawned (nothing to do with TP=1)."""
+        self.runner.shutdown()
+
     def _make_req(self, prompt: Prompt, params: SamplingParams) -> Req:
         ids = self.encode(prompt)
         params.check_vocab(self.model_config.vocab_size)

@@ -1,8 +1,14 @@
-"""Owns the model, the KV memory and the attention backend; turns requests into forwards."""
+"""Owns the model, the KV memory and the attention backend; turns requests into forwards.
+
+With tensor parallelism (`tp_size > 1`) every rank of a node has a runner over its shard of the
+model and of the KV pool (its KV heads, the same page ids on every rank). Only rank 0 has a
+scheduler and allocates pages; its `forward` first sends the step to the other ranks
+(engine/tp/messages.py), which run `forward_step` in lockstep (engine/tp/workers.py).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,12 +29,19 @@ from engine.memory import (
 from engine.model_config import ModelConfig
 from engine.models.loader import load_model
 from engine.request import Req
+from engine.tp import messages
+from engine.tp.group import TPGroup
+from engine.tp.partition import plan_tp
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, group: TPGroup | None = None
+    ) -> None:
         self.config = config
         self.model_config = model_config
+        self.group = group or TPGroup.single()
+        self.shard = plan_tp(model_config, config.tp_size)[self.group.rank]
         self.device = torch.device(config.device)
         self.context_length = config.context_length or model_config.max_position_embeddings
         if self.context_length > model_config.max_position_embeddings:
@@ -36,10 +49,17 @@ class ModelRunner:
                 f"context_length {self.context_length} exceeds the model's "
                 f"max_position_embeddings {model_config.max_position_embeddings}; lower it"
             )
-        self.model = load_model(model_config, config.load_format, config.torch_dtype, self.device)
+        self.model = load_model(
+            model_config,
+            config.load_format,
+            config.torch_dtype,
+            self.device,
+            self.shard,
+            self.group,
+        )
         self.kv_layout = KVLayout(
             num_layers=model_config.num_layers,
-            num_kv_heads=model_config.num_kv_heads,
+            num_kv_heads=self.shard.num_kv_heads,
             head_dim=model_config.head_dim,
             page_size=config.page_size,
             dtype=config.torch_dtype,
@@ -55,7 +75,9 @@ class ModelRunner:
         backend_cls = attention_backend_class(config.attention_backend)
         self.attn_backend = backend_cls(self.kv_cache, self.req_to_token)
         self.graph_runner: DecodeGraphRunner | None = None
-        if self.device.type == "cuda" and hasattr(self.attn_backend, "init_graph_metadata"):
+        self.on_shutdown: Callable[[], None] | None = None  # stops the other TP ranks
+        graphs_ok = self.device.type == "cuda" and self.group.size == 1  # no TP collectives
+        if graphs_ok and hasattr(self.attn_backend, "init_graph_metadata"):
             # Padding rows read one key through slot 0 (reads only) and write to location 0.
             self.graph_runner = DecodeGraphRunner(self.model, self.context_length, pad_slot=0)
 
@@ -91,10 +113,53 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [batch_size, vocab] of each request's last new token."""
+        if self.group.size > 1:
+            messages.send(self.group, messages.MessageKind.FORWARD, self._step(batch).to_arrays())
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         logits: torch.Tensor = self.model(batch)
         return logits
+
+    def shutdown(self) -> None:
+        """Stop the node's other tensor-parallel ranks (no-op with TP=1); idempotent."""
+        stop, self.on_shutdown = self.on_shutdown, None
+        if stop is not None:
+            stop()
+
+    def _step(self, batch: ForwardBatch) -> messages.ForwardStep:
+        table = self.req_to_token.table
+        lens = zip(batch.req_slots, batch.seq_lens, strict=True)
+        rows = [table[slot, :seq] for slot, seq in lens]
+        return messages.ForwardStep(
+            batch.mode,
+            batch.input_ids.cpu(),
+            batch.positions.cpu(),
+            batch.out_cache_loc.cpu(),
+            batch.req_slots,
+            batch.seq_lens,
+            batch.extend_lens,
+            torch.cat(rows).cpu(),
+        )
+
+    @torch.inference_mode()
+    def forward_step(self, step: messages.ForwardStep) -> None:
+        """A non-leader rank runs rank 0's step on its shard (its logits are rank 0's too)."""
+        dev, table = self.device, self.req_to_token.table
+        rows = step.table_rows.to(dev).split(step.seq_lens)
+        for slot, row in zip(step.req_slots, rows, strict=True):
+            table[slot, : row.numel()] = row
+        batch = ForwardBatch(
+            mode=step.mode,
+            input_ids=step.input_ids.to(dev),
+            positions=step.positions.to(dev),
+            out_cache_loc=step.out_cache_loc.to(dev),
+            req_slots=step.req_slots,
+            seq_lens=step.seq_lens,
+            extend_lens=step.extend_lens,
+            attn_backend=self.attn_backend,
+        )
+        self.attn_backend.init_metadata(batch)
+        self.model(batch)
 
     def check_integrity(self, live: Sequence[Req]) -> None:
         """Every page is free, cached, or owned by exactly one live request."""

@@ -7,10 +7,15 @@ nothing until a model of that kind is loaded.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from engine.model_config import ModelConfig, ModelConfigError
+
+if TYPE_CHECKING:
+    from engine.tp.group import TPGroup
+    from engine.tp.partition import TPShard
 
 MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
@@ -31,5 +36,11 @@ def model_class(architecture: str) -> type[nn.Module]:
     return cls
 
 
-def build_model(config: ModelConfig) -> nn.Module:
-    return model_class(config.architecture)(config)
+def build_model(
+    config: ModelConfig, shard: TPShard | None = None, group: TPGroup | None = None
+) -> nn.Module:
+    """The model, or one tensor-parallel rank's `shard` of it (None: the whole model)."""
+    cls = model_class(config.architecture)
+    if shard is None and group is None:
+        return cls(config)
+    return cls(config, shard, group)  # type: ignore[call-arg]

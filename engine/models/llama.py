@@ -3,6 +3,12 @@
 Qwen2 differs only by a bias on the QKV projection and Qwen3 by a per-head RMSNorm on q and k,
 so one implementation covers all of them, switched by `ModelConfig.attention_bias` / `qk_norm`.
 The attention itself (and the paged KV cache write) belongs to the attention backend.
+
+Tensor parallelism (engine/tp/partition.py holds the rule): the model is built for one rank's
+`TPShard`. The QKV and gate/up projections are column-parallel (the rank's heads / intermediate
+rows), o_proj and down_proj row-parallel (their partial outputs are all-reduced), the embedding
+and LM head vocabulary-parallel (the embedding's partial rows are all-reduced, the logits
+all-gathered). With TP=1 the shard is the whole model and every collective is the identity.
 """
 
 from __future__ import annotations
@@ -15,16 +21,24 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from engine.tp.group import TPGroup
+from engine.tp.partition import TPShard, full_shard, plan_tp
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+    """The rank's query heads and the KV heads they read (column-parallel QKV); the caller
+    all-reduces the row-parallel o_proj output."""
+
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rope: RotaryEmbedding, shard: TPShard
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
@@ -48,45 +62,69 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rope: RotaryEmbedding,
+        shard: TPShard,
+        group: TPGroup,
+    ) -> None:
         super().__init__()
+        self.group = group
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, layer_id, rope)
+        self.self_attn = DecoderAttention(config, layer_id, rope, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, len(shard.intermediate))
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.group.all_reduce(self.self_attn(positions, self.input_layernorm(x), batch))
+        return x + self.group.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
     """Returns logits only for each request's last token (all a sampler needs)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, shard: TPShard | None = None, group: TPGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.shard = shard or full_shard(config)
+        self.group = group or TPGroup.single()
+        self.vocab_sizes = [len(s.vocab) for s in plan_tp(config, self.shard.tp_size)]
+        self.embed_tokens = nn.Embedding(len(self.shard.vocab), config.hidden_size)
         rope = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
             config.rope_theta,
             config.rope_scaling,
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rope) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rope, self.shard, self.group) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, len(self.shard.vocab), bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
+        x = self._embed(batch.input_ids)
         for layer in self.layers:
             x = layer(batch.positions, x, batch)
         last = x[batch.last_token_index]
-        return self.lm_head(self.norm(last)).float()
+        logits = self.lm_head(self.norm(last)).float()
+        return self.group.gather_last_dim(logits, self.vocab_sizes)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return self.embed_tokens(ids)
+        vocab = self.shard.vocab
+        mine = (ids >= vocab.start) & (ids < vocab.stop)
+        rows = self.embed_tokens(torch.where(mine, ids - vocab.start, 0))
+        return self.group.all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
 
     # HF checkpoint names that map onto one fused parameter: (fused name, shard index).
     stacked_params: ClassVar[dict[str, tuple[str, int]]] = {
@@ -98,10 +136,38 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def shard_sizes(self, fused: str) -> list[int]:
-        c = self.config
+        hd = self.config.head_dim
         if fused == "qkv_proj":
-            return [c.q_size, c.kv_size, c.kv_size]
-        return [c.intermediate_size, c.intermediate_size]
+            kv = self.shard.num_kv_heads * hd
+            return [self.shard.num_heads * hd, kv, kv]
+        return [len(self.shard.intermediate)] * 2
+
+    def tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor `name` (HF naming, `model.` prefix removed)."""
+        if self.shard.tp_size == 1:
+            return tensor
+        s, hd = self.shard, self.config.head_dim
+        module = name.rsplit(".", 2)[-2] if "." in name else ""
+        rows: dict[str, range] = {
+            "q_proj": range(s.q_heads.start * hd, s.q_heads.stop * hd),
+            "k_proj": range(s.kv_heads.start * hd, s.kv_heads.stop * hd),
+            "v_proj": range(s.kv_heads.start * hd, s.kv_heads.stop * hd),
+            "gate_proj": s.intermediate,
+            "up_proj": s.intermediate,
+            "embed_tokens": s.vocab,
+            "lm_head": s.vocab,
+        }
+        cols: dict[str, range] = {
+            "o_proj": range(s.q_heads.start * hd, s.q_heads.stop * hd),
+            "down_proj": s.intermediate,
+        }
+        if module in rows:  # weights and biases alike: dim 0 is the output row
+            span = rows[module]
+            return tensor.narrow(0, span.start, len(span))
+        if module in cols and name.endswith("weight"):
+            span = cols[module]
+            return tensor.narrow(1, span.start, len(span))
+        return tensor
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -12,16 +12,24 @@ from torch import nn
 
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.models import build_model
+from engine.tp.group import TPGroup
+from engine.tp.partition import TPShard
 
 # Checkpoint tensors we deliberately do not load (rotary tables are recomputed).
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(
-    config: ModelConfig, load_format: str, dtype: torch.dtype, device: torch.device
+    config: ModelConfig,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: TPShard | None = None,
+    group: TPGroup | None = None,
 ) -> nn.Module:
+    """The model (or one tensor-parallel rank's `shard` of it, talking over `group`)."""
     with torch.device(device):
-        model = build_model(config)
+        model = build_model(config, shard, group)
     if load_format == "dummy":
         _init_dummy(model)
     elif load_format == "safetensors":
@@ -67,11 +75,13 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
     params = dict(model.named_parameters())
     stacked: dict[str, tuple[str, int]] = getattr(model, "stacked_params", {})
+    tp_slice = getattr(model, "tp_slice", lambda _name, t: t)
     loaded: set[str] = set()
-    for raw_name, tensor in _iter_tensors(safetensors_files(model_dir)):
+    for raw_name, full_tensor in _iter_tensors(safetensors_files(model_dir)):
         name = raw_name.removeprefix("model.")
         if name.endswith(_SKIPPED_SUFFIXES):
             continue
+        tensor = tp_slice(name, full_tensor)
         target, shard = _fused_target(name, stacked)
         if target not in params:
             if name == "lm_head.weight" and "lm_head.weight" not in params:

@@ -1,0 +1,122 @@
+"""Which part of the model each tensor-parallel rank holds: the head rule, written once.
+
+Attention is split by KV-head group: a rank holds some KV heads together with every query head
+that reads them, so attention needs no communication. With `kv` KV heads, `g = q / kv` query
+heads per group and TP size `t`:
+
+- `t <= kv`: the KV heads are cut into `t` contiguous blocks as even as possible, the first
+  `kv % t` ranks taking one more (SmolLM2-135M, 3 KV heads, TP=2: rank 0 KV heads {0, 1} with
+  query heads 0-5, rank 1 KV head {2} with query heads 6-8).
+- `t > kv`: `t` must be a multiple of `kv`; each KV head is replicated on `r = t / kv`
+  consecutive ranks, and its `g` query heads are split over those replicas as evenly as possible
+  (the first ones taking one more), so `r <= g` (no rank without a query head).
+- Anything else is refused at start with the reason (`TPConfigError`): query heads not a
+  multiple of KV heads, `t > kv` and not a multiple, more replicas than query heads per group.
+
+The MLP intermediate dimension and the vocabulary are split into `t` contiguous blocks, evenly
+where `t` divides them, else the first ranks take one more. Norms and RoPE are replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.model_config import ModelConfig
+
+
+class TPConfigError(ValueError):
+    """The model cannot be split over this many tensor-parallel ranks."""
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """The slices of the model one rank holds (ranges of head / row indices)."""
+
+    tp_rank: int
+    tp_size: int
+    q_heads: range
+    kv_heads: range
+    intermediate: range
+    vocab: range
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.q_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.kv_heads)
+
+
+def split_sizes(total: int, parts: int) -> list[int]:
+    """`total` cut into `parts` contiguous sizes, the first `total % parts` one larger."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _blocks(total: int, parts: int) -> list[range]:
+    out, start = [], 0
+    for size in split_sizes(total, parts):
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def check_tp(config: ModelConfig, tp_size: int) -> None:
+    """Raise TPConfigError with the reason when `config` cannot be split over `tp_size` ranks."""
+    q, kv = config.num_heads, config.num_kv_heads
+    where = f"{config.model_path or config.architecture} ({q} query heads, {kv} KV heads)"
+    if tp_size < 1:
+        raise TPConfigError(f"tp_size must be >= 1, got {tp_size}")
+    if tp_size == 1:
+        return  # the whole model on one rank: nothing to split
+    if q % kv:
+        raise TPConfigError(
+            f"{where}: query heads are not a multiple of KV heads, so KV-head groups cannot be "
+            "kept whole on a rank; use tp_size 1"
+        )
+    if tp_size > kv:
+        if tp_size % kv:
+            raise TPConfigError(
+                f"{where}: tp_size {tp_size} exceeds the KV heads and is not a multiple of "
+                f"{kv}, so KV heads cannot be replicated evenly; use tp_size <= {kv} or a "
+                f"multiple of {kv}"
+            )
+        if tp_size // kv > q // kv:
+            raise TPConfigError(
+                f"{where}: tp_size {tp_size} would replicate each KV head on {tp_size // kv} "
+                f"ranks but a group has only {q // kv} query heads; use tp_size <= {q}"
+            )
+    for name, size in (
+        ("intermediate size", config.intermediate_size),
+        ("vocabulary", config.vocab_size),
+    ):
+        if size < tp_size:
+            raise TPConfigError(f"{where}: the {name} {size} is smaller than tp_size {tp_size}")
+
+
+def plan_tp(config: ModelConfig, tp_size: int) -> list[TPShard]:
+    """Every rank's shard, by the rule in the module docstring."""
+    check_tp(config, tp_size)
+    q, kv = config.num_heads, config.num_kv_heads
+    group = q // kv
+    inter = _blocks(config.intermediate_size, tp_size)
+    vocab = _blocks(config.vocab_size, tp_size)
+    shards = []
+    for rank in range(tp_size):
+        if tp_size <= kv:
+            kv_heads = _blocks(kv, tp_size)[rank]
+            q_heads = range(kv_heads.start * group, kv_heads.stop * group)
+        else:
+            replicas = tp_size // kv
+            head, replica = divmod(rank, replicas)
+            kv_heads = range(head, head + 1)
+            part = _blocks(group, replicas)[replica]
+            q_heads = range(head * group + part.start, head * group + part.stop)
+        shards.append(TPShard(rank, tp_size, q_heads, kv_heads, inter[rank], vocab[rank]))
+    return shards
+
+
+def full_shard(config: ModelConfig) -> TPShard:
+    """The whole model on one rank (TP=1)."""
+    return plan_tp(config, 1)[0]
