@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 PACKAGES := engine kvtransfer bootstrap prefill_node decode_node gateway
 
-.PHONY: proto setup run test lint typecheck pytest fetch-model bench-engine bench-gateway clean
+.PHONY: proto setup run test test-faults lint typecheck pytest fetch-model bench-engine bench-gateway clean
 
 setup: $(STAMP)
 
@@ -38,7 +38,11 @@ typecheck: setup
 	$(BIN)/mypy $(PACKAGES)
 
 pytest: setup
-	$(BIN)/pytest -q -x --durations=15
+	$(BIN)/pytest -q -x --durations=15 -m "not faults"
+
+# Processes killed and frozen under load, both transfer backends (minutes): see tests/test_faults_*.py.
+test-faults: setup fetch-model
+	$(BIN)/pytest -q -x --durations=15 -m faults -s
 
 test: lint typecheck pytest
 
