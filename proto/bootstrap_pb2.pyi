@@ -66,7 +66,7 @@ class MemoryRegion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., addr: _Optional[int] = ..., length: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "grpc_address", "transfer_backend", "transfer_endpoint", "layout", "regions", "aux_slot_bytes")
+    __slots__ = ("node_id", "role", "grpc_address", "transfer_backend", "transfer_endpoint", "layout", "regions", "aux_slot_bytes", "tp_ranks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class NodeInfo(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     AUX_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TP_RANKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: Role
     grpc_address: str
@@ -83,7 +84,22 @@ class NodeInfo(_message.Message):
     layout: KVLayout
     regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
     aux_slot_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_address: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., transfer_endpoint: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., aux_slot_bytes: _Optional[int] = ...) -> None: ...
+    tp_ranks: _containers.RepeatedCompositeFieldContainer[TPRankInfo]
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_address: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., transfer_endpoint: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., aux_slot_bytes: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[_Union[TPRankInfo, _Mapping]]] = ...) -> None: ...
+
+class TPRankInfo(_message.Message):
+    __slots__ = ("tp_rank", "transfer_endpoint", "kv", "kv_head_start", "num_kv_heads")
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    tp_rank: int
+    transfer_endpoint: bytes
+    kv: MemoryRegion
+    kv_head_start: int
+    num_kv_heads: int
+    def __init__(self, tp_rank: _Optional[int] = ..., transfer_endpoint: _Optional[bytes] = ..., kv: _Optional[_Union[MemoryRegion, _Mapping]] = ..., kv_head_start: _Optional[int] = ..., num_kv_heads: _Optional[int] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
     __slots__ = ("running_requests", "queued_requests", "free_pages", "total_pages", "transfer_queue", "bootstrap_queue")
