@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from bootstrap.client import BootstrapClient, NodeSession
-from kvtransfer.base import MemoryRegion, PeerInfo
+from kvtransfer.base import MemoryRegion, PeerInfo, PeerRank
 from kvtransfer.room import (
     FailRoomAnswer,
     RoomDestination,
@@ -41,7 +41,16 @@ def peer_from_proto(info: bootstrap_pb2.NodeInfo) -> PeerInfo:
     regions = {
         r.name: MemoryRegion(r.name, r.addr, r.length, r.device or "cpu") for r in info.regions
     }
-    return PeerInfo(node_id=info.node_id, endpoint=info.transfer_endpoint, regions=regions)
+    ranks = tuple(
+        PeerRank(
+            r.tp_rank,
+            r.transfer_endpoint,
+            MemoryRegion("kv", r.kv.addr, r.kv.length, r.kv.device or "cpu"),
+            range(r.kv_head_start, r.kv_head_start + r.num_kv_heads),
+        )
+        for r in info.tp_ranks
+    )
+    return PeerInfo(info.node_id, info.transfer_endpoint, regions, ranks)
 
 
 def destination_from_proto(msg: bootstrap_pb2.RoomDestination) -> RoomDestination:

@@ -47,10 +47,33 @@ class MemoryRegion:
 
 
 @dataclass(frozen=True)
+class PeerRank:
+    """One tensor-parallel rank of a peer node: its own engine endpoint and KV shard."""
+
+    tp_rank: int
+    endpoint: bytes
+    kv: MemoryRegion
+    kv_heads: range  # global KV heads it holds (contiguous)
+
+
+@dataclass(frozen=True)
 class PeerInfo:
     node_id: str
-    endpoint: bytes  # what the peer's `local_endpoint()` returned
+    endpoint: bytes  # what the peer's `local_endpoint()` returned (rank 0's with TP)
     regions: dict[str, MemoryRegion] = field(default_factory=dict)
+    ranks: tuple[PeerRank, ...] = ()  # every TP rank (rank 0 included); empty for TP=1
+
+    def rank_peer_id(self, tp_rank: int) -> str:
+        """The transfer peer id of one rank: the node id for rank 0."""
+        return self.node_id if tp_rank == 0 else f"{self.node_id}#tp{tp_rank}"
+
+    def rank_peers(self) -> list[PeerInfo]:
+        """One single-rank PeerInfo per TP rank, to `connect` each; [self] for TP=1."""
+        if not self.ranks:
+            return [self]
+        return [
+            PeerInfo(self.rank_peer_id(r.tp_rank), r.endpoint, {"kv": r.kv}) for r in self.ranks
+        ]
 
 
 @dataclass(frozen=True)
