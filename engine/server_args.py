@@ -36,6 +36,12 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         help="size the KV pool to this fraction of device memory left after the weights",
     )
     g.add_argument("--context-length", type=int, default=None)
+    g.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (processes) of this node; see engine/tp/partition.py",
+    )
     g = parser.add_argument_group("scheduling")
     g.add_argument("--chunked-prefill-size", type=int, default=2048)
     g.add_argument("--max-running-requests", type=int, default=256)
@@ -74,6 +80,7 @@ def engine_config(args: argparse.Namespace, model_path: str, weight_bytes: int) 
         attention_backend=args.attention_backend,
         enable_prefix_cache=not args.disable_prefix_cache,
         schedule_policy=args.schedule_policy,
+        tp_size=args.tp_size,
     )
 
 
