@@ -78,10 +78,22 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, len(shard.intermediate))
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        x = x + self.group.all_reduce(self.self_attn(positions, self.input_layernorm(x), batch))
-        return x + self.group.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it is added): each residual add
+        is fused with the norm after it (one kernel on GPU), the last one in the next layer.
+        `residual` None: `x` is the embedding, the start of the stream."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.group.all_reduce(self.self_attn(positions, h, batch))
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.group.all_reduce(self.mlp(h)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -111,11 +123,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self._embed(batch.input_ids)
+        x, residual = self._embed(batch.input_ids), None
         for layer in self.layers:
-            x = layer(batch.positions, x, batch)
-        last = x[batch.last_token_index]
-        logits = self.lm_head(self.norm(last)).float()
+            x, residual = layer(batch.positions, x, residual, batch)
+        rows = batch.last_token_index
+        if residual is None:
+            last = self.norm(x[rows])
+        else:
+            last, _ = self.norm.add_forward(x[rows], residual[rows])
+        logits = self.lm_head(last).float()
         return self.group.gather_last_dim(logits, self.vocab_sizes)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
