@@ -68,11 +68,17 @@ class PeerInfo:
         return self.node_id if tp_rank == 0 else f"{self.node_id}#tp{tp_rank}"
 
     def rank_peers(self) -> list[PeerInfo]:
-        """One single-rank PeerInfo per TP rank, to `connect` each; [self] for TP=1."""
+        """One single-rank PeerInfo per TP rank, to `connect` each; [self] for TP=1. Rank 0
+        keeps every region of the node (its aux slots too), the others have their KV only."""
         if not self.ranks:
             return [self]
         return [
-            PeerInfo(self.rank_peer_id(r.tp_rank), r.endpoint, {"kv": r.kv}) for r in self.ranks
+            PeerInfo(
+                self.rank_peer_id(r.tp_rank),
+                r.endpoint,
+                {**self.regions, "kv": r.kv} if r.tp_rank == 0 else {"kv": r.kv},
+            )
+            for r in self.ranks
         ]
 
 
