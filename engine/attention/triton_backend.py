@@ -111,8 +111,8 @@ class TritonBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         md: TritonMetadata = batch.attn_metadata
-        self.kv_cache.write(layer, md.write_at, k, v)
         k_view, v_view = self.kv_cache.k_view(layer), self.kv_cache.v_view(layer)
+        self.ops.store_kv(k, v, k_view, v_view, md.write_at)
         table = self.req_to_token.table
         q = q.contiguous()  # the kernels assume head_dim is the innermost, unit-stride axis
         out = torch.empty_like(q)
@@ -121,5 +121,5 @@ class TritonBackend(AttentionBackend):
             self.ops.paged_decode(q, k_view, v_view, table, md.decode, out)
         else:
             assert md.extend is not None
-            self.ops.paged_extend(q, k_view, v_view, table, md.extend, out)
+            self.ops.paged_extend(q, k_view, v_view, table, md.extend, out, (k, v))
         return out

@@ -145,8 +145,10 @@ def paged_extend(
     table: torch.Tensor,
     plan: ExtendPlan,
     out: torch.Tensor,
+    new_kv: tuple[torch.Tensor, torch.Tensor],
 ) -> None:
-    """Reference of `triton_kernels.paged_extend`: causal over prefix + new keys from the cache."""
+    """Reference of `triton_kernels.paged_extend`: causal over prefix + new keys. The kernel reads
+    the new keys from `new_kv`; the cache holds the same values (written first), read here."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_view.shape[2]
     group = num_heads // num_kv_heads
@@ -162,3 +164,15 @@ def paged_extend(
         visible = torch.arange(prefix + ext, device=q.device)[None, :] <= q_pos
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[start : start + ext] = torch.einsum("hmn,nhd->mhd", probs, v).to(out.dtype)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_view: torch.Tensor,
+    v_view: torch.Tensor,
+    where: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """Reference of `triton_kernels.store_kv`: what `PagedKVCache.write` does."""
+    k_view[where] = k.to(k_view.dtype)
+    v_view[where] = v.to(v_view.dtype)

@@ -8,18 +8,22 @@ Needs torch with CUDA and Triton, nothing else (the GPU image has both). Steps:
    (8192^3, random data);
 2. correctness, before any number counts: the Triton backend against torch-native on random bf16
    inputs (paged decode with split-KV, extends with prefixes, a Llama-3-8B-shaped model's logits
-   through chunked prefill and decode); relative error ||out - ref|| / ||ref||;
+   through chunked prefill and decode); the fused elementwise kernels (engine/models/elementwise)
+   against their plain-torch references, alone and through the model; relative error
+   ||out - ref|| / ||ref||;
 3. decode step time of a Llama-3-8B-shaped model (dummy bf16 weights, bf16 KV, page size 16) at
    batch 1/16/64/256 and context 1k, eager and with CUDA graphs, against the HBM roofline
-   (weight bytes + KV bytes read) / copy bandwidth;
+   (weight bytes + KV bytes read) / copy bandwidth; with graphs also the unfused elementwise
+   path (A/B) and the graph replay alone (what overlapping the host's batch building would leave);
 4. prefill throughput of one 1k/4k/8k-token chunk against the matmul rate (MFU: the model's
-   matmul FLOPs, causal attention counted once).
+   matmul FLOPs, causal attention counted once), fused and unfused elementwise.
 A section that fails records its error in the table; the run goes on with the next one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import statistics
@@ -45,6 +49,7 @@ from engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from engine.memory.kv_cache import KVLayout, PagedKVCache, ReqToTokenPool  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.models import build_model  # noqa: E402
+from engine.models import elementwise as ew  # noqa: E402
 
 LLAMA3_8B = ModelConfig(
     architecture="LlamaForCausalLM",
@@ -212,9 +217,51 @@ def check_backend_kernels(rep: Report) -> None:
         ref = run_layer(TorchNativeBackend, setup, q, k, v)
         out = run_layer(TritonBackend, setup, q, k, v)
         err = rel_err(out, ref)
-        ok = bool(torch.isfinite(out).all()) and err < BF16_REL_TOL and ref.abs().sum() > 0
+        ok = bool(torch.isfinite(out).all()) and err < BF16_REL_TOL and bool(ref.abs().sum() > 0)
         rep.checks.append((f"triton vs torch_native, {name}", err, ok))
         log(f"check {name}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+
+
+def check_elementwise(rep: Report) -> None:
+    """Each fused kernel against its plain-torch reference on random inputs: Llama-3-8B shapes
+    and odd ones (hidden 576, 9 q / 3 kv heads of 64: masked tails), q/k as strided views of a
+    QKV output; bf16 and fp32. The kernels round where the references do, so the tolerance is
+    rounding-level."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+    shapes = {"8B": (4096, 14336, 32, 8, 128), "odd": (576, 1536, 9, 3, 64)}
+    for dtype in (torch.bfloat16, torch.float32):
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        for label, (hidden, inter, hq, hk, hd) in shapes.items():
+            n = 77
+            x, r = rand(n, hidden, dtype=dtype), rand(n, hidden, dtype=dtype)
+            w = 1 + 0.1 * rand(hidden, dtype=dtype)
+            gate_up = rand(n, 2 * inter, dtype=dtype)
+            qkv = rand(n, (hq + 2 * hk) * hd, dtype=dtype)
+            q = qkv[:, : hq * hd].view(n, hq, hd)
+            k = qkv[:, hq * hd : (hq + hk) * hd].view(n, hk, hd)
+            positions = torch.randint(0, 8000, (n,), device="cuda", generator=gen)
+            angles = torch.rand(8192, hd // 2, device="cuda", generator=gen) * 6.3
+            cos, sin = angles.cos(), angles.sin()
+            pairs = {
+                "rms_norm": ((ew.rms_norm(x, w, 1e-5),), (ew.rms_norm_reference(x, w, 1e-5),)),
+                "add_rms_norm": (ew.add_rms_norm(x, r, w, 1e-5),
+                                 ew.add_rms_norm_reference(x, r, w, 1e-5)),
+                "silu_and_mul": ((ew.silu_and_mul(gate_up),),
+                                 (ew.silu_and_mul_reference(gate_up),)),
+                "rotary q,k": (ew.rotary(q, k, positions, cos, sin),
+                               ew.rotary_reference(q, k, positions, cos, sin)),
+            }  # fmt: skip
+            for op, (outs, refs) in pairs.items():
+                err = max(rel_err(o, f) for o, f in zip(outs, refs, strict=True))
+                ok = err < tol and all(bool(torch.isfinite(o).all()) for o in outs)
+                ok = ok and all(o.shape == f.shape for o, f in zip(outs, refs, strict=True))
+                name = f"fused {op} vs torch, {label} shapes, {str(dtype).split('.')[1]}"
+                rep.checks.append((name, err, ok))
+                log(f"check {name}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
 
 
 def check_engine(rep: Report, workdir: Path) -> None:
@@ -298,43 +345,51 @@ def check_model(rep: Report, model: torch.nn.Module, gate: bool) -> None:
     """Logits of chunked prefill (fresh, then with a prefix) and decode steps, both backends.
     `gate`: a pass criterion (a model of few layers); otherwise reported only, since bf16
     differences between two correct kernels compound through 32 layers of random weights."""
-    num_layers = model.config.num_layers
+    num_layers = len(model.layers)  # type: ignore[arg-type]
     gen = torch.Generator(device="cuda").manual_seed(1)
     prompts = [torch.randint(0, LLAMA3_8B.vocab_size, (n,), device="cuda", generator=gen)
                for n in (700, 300)]  # fmt: skip
-    logits: dict[str, list[torch.Tensor]] = {}
-    decode_ids: list[torch.Tensor] = []  # torch-native's greedy picks, fed to both backends
-    for cls in (TorchNativeBackend, TritonBackend):
-        layout = replace(kv_layout(), num_layers=num_layers)
-        setup = paged_setup(layout, [0, 0], [716, 316], random_kv=False)
-        backend = cls(setup.cache, setup.pool)
-        steps: list[torch.Tensor] = []
-        chunks = [([0, 0], [400, 100]), ([400, 100], [300, 200])]  # (prefix, extend) per request
+    decode_ids: list[torch.Tensor] = []  # the reference's greedy picks, fed to every variant
+    ref = _model_logits(model, TorchNativeBackend, prompts, decode_ids, unfused=True)
+    variants = {
+        "triton backend + fused elementwise vs torch_native + torch elementwise": (
+            TritonBackend, False),
+        "fused elementwise vs torch elementwise (torch_native backend)": (
+            TorchNativeBackend, False),
+    }  # fmt: skip
+    for what, (cls, unfused) in variants.items():
+        out = _model_logits(model, cls, prompts, decode_ids, unfused=unfused)
+        errs = [rel_err(o, r) for r, o in zip(ref, out, strict=True)]
+        picks = [bool((o.argmax(-1) == r.argmax(-1)).all()) for r, o in zip(ref, out, strict=True)]
+        finite = all(bool(torch.isfinite(t).all()) for t in out)
+        name = f"{num_layers}-layer Llama-3-8B-shaped logits, 2 chunks + 8 decode steps, {what}"
+        log(f"check {name}: rel errs {[f'{e:.1e}' for e in errs]}, argmax agree {picks}")
+        if gate:
+            rep.checks.append((name, max(errs), max(errs) < BF16_REL_TOL and finite))
+        else:
+            rep.row(f"info: {name}", f"worst rel. error {max(errs):.2e}",
+                    f"same greedy pick in {sum(picks)}/{len(picks)} steps")  # fmt: skip
+
+
+def _model_logits(model, cls, prompts, decode_ids: list[torch.Tensor], unfused: bool):
+    """Logits of 2 chunked-prefill steps and 8 decode steps; the decode inputs are appended to
+    `decode_ids` (greedy picks) on the first call and reused by later ones."""
+    layout = replace(kv_layout(), num_layers=len(model.layers))
+    setup = paged_setup(layout, [0, 0], [716, 316], random_kv=False)
+    backend = cls(setup.cache, setup.pool)
+    steps: list[torch.Tensor] = []
+    chunks = [([0, 0], [400, 100]), ([400, 100], [300, 200])]  # (prefix, extend) per request
+    with ew.torch_elementwise() if unfused else contextlib.nullcontext():
         for prefix, ext in chunks:
             ids = torch.cat([p[s : s + n] for p, s, n in zip(prompts, prefix, ext, strict=True)])
             steps.append(_forward(model, backend, setup.pool, ids, prefix, ext))
         seq = [700, 300]
         for i in range(8):
-            if cls is TorchNativeBackend:
+            if len(decode_ids) <= i:
                 decode_ids.append(steps[-1].argmax(-1))
             steps.append(_forward(model, backend, setup.pool, decode_ids[i], seq, [1, 1]))
             seq = [s + 1 for s in seq]
-        logits[cls.name] = steps
-        del setup, backend
-    errs = [rel_err(o, r) for r, o in zip(logits["torch_native"], logits["triton"], strict=True)]
-    picks = [
-        bool((o.argmax(-1) == r.argmax(-1)).all())
-        for r, o in zip(logits["torch_native"], logits["triton"], strict=True)
-    ]
-    finite = all(bool(torch.isfinite(t).all()) for t in logits["triton"])
-    name = f"{num_layers}-layer Llama-3-8B-shaped logits, 2 prefill chunks + 8 decode steps"
-    log(f"check {name}: rel errs {[f'{e:.1e}' for e in errs]}, argmax agree {picks}")
-    if gate:
-        ok = max(errs) < BF16_REL_TOL and finite
-        rep.checks.append((name, max(errs), ok))
-    else:
-        rep.row(f"info: {name}", f"worst rel. error {max(errs):.2e}",
-                f"same greedy pick in {sum(picks)}/{len(picks)} steps")  # fmt: skip
+    return steps
 
 
 def _forward(model, backend, pool, ids, prefix_lens, extend_lens, graphs=None) -> torch.Tensor:
@@ -388,13 +443,22 @@ def bench_decode(rep: Report, model, copy_bw: float, batches: list[int], context
             rep.row(f"decode {name} eager, batch {bs}, ctx {context}", f"{ms:.2f} ms/step",
                     ceiling, floor_ms / ms)  # fmt: skip
             rep.raw[f"decode_{name}_eager_{bs}"] = ms
-        backend = TritonBackend(setup.cache, setup.pool)
-        graphs = DecodeGraphRunner(model, c.max_position_embeddings, pad_slot=0, buckets=(bs,))
-        step = _step_fn(model, backend, setup.pool, ids, bs, context, graphs)
-        ms = cuda_time_ms(step)
-        rep.row(f"decode triton CUDA graph, batch {bs}, ctx {context}", f"{ms:.2f} ms/step",
-                ceiling, floor_ms / ms)  # fmt: skip
-        rep.raw[f"decode_triton_graph_{bs}"] = ms
+        for unfused in (True, False):  # the fused one last: its graph is timed alone below
+            backend = TritonBackend(setup.cache, setup.pool)
+            graphs = DecodeGraphRunner(model, c.max_position_embeddings, pad_slot=0, buckets=(bs,))
+            step = _step_fn(model, backend, setup.pool, ids, bs, context, graphs)
+            with ew.torch_elementwise() if unfused else contextlib.nullcontext():
+                step()  # captures the graph with this elementwise path
+            ms = cuda_time_ms(step)
+            label = " (torch elementwise)" if unfused else ""
+            rep.row(f"decode triton CUDA graph{label}, batch {bs}, ctx {context}",
+                    f"{ms:.2f} ms/step", ceiling, floor_ms / ms)  # fmt: skip
+            rep.raw[f"decode_triton_graph{'_unfused' if unfused else ''}_{bs}"] = ms
+        replay = graphs.graphs[bs].graph.replay  # same inputs: the GPU's part of a step alone
+        ms = cuda_time_ms(replay)
+        rep.row(f"decode triton CUDA graph replay only (no host batch building), batch {bs}",
+                f"{ms:.2f} ms/step", ceiling, floor_ms / ms)  # fmt: skip
+        rep.raw[f"decode_triton_replay_{bs}"] = ms
         rep.raw[f"decode_floor_ms_{bs}"] = floor_ms
         del setup, graphs, backend
         torch.cuda.empty_cache()
@@ -426,11 +490,14 @@ def bench_prefill(rep: Report, model, matmul: float, chunks: list[int]) -> None:
         flops = model_matmul_flops(n)
         floor_ms = flops / matmul * 1e3
         for name in ("triton", "torch_native"):
-            ms = _prefill_ms(model, name, n)
-            rep.row(f"prefill {name}, one {n}-token chunk",
-                    f"{ms:.1f} ms, {n / ms * 1e3:,.0f} tok/s, {flops / ms / 1e9:.0f} TFLOP/s",
-                    f"MFU floor {floor_ms:.1f} ms", floor_ms / ms)  # fmt: skip
-            rep.raw[f"prefill_{name}_{n}"] = ms
+            for unfused in (True, False):
+                with ew.torch_elementwise() if unfused else contextlib.nullcontext():
+                    ms = _prefill_ms(model, name, n)
+                label = " (torch elementwise)" if unfused else ""
+                rep.row(f"prefill {name}{label}, one {n}-token chunk",
+                        f"{ms:.1f} ms, {n / ms * 1e3:,.0f} tok/s, {flops / ms / 1e9:.0f} TFLOP/s",
+                        f"MFU floor {floor_ms:.1f} ms", floor_ms / ms)  # fmt: skip
+                rep.raw[f"prefill_{name}{'_unfused' if unfused else ''}_{n}"] = ms
         torch.cuda.empty_cache()
 
 
@@ -522,6 +589,7 @@ def main() -> None:
             rep.errors.append(f"{name}: {type(exc).__name__}: {exc}")
 
     section("kernel checks", lambda: check_backend_kernels(rep))
+    section("elementwise checks", lambda: check_elementwise(rep))
     section("engine check", lambda: check_engine(rep, Path(tempfile.mkdtemp())))
     section("model check", lambda: check_model(rep, build_dummy_model(2), gate=True))
     t0 = time.perf_counter()

@@ -86,6 +86,7 @@ def tune_extend() -> None:
     plan = setup.batch.attn_metadata.extend
     k_view, v_view = setup.cache.k_view(LAYER), setup.cache.v_view(LAYER)
     q = torch.randn(n, 32, 128, dtype=torch.bfloat16, device="cuda")
+    new_kv = (k_view[1 : 1 + n // 16].flatten(0, 1), v_view[1 : 1 + n // 16].flatten(0, 1))
     out = torch.empty_like(q)
     flops = 4 * n * (n + 1) / 2 * 32 * 128
     results = []
@@ -96,7 +97,7 @@ def tune_extend() -> None:
         try:
             ms = bench(
                 lambda cfg=cfg: triton_kernels.paged_extend(
-                    q, k_view, v_view, setup.pool.table, plan, out, cfg
+                    q, k_view, v_view, setup.pool.table, plan, out, new_kv, cfg
                 )
             )
         except Exception as exc:
