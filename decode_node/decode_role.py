@@ -72,6 +72,7 @@ class DecodeRole:
         self.clock = clock
         self.metrics = metrics or DecodeMetrics()
         self.inbox: queue.Queue[RoomMessage] = queue.Queue()
+        self._wake: Callable[[], None] = lambda: None  # the engine loop's, once bound
         self._kv_arrived: dict[int, float] = {}  # room -> when P's DONE came (link thread)
         self.prealloc: deque[DecodeEntry] = deque()
         self.transfer: dict[int, DecodeEntry] = {}
@@ -84,14 +85,23 @@ class DecodeRole:
     def has_work(self) -> bool:
         return bool(self.prealloc or self.transfer or self.quarantine or not self.inbox.empty())
 
+    @property
+    def needs_polling(self) -> bool:
+        return False  # every change comes as a message or a timeout
+
+    def bind_wakeup(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+
     def submit(self, scheduler: Scheduler, req: Req) -> None:
         self.prealloc.append(DecodeEntry(req, created=self.clock()))
 
     def deliver(self, message: RoomMessage) -> None:
-        """Called by the bootstrap link's thread: stamp P's DONE, then queue the message."""
+        """Called by the bootstrap link's thread: stamp P's DONE, queue the message, wake
+        the engine loop."""
         if isinstance(message, RoomStatus) and message.state is RoomState.DONE:
             self._kv_arrived[message.room] = time.monotonic()
         self.inbox.put(message)
+        self._wake()
 
     def before_step(self, scheduler: Scheduler) -> list[StepOutput]:
         outputs: list[StepOutput] = []

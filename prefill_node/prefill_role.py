@@ -81,6 +81,7 @@ class PrefillRole:
         self.page_size = page_size
         self.clock = clock
         self.inbox: queue.Queue[RoomMessage] = queue.Queue()
+        self._wake: Callable[[], None] = lambda: None  # the engine loop's, once bound
         self.bootstrap: dict[int, PrefillEntry] = {}
         self.active: dict[int, PrefillEntry] = {}
         self.inflight: dict[int, PrefillEntry] = {}
@@ -93,6 +94,18 @@ class PrefillRole:
     @property
     def has_work(self) -> bool:
         return bool(self.bootstrap or self.active or self.inflight or not self.inbox.empty())
+
+    @property
+    def needs_polling(self) -> bool:
+        return bool(self.inflight)  # KV writes: only polling the engine sees them end
+
+    def bind_wakeup(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+
+    def deliver(self, message: RoomMessage) -> None:
+        """Called by the bootstrap link's thread: queue the message, wake the engine loop."""
+        self.inbox.put(message)
+        self._wake()
 
     def submit(self, scheduler: Scheduler, req: Req) -> None:
         entry = PrefillEntry(req, created=self.clock())

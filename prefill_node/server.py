@@ -44,7 +44,7 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
         bootstrap_pb2.PREFILL, f"{args.host}:{args.port}", transfer, runner, args.node_id
     )
     load = lambda: node_load(scheduler, lambda: (len(role.inflight), len(role.bootstrap)))  # noqa: E731
-    link = make_link(args.bootstrap, info, lambda msg: role.inbox.put(msg), load)
+    link = make_link(args.bootstrap, info, lambda msg: role.deliver(msg), load)
     metrics = NodeMetrics("prefill")
     role = PrefillRole(
         PrefillRoleConfig(args.bootstrap_timeout, args.transfer_timeout),
