@@ -83,6 +83,7 @@ class ModelRunner:
 
     def build_batch(self, reqs: Sequence[Req], extend_lens: Sequence[int]) -> ForwardBatch:
         """Batch running `extend_lens[i]` pending tokens of `reqs[i]` (KV already reserved)."""
+        self.kv.flush_table()
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
