@@ -20,6 +20,7 @@ from bootstrap.client import BootstrapClient, NodeSession
 from kvtransfer.base import MemoryRegion, PeerInfo, PeerRank
 from kvtransfer.room import (
     FailRoomAnswer,
+    LinkReset,
     RoomDestination,
     RoomMessage,
     RoomState,
@@ -216,3 +217,4 @@ class NodeLink:
 
     async def _reregistered(self, node_id: str) -> None:
         logger.warning("node %s re-registered: rooms bootstrap knew are gone", node_id)
+        self.deliver(LinkReset(self.epoch))

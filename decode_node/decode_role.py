@@ -6,7 +6,9 @@ Queues of a disaggregated decode request (one bootstrap room each):
                 `decode_headroom` tokens while keeping a page for every decoding request
     transfer    pages reserved and published to bootstrap as the room's destination; waiting
                 for the prefill node to report DONE (then the aux slot is checked and the
-                request joins the running batch with no prefill forward) or FAILED
+                request joins the running batch with no prefill forward) or FAILED; when
+                this node registers again (bootstrap restarted: it forgot the rooms), rooms
+                published before fail at once and go to quarantine
     quarantine  given up (client abort or `transfer_timeout_s`), or failed by bootstrap with
                 `may_still_write` (P declared dead while its process may be frozen), while P
                 may still be writing: the client has its error, but the pages stay held until
@@ -32,6 +34,7 @@ from engine.scheduler import Scheduler, StepOutput
 from kvtransfer.aux import AuxBuffer, AuxMismatchError
 from kvtransfer.room import (
     FailRoomAnswer,
+    LinkReset,
     RoomDestination,
     RoomLink,
     RoomMessage,
@@ -53,6 +56,7 @@ class DecodeEntry:
     req: Req
     created: float = field(default_factory=time.monotonic)
     published: float = 0.0
+    epoch: int = 0  # the link's registration when the destination was published
 
 
 class DecodeRole:
@@ -175,6 +179,7 @@ class DecodeRole:
             prompt_len=len(req.prompt_ids),
         )
         entry.published = self.clock()
+        entry.epoch = self.link.epoch
         req.timing.mark("published")
         self.metrics.prealloc_wait.observe(req.timing.span("arrived", "published"))
         self.transfer[req.room] = entry
@@ -184,6 +189,8 @@ class DecodeRole:
     def _on_event(self, scheduler: Scheduler, event: RoomMessage) -> list[StepOutput]:
         if isinstance(event, RoomDestination):
             return []  # destinations go to prefill nodes
+        if isinstance(event, LinkReset):
+            return self._forgotten(scheduler, event.epoch)
         if isinstance(event, FailRoomAnswer):
             if event.safe_to_free and event.room in self.quarantine:
                 self._free(scheduler, self.quarantine.pop(event.room).req)
@@ -212,6 +219,21 @@ class DecodeRole:
             self._hold(event.room, entry)
             return [self._fail(scheduler, entry.req, reason, free=False)]
         return [self._fail(scheduler, entry.req, reason)]
+
+    def _forgotten(self, scheduler: Scheduler, epoch: int) -> list[StepOutput]:
+        """Bootstrap forgot the rooms published before registration `epoch`: no DONE can
+        reach us for them. Fail them now; P may still be writing (it stops once it notices
+        its own lease or registration changed), so their pages wait in quarantine for the
+        quarantine expiry: there is nobody left to confirm earlier."""
+        outputs = []
+        for room, entry in list(self.transfer.items()):
+            if entry.epoch >= epoch:
+                continue
+            self._hold(room, self.transfer.pop(room))
+            self._count_failure("bootstrap_reset")
+            reason = "the bootstrap forgot the room (it restarted, or declared this node dead)"
+            outputs.append(self._fail(scheduler, entry.req, reason, free=False))
+        return outputs
 
     def _take_over(self, scheduler: Scheduler, req: Req) -> StepOutput:
         assert req.slot is not None

@@ -6,6 +6,11 @@ prefills locally (colocated). If the prefill call fails before the decode node p
 the decode call is cancelled so that its pages are released at once instead of waiting for the
 transfer timeout.
 
+Once the decode node has ended the request with an abort (it gave the room up, or bootstrap
+failed it), the prefill node's answer is awaited for at most `PREFILL_ANSWER_GRACE_S` and then
+the call is cancelled (the request is aborted on P): a frozen prefill node, or one waiting for a
+destination that a restarted bootstrap forgot, must not hold the request past D's own timeouts.
+
 `PDStream` yields the decode node's responses as they arrive (the gateway streams them on);
 `pd_generate` runs one request to completion. Leaving a `PDStream` early (the consumer stops
 iterating or is cancelled, e.g. because the HTTP client went away) cancels both calls, which
@@ -24,6 +29,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from proto import node_pb2, node_pb2_grpc
+
+# After D aborted, P normally answers within milliseconds (it reported the failure itself).
+PREFILL_ANSWER_GRACE_S = 2.0
 
 
 def new_room() -> int:
@@ -127,8 +135,8 @@ class PDStream:
                 if prefill_task is not None:
                     prefill_task.cancel()  # ... and on P
             if prefill_task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await prefill_task
+                aborted = result.finished is not None and result.finished.finish_reason == "abort"
+                await _prefill_answer(prefill_task, PREFILL_ANSWER_GRACE_S if aborted else None)
 
     async def _run_prefill(self, prefill: NodeTarget, decode_call: object) -> None:
         result = self.result
@@ -143,6 +151,16 @@ class PDStream:
             if cancel is not None and result.finished is None and not result.token_ids:
                 self._cancelled_decode = True
                 cancel()
+
+
+async def _prefill_answer(task: asyncio.Task[None], grace_s: float | None) -> None:
+    """Wait for P's answer; at most `grace_s` (then cancel the call) when given."""
+    if grace_s is not None:
+        _, pending = await asyncio.wait({task}, timeout=grace_s)
+        if pending:
+            task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _being_cancelled() -> bool:

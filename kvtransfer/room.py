@@ -54,7 +54,17 @@ class FailRoomAnswer:
     error: str = ""
 
 
-RoomMessage = RoomDestination | RoomStatus | FailRoomAnswer  # bootstrap -> node role inbox
+@dataclass(frozen=True)
+class LinkReset:
+    """The node registered again under its id (bootstrap restarted and forgot it, or declared
+    it dead): rooms posted before registration number `epoch` are unknown to bootstrap now, so
+    no status about them will ever come."""
+
+    epoch: int
+
+
+# bootstrap -> node role inbox
+RoomMessage = RoomDestination | RoomStatus | FailRoomAnswer | LinkReset
 
 
 class RoomLink(Protocol):
