@@ -194,12 +194,25 @@ class EngineLoop:
         except queue.Empty:
             return
 
+    def _call(self, cmd: _Call) -> None:
+        # The caller may have given up already (an admin RPC past its deadline cancels its
+        # future): the call still runs (an abort must happen) but its answer goes nowhere. A
+        # running future can no longer be cancelled, so the answer below always lands.
+        wanted = cmd.future.set_running_or_notify_cancel()
+        try:
+            result = cmd.fn(self.scheduler)
+        except Exception as exc:
+            if wanted:
+                cmd.future.set_exception(exc)
+            else:
+                logger.warning("engine call failed after its caller gave up: %s", exc)
+            return
+        if wanted:
+            cmd.future.set_result(result)
+
     def _execute(self, cmd: _Submit | _Call) -> None:
         if isinstance(cmd, _Call):
-            try:
-                cmd.future.set_result(cmd.fn(self.scheduler))
-            except Exception as exc:
-                cmd.future.set_exception(exc)
+            self._call(cmd)
             return
         cmd.req.timing.mark("arrived")
         try:
