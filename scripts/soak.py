@@ -26,6 +26,7 @@ import asyncio
 import math
 import os
 import shlex
+import signal
 import sys
 import threading
 import time
@@ -312,19 +313,21 @@ def _soak_running(config: SoakConfig, cluster: Cluster) -> int:
         load = LoadThread(config, rate)
         load.start()
         sample_until_done(config, cluster, prober, log, load)
-        load.join()
         findings = Findings(max_errors=config.max_errors)
         findings.dead = [c.name for c in cluster.dead_children()]
-        findings.leaks = drain_and_check(config, prober) if not findings.dead else []
+        if not findings.dead:  # else stop now: the load thread dies with the process
+            load.join()
+            findings.leaks = drain_and_check(config, prober)
         log.add(prober.sample(log.samples[-1].t + config.interval_s))  # after the drain
     prober.close()
     if load.error is not None:
         raise load.error
-    assert load.result is not None
-    summary = summarize(load.result.traces, load.result.duration_s, SLO())
+    summary = None
+    if load.result is not None:
+        summary = summarize(load.result.traces, load.result.duration_s, SLO())
+        findings.client_failed = summary.failed
     findings.verdicts = judge_samples(log)
     findings.errors = new_errors(log, [t.name for t in prober.targets])
-    findings.client_failed = summary.failed
     findings.probe_failures = int(
         sum(s.value for s in log.samples if s.quantity == "probe_failures")
     )
@@ -354,8 +357,13 @@ def _settings(config: SoakConfig, capacity: float, rate: float) -> dict[str, obj
     }
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM like Ctrl-C: the cluster is stopped on the way out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         config = build_config(args)
     except ValueError as exc:
