@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from bootstrap.security import NODE_ID_HEADER, NODE_SECRET_HEADER, InternalAuth
 from proto import bootstrap_pb2, bootstrap_pb2_grpc
 
 logger = logging.getLogger("pdserve.bootstrap.client")
@@ -63,11 +64,15 @@ class RetryPolicy:
 
 
 class BootstrapClient:
-    def __init__(self, address: str, policy: RetryPolicy | None = None) -> None:
+    def __init__(
+        self, address: str, policy: RetryPolicy | None = None, auth: InternalAuth | None = None
+    ) -> None:
         self.address = address
         self.policy = policy or RetryPolicy()
+        # The node credential (see `identify`); sent with every call about a node or room.
+        self._identity: tuple[tuple[str, str], ...] = ()
         backoff_ms = int(self.policy.initial_backoff_s * 1000)
-        self.channel = grpc.aio.insecure_channel(
+        self.channel = (auth or InternalAuth()).channel(
             address,
             options=[
                 ("grpc.initial_reconnect_backoff_ms", backoff_ms),
@@ -76,6 +81,10 @@ class BootstrapClient:
             ],
         )
         self.stub = bootstrap_pb2_grpc.BootstrapStub(self.channel)
+
+    def identify(self, node_id: str, secret: str) -> None:
+        """Call as this node from now on (the credential its RegisterResponse carried)."""
+        self._identity = ((NODE_ID_HEADER, node_id), (NODE_SECRET_HEADER, secret))
 
     async def close(self) -> None:
         await self.channel.close()
@@ -117,11 +126,15 @@ class BootstrapClient:
 
     async def deregister(self, node_id: str) -> None:
         request = bootstrap_pb2.DeregisterRequest(node_id=node_id)
-        await self.stub.Deregister(request, timeout=self.policy.rpc_timeout_s)
+        await self.stub.Deregister(
+            request, timeout=self.policy.rpc_timeout_s, metadata=self._identity
+        )
 
     async def heartbeat(self, node_id: str, load: bootstrap_pb2.NodeLoad) -> None:
         request = bootstrap_pb2.HeartbeatRequest(node_id=node_id, load=load)
-        await self.stub.Heartbeat(request, timeout=self.policy.rpc_timeout_s)
+        await self.stub.Heartbeat(
+            request, timeout=self.policy.rpc_timeout_s, metadata=self._identity
+        )
 
     async def list_nodes(
         self, role: bootstrap_pb2.Role = bootstrap_pb2.ROLE_UNSPECIFIED
@@ -131,15 +144,21 @@ class BootstrapClient:
         return list(response.nodes)
 
     async def post_destination(self, destination: bootstrap_pb2.RoomDestination) -> None:
-        await self.stub.PostDestination(destination, timeout=self.policy.rpc_timeout_s)
+        await self.stub.PostDestination(
+            destination, timeout=self.policy.rpc_timeout_s, metadata=self._identity
+        )
 
     async def post_room_status(self, status: bootstrap_pb2.RoomStatus) -> None:
-        await self.stub.PostRoomStatus(status, timeout=self.policy.rpc_timeout_s)
+        await self.stub.PostRoomStatus(
+            status, timeout=self.policy.rpc_timeout_s, metadata=self._identity
+        )
 
     async def fail_room(self, room: int, node_id: str, reason: str) -> bool:
         """Give a room up; True when D may free its pages at once (P never got them)."""
         request = bootstrap_pb2.FailRoomRequest(room=room, node_id=node_id, reason=reason)
-        response = await self.stub.FailRoom(request, timeout=self.policy.rpc_timeout_s)
+        response = await self.stub.FailRoom(
+            request, timeout=self.policy.rpc_timeout_s, metadata=self._identity
+        )
         return response.safe_to_free
 
     def watch_nodes(self) -> AsyncIterator[bootstrap_pb2.NodeEvent]:
@@ -153,13 +172,15 @@ class BootstrapClient:
     ) -> AsyncIterator[bootstrap_pb2.RoomDestination]:
         request = bootstrap_pb2.WatchDestinationsRequest(prefill_node_id=prefill_node_id)
         return self._reconnecting(
-            f"WatchDestinations({prefill_node_id})", lambda: self.stub.WatchDestinations(request)
+            f"WatchDestinations({prefill_node_id})",
+            lambda: self.stub.WatchDestinations(request, metadata=self._identity),
         )
 
     def watch_room_status(self, decode_node_id: str) -> AsyncIterator[bootstrap_pb2.RoomStatus]:
         request = bootstrap_pb2.WatchRoomStatusRequest(decode_node_id=decode_node_id)
         return self._reconnecting(
-            f"WatchRoomStatus({decode_node_id})", lambda: self.stub.WatchRoomStatus(request)
+            f"WatchRoomStatus({decode_node_id})",
+            lambda: self.stub.WatchRoomStatus(request, metadata=self._identity),
         )
 
     async def _reconnecting(
@@ -254,6 +275,7 @@ class NodeSession:
         self.last_ack = sent
         self.heartbeat_timeout_s = response.heartbeat_timeout_s or self.heartbeat_timeout_s
         self.node.node_id = response.node_id  # re-registrations keep this id
+        self.client.identify(response.node_id, response.node_secret)
         self.heartbeat_interval_s = response.heartbeat_interval_s or self.heartbeat_interval_s
         self.registrations += 1
         logger.info(

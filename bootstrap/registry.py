@@ -8,8 +8,10 @@ tensor-parallel size and rank may differ. Colocated nodes never exchange KV and 
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bootstrap.errors import FailedPrecondition, InvalidArgument, NotFound
 from proto import bootstrap_pb2
@@ -31,6 +33,8 @@ class NodeRecord:
     info: bootstrap_pb2.NodeInfo
     load: bootstrap_pb2.NodeLoad
     last_heartbeat: float  # time.monotonic() of Register or the latest Heartbeat
+    # Handed to the node in RegisterResponse; its calls prove who is calling with it.
+    secret: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
 
     @property
     def node_id(self) -> str:
@@ -44,6 +48,9 @@ class NodeRecord:
     def label(self) -> str:
         """'prefill node p-1a2b': how log lines and failure reasons name this node."""
         return f"{role_name(self.role)} node {self.node_id}"
+
+    def holds(self, secret: str) -> bool:
+        return hmac.compare_digest(secret.encode(), self.secret.encode())
 
     def status(self, alive: bool = True) -> bootstrap_pb2.NodeStatus:
         return bootstrap_pb2.NodeStatus(node=self.info, load=self.load, alive=alive)

@@ -14,11 +14,12 @@ import contextlib
 import logging
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from bootstrap.metrics import BootstrapMetrics
+from bootstrap.security import InternalAuth, add_internal_auth_args, internal_auth_from_args
 from bootstrap.service import BootstrapConfig, BootstrapService
 from bootstrap.telemetry import (
     LogConfig,
@@ -39,6 +40,7 @@ class ListenConfig:
     host: str
     port: int
     metrics_port: int | None = None  # GET /metrics on this HTTP port (None: not served)
+    auth: InternalAuth = field(default_factory=InternalAuth)  # token, TLS (security.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_metrics_port_arg(parser)
     add_log_args(parser)
+    add_internal_auth_args(parser)
     return parser
 
 
@@ -73,34 +76,41 @@ def build_configs(
             f"--heartbeat-interval ({args.heartbeat_interval}) must be below --heartbeat-timeout "
             f"({args.heartbeat_timeout}), or live nodes would be declared dead between heartbeats"
         )
+    try:
+        auth = internal_auth_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if auth.tls is not None and auth.tls.cert is None:
+        parser.error("a TLS server needs --tls-cert and --tls-key (--tls-ca alone is for clients)")
     service = BootstrapConfig(
         heartbeat_timeout_s=args.heartbeat_timeout,
         heartbeat_interval_s=args.heartbeat_interval,
         room_ttl_s=args.room_ttl,
+        # A cluster that keeps outsiders out also keeps each node to its own rooms.
+        verify_node_identity=bool(auth.token),
     )
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         parser.error(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
-    return ListenConfig(args.host, args.port, args.metrics_port), service
+    return ListenConfig(args.host, args.port, args.metrics_port, auth), service
 
 
 async def serve(listen: ListenConfig, config: BootstrapConfig) -> None:
     metrics = BootstrapMetrics()
     service = BootstrapService(config, metrics=metrics)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0)], interceptors=listen.auth.server_interceptors()
+    )
     bootstrap_pb2_grpc.add_BootstrapServicer_to_server(service, server)
     address = f"{listen.host}:{listen.port}"
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError:  # grpcio raises instead of returning 0 when the bind fails
-        bound = 0
-    if bound == 0:
+    if listen.auth.add_port(server, address) == 0:
         raise OSError(f"cannot listen on {address}: the port is in use or the host is not local")
     metrics_server = serve_metrics(metrics.registry, listen.host, listen.metrics_port)
     await server.start()
     sweeper = asyncio.create_task(service.run_sweeper(), name="bootstrap-sweeper")
     logger.info(
-        "bootstrap serving on %s (heartbeat every %g s, dead after %g s, room ttl %g s)",
+        "bootstrap serving on %s (%s; heartbeat every %g s, dead after %g s, room ttl %g s)",
         address,
+        listen.auth.describe(),
         config.heartbeat_interval_s,
         config.heartbeat_timeout_s,
         config.room_ttl_s,

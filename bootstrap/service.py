@@ -19,10 +19,17 @@ from typing import Any, TypeVar, cast
 
 import grpc
 
-from bootstrap.errors import BootstrapError, FailedPrecondition, InvalidArgument
+from bootstrap.errors import (
+    BootstrapError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 from bootstrap.metrics import BootstrapMetrics
 from bootstrap.registry import NodeRecord, NodeRegistry
 from bootstrap.rooms import RoomPhase, RoomTable
+from bootstrap.security import NODE_ID_HEADER, NODE_SECRET_HEADER, metadata_value
 from bootstrap.streams import Broadcast, Outbox
 from bootstrap.telemetry import current_room
 from proto import bootstrap_pb2, bootstrap_pb2_grpc
@@ -40,6 +47,10 @@ class BootstrapConfig:
     heartbeat_interval_s: float = 1.0  # told to nodes in RegisterResponse
     room_ttl_s: float = 600.0
     watch_backlog: int = 10_000  # node events a WatchNodes client may fall behind by
+    # Check that a node's calls come from that node (its RegisterResponse.node_secret): only
+    # the room's decode node posts its destination, only its prefill node its status, and a
+    # node heartbeats, deregisters and watches only as itself. On with an internal token.
+    verify_node_identity: bool = False
 
     @property
     def sweep_interval_s(self) -> float:
@@ -101,6 +112,7 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         self.node_events.publish(NodeEvent(kind=NodeEvent.JOINED, status=record.status()))
         return bootstrap_pb2.RegisterResponse(
             node_id=record.node_id,
+            node_secret=record.secret,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_timeout_s=self.config.heartbeat_timeout_s,
         )
@@ -111,12 +123,15 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         if record is None:
             logger.info("deregister of unknown node %s: nothing to do", request.node_id)
         else:
+            self._verify_caller(context, request.node_id, f"Deregister of {record.label}")
             self._remove_node(record, f"{record.label} deregistered (left)")
         return bootstrap_pb2.DeregisterResponse()
 
     @_refusals_to_status
     async def Heartbeat(self, request: bootstrap_pb2.HeartbeatRequest, context: Any) -> Any:
         self.metrics.heartbeats.inc()
+        self.registry.require(request.node_id)  # NOT_FOUND first: the node re-registers
+        self._verify_caller(context, request.node_id, f"Heartbeat of node {request.node_id}")
         if self.registry.heartbeat(request.node_id, request.load, self.clock()):
             status = self.registry.require(request.node_id).status()
             self.node_events.publish(NodeEvent(kind=NodeEvent.LOAD, status=status))
@@ -157,6 +172,9 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
     @_refusals_to_status
     async def PostDestination(self, request: bootstrap_pb2.RoomDestination, context: Any) -> Any:
         current_room.set(request.room)
+        self._verify_caller(
+            context, request.decode_node_id, f"room {request.room}: its destination"
+        )
         self._check_destination(request)
         self.rooms.open(request, self.clock())
         self.metrics.rooms_opened.inc()
@@ -189,6 +207,7 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
     @_refusals_to_status
     async def PostRoomStatus(self, request: bootstrap_pb2.RoomStatus, context: Any) -> Any:
         current_room.set(request.room)
+        self._verify_caller(context, request.prefill_node_id, f"room {request.room}: its status")
         room = self.rooms.post_status(request)
         if room is not None and request.state in (bootstrap_pb2.DONE, bootstrap_pb2.FAILED):
             self.metrics.rooms_closed.labels(bootstrap_pb2.RoomState.Name(request.state)).inc()
@@ -197,6 +216,7 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
     @_refusals_to_status
     async def FailRoom(self, request: bootstrap_pb2.FailRoomRequest, context: Any) -> Any:
         current_room.set(request.room)
+        self._verify_caller(context, request.node_id, f"room {request.room}: FailRoom")
         reason = request.reason or f"node {request.node_id} gave the room up"
         safe = self.rooms.fail(request.room, request.node_id, reason)
         return bootstrap_pb2.FailRoomResponse(safe_to_free=safe)
@@ -208,6 +228,7 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         node_id = request.prefill_node_id
         if not node_id:
             raise InvalidArgument("prefill_node_id is required to watch destinations")
+        self._verify_caller(context, node_id, f"the destinations of node {node_id}")
         outbox = self.rooms.destination_outbox(node_id)
         self.destination_streams[node_id] += 1
         try:
@@ -235,6 +256,7 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         node_id = request.decode_node_id
         if not node_id:
             raise InvalidArgument("decode_node_id is required to watch room statuses")
+        self._verify_caller(context, node_id, f"the room statuses of node {node_id}")
         outbox = self.rooms.status_outbox(node_id)
         await self._pump(context, node_id, "room statuses", outbox, lambda status: True)
 
@@ -266,6 +288,33 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
             outbox.unsubscribe(token)
             self.rooms.forget_outboxes(node_id)
             logger.info("node %s stopped watching its %s", node_id, what)
+
+    def _verify_caller(self, context: Any, node_id: str, what: str) -> None:
+        """With `verify_node_identity`: the call must carry `node_id`'s own credential.
+
+        The rooms' own checks compare the node ids the messages name; this proves the caller
+        is the node it names, so a node cannot post, fail or watch as another one.
+        """
+        if not self.config.verify_node_identity:
+            return
+        if self.registry.get(node_id) is None:  # e.g. the bootstrap restarted: retry later
+            raise NotFound(
+                f"{what}: node {node_id or '(none named)'} is not registered: register first"
+            )
+        metadata = context.invocation_metadata()
+        caller = metadata_value(metadata, NODE_ID_HEADER)
+        record = self.registry.get(caller) if caller else None
+        proven = record is not None and record.holds(metadata_value(metadata, NODE_SECRET_HEADER))
+        if proven and caller == node_id:
+            return
+        who = (
+            f"node {caller}" if proven
+            else f"a caller without node {caller or '?'}'s credential (x-pdserve-node-secret)"
+        )  # fmt: skip
+        raise PermissionDenied(
+            f"{what}: only node {node_id or '(none named)'} may do this, and this call comes "
+            f"from {who}; each node calls with the credential its Register returned"
+        )
 
     # ---- sweeping ----------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 
+from bootstrap.security import add_internal_auth_args, internal_auth_from_args
 from decode_node.decode_role import DecodeRole, DecodeRoleConfig
 from engine.builder import Engine
 from engine.engine_loop import EngineLoop
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decode-server", description=__doc__.splitlines()[0])
     add_node_args(parser)
     add_disagg_args(parser)
+    add_internal_auth_args(parser)
     parser.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
     return parser
 
@@ -46,7 +48,9 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
         engine_loop = EngineLoop(scheduler, loop_config(args), metrics=NodeMetrics("colocated"))
         service = NodeService(engine_loop, "colocated", model_path)
         engine_loop.start()
-        await serve_node(engine_loop, service, server_config(args))
+        await serve_node(
+            engine_loop, service, server_config(args), auth=internal_auth_from_args(args)
+        )
         return
     runner = scheduler.runner
     transfer = setup_transfer(transfer_config(args, "decode"), runner)
@@ -54,7 +58,8 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
         bootstrap_pb2.DECODE, f"{args.host}:{args.port}", transfer, runner, args.node_id
     )
     load = lambda: node_load(scheduler, lambda: (len(role.transfer), len(role.prealloc)))  # noqa: E731
-    link = make_link(args.bootstrap, info, lambda msg: role.deliver(msg), load)
+    auth = internal_auth_from_args(args)
+    link = make_link(args.bootstrap, info, lambda msg: role.deliver(msg), load, auth)
     metrics = NodeMetrics("decode")
     role = DecodeRole(
         DecodeRoleConfig(args.decode_headroom, args.transfer_timeout),
@@ -66,7 +71,9 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
     engine_loop = EngineLoop(scheduler, loop_config(args), role, metrics)
     service = NodeService(engine_loop, "decode", model_path, link)
 
-    await serve_registered(engine_loop, service, server_config(args), link, transfer.engine.close)
+    await serve_registered(
+        engine_loop, service, server_config(args), link, transfer.engine.close, auth
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

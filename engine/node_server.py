@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from bootstrap.node_link import NodeLink
+from bootstrap.security import InternalAuth
 from bootstrap.telemetry import serve_metrics
 from engine.builder import Engine, build_engine, resolve_model
 from engine.engine_loop import EngineLoop
@@ -34,11 +35,15 @@ async def serve_node(
     config: ServerConfig,
     on_started: Callable[[], Awaitable[None]] | None = None,
     on_stopping: Callable[[], Awaitable[None]] | None = None,
+    auth: InternalAuth | None = None,
 ) -> None:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    auth = auth or InternalAuth()
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0)], interceptors=auth.server_interceptors()
+    )
     node_pb2_grpc.add_NodeServicer_to_server(service, server)
     address = f"{config.host}:{config.port}"
-    if server.add_insecure_port(address) == 0:
+    if auth.add_port(server, address) == 0:
         raise OSError(f"cannot listen on {address}: the port is in use or the host is not local")
     metrics = serve_metrics(engine_loop.metrics.registry, config.host, config.metrics_port)
     try:
@@ -97,6 +102,7 @@ async def serve_registered(
     config: ServerConfig,
     link: NodeLink,
     close_transfer: Callable[[], None],
+    auth: InternalAuth | None = None,
 ) -> None:
     """Serve a disaggregated node: register once listening, deregister and close at the end."""
 
@@ -106,7 +112,7 @@ async def serve_registered(
 
     engine_loop.start()
     try:
-        await serve_node(engine_loop, service, config, started, link.stop)
+        await serve_node(engine_loop, service, config, started, link.stop, auth)
     finally:
         close_transfer()
 

@@ -1,6 +1,7 @@
 """The HTTP layer: a Starlette app (served by uvicorn on uvloop, see server.py).
 
-Every API request goes through `Gateway.serve`: API key (401), admission (`max_inflight`, 429
+Every API request goes through `Gateway.serve`: API key (401; 403 for a key without the route's
+scope, see `gateway/config.py`), admission (`max_inflight`, 429
 with Retry-After), body size (413) and JSON (400) checks, then the handler. A handler returns
 either a response object (sent as JSON) or an SSE byte stream (`EventStream`). While a handler
 works and while a stream is sent, the client's connection is watched: when it goes away the
@@ -26,13 +27,14 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from bootstrap.client import BootstrapClient
-from gateway.config import GatewayConfig
+from gateway.config import ADMIN, INFERENCE, GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, bad_request
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.native_api import NativeHandler
 from gateway.nodes import ROLE_NAMES, NodeDirectory
 from gateway.openai_api import OpenAIHandlers, Payload
+from gateway.openapi import openapi_document
 from gateway.text import TextCodec
 from gateway.timeline import RequestTrace, current_trace
 
@@ -112,7 +114,9 @@ class Gateway:
     def __init__(self, config: GatewayConfig, codec: TextCodec) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
-        self.directory = NodeDirectory(config.routing.node_cooldown_s, self._nodes_changed)
+        self.directory = NodeDirectory(
+            config.routing.node_cooldown_s, self._nodes_changed, config.internal_auth
+        )
         self.dispatcher = Dispatcher(self.directory, config.routing, self.metrics)
         self.openai = OpenAIHandlers(codec, self.dispatcher, config.model, config.limits)
         self.native = NativeHandler(codec, self.dispatcher, config.model, config.limits)
@@ -127,7 +131,7 @@ class Gateway:
         trace = RequestTrace()
         current_trace.set(trace)  # this request's choices record their timelines here
         try:
-            self._authorize(request)
+            self.authorize(request, INFERENCE)
             self._admit()
             try:
                 body = await self._read_json(request)
@@ -157,20 +161,29 @@ class Gateway:
         finally:
             self.metrics.requests.labels(endpoint, str(status)).inc()
 
-    def _authorize(self, request: Request) -> None:
+    def authorize(self, request: Request, scope: str) -> None:
+        """401 without a known key, 403 for a key that lacks `scope` (gateway/config.py)."""
         keys = self.config.limits.api_keys
-        if not keys:
+        if not keys or (scope == ADMIN and not any(ADMIN in k.scopes for k in keys)):
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         given = token.strip().encode()
-        if scheme.lower() == "bearer" and any(hmac.compare_digest(given, k.encode()) for k in keys):
-            return
-        raise APIError(
-            401,
-            "missing or wrong API key: send the header `Authorization: Bearer <key>` with a key "
-            "the gateway was started with (--api-key)",
-            code="invalid_api_key",
-        )
+        matches = [k for k in keys if hmac.compare_digest(given, k.key.encode())]
+        if scheme.lower() != "bearer" or not matches:
+            raise APIError(
+                401,
+                "missing or wrong API key: send the header `Authorization: Bearer <key>` with a "
+                "key the gateway was started with (--api-key, --admin-api-key, --api-keys-file)",
+                code="invalid_api_key",
+            )
+        if scope not in matches[0].scopes:
+            raise APIError(
+                403,
+                f"this API key may not call {request.method} {request.url.path}: the route "
+                f"needs scope {scope!r}, the key has {', '.join(sorted(matches[0].scopes))}; "
+                "use a key with that scope",
+                code="insufficient_scope",
+            )
 
     def _admit(self) -> None:
         limit = self.config.limits.max_inflight
@@ -239,7 +252,7 @@ def build_app(gateway: Gateway) -> Starlette:
 
     async def models(request: Request) -> Response:
         try:
-            gateway._authorize(request)
+            gateway.authorize(request, INFERENCE)
         except APIError as exc:
             return error_response(exc)
         return JSONResponse(gateway.openai.models())
@@ -247,7 +260,16 @@ def build_app(gateway: Gateway) -> Starlette:
     async def health(request: Request) -> Response:
         return gateway.health()
 
+    schema = openapi_document(gateway.config)
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(schema)
+
     async def metrics(request: Request) -> Response:
+        try:
+            gateway.authorize(request, ADMIN)
+        except APIError as exc:
+            return error_response(exc)
         return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -258,7 +280,7 @@ def build_app(gateway: Gateway) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncGenerator[None, None]:
-        client = BootstrapClient(gateway.config.bootstrap)
+        client = BootstrapClient(gateway.config.bootstrap, auth=gateway.config.internal_auth)
         watch = asyncio.create_task(gateway.directory.watch(client), name="watch-nodes")
         watch.add_done_callback(_report_watch_end)
         logger.info("following nodes at bootstrap %s", gateway.config.bootstrap)
@@ -278,6 +300,7 @@ def build_app(gateway: Gateway) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
     ]
     return Starlette(
         routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan

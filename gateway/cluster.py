@@ -11,6 +11,10 @@ gateway dies, it stops everything: SIGTERM to each child (gateway first, bootstr
 after the grace period, and a kill of each child's whole process group, so nothing is left
 behind even if a child died or left processes of its own. Children also get SIGTERM from the
 kernel if pd-cluster itself is killed (PR_SET_PDEATHSIG).
+
+Internal gRPC security (`--internal-token-file`, `--tls-*`, see bootstrap/security.py) is passed
+to every child by the same flags; a token given by value (`--internal-token` or the environment)
+reaches the children through their environment, never their argv.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from bootstrap.security import (
+    TOKEN_ENV,
+    add_internal_auth_args,
+    internal_auth_argv,
+    internal_auth_from_args,
+)
 from bootstrap.telemetry import add_log_args
 
 HOST = "127.0.0.1"
@@ -57,6 +67,8 @@ class ClusterConfig:
     stop_grace_s: float = 15.0
     log_dir: Path | None = None
     log_args: tuple[str, ...] = ()  # --log-level / --log-format for every child
+    auth_args: tuple[str, ...] = ()  # internal token file and TLS flags for every child
+    internal_token: str = field(default="", repr=False)  # by value: to the children's env
 
 
 @dataclass
@@ -121,7 +133,8 @@ class Cluster:
         metrics: bool = False,
     ) -> Child:
         port = port or free_port()
-        command = [_script(script), *self.config.log_args, *args, "--host", HOST]
+        command = [_script(script), *self.config.log_args, *self.config.auth_args, *args]
+        command += ["--host", HOST]
         command += ["--port", str(port)]
         metrics_port = free_port() if metrics else 0
         if metrics_port:
@@ -132,6 +145,7 @@ class Cluster:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            env=self._child_env(),
             start_new_session=True,  # our own signal order; the whole group can be killed
             preexec_fn=_die_with_parent,
         )
@@ -141,6 +155,12 @@ class Cluster:
         self.children.append(child)
         threading.Thread(target=self._relay, args=(child,), daemon=True).start()
         return child
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.config.internal_token:
+            env[TOKEN_ENV] = self.config.internal_token
+        return env
 
     def _relay(self, child: Child) -> None:
         """Copy a child's output to ours, each line prefixed with its name (and to its log)."""
@@ -289,12 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--log-dir", type=Path, default=None, help="also write <name>.log here")
     add_log_args(parser)
+    add_internal_auth_args(parser)
     return parser
 
 
 def build_config(args: argparse.Namespace) -> ClusterConfig:
     if args.prefill < 0 or args.decode < 1:
         raise ValueError("--prefill must be >= 0 and --decode >= 1")
+    auth = internal_auth_from_args(args)  # reads the files now: a bad path fails here
     return ClusterConfig(
         prefill=args.prefill,
         decode=args.decode,
@@ -309,6 +331,8 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         ready_timeout_s=args.ready_timeout,
         log_dir=args.log_dir,
         log_args=("--log-level", args.log_level, "--log-format", args.log_format),
+        auth_args=tuple(internal_auth_argv(args)),
+        internal_token="" if args.internal_token_file else auth.token,
     )
 
 

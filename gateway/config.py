@@ -2,7 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from bootstrap.security import InternalAuth
+
+# API key scopes. A route belongs to one scope; a key may call the routes of its scopes only
+# (403 otherwise). `inference`: the OpenAI and native generation routes and /v1/models.
+# `admin`: /metrics. /health is open (load balancers probe it without keys).
+INFERENCE = "inference"
+ADMIN = "admin"
+SCOPES = (INFERENCE, ADMIN)
+
+
+@dataclass(frozen=True)
+class APIKey:
+    key: str = field(repr=False)  # never logged
+    scopes: frozenset[str] = frozenset({INFERENCE})
+
+    def __post_init__(self) -> None:
+        unknown = sorted(self.scopes - set(SCOPES))
+        if unknown:
+            raise ValueError(f"API key scope {unknown[0]!r} is unknown: use {' or '.join(SCOPES)}")
+        if not self.key or not self.key.isprintable() or " " in self.key:
+            raise ValueError("an API key must be non-empty printable text without spaces")
 
 
 @dataclass(frozen=True)
@@ -19,7 +41,9 @@ class LimitsConfig:
     max_n: int  # choices per request
     max_stop: int  # stop strings per request
     max_stop_chars: int  # characters of one stop string
-    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    # Empty: no authentication. Admin routes need an admin key once one is configured
+    # (before that they stay open, e.g. for a Prometheus scraper without a key).
+    api_keys: tuple[APIKey, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "max_body_bytes", "max_n", "max_stop", "max_stop_chars"):
@@ -55,3 +79,4 @@ class GatewayConfig:
     limits: LimitsConfig
     routing: RoutingConfig
     log_level: str = "info"
+    internal_auth: InternalAuth = field(default_factory=InternalAuth)  # gRPC to the cluster

@@ -13,6 +13,9 @@ from typing import Any
 
 from gateway.errors import bad_request
 
+INT32_MAX = (1 << 31) - 1  # the node API's int32 fields (token ids, top_k)
+INT64_MAX = (1 << 63) - 1
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -84,7 +87,9 @@ class BodyReader:
             raise bad_request(name, f"`{name}` must be an object, got {type(value).__name__}")
         return value
 
-    def int_list(self, name: str, *, max_items: int) -> tuple[int, ...]:
+    def int_list(
+        self, name: str, *, max_items: int, minimum: int = 0, maximum: int = INT32_MAX
+    ) -> tuple[int, ...]:
         value = self.body.get(name)
         if value is None:
             return ()
@@ -92,6 +97,11 @@ class BodyReader:
             raise bad_request(name, f"`{name}` must be a list of integers")
         if len(value) > max_items:
             raise bad_request(name, f"`{name}` has {len(value)} items; at most {max_items}")
+        bad = [v for v in value if not minimum <= v <= maximum]
+        if bad:
+            raise bad_request(
+                name, f"`{name}` items must be in [{minimum}, {maximum}], got {bad[0]}"
+            )
         return tuple(value)
 
     def stop_strings(self, name: str, *, max_items: int, max_chars: int) -> tuple[str, ...]:

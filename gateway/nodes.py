@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from bootstrap.client import BootstrapClient
+from bootstrap.security import InternalAuth
 from gateway.pd_client import NodeTarget
 from proto import bootstrap_pb2, node_pb2_grpc
 
@@ -75,9 +76,13 @@ class LiveNode:
 
 class NodeDirectory:
     def __init__(
-        self, cooldown_s: float, on_change: Callable[[NodeDirectory], None] | None = None
+        self,
+        cooldown_s: float,
+        on_change: Callable[[NodeDirectory], None] | None = None,
+        auth: InternalAuth | None = None,
     ) -> None:
         self.cooldown_s = cooldown_s
+        self.auth = auth or InternalAuth()  # token and TLS of the node channels
         self.on_change = on_change
         self.nodes: dict[str, LiveNode] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -128,7 +133,7 @@ class NodeDirectory:
             return
         channel = self._channels.get(info.grpc_address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(info.grpc_address)
+            channel = self.auth.channel(info.grpc_address)
             self._channels[info.grpc_address] = channel
         old = self.nodes.get(info.node_id)
         node = LiveNode(

@@ -18,7 +18,7 @@ from typing import Any
 
 from gateway.config import LimitsConfig
 from gateway.errors import APIError, bad_request
-from gateway.fields import BodyReader
+from gateway.fields import INT32_MAX, INT64_MAX, BodyReader
 from proto import node_pb2
 
 MAX_TOP_LOGPROBS = 20  # the engine's limit (engine/sampling.py)
@@ -195,7 +195,7 @@ def _sampling(
     logprobs: bool,
     top_logprobs: int,
 ) -> SamplingOptions:
-    top_k = reader.integer("top_k", minimum=-1)
+    top_k = reader.integer("top_k", minimum=-1, maximum=INT32_MAX)
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=_float(reader.number("temperature", minimum=0.0, maximum=2.0), 1.0),
@@ -207,7 +207,8 @@ def _sampling(
         repetition_penalty=_float(
             reader.number("repetition_penalty", minimum=0.0, exclusive_minimum=True), 1.0
         ),
-        seed=reader.integer("seed"),
+        # choice i samples with seed + i: every one must fit the node API's int64
+        seed=reader.integer("seed", minimum=-INT64_MAX - 1, maximum=INT64_MAX - limits.max_n),
         stop=reader.stop_strings(
             "stop", max_items=limits.max_stop, max_chars=limits.max_stop_chars
         ),

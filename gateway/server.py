@@ -12,9 +12,19 @@ import logging
 import sys
 from pathlib import Path
 
+from bootstrap.security import add_internal_auth_args, internal_auth_from_args
 from bootstrap.telemetry import add_log_args
 from engine.server_args import configure_logging
-from gateway.config import GatewayConfig, LimitsConfig, ModelInfo, RoutingConfig
+from gateway.config import (
+    ADMIN,
+    INFERENCE,
+    SCOPES,
+    APIKey,
+    GatewayConfig,
+    LimitsConfig,
+    ModelInfo,
+    RoutingConfig,
+)
 from gateway.routing import POLICIES
 
 logger = logging.getLogger("pdserve.gateway")
@@ -49,10 +59,50 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-n", type=int, default=16, help="choices per request")
     g.add_argument("--max-stop", type=int, default=4, help="stop strings per request")
     g.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
+    g = parser.add_argument_group("API keys (401 without one, 403 without the route's scope)")
     g.add_argument(
-        "--api-key", action="append", default=[], help="require this bearer key (repeatable)"
+        "--api-key",
+        action="append",
+        default=[],
+        help="a bearer key for the inference routes (repeatable)",
     )
+    g.add_argument(
+        "--admin-api-key",
+        action="append",
+        default=[],
+        help="a bearer key for the admin routes (/metrics) only (repeatable); once one is "
+        "set, /metrics needs it",
+    )
+    g.add_argument(
+        "--api-keys-file",
+        default=None,
+        help=f"keys kept out of argv: one `KEY [SCOPE,...]` per line, scopes {'/'.join(SCOPES)} "
+        f"(default {INFERENCE}); # starts a comment",
+    )
+    add_internal_auth_args(parser)
     return parser
+
+
+def api_keys(args: argparse.Namespace) -> tuple[APIKey, ...]:
+    keys = [APIKey(k) for k in args.api_key]
+    keys += [APIKey(k, frozenset({ADMIN})) for k in args.admin_api_key]
+    if args.api_keys_file:
+        try:
+            lines = Path(args.api_keys_file).read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"--api-keys-file {args.api_keys_file}: {exc.strerror}") from None
+        for number, line in enumerate(lines, 1):
+            fields = line.split("#", 1)[0].split()
+            if not fields:
+                continue
+            if len(fields) > 2:
+                raise ValueError(
+                    f"--api-keys-file line {number}: expected `KEY [SCOPE,...]`, got "
+                    f"{len(fields)} fields"
+                )
+            scopes = frozenset(fields[1].split(",")) if len(fields) == 2 else frozenset({INFERENCE})
+            keys.append(APIKey(fields[0], scopes))
+    return tuple(keys)
 
 
 def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
@@ -69,7 +119,7 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         max_n=args.max_n,
         max_stop=args.max_stop,
         max_stop_chars=args.max_stop_chars,
-        api_keys=tuple(args.api_key),
+        api_keys=api_keys(args),
     )
     routing = RoutingConfig(
         prefill_policy=args.prefill_policy,
@@ -82,7 +132,14 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         prefix_balance_slack=args.prefix_balance_slack,
     )
     return GatewayConfig(
-        args.host, args.port, args.bootstrap, model, limits, routing, args.log_level
+        args.host,
+        args.port,
+        args.bootstrap,
+        model,
+        limits,
+        routing,
+        args.log_level,
+        internal_auth_from_args(args),
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bootstrap.client import BootstrapClient
 from bootstrap.node_link import NodeLink
+from bootstrap.security import InternalAuth
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from kvtransfer import KVTransferEngine, MemoryRegion, TransferConfig, create_engine
@@ -87,8 +88,9 @@ def make_link(
     info: bootstrap_pb2.NodeInfo,
     deliver: Callable[[RoomMessage], None],
     load: Callable[[], bootstrap_pb2.NodeLoad],
+    auth: InternalAuth | None = None,
 ) -> NodeLink:
-    return NodeLink(BootstrapClient(bootstrap_address), info, deliver, load)
+    return NodeLink(BootstrapClient(bootstrap_address, auth=auth), info, deliver, load)
 
 
 def node_load(

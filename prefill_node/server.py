@@ -8,6 +8,7 @@ import argparse
 import logging
 import sys
 
+from bootstrap.security import add_internal_auth_args, internal_auth_from_args
 from engine.builder import Engine
 from engine.engine_loop import EngineLoop
 from engine.metrics import NodeMetrics, PrefillMetrics
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefill-server", description=__doc__.splitlines()[0])
     add_node_args(parser)
     add_disagg_args(parser)
+    add_internal_auth_args(parser)
     parser.set_defaults(port=30002)
     return parser
 
@@ -44,7 +46,8 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
         bootstrap_pb2.PREFILL, f"{args.host}:{args.port}", transfer, runner, args.node_id
     )
     load = lambda: node_load(scheduler, lambda: (len(role.inflight), len(role.bootstrap)))  # noqa: E731
-    link = make_link(args.bootstrap, info, lambda msg: role.deliver(msg), load)
+    auth = internal_auth_from_args(args)
+    link = make_link(args.bootstrap, info, lambda msg: role.deliver(msg), load, auth)
     metrics = NodeMetrics("prefill")
     role = PrefillRole(
         PrefillRoleConfig(args.bootstrap_timeout, args.transfer_timeout),
@@ -59,7 +62,9 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
     engine_loop = EngineLoop(scheduler, loop_config(args), role, metrics)
     service = NodeService(engine_loop, "prefill", model_path, link)
 
-    await serve_registered(engine_loop, service, server_config(args), link, transfer.engine.close)
+    await serve_registered(
+        engine_loop, service, server_config(args), link, transfer.engine.close, auth
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,328 @@
+"""Security on real processes (issue 8, item 6): gateway API keys and scopes, the internal gRPC
+token, TLS with client certificates, and room ownership at the bootstrap.
+
+One `pd-cluster` runs with everything on: an inference key and an admin key on the gateway,
+`--internal-token-file` and mutual TLS (a throwaway CA from the openssl CLI) on every gRPC server
+and client. Requests really go through the prefill node (`--local-prefill-max-tokens 0`), so the
+gateway -> P/D, P/D -> bootstrap calls all carry the token over TLS. Then raw gRPC clients try
+every way in that they should not have. The room tests run a bootstrap-server with a token
+(which turns on node identity checks) and real `BootstrapClient`s, one per node: an insider
+holding the token registers its own decode node and tries to take over another node's room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from bootstrap.client import BootstrapClient
+from bootstrap.security import TOKEN_HEADER, InternalAuth, TLSConfig
+from proto import bootstrap_pb2 as pb
+from proto import bootstrap_pb2_grpc, node_pb2, node_pb2_grpc
+from tests.hardening import Certs, assert_openai_error, cluster_process, make_certs, tiny_chat_model
+from tests.node_harness import NodeServer, running_node
+from tests.test_gateway import RunningCluster
+
+TOKEN = "s3cret-internal-token-0123456789"
+USER_KEY = "user-key-1"
+ADMIN_KEY = "admin-key-1"
+WAIT_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def tiny_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_chat_model(default_model_dir, tmp_path_factory.mktemp("tiny-chat") / "model")
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def secure_cluster(
+    tiny_model: Path, certs: Certs, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningCluster]:
+    tmp = tmp_path_factory.mktemp("secure-cluster")
+    token_file = tmp / "internal-token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    keys_file = tmp / "api-keys"
+    keys_file.write_text(f"{USER_KEY} inference\n{ADMIN_KEY} admin  # the scraper\n")
+    args = ["--internal-token-file", str(token_file), "--tls-ca", str(certs.ca)]
+    args += ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key)]
+    args += ["--tls-require-client-cert"]
+    gateway_args = ["--local-prefill-max-tokens", "0", "--api-keys-file", str(keys_file)]
+    with cluster_process(tmp / "pd-cluster.log", tiny_model, args, gateway_args) as cluster:
+        yield cluster
+
+
+def _auth(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def test_gateway_api_keys_401_403(secure_cluster: RunningCluster, tiny_model: Path) -> None:
+    url = secure_cluster.url
+    body = {"model": tiny_model.name, "prompt": "Hello there", "max_tokens": 4}
+    with httpx.Client(timeout=60) as http:
+        for key, path, status in [
+            (None, "/v1/completions", 401),
+            ("wrong-key", "/v1/completions", 401),
+            (ADMIN_KEY, "/v1/completions", 403),  # the admin key may not generate
+            (None, "/metrics", 401),
+            (USER_KEY, "/metrics", 403),  # a user key may not read the metrics
+            (None, "/v1/models", 401),
+            (ADMIN_KEY, "/v1/models", 403),
+        ]:
+            if path == "/v1/completions":
+                response = http.post(url + path, json=body, headers=_auth(key))
+            else:
+                response = http.get(url + path, headers=_auth(key))
+            assert response.status_code == status, (key, path, response.text)
+            assert_openai_error(status, response.json())
+            if status == 403:
+                assert "scope" in response.json()["error"]["message"]
+        ok = http.post(url + "/v1/completions", json=body, headers=_auth(USER_KEY))
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 4
+        metrics = http.get(url + "/metrics", headers=_auth(ADMIN_KEY))
+        assert metrics.status_code == 200 and "pdserve_gateway_requests_total" in metrics.text
+        assert http.get(url + "/v1/models", headers=_auth(USER_KEY)).status_code == 200
+        assert http.get(url + "/health").status_code == 200  # load balancers probe without keys
+
+
+def _channel(address: str, certs: Certs, *, client_cert: bool = True, tls: bool = True):
+    if not tls:
+        return grpc.insecure_channel(address)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=certs.read("ca"),
+        private_key=certs.read("key") if client_cert else None,
+        certificate_chain=certs.read("cert") if client_cert else None,
+    )
+    return grpc.secure_channel(address, credentials)
+
+
+def _probe(channel: grpc.Channel, bootstrap: bool, token: str | None) -> grpc.StatusCode:
+    metadata = [(TOKEN_HEADER, token)] if token is not None else None
+    try:
+        if bootstrap:
+            stub = bootstrap_pb2_grpc.BootstrapStub(channel)
+            stub.ListNodes(pb.ListNodesRequest(), timeout=WAIT_S, metadata=metadata)
+        else:
+            node = node_pb2_grpc.NodeStub(channel)
+            node.Health(node_pb2.HealthRequest(), timeout=WAIT_S, metadata=metadata)
+    except grpc.RpcError as exc:
+        assert TOKEN not in (exc.details() or "")  # refusals never echo the token
+        return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+def test_internal_grpc_needs_token_and_client_cert(
+    secure_cluster: RunningCluster, certs: Certs
+) -> None:
+    for name in ("bootstrap", "prefill-0", "decode-0"):
+        address = secure_cluster.node_address(name)
+        bootstrap = name == "bootstrap"
+        with _channel(address, certs) as channel:
+            assert _probe(channel, bootstrap, TOKEN) == grpc.StatusCode.OK, name
+            assert _probe(channel, bootstrap, None) == grpc.StatusCode.UNAUTHENTICATED, name
+            assert _probe(channel, bootstrap, "guess") == grpc.StatusCode.UNAUTHENTICATED, name
+            try:
+                node_pb2_grpc.NodeStub(channel).Health(node_pb2.HealthRequest(), timeout=WAIT_S)
+            except grpc.RpcError as exc:
+                assert "internal token" in (exc.details() or "")
+        # Right token, but no client certificate, a rogue one, or no TLS: no connection.
+        with _channel(address, certs, client_cert=False) as channel:
+            assert _probe(channel, bootstrap, TOKEN) == grpc.StatusCode.UNAVAILABLE, name
+        rogue = grpc.ssl_channel_credentials(
+            certs.read("ca"), certs.read("rogue_key"), certs.read("rogue_cert")
+        )
+        with grpc.secure_channel(address, rogue) as channel:
+            assert _probe(channel, bootstrap, TOKEN) == grpc.StatusCode.UNAVAILABLE, name
+        with _channel(address, certs, tls=False) as channel:
+            assert _probe(channel, bootstrap, TOKEN) == grpc.StatusCode.UNAVAILABLE, name
+
+    # The token is in no child's argv and in no log line (pd-cluster relays every child's log).
+    assert TOKEN not in secure_cluster.log()
+    for name in ("bootstrap", "prefill-0", "decode-0", "gateway"):
+        cmdline = Path(f"/proc/{secure_cluster.child_pid(name)}/cmdline").read_bytes()
+        assert TOKEN.encode() not in cmdline and b"--internal-token-file" in cmdline, name
+
+
+# -- room ownership ----------------------------------------------------------------------------
+
+LAYOUT = pb.KVLayout(
+    model_id="m", num_layers=2, num_kv_heads=2, head_dim=16, page_size=16, dtype="float32"
+)
+
+
+def _ready_with_token(channel: grpc.Channel) -> bool:
+    stub = bootstrap_pb2_grpc.BootstrapStub(channel)
+    stub.ListNodes(pb.ListNodesRequest(), timeout=5, metadata=[(TOKEN_HEADER, TOKEN)])
+    return True
+
+
+@pytest.fixture(scope="module")
+def guarded_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeServer]:
+    tmp = tmp_path_factory.mktemp("guarded-bootstrap")
+    token_file = tmp / "token"
+    token_file.write_text(TOKEN)
+    with running_node(
+        "bootstrap-server",
+        ["--internal-token-file", str(token_file), "--heartbeat-timeout", "120"],
+        tmp / "bootstrap.log",
+        probe=_ready_with_token,
+    ) as server:
+        yield server
+
+
+def _info(role: int, port: int) -> pb.NodeInfo:
+    return pb.NodeInfo(role=role, grpc_address=f"127.0.0.1:{port}", layout=LAYOUT)
+
+
+async def _node(address: str, role: int, port: int) -> tuple[BootstrapClient, str]:
+    """A client registered as a node, calling with that node's credential from then on."""
+    client = BootstrapClient(address, auth=InternalAuth(TOKEN))
+    response = await client.register(_info(role, port))
+    client.identify(response.node_id, response.node_secret)
+    return client, response.node_id
+
+
+async def _denied(call: object, *names: str) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call  # type: ignore[misc]
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value.details()
+    details = info.value.details() or ""
+    for name in names:
+        assert name in details, (name, details)
+    return details
+
+
+def _run_rooms(address: str, scenario) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        clients = []
+        try:
+            for role, port in ((pb.PREFILL, 1), (pb.DECODE, 2), (pb.DECODE, 3)):
+                clients.append(await _node(address, role, port))
+            await scenario(*clients)
+        finally:
+            for client, _ in clients:
+                await client.close()
+
+    asyncio.run(main())
+
+
+def _destination(room: int, prefill: str, decode: str) -> pb.RoomDestination:
+    return pb.RoomDestination(
+        room=room, prefill_node_id=prefill, decode_node_id=decode, page_ids=[5, 6], aux_slot=1
+    )
+
+
+async def _next(stream):  # type: ignore[no-untyped-def]
+    return await asyncio.wait_for(anext(stream), WAIT_S)
+
+
+def test_destination_hijack_rejected(guarded_bootstrap: NodeServer) -> None:
+    """Only the decode node named in a room's destination may post it; the real room goes on."""
+
+    async def scenario(p, d, intruder) -> None:  # type: ignore[no-untyped-def]
+        (p_client, p_id), (d_client, d_id), (i_client, i_id) = p, d, intruder
+        room = 0x5EC0001
+        await d_client.post_destination(_destination(room, p_id, d_id))
+        # The intruder (a registered decode node holding the token) posts as the real D:
+        # for the open room, and for a room D has not posted yet.
+        await _denied(i_client.post_destination(_destination(room, p_id, d_id)), str(room), d_id)
+        await _denied(i_client.post_destination(_destination(room + 1, p_id, d_id)), d_id, i_id)
+        # ... with D's id but not D's secret.
+        forged = BootstrapClient(guarded_bootstrap.address, auth=InternalAuth(TOKEN))
+        forged.identify(d_id, "not-the-secret")
+        try:
+            await _denied(forged.post_destination(_destination(room + 2, p_id, d_id)), d_id)
+            await _denied(forged.deregister(d_id), d_id)
+        finally:
+            await forged.close()
+        # ... and cannot read P's destinations (the page ids of D's memory) either.
+        await _denied(_next(i_client.watch_destinations(p_id)), p_id)
+        # The real room is untouched: P gets D's destination, D gets P's DONE.
+        got = await _next(p_client.watch_destinations(p_id))
+        assert (got.room, got.decode_node_id, list(got.page_ids)) == (room, d_id, [5, 6])
+        await p_client.post_room_status(
+            pb.RoomStatus(room=room, prefill_node_id=p_id, state=pb.DONE)
+        )
+        status = await _next(d_client.watch_room_status(d_id))
+        assert (status.room, status.state) == (room, pb.DONE)
+
+    _run_rooms(guarded_bootstrap.address, scenario)
+
+
+def test_completion_hijack_rejected(guarded_bootstrap: NodeServer) -> None:
+    """Only the room's prefill node may report it done or failed; the real room goes on."""
+
+    async def scenario(p, d, intruder) -> None:  # type: ignore[no-untyped-def]
+        (p_client, p_id), (d_client, d_id), (i_client, i_id) = p, d, intruder
+        room = 0x5EC0101
+        statuses = d_client.watch_room_status(d_id)
+        await d_client.post_destination(_destination(room, p_id, d_id))
+        got = await _next(p_client.watch_destinations(p_id))
+        assert got.room == room
+        done = pb.RoomStatus(room=room, prefill_node_id=p_id, state=pb.DONE)
+        await _denied(i_client.post_room_status(done), str(room), p_id, i_id)
+        failed = pb.RoomStatus(room=room, prefill_node_id=p_id, state=pb.FAILED, reason="x")
+        await _denied(i_client.post_room_status(failed), str(room), p_id)
+        await _denied(i_client.fail_room(room, p_id, "hijack"), str(room), p_id)
+        await _denied(i_client.fail_room(room, d_id, "hijack"), str(room), d_id)
+        await _denied(_next(i_client.watch_room_status(d_id)), d_id)
+        # Nothing reached D; the real P finishes the room and D hears exactly that.
+        progress = pb.RoomStatus(room=room, prefill_node_id=p_id, state=pb.TRANSFERRING)
+        await p_client.post_room_status(progress)
+        assert (await _next(statuses)).state == pb.TRANSFERRING
+        await p_client.post_room_status(done)
+        final = await _next(statuses)
+        assert (final.room, final.state, final.prefill_node_id) == (room, pb.DONE, p_id)
+
+    _run_rooms(guarded_bootstrap.address, scenario)
+
+
+def test_outsider_without_token_cannot_register(guarded_bootstrap: NodeServer) -> None:
+    async def scenario() -> None:
+        async with BootstrapClient(guarded_bootstrap.address) as outsider:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await outsider.stub.Register(pb.RegisterRequest(node=_info(pb.DECODE, 9)))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "internal token" in (info.value.details() or "")
+
+    asyncio.run(scenario())
+
+
+def test_tls_config_rejects_half_configurations() -> None:
+    with pytest.raises(ValueError, match="--tls-cert and --tls-key"):
+        TLSConfig(cert=b"x")
+    with pytest.raises(ValueError, match="--tls-ca"):
+        TLSConfig(cert=b"x", key=b"y", require_client_cert=True)
+    assert "secret" not in repr(InternalAuth("secret"))
+
+
+def test_api_keys_file_parsing(tmp_path: Path) -> None:
+    from gateway.config import ADMIN, INFERENCE
+    from gateway.server import api_keys, build_parser
+
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# comment\nk1\nk2 admin\nk3 inference,admin  # both\n\n")
+    args = build_parser().parse_args(
+        ["--bootstrap", "x", "--api-keys-file", str(keys_file), "--admin-api-key", "k4"]
+    )
+    scopes = {k.key: k.scopes for k in api_keys(args)}
+    assert scopes == {
+        "k1": {INFERENCE},
+        "k2": {ADMIN},
+        "k3": {INFERENCE, ADMIN},
+        "k4": {ADMIN},
+    }
+    keys_file.write_text("k1 root\n")
+    with pytest.raises(ValueError, match="scope 'root' is unknown"):
+        api_keys(args)
