@@ -15,32 +15,43 @@ from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from kvtransfer import KVTransferEngine, MemoryRegion, TransferConfig, create_engine
 from kvtransfer.aux import AuxBuffer
+from kvtransfer.head_routes import NodeKV, RankKV
 from kvtransfer.room import RoomMessage
+from kvtransfer.tp_engine import RankTransferInfo, kv_region, rank_info, setup_tp_transfer
 from proto import bootstrap_pb2
 
 
 @dataclass
 class TransferSetup:
-    engine: KVTransferEngine
+    engine: KVTransferEngine  # a TPTransferEngine over every rank with tensor parallelism
     aux: AuxBuffer
-    regions: list[MemoryRegion]
+    regions: list[MemoryRegion]  # rank 0's KV buffer and its aux slots
+    ranks: list[RankTransferInfo]  # every TP rank's KV shard (rank 0's alone with TP=1)
 
     @property
     def kv_base(self) -> int:
         return self.regions[0].addr
 
+    def node_kv(self, runner: ModelRunner) -> NodeKV:
+        """This node's KV shards as its KV sender reads them."""
+        head_page_bytes = runner.kv_layout.head_page_bytes
+        ranks = tuple(
+            RankKV(r.tp_rank, "", r.kv.addr, r.kv_heads, head_page_bytes) for r in self.ranks
+        )
+        return NodeKV(ranks, head_page_bytes, runner.model_config.num_kv_heads)
+
 
 def setup_transfer(config: TransferConfig, runner: ModelRunner) -> TransferSetup:
-    engine = create_engine(config)
-    buffer = runner.kv_cache.buffer
-    device = "cpu" if buffer.device.type == "cpu" else f"cuda:{buffer.device.index or 0}"
+    """Register the KV pool (every TP rank's shard with that rank's engine) and aux slots."""
     aux = AuxBuffer(runner.req_to_token.table.shape[0])
-    regions = [
-        MemoryRegion("kv", buffer.data_ptr(), buffer.numel() * buffer.element_size(), device),
-        MemoryRegion("aux", aux.addr, aux.nbytes, "cpu"),
-    ]
+    aux_region = MemoryRegion("aux", aux.addr, aux.nbytes, "cpu")
+    if runner.group.size > 1:
+        tp_engine, ranks = setup_tp_transfer(config, runner, aux_region)
+        return TransferSetup(tp_engine, aux, [ranks[0].kv, aux_region], ranks)
+    engine = create_engine(config)
+    regions = [kv_region(runner), aux_region]
     engine.register(regions)
-    return TransferSetup(engine, aux, regions)
+    return TransferSetup(engine, aux, regions, [rank_info(runner, engine)])
 
 
 def model_id(model_path: str) -> str:
@@ -67,19 +78,33 @@ def node_info(
         layout=bootstrap_pb2.KVLayout(
             model_id=model_id(runner.config.model_path),
             num_layers=layout.num_layers,
-            num_kv_heads=layout.num_kv_heads,
+            num_kv_heads=runner.model_config.num_kv_heads,
             head_dim=layout.head_dim,
             page_size=layout.page_size,
             dtype=runner.config.dtype,
-            tp_size=1,
+            tp_size=runner.config.tp_size,
             tp_rank=0,
             page_bytes=layout.page_bytes,
         ),
-        regions=[
-            bootstrap_pb2.MemoryRegion(name=r.name, addr=r.addr, length=r.length, device=r.device)
-            for r in transfer.regions
-        ],
+        regions=[_region_proto(r) for r in transfer.regions],
         aux_slot_bytes=transfer.aux.slot_bytes(),
+        tp_ranks=[_rank_proto(r) for r in transfer.ranks] if len(transfer.ranks) > 1 else [],
+    )
+
+
+def _region_proto(region: MemoryRegion) -> bootstrap_pb2.MemoryRegion:
+    return bootstrap_pb2.MemoryRegion(
+        name=region.name, addr=region.addr, length=region.length, device=region.device
+    )
+
+
+def _rank_proto(rank: RankTransferInfo) -> bootstrap_pb2.TPRankInfo:
+    return bootstrap_pb2.TPRankInfo(
+        tp_rank=rank.tp_rank,
+        transfer_endpoint=rank.endpoint,
+        kv=_region_proto(rank.kv),
+        kv_head_start=rank.kv_heads.start,
+        num_kv_heads=len(rank.kv_heads),
     )
 
 

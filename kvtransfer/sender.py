@@ -1,8 +1,10 @@
 """Per-request KV sender on the prefill node.
 
-Maps the request's prompt pages onto the destination pages D published for the room, coalesces
-contiguous runs into few descriptors, and tracks every write it started so the request's pages
-are released only after the engine has finished reading them.
+Maps the request's prompt pages onto the destination pages D published for the room, along the
+KV-head routes between the two nodes' TP ranks (kvtransfer/head_routes.py: one descriptor per
+page run with equal TP sizes, per page and run of heads otherwise), and tracks every write it
+started so the request's pages are released only after every rank's engine finished reading them.
+Rank 0's writes go to its engine directly; the other ranks' go through `TPTransferEngine`.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from kvtransfer.base import (
     TransferHandle,
     TransferRange,
     TransferState,
-    coalesce_pages,
 )
+from kvtransfer.head_routes import HeadRoute, WritePlan, route_pages
 from kvtransfer.room import RoomDestination
+from kvtransfer.tp_engine import TPTransferEngine
 
 
 @dataclass
@@ -32,9 +35,7 @@ class KVSender:
     engine: KVTransferEngine
     dest: RoomDestination
     page_size: int
-    page_bytes: int
-    src_kv_base: int
-    dst_kv_base: int
+    routes: list[HeadRoute]
     next_page: int = -1  # next prompt page index to send
     stats: SenderStats = field(default_factory=SenderStats)
     _handles: list[TransferHandle] = field(default_factory=list)
@@ -60,18 +61,26 @@ class KVSender:
         src = req_pages[self.next_page : upto_page]
         offset = self.first_page
         dst = self.dest.page_ids[self.next_page - offset : upto_page - offset]
-        ranges = coalesce_pages(src, dst, self.page_bytes, self.src_kv_base, self.dst_kv_base)
-        self._start(ranges)
+        self._start_plan(route_pages(self.routes, src, dst))
         self.stats.pages += upto_page - self.next_page
         self.next_page = upto_page
 
     def send_aux(self, src_addr: int, dst_addr: int, length: int) -> None:
-        self._start([TransferRange(src_addr, dst_addr, length)])
+        """Rank 0's aux slot into D rank 0's."""
+        self._start_plan(
+            {0: {self.dest.decode_node_id: [TransferRange(src_addr, dst_addr, length)]}}
+        )
 
-    def _start(self, ranges: list[TransferRange]) -> None:
-        self._handles.append(self.engine.write(self.dest.decode_node_id, ranges))
-        self.stats.descriptors += len(ranges)
-        self.stats.bytes += sum(r.length for r in ranges)
+    def _start_plan(self, plan: WritePlan) -> None:
+        for peer_id, ranges in plan.get(0, {}).items():
+            self._handles.append(self.engine.write(peer_id, ranges))
+        if any(rank != 0 for rank in plan):
+            assert isinstance(self.engine, TPTransferEngine), "other ranks' writes need TP"
+            self._handles.append(self.engine.write_remote(plan))
+        for by_peer in plan.values():
+            for ranges in by_peer.values():
+                self.stats.descriptors += len(ranges)
+                self.stats.bytes += sum(r.length for r in ranges)
 
     def poll(self) -> TransferState:
         """DONE when every write finished, FAILED once all settled and one failed."""

@@ -28,7 +28,8 @@ from engine.metrics import PrefillMetrics
 from engine.request import FinishReason, Req, TransferSummary
 from engine.scheduler import Scheduler, StepOutput
 from kvtransfer.aux import AuxBuffer, FirstToken
-from kvtransfer.base import KVTransferEngine, TransferError, TransferState
+from kvtransfer.base import KVTransferEngine, PeerInfo, TransferError, TransferState
+from kvtransfer.head_routes import HeadRouteError, NodeKV, RankKV, peer_ranks, plan_routes
 from kvtransfer.room import RoomDestination, RoomLink, RoomMessage, RoomState, RoomStatus
 from kvtransfer.sender import KVSender
 
@@ -65,8 +66,7 @@ class PrefillRole:
         link: RoomLink,
         engine: KVTransferEngine,
         aux: AuxBuffer,
-        kv_base: int,
-        page_bytes: int,
+        kv: NodeKV,
         page_size: int,
         clock: Callable[[], float] = time.monotonic,
         metrics: PrefillMetrics | None = None,
@@ -76,8 +76,7 @@ class PrefillRole:
         self.link = link
         self.engine = engine
         self.aux = aux
-        self.kv_base = kv_base
-        self.page_bytes = page_bytes
+        self.kv = kv  # this node's KV shards (one per TP rank)
         self.page_size = page_size
         self.clock = clock
         self.inbox: queue.Queue[RoomMessage] = queue.Queue()
@@ -205,7 +204,12 @@ class PrefillRole:
             )
             return
         try:
-            self.engine.connect(peer)
+            routes = plan_routes(self.kv.ranks, self._peer_kv(peer))
+            for rank_peer in peer.rank_peers():  # every TP rank of D, from every rank of ours
+                self.engine.connect(rank_peer)
+        except HeadRouteError as exc:
+            self._fail_entry(scheduler, entry, "layout_mismatch", str(exc))
+            return
         except TransferError as exc:
             self._fail_entry(
                 scheduler, entry, "decode_unreachable", f"cannot reach decode node: {exc}"
@@ -213,20 +217,16 @@ class PrefillRole:
             return
         entry.dest = dest
         entry.epoch = self.link.epoch
-        entry.sender = KVSender(
-            self.engine,
-            dest,
-            self.page_size,
-            self.page_bytes,
-            self.kv_base,
-            peer.regions["kv"].addr,
-        )
+        entry.sender = KVSender(self.engine, dest, self.page_size, routes)
         del self.bootstrap[dest.room]
         self.active[dest.room] = entry
         timing = entry.req.timing
         timing.mark("destination")
         self.metrics.bootstrap_wait.observe(timing.span("arrived", "destination"))
         scheduler.add_request(entry.req)
+
+    def _peer_kv(self, peer: PeerInfo) -> list[RankKV]:
+        return peer_ranks(peer, self.kv.num_kv_heads, self.kv.head_page_bytes)
 
     # ---- finishing ---------------------------------------------------------------------
     def _finish_prefill(self, scheduler: Scheduler, entry: PrefillEntry) -> None:

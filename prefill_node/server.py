@@ -54,8 +54,7 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
         link=link,
         engine=transfer.engine,
         aux=transfer.aux,
-        kv_base=transfer.kv_base,
-        page_bytes=runner.kv_layout.page_bytes,
+        kv=transfer.node_kv(runner),
         page_size=runner.config.page_size,
         metrics=PrefillMetrics(metrics.registry),
     )

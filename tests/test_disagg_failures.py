@@ -51,6 +51,7 @@ from engine.sampling import SamplingParams
 from gateway.pd_client import new_room
 from kvtransfer.aux import AuxBuffer
 from kvtransfer.base import MemoryRegion, PeerInfo, TransferHandle, TransferRange, TransferState
+from kvtransfer.head_routes import NodeKV
 from kvtransfer.room import RoomDestination, RoomState, RoomStatus
 from prefill_node.prefill_role import PrefillRole, PrefillRoleConfig
 from proto import node_pb2
@@ -812,8 +813,7 @@ def prefill_role_with_room() -> tuple[PrefillRole, FakeLink, FakeEngine, Any, Re
         link=link,
         engine=engine,  # type: ignore[arg-type]
         aux=AuxBuffer(4),
-        kv_base=0,
-        page_bytes=1024,
+        kv=NodeKV.single(kv_base=0, head_page_bytes=1024, num_kv_heads=1),
         page_size=16,
     )
     req = Req(rid="r", prompt_ids=list(range(64)), params=SamplingParams(), sampler=None)  # type: ignore[arg-type]

@@ -105,3 +105,18 @@ def test_tp_colocated_matches_hf(default_model_dir, prompts_and_reference, tp_si
     finally:
         llm.shutdown()
     assert [r.exitcode for r in ranks] == [0] * (tp_size - 1)
+
+
+def test_server_refuses_unmappable_tp_at_start(default_model_dir) -> None:
+    import subprocess
+
+    from tests.node_harness import console_script
+
+    proc = subprocess.run(
+        [console_script("decode-server"), "--model", str(default_model_dir), "--tp-size", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "tp_size 4 exceeds the KV heads and is not a multiple of 3" in proc.stderr + proc.stdout

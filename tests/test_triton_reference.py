@@ -123,12 +123,13 @@ def test_token_offsets_follow_the_buffer_layout() -> None:
     layout = KVLayout(3, 2, 8, 4, torch.float32)
     cache = PagedKVCache(layout, 5, torch.device("cpu"))
     strides = KVStrides.of(cache.k_view(1))
-    # [pages, layers, 2, page_size, heads, dim]: a page spans every layer's K and V.
-    assert strides.page == 3 * 2 * 4 * 2 * 8
-    assert (strides.token, strides.head) == (2 * 8, 8)
+    # [pages, heads, layers, 2, page_size, dim]: a page spans every layer's K and V, and one
+    # KV head's part of a page is contiguous (a head slice of a page is one range).
+    assert strides.page == 2 * 3 * 2 * 4 * 8
+    assert (strides.token, strides.head) == (8, 3 * 2 * 4 * 8)
     locs = torch.tensor([0, 5, 19])
-    assert token_offsets(locs, 4, strides).tolist() == [0, strides.page + 16, 4 * strides.page + 48]
-    assert cache.v_view(1).storage_offset() - cache.k_view(1).storage_offset() == 4 * 2 * 8
+    assert token_offsets(locs, 4, strides).tolist() == [0, strides.page + 8, 4 * strides.page + 24]
+    assert cache.v_view(1).storage_offset() - cache.k_view(1).storage_offset() == 4 * 8
 
 
 @pytest.mark.parametrize("seq_len", [1, 2, 5, 63, 64, 65, 1000])

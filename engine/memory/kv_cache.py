@@ -1,8 +1,13 @@
 """The paged KV store and the request-to-token table.
 
-Layout: one tensor `[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`. A page holds
+Layout: one tensor `[num_pages, num_kv_heads, num_layers, 2, page_size, head_dim]`. A page holds
 K and V of all layers for `page_size` consecutive tokens, so a run of contiguous pages is one
-contiguous byte range: a KV transfer needs one descriptor per page run, not one per layer.
+contiguous byte range: a KV transfer needs one descriptor per page run, not one per layer. Inside
+a page the KV heads are outermost, so any slice of the heads of one page is contiguous too: a
+prefill rank that owns KV heads {0, 1} writes them into the right head offset of a decode rank
+that owns {0, 1, 2} with one descriptor per page, never one per token (with tokens outside the
+heads, a head slice would be strided per layer and token). With tensor parallelism each rank's
+buffer holds only its own KV heads; page ids are the same on every rank.
 
 A token location (`loc`) is `page * page_size + offset`; `req_to_token[slot, i]` is the location of
 token i of the request in `slot`.
@@ -24,9 +29,15 @@ class KVLayout:
     dtype: torch.dtype
 
     @property
-    def page_bytes(self) -> int:
+    def head_page_bytes(self) -> int:
+        """Bytes of one KV head's part of a page (all layers, K and V)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * elem
+        return self.num_layers * 2 * self.page_size * self.head_dim * elem
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over this buffer's KV heads."""
+        return self.head_page_bytes * self.num_kv_heads
 
 
 class PagedKVCache:
@@ -35,10 +46,10 @@ class PagedKVCache:
         self.num_pages = num_pages
         self.buffer = torch.zeros(
             num_pages,
+            layout.num_kv_heads,
             layout.num_layers,
             2,
             layout.page_size,
-            layout.num_kv_heads,
             layout.head_dim,
             dtype=layout.dtype,
             device=device,
@@ -50,10 +61,10 @@ class PagedKVCache:
 
     def k_view(self, layer: int) -> torch.Tensor:
         """[num_pages, page_size, kv_heads, head_dim], a strided view into the buffer."""
-        return self.buffer[:, layer, 0]
+        return self.buffer[:, :, layer, 0].transpose(1, 2)
 
     def v_view(self, layer: int) -> torch.Tensor:
-        return self.buffer[:, layer, 1]
+        return self.buffer[:, :, layer, 1].transpose(1, 2)
 
     def split(self, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Locations -> (pages, offsets): computed once per batch, used by every layer."""
@@ -78,8 +89,8 @@ class PagedKVCache:
         pages = (locs[..., ::ps] // ps).reshape(-1)
         lead = locs.shape[:-1]
         shape = (*lead, -1, self.layout.num_kv_heads, self.layout.head_dim)
-        k = self.k_view(layer).index_select(0, pages).view(shape)[..., :length, :, :]
-        v = self.v_view(layer).index_select(0, pages).view(shape)[..., :length, :, :]
+        k = self.k_view(layer).index_select(0, pages).reshape(shape)[..., :length, :, :]
+        v = self.v_view(layer).index_select(0, pages).reshape(shape)[..., :length, :, :]
         return k, v
 
 

@@ -42,6 +42,8 @@ class TPGroup:
     def join(cls, init: TPInit) -> TPGroup:
         """Blocks until every rank of the node has joined."""
         backend = "nccl" if init.device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(init.device)  # NCCL binds each rank to its current device
         timeout = timedelta(seconds=init.timeout_s)
         dist.init_process_group(
             backend,
@@ -78,6 +80,20 @@ class TPGroup:
     def broadcast_control(self, x: torch.Tensor) -> None:
         """Rank 0's CPU int64 tensor into every rank's `x` (same shape on all ranks)."""
         dist.broadcast(x, src=0, group=self._control)
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's `data`, in rank order (over the control group)."""
+        if self.size == 1:
+            return [data]
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(self.size)]
+        dist.all_gather(sizes, size, group=self._control)
+        width = int(max(s.item() for s in sizes))
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine, group=self._control)
+        return [bytes(p[: int(n.item())].tolist()) for p, n in zip(parts, sizes, strict=True)]
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (ordered states agree by MIN)."""

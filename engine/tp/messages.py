@@ -21,6 +21,12 @@ _HEADER_LEN = 32
 class MessageKind(IntEnum):
     STOP = 0
     FORWARD = 1
+    # KV transfer on every rank (kvtransfer/tp_engine.py on rank 0, tp_agent.py on the others)
+    TRANSFER_SETUP = 2
+    TRANSFER_CONNECT = 3
+    TRANSFER_WRITE = 4
+    TRANSFER_POLL = 5
+    TRANSFER_RELEASE = 6
 
 
 @dataclass
@@ -77,3 +83,11 @@ def receive(group: TPGroup) -> tuple[MessageKind, list[torch.Tensor]]:
     payload = torch.empty(sum(sizes), dtype=torch.int64)
     group.broadcast_control(payload)
     return kind, list(payload.split(sizes))
+
+
+def bytes_to_array(data: bytes) -> torch.Tensor:
+    return torch.tensor(list(data), dtype=torch.int64)
+
+
+def array_to_bytes(array: torch.Tensor) -> bytes:
+    return bytes(array.to(torch.uint8).tolist())

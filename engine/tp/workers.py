@@ -11,6 +11,7 @@ is gone (the collectives fail and the rank exits).
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import sys
 from dataclasses import dataclass, replace
@@ -110,6 +111,8 @@ def confirm_loaded(group: TPGroup, loaded: bool) -> None:
 
 
 def worker_main(config: EngineConfig, model_config: ModelConfig, init: TPInit) -> None:
+    # Ctrl-C reaches the whole process group: rank 0 decides when this rank stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{init.rank} %(message)s")
     group = TPGroup.join(init)
     try:
@@ -124,9 +127,21 @@ def worker_main(config: EngineConfig, model_config: ModelConfig, init: TPInit) -
 
 
 def serve_steps(runner: ModelRunner) -> None:
-    """Run rank 0's messages until STOP."""
-    while True:
-        kind, arrays = messages.receive(runner.group)
-        if kind is messages.MessageKind.STOP:
-            return
-        runner.forward_step(messages.ForwardStep.from_arrays(arrays))
+    """Run rank 0's messages until STOP: forwards, and the KV transfers of a disaggregated
+    node (kvtransfer/tp_engine.py, imported here lazily: the engine does not need it)."""
+    from kvtransfer.tp_engine import RankTransferAgent
+
+    agent = RankTransferAgent(runner)
+    try:
+        while True:
+            kind, arrays = messages.receive(runner.group)
+            if kind is messages.MessageKind.STOP:
+                return
+            if kind is messages.MessageKind.FORWARD:
+                runner.forward_step(messages.ForwardStep.from_arrays(arrays))
+            elif kind in agent.KINDS:
+                agent.handle(kind, arrays)
+            else:
+                raise ValueError(f"tp rank {runner.group.rank}: unknown message kind {kind!r}")
+    finally:
+        agent.close()
