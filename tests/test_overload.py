@@ -22,6 +22,7 @@ bound (no queue grows with the offered load).
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import statistics
 import threading
@@ -76,17 +77,37 @@ def _body(i: int) -> dict[str, object]:
     }
 
 
-async def _send(http: httpx.AsyncClient, url: str, i: int) -> Outcome:
+async def _post(url: str, body: dict[str, object]) -> tuple[int, dict[str, str], bytes]:
+    """POST /v1/completions on a fresh connection: a bare HTTP/1.1 client, so that the load
+    generator (on the same 2 cores as the cluster) spends as little CPU per request as it can."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(data), data)
+        )
+        await writer.drain()
+        raw = await reader.read()  # the gateway closes after the answer
+    finally:
+        writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, payload
+
+
+async def _send(url: str, i: int) -> Outcome:
     start = time.monotonic()
-    response = await http.post(url + "/v1/completions", json=_body(i))
-    latency = time.monotonic() - start
-    outcome = Outcome(response.status_code, latency, response.headers.get("retry-after"))
-    if response.status_code == 200:
-        body = response.json()
+    status, headers, payload = await _post(url, _body(i))
+    outcome = Outcome(status, time.monotonic() - start, headers.get("retry-after"))
+    body = json.loads(payload)
+    if status == 200:
         outcome.completion_tokens = body["usage"]["completion_tokens"]
         outcome.finish_reason = body["choices"][0]["finish_reason"]
     else:
-        assert_openai_error(response.status_code, response.json())
+        assert_openai_error(status, body)
     return outcome
 
 
@@ -95,32 +116,29 @@ async def _closed_loop(url: str) -> tuple[float, list[Outcome]]:
     counter = iter(range(CAPACITY_REQUESTS))
     outcomes: list[Outcome] = []
 
-    async def client(http: httpx.AsyncClient) -> None:
+    async def client() -> None:
         for i in counter:
-            outcomes.append(await _send(http, url, i))
+            outcomes.append(await _send(url, i))
 
-    async with httpx.AsyncClient(timeout=120) as http:
-        await _send(http, url, -1)  # warm-up (first request on fresh channels)
-        start = time.monotonic()
-        await asyncio.gather(*(client(http) for _ in range(MAX_INFLIGHT)))
-        elapsed = time.monotonic() - start
+    await _send(url, -1)  # warm-up (first request on fresh channels)
+    start = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(MAX_INFLIGHT)))
+    elapsed = time.monotonic() - start
     return len(outcomes) / elapsed, outcomes
 
 
 async def _open_loop(url: str, rate: float, duration_s: float) -> list[Outcome]:
     rng = random.Random(4)
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-        tasks = []
-        start = time.monotonic()
-        next_at = 0.0
-        i = 0
-        while next_at < duration_s:
-            await asyncio.sleep(max(0.0, start + next_at - time.monotonic()))
-            tasks.append(asyncio.create_task(_send(http, url, i)))
-            i += 1
-            next_at += rng.expovariate(rate)
-        return list(await asyncio.gather(*tasks))
+    tasks = []
+    start = time.monotonic()
+    next_at = 0.0
+    i = 0
+    while next_at < duration_s:
+        await asyncio.sleep(max(0.0, start + next_at - time.monotonic()))
+        tasks.append(asyncio.create_task(_send(url, i)))
+        i += 1
+        next_at += rng.expovariate(rate)
+    return list(await asyncio.gather(*tasks))
 
 
 class RSSSampler:
