@@ -202,7 +202,7 @@ class NodeEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[NodeEvent.Kind, str]] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ...) -> None: ...
 
 class RoomDestination(_message.Message):
-    __slots__ = ("room", "decode_node_id", "prefill_node_id", "page_ids", "cached_tokens", "aux_slot", "prompt_len", "cancelled")
+    __slots__ = ("room", "decode_node_id", "prefill_node_id", "page_ids", "cached_tokens", "aux_slot", "prompt_len", "cancelled", "ticket")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     DECODE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,7 @@ class RoomDestination(_message.Message):
     AUX_SLOT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     room: int
     decode_node_id: str
     prefill_node_id: str
@@ -219,7 +220,8 @@ class RoomDestination(_message.Message):
     aux_slot: int
     prompt_len: int
     cancelled: bool
-    def __init__(self, room: _Optional[int] = ..., decode_node_id: _Optional[str] = ..., prefill_node_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., aux_slot: _Optional[int] = ..., prompt_len: _Optional[int] = ..., cancelled: _Optional[bool] = ...) -> None: ...
+    ticket: str
+    def __init__(self, room: _Optional[int] = ..., decode_node_id: _Optional[str] = ..., prefill_node_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., aux_slot: _Optional[int] = ..., prompt_len: _Optional[int] = ..., cancelled: _Optional[bool] = ..., ticket: _Optional[str] = ...) -> None: ...
 
 class RoomStatus(_message.Message):
     __slots__ = ("room", "prefill_node_id", "decode_node_id", "state", "reason", "may_still_write")
