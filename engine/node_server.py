@@ -29,6 +29,16 @@ from proto import node_pb2_grpc
 logger = logging.getLogger("pdserve.node")
 
 
+# Clients (the gateway: --node-keepalive) ping open calls to find a node that stopped answering.
+# gRPC servers by default answer pings more often than every 5 minutes on a quiet stream (D
+# waiting for a long prefill) with GOAWAY "too_many_pings", which would fail every call on the
+# connection: accept one a second.
+PING_POLICY = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
 async def serve_node(
     engine_loop: EngineLoop,
     service: NodeService,
@@ -39,7 +49,7 @@ async def serve_node(
 ) -> None:
     auth = auth or InternalAuth()
     server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0)], interceptors=auth.server_interceptors()
+        options=[("grpc.so_reuseport", 0), *PING_POLICY], interceptors=auth.server_interceptors()
     )
     node_pb2_grpc.add_NodeServicer_to_server(service, server)
     address = f"{config.host}:{config.port}"

@@ -115,7 +115,10 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics()
         self.directory = NodeDirectory(
-            config.routing.node_cooldown_s, self._nodes_changed, config.internal_auth
+            config.routing.node_cooldown_s,
+            self._nodes_changed,
+            config.internal_auth,
+            keepalive_s=config.routing.node_keepalive_s,
         )
         self.dispatcher = Dispatcher(self.directory, config.routing, self.metrics)
         self.openai = OpenAIHandlers(codec, self.dispatcher, config.model, config.limits)

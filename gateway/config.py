@@ -62,10 +62,15 @@ class RoutingConfig:
     prefix_block_tokens: int  # prefix_aware hashes prompts in blocks of this many tokens
     prefix_max_blocks: int  # remembered prefix blocks (LRU)
     prefix_balance_slack: int  # prefix_aware ignores a match this much busier than the idlest
+    # HTTP/2 pings on the node channels while calls are open (0: off): a node that stops
+    # answering (link cut, host down, process frozen) fails its calls within about twice this.
+    node_keepalive_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError("--max-attempts must be >= 1")
+        if self.node_keepalive_s < 0:
+            raise ValueError(f"--node-keepalive must be >= 0 s, got {self.node_keepalive_s}")
         if self.prefix_block_tokens < 1:
             raise ValueError("--prefix-block-tokens must be >= 1")
 

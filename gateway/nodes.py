@@ -74,15 +74,33 @@ class LiveNode:
         return now < self.cooldown_until
 
 
+def keepalive_options(interval_s: float) -> list[tuple[str, int]]:
+    """gRPC channel options: a ping every `interval_s` while calls are open, the transport (and
+    its calls, UNAVAILABLE) closed when one goes unanswered for `interval_s`. Without them a
+    stream from a node whose link was cut waits for TCP to give up (many minutes). The nodes
+    accept pings this often (engine/node_server.py, PING_POLICY)."""
+    if interval_s <= 0:
+        return []
+    ms = max(int(interval_s * 1000), 1000)
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),  # keep pinging a stream that is quiet
+    ]
+
+
 class NodeDirectory:
     def __init__(
         self,
         cooldown_s: float,
         on_change: Callable[[NodeDirectory], None] | None = None,
         auth: InternalAuth | None = None,
+        keepalive_s: float = 0.0,
     ) -> None:
         self.cooldown_s = cooldown_s
         self.auth = auth or InternalAuth()  # token and TLS of the node channels
+        self.channel_options = keepalive_options(keepalive_s)
         self.on_change = on_change
         self.nodes: dict[str, LiveNode] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -133,7 +151,7 @@ class NodeDirectory:
             return
         channel = self._channels.get(info.grpc_address)
         if channel is None:
-            channel = self.auth.channel(info.grpc_address)
+            channel = self.auth.channel(info.grpc_address, self.channel_options)
             self._channels[info.grpc_address] = channel
         old = self.nodes.get(info.node_id)
         node = LiveNode(

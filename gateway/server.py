@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--max-attempts", type=int, default=3, help="nodes tried before the first token")
     g.add_argument("--node-cooldown", type=float, default=5.0, help="seconds to skip a failed node")
+    g.add_argument(
+        "--node-keepalive",
+        type=float,
+        default=10.0,
+        help="seconds between pings of a node with open calls; one unanswered this long fails "
+        "them (0: off)",
+    )
     g.add_argument("--prefix-block-tokens", type=int, default=16)
     g.add_argument("--prefix-max-blocks", type=int, default=1 << 20)
     g.add_argument("--prefix-balance-slack", type=int, default=16, help="requests")
@@ -127,6 +134,7 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         max_attempts=args.max_attempts,
         node_cooldown_s=args.node_cooldown,
+        node_keepalive_s=args.node_keepalive,
         prefix_block_tokens=args.prefix_block_tokens,
         prefix_max_blocks=args.prefix_max_blocks,
         prefix_balance_slack=args.prefix_balance_slack,

@@ -19,8 +19,11 @@ Facts of nixl 1.5.1 that shape this file (checked on loopback, two processes):
   that drags in a second `libnl-route`, and every process that created a UCX agent dies with
   SIGSEGV at exit (exit code 139, in `rtnl_tc_unregister`). The constructor sets
   `UCX_MODULES=^efa` unless the environment sets it (AWS EFA hosts should set their own).
-- On loopback UCX also tries the host's other interfaces unless `UCX_NET_DEVICES=lo`; the
-  constructor sets that, only when unset and only when this node's host is a loopback name.
+- UCX uses every interface unless `UCX_NET_DEVICES` names some: on loopback it also tries the
+  host's other interfaces, and a node bound to one address (a network namespace, a host with a
+  private and a public NIC) would offer its peers addresses they cannot reach. The constructor
+  sets it, only when unset, to the device of the node's host: `lo` for a loopback name, else
+  the interface holding that IPv4 address (`net_device_for`); a wildcard host leaves it unset.
 - The agent's progress thread is required (without it the *target* of writes never makes UCX
   progress and writes into it hang), but `nixl_agent` hard-codes its wake-up delay
   (`nixlAgentConfig.pthrDelay`, microseconds) to 0: it then spins a whole core per process even
@@ -31,8 +34,11 @@ Facts of nixl 1.5.1 that shape this file (checked on loopback, two processes):
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
+import socket
+import struct
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -58,7 +64,28 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+_SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
 MemoryKind = tuple[str, int]  # ("DRAM" | "VRAM", device id)
+
+
+def net_device_for(host: str) -> str:
+    """The network interface that holds `host` ("lo" for loopback names; "" if none does)."""
+    if host in LOOPBACK_HOSTS:
+        return "lo"
+    try:
+        wanted = socket.inet_aton(host)
+    except OSError:  # a name or an IPv6 address: UCX picks its devices itself
+        return ""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                answer = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if answer[20:24] == wanted:
+                return name
+    return ""
 
 
 def memory_kind(region: MemoryRegion) -> MemoryKind:
@@ -127,8 +154,9 @@ class NixlEngine(KVTransferEngine):
         # UCX_MODULES: see the module docstring (EFA module -> SIGSEGV at exit).
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         os.environ.setdefault("UCX_MODULES", "^efa")
-        if config.host in LOOPBACK_HOSTS:
-            os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        device = net_device_for(config.host)
+        if device:
+            os.environ.setdefault("UCX_NET_DEVICES", device)
         from nixl._api import nixl_agent, nixl_agent_config
 
         with _progress_delay(config.nixl_progress_delay_us):
