@@ -149,6 +149,7 @@ class NodeLink:
             cached_tokens=dest.cached_tokens,
             aux_slot=dest.aux_slot,
             prompt_len=dest.prompt_len,
+            ticket=dest.ticket,
         )
         try:
             await self.client.post_destination(msg)

@@ -342,3 +342,46 @@ def _guarded_stream(behavior: Callable[..., Any], method: str) -> Callable[..., 
         return await behavior(request, context)
 
     return guarded
+
+
+# ---- room tickets -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoomTickets:
+    """The gateway's proof that it assigned a room to a (prefill, decode) pair.
+
+    Only the gateway and the bootstrap hold the key (`--room-key-file`), not the nodes: the
+    gateway puts `issue(room, P, D)` into D's GenerateRequest, D forwards it with its
+    destination, and the bootstrap opens the room only if it matches. So no node, even one
+    holding the internal token, can open a room the gateway gave to another decode node.
+    """
+
+    key: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.key) < 16:
+            raise ValueError("--room-key-file must hold at least 16 bytes of random key")
+
+    def issue(self, room: int, prefill_node_id: str, decode_node_id: str) -> str:
+        message = f"{room}|{prefill_node_id}|{decode_node_id}".encode()
+        return hmac.new(self.key, message, "sha256").hexdigest()[:32]
+
+    def valid(self, ticket: str, room: int, prefill_node_id: str, decode_node_id: str) -> bool:
+        expected = self.issue(room, prefill_node_id, decode_node_id)
+        return hmac.compare_digest(ticket.encode(), expected.encode())
+
+
+def add_room_key_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--room-key-file",
+        default=None,
+        help="secret shared by the gateway and the bootstrap only: the gateway signs each room's "
+        "(room, prefill node, decode node) with it and the bootstrap refuses destinations that "
+        "do not carry that signature",
+    )
+
+
+def room_tickets_from_args(args: argparse.Namespace) -> RoomTickets | None:
+    key = _read_file(args.room_key_file, "--room-key-file")
+    return None if key is None else RoomTickets(key.strip())

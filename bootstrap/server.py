@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from bootstrap.metrics import BootstrapMetrics
-from bootstrap.security import InternalAuth, add_internal_auth_args, internal_auth_from_args
+from bootstrap.security import (
+    InternalAuth,
+    add_internal_auth_args,
+    add_room_key_arg,
+    internal_auth_from_args,
+    room_tickets_from_args,
+)
 from bootstrap.service import BootstrapConfig, BootstrapService
 from bootstrap.telemetry import (
     LogConfig,
@@ -62,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_port_arg(parser)
     add_log_args(parser)
     add_internal_auth_args(parser)
+    add_room_key_arg(parser)
     return parser
 
 
@@ -78,6 +85,7 @@ def build_configs(
         )
     try:
         auth = internal_auth_from_args(args)
+        tickets = room_tickets_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     if auth.tls is not None and auth.tls.cert is None:
@@ -88,6 +96,7 @@ def build_configs(
         room_ttl_s=args.room_ttl,
         # A cluster that keeps outsiders out also keeps each node to its own rooms.
         verify_node_identity=bool(auth.token),
+        tickets=tickets,
     )
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         parser.error(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")

@@ -29,7 +29,7 @@ from bootstrap.errors import (
 from bootstrap.metrics import BootstrapMetrics
 from bootstrap.registry import NodeRecord, NodeRegistry
 from bootstrap.rooms import RoomPhase, RoomTable
-from bootstrap.security import NODE_ID_HEADER, NODE_SECRET_HEADER, metadata_value
+from bootstrap.security import NODE_ID_HEADER, NODE_SECRET_HEADER, RoomTickets, metadata_value
 from bootstrap.streams import Broadcast, Outbox
 from bootstrap.telemetry import current_room
 from proto import bootstrap_pb2, bootstrap_pb2_grpc
@@ -51,6 +51,9 @@ class BootstrapConfig:
     # the room's decode node posts its destination, only its prefill node its status, and a
     # node heartbeats, deregisters and watches only as itself. On with an internal token.
     verify_node_identity: bool = False
+    # With a room key (--room-key-file): a destination must carry the gateway's ticket for
+    # (room, prefill node, decode node), so only the decode node the room was assigned to opens it.
+    tickets: RoomTickets | None = None
 
     @property
     def sweep_interval_s(self) -> float:
@@ -194,6 +197,16 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         if decode.role != bootstrap_pb2.DECODE:
             raise FailedPrecondition(
                 f"room {dest.room}: {decode.label} cannot post destinations; only decode nodes do"
+            )
+        tickets = self.config.tickets
+        if tickets is not None and not tickets.valid(
+            dest.ticket, dest.room, dest.prefill_node_id, dest.decode_node_id
+        ):
+            raise PermissionDenied(
+                f"room {dest.room}: {'no' if not dest.ticket else 'a wrong'} room ticket for "
+                f"decode node {dest.decode_node_id} and prefill node {dest.prefill_node_id}: "
+                "only the decode node the gateway assigned the room to may open it (the gateway "
+                "and the bootstrap share --room-key-file)"
             )
         prefill = self.registry.get(dest.prefill_node_id)
         if prefill is None:

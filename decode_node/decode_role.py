@@ -177,6 +177,7 @@ class DecodeRole:
             cached_tokens=cached,
             aux_slot=req.slot,
             prompt_len=len(req.prompt_ids),
+            ticket=req.room_ticket,
         )
         entry.published = self.clock()
         entry.epoch = self.link.epoch

@@ -171,6 +171,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                     request.bootstrap_room, request.prefill_node_id, "prefill", False
                 )
                 req.peer_node_id = request.prefill_node_id
+                req.room_ticket = request.room_ticket
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RequestError as exc:

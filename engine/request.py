@@ -52,6 +52,7 @@ class Req:
     # Disaggregation: the bootstrap room and the node on the other side ("" when colocated).
     room: int = 0
     peer_node_id: str = ""
+    room_ticket: str = ""  # D: the gateway's GenerateRequest.room_ticket, forwarded to bootstrap
     stop_after_prefill: bool = False  # prefill node: hand off after the first token, no decode
     transfer: TransferSummary | None = None
     timing: RequestTiming = field(default_factory=RequestTiming)

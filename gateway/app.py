@@ -120,7 +120,9 @@ class Gateway:
             config.internal_auth,
             keepalive_s=config.routing.node_keepalive_s,
         )
-        self.dispatcher = Dispatcher(self.directory, config.routing, self.metrics)
+        self.dispatcher = Dispatcher(
+            self.directory, config.routing, self.metrics, config.room_tickets
+        )
         self.openai = OpenAIHandlers(codec, self.dispatcher, config.model, config.limits)
         self.native = NativeHandler(codec, self.dispatcher, config.model, config.limits)
         self.inflight = 0

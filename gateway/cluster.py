@@ -14,7 +14,8 @@ kernel if pd-cluster itself is killed (PR_SET_PDEATHSIG).
 
 Internal gRPC security (`--internal-token-file`, `--tls-*`, see bootstrap/security.py) is passed
 to every child by the same flags; a token given by value (`--internal-token` or the environment)
-reaches the children through their environment, never their argv.
+reaches the children through their environment, never their argv. `--room-key-file` goes to the
+bootstrap and the gateway only (the nodes must not hold it: bootstrap/security.py, RoomTickets).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ from typing import IO
 from bootstrap.security import (
     TOKEN_ENV,
     add_internal_auth_args,
+    add_room_key_arg,
     internal_auth_argv,
     internal_auth_from_args,
+    room_tickets_from_args,
 )
 from bootstrap.telemetry import add_log_args
 
@@ -69,6 +72,7 @@ class ClusterConfig:
     log_args: tuple[str, ...] = ()  # --log-level / --log-format for every child
     auth_args: tuple[str, ...] = ()  # internal token file and TLS flags for every child
     internal_token: str = field(default="", repr=False)  # by value: to the children's env
+    room_key_args: tuple[str, ...] = ()  # --room-key-file for the bootstrap and the gateway
 
 
 @dataclass
@@ -100,7 +104,9 @@ class Cluster:
     def start(self, stop: threading.Event) -> str:
         """Start every process and wait until the gateway is healthy; returns its base URL."""
         c = self.config
-        bootstrap = self._spawn("bootstrap", "bootstrap-server", [], essential=True, metrics=True)
+        bootstrap = self._spawn(
+            "bootstrap", "bootstrap-server", [*c.room_key_args], essential=True, metrics=True
+        )
         common = ["--bootstrap", bootstrap.address, "--transfer-backend", c.backend]
         common += ["--max-total-tokens", str(c.max_total_tokens), *self._model_args()]
         common += list(c.node_args)
@@ -110,7 +116,8 @@ class Cluster:
         for i in range(c.decode):
             args = ["--mode", "disaggregated", *common, *c.decode_args]
             self._spawn(f"decode-{i}", "decode-server", args, metrics=True)
-        gateway_args = ["--bootstrap", bootstrap.address, *self._model_args(), *c.gateway_args]
+        gateway_args = ["--bootstrap", bootstrap.address, *self._model_args(), *c.room_key_args]
+        gateway_args += c.gateway_args
         gateway = self._spawn("gateway", "gateway-server", gateway_args, True, port=c.port)
         url = f"http://{gateway.address}"
         gateway.metrics_url = f"{url}/metrics"
@@ -310,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-dir", type=Path, default=None, help="also write <name>.log here")
     add_log_args(parser)
     add_internal_auth_args(parser)
+    add_room_key_arg(parser)
     return parser
 
 
@@ -317,6 +325,7 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
     if args.prefill < 0 or args.decode < 1:
         raise ValueError("--prefill must be >= 0 and --decode >= 1")
     auth = internal_auth_from_args(args)  # reads the files now: a bad path fails here
+    room_tickets_from_args(args)
     return ClusterConfig(
         prefill=args.prefill,
         decode=args.decode,
@@ -333,6 +342,7 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         log_args=("--log-level", args.log_level, "--log-format", args.log_format),
         auth_args=tuple(internal_auth_argv(args)),
         internal_token="" if args.internal_token_file else auth.token,
+        room_key_args=("--room-key-file", args.room_key_file) if args.room_key_file else (),
     )
 
 

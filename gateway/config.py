@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bootstrap.security import InternalAuth
+from bootstrap.security import InternalAuth, RoomTickets
 
 # API key scopes. A route belongs to one scope; a key may call the routes of its scopes only
 # (403 otherwise). `inference`: the OpenAI and native generation routes and /v1/models.
@@ -85,3 +85,4 @@ class GatewayConfig:
     routing: RoutingConfig
     log_level: str = "info"
     internal_auth: InternalAuth = field(default_factory=InternalAuth)  # gRPC to the cluster
+    room_tickets: RoomTickets | None = None  # --room-key-file: signs each room's assignment

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from bootstrap.security import RoomTickets
 from gateway.config import RoutingConfig
 from gateway.errors import GenerationFailed, bad_request, unavailable
 from gateway.metrics import GatewayMetrics
@@ -45,9 +46,14 @@ class AttemptFailure:
 
 class Dispatcher:
     def __init__(
-        self, directory: NodeDirectory, config: RoutingConfig, metrics: GatewayMetrics
+        self,
+        directory: NodeDirectory,
+        config: RoutingConfig,
+        metrics: GatewayMetrics,
+        tickets: RoomTickets | None = None,
     ) -> None:
         self.directory = directory
+        self.tickets = tickets  # signs each room's (prefill, decode) assignment for bootstrap
         self.router = Router(directory, config)
         self.config = config
         self.metrics = metrics
@@ -108,6 +114,7 @@ class Generation:
                 self.prompt_ids,
                 self.sampling,
                 rid=f"{self.rid}-{attempt}",
+                tickets=d.tickets,
             )
             sent = False
             last_chunk = 0.0

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from bootstrap.security import RoomTickets
 from proto import node_pb2, node_pb2_grpc
 
 # After D aborted, P normally answers within milliseconds (it reported the failure itself).
@@ -81,6 +82,7 @@ class PDStream:
         sampling: node_pb2.SamplingParams,
         room: int | None = None,
         rid: str = "",
+        tickets: RoomTickets | None = None,
     ) -> None:
         self.decode = decode
         self.prefill = prefill
@@ -94,6 +96,8 @@ class PDStream:
             bootstrap_room=room,
             prefill_node_id=prefill.node_id if prefill else "",
         )
+        if tickets is not None and prefill is not None:
+            self._generate.room_ticket = tickets.issue(room, prefill.node_id, decode.node_id)
         self._prefill_request = (
             node_pb2.PrefillRequest(
                 rid=self.rid,

@@ -12,7 +12,12 @@ import logging
 import sys
 from pathlib import Path
 
-from bootstrap.security import add_internal_auth_args, internal_auth_from_args
+from bootstrap.security import (
+    add_internal_auth_args,
+    add_room_key_arg,
+    internal_auth_from_args,
+    room_tickets_from_args,
+)
 from bootstrap.telemetry import add_log_args
 from engine.server_args import configure_logging
 from gateway.config import (
@@ -87,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {INFERENCE}); # starts a comment",
     )
     add_internal_auth_args(parser)
+    add_room_key_arg(parser)
     return parser
 
 
@@ -148,6 +154,7 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         routing,
         args.log_level,
         internal_auth_from_args(args),
+        room_tickets_from_args(args),
     )
 
 

@@ -33,6 +33,7 @@ class RoomDestination:
     aux_slot: int
     prompt_len: int
     cancelled: bool = False
+    ticket: str = ""  # the gateway's room ticket (bootstrap/security.py, RoomTickets)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from bootstrap.client import BootstrapClient
-from bootstrap.security import TOKEN_HEADER, InternalAuth, TLSConfig
+from bootstrap.security import TOKEN_HEADER, InternalAuth, RoomTickets, TLSConfig
 from proto import bootstrap_pb2 as pb
 from proto import bootstrap_pb2_grpc, node_pb2, node_pb2_grpc
 from tests.hardening import Certs, assert_openai_error, cluster_process, make_certs, tiny_chat_model
@@ -32,6 +32,8 @@ TOKEN = "s3cret-internal-token-0123456789"
 USER_KEY = "user-key-1"
 ADMIN_KEY = "admin-key-1"
 WAIT_S = 10.0
+ROOM_KEY = "0123456789abcdef0123456789abcdef"  # shared by the gateway and bootstrap only
+TICKETS = RoomTickets(ROOM_KEY.encode())
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,10 @@ def secure_cluster(
     token_file.chmod(0o600)
     keys_file = tmp / "api-keys"
     keys_file.write_text(f"{USER_KEY} inference\n{ADMIN_KEY} admin  # the scraper\n")
+    room_key = tmp / "room-key"
+    room_key.write_text(ROOM_KEY)
     args = ["--internal-token-file", str(token_file), "--tls-ca", str(certs.ca)]
+    args += ["--room-key-file", str(room_key)]
     args += ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key)]
     args += ["--tls-require-client-cert"]
     gateway_args = ["--local-prefill-max-tokens", "0", "--api-keys-file", str(keys_file)]
@@ -172,9 +177,14 @@ def guarded_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node
     tmp = tmp_path_factory.mktemp("guarded-bootstrap")
     token_file = tmp / "token"
     token_file.write_text(TOKEN)
+    room_key = tmp / "room-key"
+    room_key.write_text(ROOM_KEY)
     with running_node(
         "bootstrap-server",
-        ["--internal-token-file", str(token_file), "--heartbeat-timeout", "120"],
+        [
+            *("--internal-token-file", str(token_file), "--heartbeat-timeout", "120"),
+            *("--room-key-file", str(room_key)),
+        ],
         tmp / "bootstrap.log",
         probe=_ready_with_token,
     ) as server:
@@ -217,9 +227,17 @@ def _run_rooms(address: str, scenario) -> None:  # type: ignore[no-untyped-def]
     asyncio.run(main())
 
 
-def _destination(room: int, prefill: str, decode: str) -> pb.RoomDestination:
+def _destination(
+    room: int, prefill: str, decode: str, ticket: str | None = None
+) -> pb.RoomDestination:
+    """D's destination; with the ticket the gateway gave D for (room, P, D) unless one is given."""
     return pb.RoomDestination(
-        room=room, prefill_node_id=prefill, decode_node_id=decode, page_ids=[5, 6], aux_slot=1
+        room=room,
+        prefill_node_id=prefill,
+        decode_node_id=decode,
+        page_ids=[5, 6],
+        aux_slot=1,
+        ticket=TICKETS.issue(room, prefill, decode) if ticket is None else ticket,
     )
 
 
@@ -256,6 +274,26 @@ def test_destination_hijack_rejected(guarded_bootstrap: NodeServer) -> None:
         )
         status = await _next(d_client.watch_room_status(d_id))
         assert (status.room, status.state) == (room, pb.DONE)
+
+    _run_rooms(guarded_bootstrap.address, scenario)
+
+
+def test_room_opened_only_by_its_assigned_decode_node(guarded_bootstrap: NodeServer) -> None:
+    """The gateway assigned a room to D (the room ticket); another decode node that learnt the
+    room number cannot open it for itself, with no ticket, D's ticket or a made-up one."""
+
+    async def scenario(p, d, intruder) -> None:  # type: ignore[no-untyped-def]
+        (p_client, p_id), (d_client, d_id), (i_client, i_id) = p, d, intruder
+        room = 0x5EC0201
+        for ticket in ("", TICKETS.issue(room, p_id, d_id), "f" * 32):
+            details = await _denied(
+                i_client.post_destination(_destination(room, p_id, i_id, ticket)), str(room)
+            )
+            assert "room ticket" in details and i_id in details
+        # Nothing was opened: the assigned D opens the room and P gets D's pages.
+        await d_client.post_destination(_destination(room, p_id, d_id))
+        got = await _next(p_client.watch_destinations(p_id))
+        assert (got.room, got.decode_node_id) == (room, d_id)
 
     _run_rooms(guarded_bootstrap.address, scenario)
 
@@ -305,6 +343,9 @@ def test_tls_config_rejects_half_configurations() -> None:
     with pytest.raises(ValueError, match="--tls-ca"):
         TLSConfig(cert=b"x", key=b"y", require_client_cert=True)
     assert "secret" not in repr(InternalAuth("secret"))
+    assert ROOM_KEY not in repr(TICKETS)
+    with pytest.raises(ValueError, match="16 bytes"):
+        RoomTickets(b"short")
 
 
 def test_api_keys_file_parsing(tmp_path: Path) -> None:
