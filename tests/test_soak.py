@@ -198,7 +198,7 @@ def test_short_soak_on_a_real_cluster_passes(tiny_model: Path, tmp_path: Path) -
         assert (node, "kv_used") in seen and (node, "kv_cached") in seen
     assert ("bootstrap", "rooms_open") in seen and ("decode-0", "quarantine") in seen
     rss = [float(r["value"]) for r in rows if r["quantity"] == "rss_mib"]
-    assert min(rss) > 50  # every process is a real Python server
+    assert min(rss) > 20  # every process is a real Python server (bootstrap: ~46 MiB)
     summary = (out / "summary.md").read_text()
     completed = re.search(r"^- completed (\d+), failed 0", summary, re.M)
     assert completed and int(completed.group(1)) >= 5, summary
