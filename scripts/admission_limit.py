@@ -5,8 +5,9 @@ K requests (x n choices): an admitted request's E2E is about TTFT(<= K prompts q
 max_tokens x ITL(batch K), and both grow with K. This script runs closed loops of K concurrent
 clients against a gateway started with a high `--max-inflight` (so that it admits them all) and
 reports, per K, throughput and E2E percentiles; the recommended limit is the largest K up to
-which every measured K meets the E2E p99 of `--slo-e2e-ms` (it stops at the first miss). Under overload the gateway then keeps admitted requests at that
-operating point and answers the rest 429 at once (tests/test_overload.py).
+which every measured K meets the E2E p99 of `--slo-e2e-ms` (it stops at the first miss). Under
+overload the gateway then keeps admitted requests at that operating point and answers the rest
+429 at once (tests/test_overload.py).
 
     pd-cluster --gateway-args "--max-inflight 1024" &
     python scripts/admission_limit.py --base-url http://127.0.0.1:PORT --slo-e2e-ms 800
