@@ -12,6 +12,8 @@ from engine.config import EngineConfig
 from engine.engine_loop import LoopConfig
 from kvtransfer.base import TransferConfig
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -51,7 +53,14 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--watchdog-timeout", type=float, default=300.0, help="seconds per step")
     g.add_argument("--decode-log-interval", type=int, default=40)
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address other nodes and the gateway reach this node at, registered with "
+        "bootstrap and used by the transfer engine (default: --host; required when --host "
+        "listens on every interface)",
+    )
     g.add_argument("--port", type=int, default=30001)
     g.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds for in-flight work")
     add_metrics_port_arg(g)
@@ -159,6 +168,22 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def advertised_host(args: argparse.Namespace) -> str:
+    """The address peers use for this node: --advertise-host, else --host unless a wildcard."""
+    host = args.advertise_host or args.host
+    if host in WILDCARD_HOSTS:
+        raise ValueError(
+            f"--host {args.host} listens on every interface: give --advertise-host, the "
+            "address the other nodes and the gateway reach this node at"
+        )
+    return str(host)
+
+
+def node_address(args: argparse.Namespace) -> str:
+    """host:port of the node API as registered with bootstrap."""
+    return f"{advertised_host(args)}:{args.port}"
+
+
 def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
     for flag in ("inject_transfer_failures", "inject_aux_corruption"):
         if not 0.0 <= getattr(args, flag) <= 1.0:
@@ -166,8 +191,8 @@ def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
             raise ValueError(f"{name} is a probability in [0, 1], got {getattr(args, flag)}")
     return TransferConfig(
         backend=args.transfer_backend,
-        node_name=f"{role}-{args.host}-{args.port}",
-        host=args.host,
+        node_name=f"{role}-{advertised_host(args)}-{args.port}",
+        host=advertised_host(args),
         protocol=args.transfer_protocol,
         device_names=args.transfer_devices,
         fail_rate=args.inject_transfer_failures,

@@ -19,6 +19,7 @@ from engine.server_args import (
     add_node_args,
     configure_logging,
     loop_config,
+    node_address,
     server_config,
     transfer_config,
 )
@@ -42,9 +43,7 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
     scheduler = engine.scheduler
     runner = scheduler.runner
     transfer = setup_transfer(transfer_config(args, "prefill"), runner)
-    info = node_info(
-        bootstrap_pb2.PREFILL, f"{args.host}:{args.port}", transfer, runner, args.node_id
-    )
+    info = node_info(bootstrap_pb2.PREFILL, node_address(args), transfer, runner, args.node_id)
     load = lambda: node_load(scheduler, lambda: (len(role.inflight), len(role.bootstrap)))  # noqa: E731
     auth = internal_auth_from_args(args)
     link = make_link(args.bootstrap, info, lambda msg: role.deliver(msg), load, auth)
