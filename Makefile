@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 PACKAGES := engine kvtransfer bootstrap prefill_node decode_node gateway
 
-.PHONY: proto setup run test test-faults lint typecheck pytest fetch-model bench-engine bench-gateway clean
+.PHONY: proto setup run test test-faults test-tp lint typecheck pytest fetch-model bench-engine bench-gateway clean
 
 setup: $(STAMP)
 
@@ -38,11 +38,14 @@ typecheck: setup
 	$(BIN)/mypy $(PACKAGES)
 
 pytest: setup
-	$(BIN)/pytest -q -x --durations=15 -m "not faults"
+	$(BIN)/pytest -q -x --durations=15 -m "not faults and not tp_matrix"
 
 # Processes killed and frozen under load, both transfer backends (minutes): see tests/test_faults_*.py.
 test-faults: setup fetch-model
 	$(BIN)/pytest -q -x --durations=15 -m faults -s
+
+test-tp: setup
+	$(BIN)/pytest -q -x --durations=15 -m tp_matrix tests/test_tp.py tests/test_tp_disagg.py
 
 test: lint typecheck pytest
 

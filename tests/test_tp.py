@@ -81,7 +81,10 @@ def prompts_and_reference(default_model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp_size", [1, 2, 3])
+@pytest.mark.parametrize(
+    "tp_size",
+    [pytest.param(1, marks=pytest.mark.tp_matrix), 2, pytest.param(3, marks=pytest.mark.tp_matrix)],
+)
 def test_tp_colocated_matches_hf(default_model_dir, prompts_and_reference, tp_size: int) -> None:
     """Chunks small enough to split prompts; a second pass hits the prefix cache."""
     prompts, expected = prompts_and_reference
