@@ -33,7 +33,7 @@ from gateway.errors import APIError, bad_request
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.native_api import NativeHandler
 from gateway.nodes import ROLE_NAMES, NodeDirectory
-from gateway.openai_api import OpenAIHandlers, Payload
+from gateway.openai_api import DONE, OpenAIHandlers, Payload
 from gateway.openapi import openapi_document
 from gateway.text import TextCodec
 from gateway.timeline import RequestTrace, current_trace
@@ -42,7 +42,9 @@ logger = logging.getLogger("pdserve.gateway")
 
 Handler = Callable[[dict[str, Any]], Coroutine[Any, Any, Payload]]
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
-# Non-streaming answers carry the timing breakdown of their slowest choice (gateway/timeline.py).
+# OpenAI answers carry the timing breakdown of their slowest choice (gateway/timeline.py): a
+# header when not streamed; a stream's headers leave before any timing exists, so it ends with
+# the same value in an SSE comment line before `data: [DONE]` (clients skip comment lines).
 TIMING_HEADER = "Server-Timing"
 
 
@@ -80,12 +82,18 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, frames: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        frames: AsyncGenerator[bytes, None],
+        on_close: Callable[[], None],
+        trace: RequestTrace | None = None,
+    ) -> None:
         super().__init__(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         # Response sets `content-length: 0` for its empty body; a stream has no length.
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self.frames = frames
         self.on_close = on_close
+        self.trace = trace
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump = asyncio.ensure_future(self._pump(send))
@@ -104,6 +112,9 @@ class EventStream(Response):
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         async with contextlib.aclosing(self.frames) as frames:
             async for frame in frames:
+                if frame == DONE and self.trace and (timeline := self.trace.slowest()):
+                    comment = f": {TIMING_HEADER}: {timeline.server_timing()}\n\n".encode()
+                    await send({"type": "http.response.body", "body": comment, "more_body": True})
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -149,7 +160,7 @@ class Gateway:
                 timeline = trace.slowest()
                 headers = {TIMING_HEADER: timeline.server_timing()} if timeline else None
                 return JSONResponse(payload, headers=headers)
-            return EventStream(payload, on_close=self._release)
+            return EventStream(payload, on_close=self._release, trace=trace)
         except APIError as exc:
             status = exc.status
             if status == 503:

@@ -327,6 +327,19 @@ def test_timing_breakdown_adds_up_to_the_measured_e2e(cluster: Cluster) -> None:
     assert set(timing) == {*SEGMENTS, "e2e", "transfer_kv"}, header
     _check_breakdown(timing, client_e2e + 1e-3)  # the header rounds to the microsecond
 
+    # Streamed: the same value in an SSE comment just before `data: [DONE]`.
+    t0 = time.perf_counter()
+    response = client.post(
+        "/v1/completions", json={**body, "prompt": _prompt(201), "stream": True, "ignore_eos": True}
+    )
+    client_e2e = time.perf_counter() - t0
+    assert response.status_code == 200, response.text
+    frames = response.text.strip().split("\n\n")
+    assert frames[-1] == "data: [DONE]" and frames[-2].startswith(": Server-Timing: "), frames[-3:]
+    timing = {n: float(ms) / 1000 for n, ms in re.findall(r"(\w+);dur=(-?[0-9.]+)", frames[-2])}
+    assert set(timing) == {*SEGMENTS, "e2e", "transfer_kv"}, frames[-2]
+    _check_breakdown(timing, client_e2e + 1e-3)
+
 
 def test_every_process_logs_one_format_with_the_room(cluster: Cluster) -> None:
     body = {"text": _prompt(300), "sampling_params": {"max_new_tokens": 2}}
