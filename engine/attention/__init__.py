@@ -10,6 +10,8 @@ ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
     # name: (module:class, the package a user must install for it)
     "torch_native": ("engine.attention.torch_native:TorchNativeBackend", "torch"),
     "triton": ("engine.attention.triton_backend:TritonBackend", "triton"),
+    # imports flashinfer when constructed: the module itself loads without it (CPU machines)
+    "flashinfer": ("engine.attention.flashinfer_backend:FlashInferBackend", "flashinfer-python"),
 }
 
 

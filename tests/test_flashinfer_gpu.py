@@ -1,0 +1,39 @@
+"""The FlashInfer backend's kernels on a GPU against torch-native; skipped without a GPU and
+flashinfer (CI has neither: scripts/gpu/check_flashinfer.py runs this and more on the device
+machine, with the wheels scripts/gpu/flashinfer_wheels.py carries)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from engine.attention.flashinfer_backend import FlashInferBackend
+from engine.attention.torch_native import TorchNativeBackend
+from tests.test_triton_reference import make_case, run_backend
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
+    reason="needs a CUDA GPU and flashinfer-python (pip install pdserve[gpu])",
+)
+
+CASES = {
+    "decode": ([5, 150, 0, 63, 64, 2047], [1] * 6),
+    "extend": ([0, 0, 13, 40, 77], [7, 7, 20, 1, 300]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_kernels_match_torch_native(kind: str, page_size: int) -> None:
+    prefix, ext = CASES[kind]
+    case = make_case(page_size, prefix, ext, num_kv_heads=2, group=4, head_dim=128,
+                     device="cuda", dtype=torch.bfloat16)  # fmt: skip
+    ref_outs, ref_cache = run_backend(TorchNativeBackend, *case)
+    outs, new_cache = run_backend(FlashInferBackend, *case)
+    assert torch.equal(new_cache, ref_cache)
+    for out, ref in zip(outs, ref_outs, strict=True):
+        assert torch.isfinite(out).all()
+        err = (out.float() - ref.float()).norm() / ref.float().norm()
+        assert err < 2e-2
