@@ -95,6 +95,7 @@ def pad_page_table(pages: PageTable, pad: int) -> PageTable:
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
+    tensor_core_min_group = TENSOR_CORE_DECODE_MIN_GROUP  # scripts/gpu/check_flashinfer times both
 
     def __init__(self, kv_cache: PagedKVCache, req_to_token: ReqToTokenPool) -> None:
         super().__init__(kv_cache, req_to_token)
@@ -138,7 +139,7 @@ class FlashInferBackend(AttentionBackend):
         return self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
             "HND",
-            use_tensor_cores=group >= TENSOR_CORE_DECODE_MIN_GROUP,
+            use_tensor_cores=group >= self.tensor_core_min_group,
             **(graph_buffers or {}),
         )
 

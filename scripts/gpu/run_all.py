@@ -17,6 +17,10 @@ Needs torch with CUDA and Triton, nothing else (the GPU image has both). Steps:
    path (A/B) and the graph replay alone (what overlapping the host's batch building would leave);
 4. prefill throughput of one 1k/4k/8k-token chunk against the matmul rate (MFU: the model's
    matmul FLOPs, causal attention counted once), fused and unfused elementwise.
+5. when flashinfer imports (wheels carried: scripts/gpu/flashinfer_wheels.py), the FlashInfer
+   backend's checks and rows from scripts/gpu/check_flashinfer.py: its checks gate the figures
+   with the others, and it adds one layer's attention of every backend and flashinfer's decode
+   and prefill rows beside the ones above; without flashinfer a row says it was not run.
 A section that fails records its error in the table; the run goes on with the next one.
 """
 
@@ -567,6 +571,20 @@ def markdown(env: dict[str, str], rep: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
+def flashinfer_module(rep: Report) -> Any:
+    """check_flashinfer when flashinfer imports (the `gpu` extra, carried as wheels: see
+    scripts/gpu/flashinfer_wheels.py); otherwise a row saying why its backend was not run."""
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:
+        rep.row("flashinfer backend", "not run: flashinfer-python not installed "
+                "(scripts/gpu/flashinfer_wheels.py)")  # fmt: skip
+        return None
+    import check_flashinfer
+
+    return check_flashinfer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -592,6 +610,9 @@ def main() -> None:
     section("elementwise checks", lambda: check_elementwise(rep))
     section("engine check", lambda: check_engine(rep, Path(tempfile.mkdtemp())))
     section("model check", lambda: check_model(rep, build_dummy_model(2), gate=True))
+    flashinfer = flashinfer_module(rep)
+    if flashinfer is not None:
+        flashinfer.flashinfer_checks(rep, Path(tempfile.mkdtemp()), section)
     t0 = time.perf_counter()
     model = build_dummy_model()
     log(f"model built in {time.perf_counter() - t0:.1f} s")
@@ -601,6 +622,9 @@ def main() -> None:
         section("decode", lambda: bench_decode(rep, model, copy_bw, batches, args.context))
         chunks = [int(c) for c in args.chunks.split(",")]
         section("prefill", lambda: bench_prefill(rep, model, matmul, chunks))
+        if flashinfer is not None:  # its rows beside the ones above (scripts/gpu/check_flashinfer)
+            flashinfer.flashinfer_figures(rep, model, (copy_bw, matmul), batches, chunks,
+                                          args.context, section, names=("flashinfer",))  # fmt: skip
         del model
         torch.cuda.empty_cache()
         section("kv transfer", lambda: bench_kv_transfer(rep))
