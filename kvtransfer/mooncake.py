@@ -16,16 +16,40 @@ Facts of the 0.3.13 Python binding that shape this file (checked on loopback TCP
   constructor raises both caps to the library maximum unless the operator has set them.
 - `initialize` returns 0 for protocol "rdma" even when no RDMA device matches: the engine then
   runs over TCP. The constructor refuses that instead.
+
+KV pools in GPU memory (the CUDA builds `mooncake-transfer-engine` / `-cuda13`; 0.3.14 checked
+on one H200, two processes on the GPU, benchmarks/gpu-2026-11-23-mooncake-h200.md):
+- The binding's `protocol` argument only picks the allocator of its managed buffers; the
+  transport comes from the environment at `initialize`: `MC_INTRANODE_NVLINK` installs
+  "nvlink_intra" (CUDA IPC handles of registered `cudaMalloc` memory, copies by the GPU),
+  `MC_FORCE_TCP` (or no RDMA device and no setting) the TCP transport, which stages GPU memory
+  through host buffers (~2 GB/s). Protocol "nvlink_intra" here sets the first for the duration
+  of `initialize` only. The wheel has no "nvlink" (multi-node NVLink) transport.
+- A copy between two processes on one GPU takes 0.1-1.4 ms, but the waiter thread's answer
+  reached a caller polling in a loop ~10 ms after the write: the waiter needs the GIL twice (to
+  start the status call, to return from it) and a thread that keeps the GIL hands it over only
+  every switch interval (5 ms). With "nvlink_intra" a `poll` that finds the write pending
+  therefore releases the GIL once (`time.sleep(0)`) before answering. (Asking the batches from
+  `poll` with the binding's non-blocking `transfer_check_status` and then freeing them with the
+  status call crashed the process: SIGSEGV.) A thread busy elsewhere (a model step) still
+  delays the answer by up to the switch interval. TCP and RDMA polls are unchanged.
+- "nvlink_intra" registers device memory only (CPU memory: rc -1, "Unsupported memory type"),
+  so a node's CPU aux slots cannot share its engine. Checked between two processes on one GPU;
+  between GPUs it relies on CUDA peer access (not run yet). The CPU build knows no such
+  transport and would silently use TCP, so the constructor refuses it there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import json
 import logging
 import os
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -58,6 +82,32 @@ MOONCAKE_ENV_DEFAULTS = {
 
 INVALID_BATCH_IDS = (0, (1 << 64) - 1)
 
+NVLINK_INTRA = "nvlink_intra"
+CUDA_DISTRIBUTIONS = ("mooncake-transfer-engine-cuda13", "mooncake-transfer-engine")
+
+
+def cuda_build() -> str:
+    """The installed CUDA build of Mooncake as "name==version" ("" when only the CPU one is)."""
+    for name in CUDA_DISTRIBUTIONS:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return f"{name}=={importlib.metadata.version(name)}"
+    return ""
+
+
+@contextlib.contextmanager
+def _environment(settings: dict[str, str]) -> Iterator[None]:
+    """`settings` in os.environ inside the block (the library reads them in `initialize`)."""
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
 
 def lower_thread_priority() -> None:
     """Nice 19 for the calling thread (Linux niceness is per thread)."""
@@ -80,12 +130,22 @@ class MooncakeEngine(KVTransferEngine):
         super().__init__(config)
         for key, value in MOONCAKE_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
+        transport_env = {}
+        if config.protocol == NVLINK_INTRA:
+            if not cuda_build():
+                raise TransferError(
+                    f"mooncake engine {config.node_name!r}: protocol {NVLINK_INTRA!r} needs "
+                    "Mooncake's CUDA build (pip install mooncake-transfer-engine-cuda13, or "
+                    "mooncake-transfer-engine for CUDA 12, instead of the -non-cuda wheel)"
+                )
+            transport_env["MC_INTRANODE_NVLINK"] = "1"
         from mooncake.engine import TransferEngine
 
         self._engine: TransferEngine | None = TransferEngine()
-        rc = self._engine.initialize(
-            config.host, "P2PHANDSHAKE", config.protocol, config.device_names
-        )
+        with _environment(transport_env):
+            rc = self._engine.initialize(
+                config.host, "P2PHANDSHAKE", config.protocol, config.device_names
+            )
         if rc != 0:
             raise TransferError(
                 f"mooncake engine {config.node_name!r} failed to start on host {config.host!r} "
@@ -96,6 +156,8 @@ class MooncakeEngine(KVTransferEngine):
             self._require_rdma_devices()
         self._regions: list[MemoryRegion] = []
         self._peer_sessions: dict[str, str] = {}
+        # nvlink_intra copies finish well inside a GIL switch interval (see the docstring).
+        self._yield_in_poll = config.protocol == NVLINK_INTRA
         # One thread: the library's status call spins a core while it waits.
         self._waiter = ThreadPoolExecutor(
             1,
@@ -121,11 +183,21 @@ class MooncakeEngine(KVTransferEngine):
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         engine = self._live_engine()
         for region in regions:
-            rc = engine.register_memory(region.addr, region.length)
+            if region.device == "cpu":
+                rc = engine.register_memory(region.addr, region.length)
+            else:  # the library's location names for GPU memory are "cuda:N" too
+                rc = engine.register_memory(region.addr, region.length, region.device)
             if rc != 0:
+                hint = ""
+                if self.config.protocol == NVLINK_INTRA:
+                    hint = (
+                        f"; protocol {NVLINK_INTRA!r} registers only cudaMalloc'd GPU memory "
+                        "(not CPU memory, not PyTorch's expandable segments)"
+                    )
                 raise TransferError(
                     f"mooncake engine {self.config.node_name!r} could not register region "
-                    f"{region.name!r} ({region.length} bytes at {region.addr:#x}, rc={rc})"
+                    f"{region.name!r} ({region.length} bytes at {region.addr:#x} on "
+                    f"{region.device}, rc={rc}){hint}"
                 )
             self._regions.append(region)
 
@@ -163,6 +235,13 @@ class MooncakeEngine(KVTransferEngine):
             )
         return handle
 
+    def _yield_to_waiter(self, completion: Future[int]) -> bool:
+        """nvlink_intra: let the waiter thread take the GIL now; whether it has answered."""
+        if not self._yield_in_poll:
+            return False
+        time.sleep(0)
+        return completion.done()
+
     def _fail(self, handle: MooncakeHandle, reason: str) -> None:
         if not handle.error:
             session = self._peer_sessions.get(handle.peer_id)
@@ -172,7 +251,8 @@ class MooncakeEngine(KVTransferEngine):
     def poll(self, handle: TransferHandle) -> TransferState:
         assert isinstance(handle, MooncakeHandle)
         if handle.completion is not None:
-            if not handle.completion.done():
+            done = handle.completion.done() or self._yield_to_waiter(handle.completion)
+            if not done:
                 return TransferState.PENDING
             if handle.completion.result() != 0:
                 self._fail(
