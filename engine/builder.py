@@ -7,6 +7,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
+from engine.overlap import OverlapScheduler
 from engine.scheduler import Scheduler
 from engine.tokenizer import StopStringChecker, load_tokenizer
 from engine.tp.workers import start_runner
@@ -29,7 +30,8 @@ def build_engine(config: EngineConfig) -> Engine:
     model_config = replace(model_config, eos_token_ids=tuple(sorted(eos)))
     runner = start_runner(config, model_config)  # spawns the other TP ranks, if any
     checker = StopStringChecker(tokenizer) if tokenizer is not None else None
-    return Engine(config, model_config, tokenizer, Scheduler(config, runner, checker))
+    scheduler_cls = OverlapScheduler if config.use_overlap_schedule else Scheduler
+    return Engine(config, model_config, tokenizer, scheduler_cls(config, runner, checker))
 
 
 def resolve_model(model: str | None) -> str:

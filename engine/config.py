@@ -24,6 +24,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     schedule_policy: str = "fcfs"  # or "lpm": longest prefix match first
     tp_size: int = 1  # tensor-parallel ranks of this node (processes; see engine/tp/)
+    # Build step N+1 on the host while the GPU runs step N (engine/overlap.py); None: on for
+    # CUDA with tp_size 1, where it pays, off elsewhere (a TP step copies its ids to the host).
+    overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         _at_least("page_size", self.page_size, 1)
@@ -45,6 +48,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def use_overlap_schedule(self) -> bool:
+        if self.overlap_schedule is not None:
+            return self.overlap_schedule
+        return self.device.startswith("cuda") and self.tp_size == 1
 
     @property
     def num_pages(self) -> int:

@@ -46,4 +46,6 @@ class ForwardBatch:
     def last_token_index(self) -> torch.Tensor:
         """Row of each request's last new token in the packed token dimension."""
         ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
-        return ends.to(self.input_ids.device)
+        # Non-blocking: a blocking host-to-GPU copy waits for the stream, i.e. for the step in
+        # flight, which would undo the overlap scheduler's point (engine/overlap.py).
+        return ends.to(self.input_ids.device, non_blocking=True)

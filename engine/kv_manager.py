@@ -80,7 +80,7 @@ class KVManager:
             return
         table = self.req_to_token.table
         pos = torch.arange(start, end, device=table.device)
-        pages = torch.tensor(req.pages, dtype=torch.int64, device=table.device)
+        pages = torch.tensor(req.pages, dtype=torch.int64).to(table.device, non_blocking=True)
         table[req.slot, start:end] = pages[pos // ps] * ps + pos % ps
 
     def flush_table(self) -> None:
@@ -90,7 +90,7 @@ class KVManager:
         table = self.req_to_token.table
         slots, positions = zip(*self._pending, strict=True)
         packed = torch.tensor([slots, positions, list(self._pending.values())], dtype=torch.int64)
-        packed = packed.to(table.device)
+        packed = packed.to(table.device, non_blocking=True)  # a blocking copy waits for the GPU
         table[packed[0], packed[1]] = packed[2]
         self._pending.clear()
 

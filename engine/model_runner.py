@@ -81,28 +81,41 @@ class ModelRunner:
             # Padding rows read one key through slot 0 (reads only) and write to location 0.
             self.graph_runner = DecodeGraphRunner(self.model, self.context_length, pad_slot=0)
 
-    def build_batch(self, reqs: Sequence[Req], extend_lens: Sequence[int]) -> ForwardBatch:
-        """Batch running `extend_lens[i]` pending tokens of `reqs[i]` (KV already reserved)."""
+    def build_batch(
+        self,
+        reqs: Sequence[Req],
+        extend_lens: Sequence[int],
+        future_tokens: torch.Tensor | None = None,
+    ) -> ForwardBatch:
+        """Batch running `extend_lens[i]` pending tokens of `reqs[i]` (KV already reserved).
+
+        `future_tokens`: the overlap scheduler's tokens still on the device (engine/overlap.py);
+        an input id `-1 - j` is a placeholder for `future_tokens[j]`, substituted on the device.
+        """
         self.kv.flush_table()
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        slot_per_token: list[int] = []
         for req, n in zip(reqs, extend_lens, strict=True):
             ids.extend(req.all_ids[req.kv_len : req.kv_len + n])
             positions.extend(range(req.kv_len, req.kv_len + n))
             assert req.slot is not None
             slots.append(req.slot)
+            slot_per_token.extend([req.slot] * n)
         dev = self.device
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        slot_per_token = torch.repeat_interleave(
-            torch.tensor(slots, device=dev), torch.tensor(list(extend_lens), device=dev)
-        )
+        pos_t = _to_device(positions, dev)
+        input_ids = _to_device(ids, dev)
+        if future_tokens is not None:
+            last = future_tokens.shape[0] - 1
+            substitute = future_tokens[(-1 - input_ids).clamp_(0, last)]
+            input_ids = torch.where(input_ids < 0, substitute, input_ids)
         mode = ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND
         batch = ForwardBatch(
             mode=mode,
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            input_ids=input_ids,
             positions=pos_t,
-            out_cache_loc=self.req_to_token.table[slot_per_token, pos_t],
+            out_cache_loc=self.req_to_token.table[_to_device(slot_per_token, dev), pos_t],
             req_slots=slots,
             seq_lens=[r.kv_len + n for r, n in zip(reqs, extend_lens, strict=True)],
             extend_lens=list(extend_lens),
@@ -173,3 +186,9 @@ class ModelRunner:
                 f"USED pages {self.allocator.num_used} != pages owned by {len(live)} live requests "
                 f"({len(owned)}): a page leaked or is shared"
             )
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor on `device`. Non-blocking: on a GPU a blocking host-to-device copy waits
+    for the whole stream, i.e. for the step in flight (engine/overlap.py)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)

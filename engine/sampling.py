@@ -252,16 +252,21 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> Sa
     temperature: they describe the model's own distribution (vLLM's default "raw_logprobs") and
     do not change when a client tweaks its sampling knobs.
     """
-    _check_batch(logits, samplers)
-    if any(s.needs_processing for s in samplers):
-        chosen = _sample_processed(logits, samplers)
-    else:
-        chosen = logits.argmax(dim=-1)
+    chosen = sample_tokens(logits, samplers)
     token_ids: list[int] = chosen.tolist()
     logprobs, top_logprobs = _logprobs(logits, chosen, samplers)
     for sampler, token_id in zip(samplers, token_ids, strict=True):
         sampler.observe(token_id)
     return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+def sample_tokens(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> torch.Tensor:
+    """The chosen token of each row as a tensor on the logits' device, with no host sync and no
+    `observe`: the overlap scheduler (engine/overlap.py) reads the values a step later."""
+    _check_batch(logits, samplers)
+    if any(s.needs_processing for s in samplers):
+        return _sample_processed(logits, samplers)
+    return logits.argmax(dim=-1)
 
 
 def _check_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> None:

@@ -50,6 +50,13 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
     g.add_argument("--disable-prefix-cache", action="store_true")
     g.add_argument("--attention-backend", default="torch_native")
+    g.add_argument(
+        "--overlap-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="build the next step on the host while the GPU runs this one (engine/overlap.py); "
+        "default: on for CUDA with --tp-size 1, off elsewhere",
+    )
     g.add_argument("--watchdog-timeout", type=float, default=300.0, help="seconds per step")
     g.add_argument("--decode-log-interval", type=int, default=40)
     g = parser.add_argument_group("server")
@@ -90,6 +97,7 @@ def engine_config(args: argparse.Namespace, model_path: str, weight_bytes: int) 
         enable_prefix_cache=not args.disable_prefix_cache,
         schedule_policy=args.schedule_policy,
         tp_size=args.tp_size,
+        overlap_schedule=args.overlap_schedule,
     )
 
 
