@@ -1,17 +1,26 @@
 """Decode step time of the whole engine (scheduler, batch building, CUDA-graph replay, sampling)
-for a Llama-3-8B-shaped model on one GPU, to set against run_all.py's model-only rows.
+for a Llama-3-8B-shaped model on one GPU, with and without overlap scheduling (engine/overlap.py),
+and greedy equality of the two modes.
 
-    python3 scripts/gpu/engine_step.py [--batches 1,16,64] [--context 1024] [--steps 64]
+    python3 scripts/gpu/engine_step.py [--batches 16,64,256] [--context 1024] [--steps 64] \
+        [--out table.md] [--profile]
 
-For each batch size B, B requests of `context - 1` random prompt tokens run through the offline
-engine (Triton backend, bf16 dummy weights, prefix cache off, a prefill budget that takes every
-prompt in one step) twice: to 1 new token (prefill only) and to `steps + 1` (the same prefill,
-then `steps` decode steps of the whole batch). Per decode step: (second wall time - first) /
-steps. A first run to 3 tokens warms up (kernel compilation, the batch's graph capture) and is
-not counted; the graph buckets used are printed. run_all.py's "CUDA graph" row times the model step
-with the batch built on the host, "graph replay only" the GPU's part alone: the gap from this
-figure to those is the scheduler's and sampler's host time per step, what overlapping the host's
-work with the GPU's (overlap scheduling) would hide.
+One offline engine (Triton backend, bf16 dummy weights, prefix cache off, CUDA graphs) and two
+schedulers over its one runner: the normal `Scheduler` and the `OverlapScheduler`, so both modes
+run the same weights and graphs. For each batch size B and each mode, B requests of `context - 1`
+random prompt tokens are prefilled (16k-token chunks), 8 decode steps warm up (the bucket's graph
+capture), then `repeats` windows of `steps` decode steps are timed: wall time from a device sync to
+a device sync after `steps` calls of `step()` (in overlap mode one step is in flight at each end of
+the window, the same count as launched), divided by `steps`; median of the windows. Contexts grow
+from `context` by `repeats * steps` tokens over the windows. Every request then runs to its end.
+After the overlap windows of B=64, 8 steps run under `torch.cuda.set_sync_debug_mode("warn")`:
+the synchronising calls left in a step, by source line (none expected in the overlap mode but the
+token read-back, which waits on an event and is not counted).
+
+Greedy equality: 64 prompts of 255 tokens prefilled in one step, to 48 new tokens each, in both
+modes (the batches are the same step for step, so the tokens must be equal); then the same with
+max_new_tokens 8..56 and a stop token each, where a finished request rides one extra step in
+overlap mode (other batch sizes, other graph buckets: bf16 near ties may flip; reported).
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine import LLM, SamplingParams
+from engine.overlap import OverlapScheduler
+from engine.scheduler import Scheduler
 
 LLAMA3_8B_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -50,10 +61,11 @@ def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--batches", default="16,64,256")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     parser.add_argument("--profile", action="store_true",
                         help="then profile one decode run of the last batch size on the host "
                         "(cProfile, top functions by own time)")  # fmt: skip
@@ -62,19 +74,130 @@ def main() -> None:
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG))
     batches = [int(b) for b in args.batches.split(",")]
+    longest = args.context + args.repeats * args.steps + 64
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", device="cuda",
               attention_backend="triton", page_size=16,
-              max_total_tokens=max(batches) * (args.context + args.steps + 32),
-              max_running_requests=max(batches),
-              chunked_prefill_size=max(batches) * args.context,
-              enable_prefix_cache=False)  # fmt: skip
+              max_total_tokens=max(batches) * (longest + 32),
+              max_running_requests=max(batches), chunked_prefill_size=16384,
+              enable_prefix_cache=False, overlap_schedule=False)  # fmt: skip
     print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
+    modes = {
+        "off": llm.scheduler,
+        "on": OverlapScheduler(llm.config, llm.runner, llm.scheduler.stop_checker),
+    }
+    lines = ["| check | result | pass |", "|---|---|---|"]
+    lines += equality_rows(llm, modes)
+    print("\n".join(lines), flush=True)
+    lines += [
+        "",
+        "| engine decode step | overlap off | overlap on | on / off |",
+        "|---|---|---|---|",
+    ]
     for batch in batches:
-        decode_step_ms(llm, batch, args.context, args.steps, args.repeats)
-    if args.profile:
-        profile_host(llm, batches[-1], args.context, args.steps)
+        ms = {}
+        for mode, scheduler in modes.items():
+            llm.scheduler = scheduler
+            ms[mode] = decode_step_ms(llm, batch, args, sync_report=mode == "on" and batch == 64)
+        span = f"{args.context}..{args.context + args.repeats * args.steps}"
+        lines.append(f"| B={batch}, ctx {span} | {ms['off']:.2f} ms | {ms['on']:.2f} ms "
+                     f"| {ms['on'] / ms['off']:.3f} |")  # fmt: skip
+        print(lines[-1], flush=True)
     llm.check_integrity()
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out is not None:
+        args.out.write_text(table)
+    if args.profile:
+        llm.scheduler = modes["on"]
+        profile_host(llm, batches[-1], args.context, args.steps)
+
+
+def equality_rows(llm: LLM, modes: dict[str, Scheduler]) -> list[str]:
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 128256, (255,), generator=gen).tolist() for _ in range(64)]
+    uniform = [SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)] * 64
+    outs = {}
+    for mode, scheduler in modes.items():
+        llm.scheduler = scheduler
+        outs[mode] = [o.token_ids for o in llm.generate(prompts, uniform)]
+        llm.check_integrity()
+    same = sum(a == b for a, b in zip(outs["off"], outs["on"], strict=True))
+    rows = [f"| greedy, 64 x 255-token prompts, 48 new tokens, overlap on == off "
+            f"| {same}/64 requests identical | {'yes' if same == 64 else 'NO'} |"]  # fmt: skip
+    mixed = [SamplingParams(max_new_tokens=8 + i % 49, temperature=0.0,
+                            stop_token_ids=(outs["off"][i][5 + i % 40],))
+             for i in range(64)]  # fmt: skip
+    for mode, scheduler in modes.items():
+        llm.scheduler = scheduler
+        outs[mode] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, mixed)]
+        llm.check_integrity()
+    same = sum(a == b for a, b in zip(outs["off"], outs["on"], strict=True))
+    firsts = [next((k for k, (x, y) in enumerate(zip(a[0], b[0], strict=False)) if x != y), None)
+              for a, b in zip(outs["off"], outs["on"], strict=True) if a != b]  # fmt: skip
+    # Control: the normal mode against itself with one more request in every batch (other
+    # batch sizes, other graph buckets), to tell bf16 near ties from a bug in the overlap mode.
+    llm.scheduler = modes["off"]
+    extra = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    control = llm.generate([*prompts, prompts[0][::-1]], [*mixed, extra])[:64]
+    llm.check_integrity()
+    same_control = sum(
+        (o.token_ids, o.finish_reason) == a for o, a in zip(control, outs["off"], strict=True)
+    )
+    rows.append(f"| control: overlap off with a 65th request in the batch == overlap off, same "
+                f"64 requests | {same_control}/64 identical | info |")  # fmt: skip
+    rows.append(f"| greedy, same prompts, max_new_tokens 8..56 and a stop token each, on == off "
+                f"| {same}/64 identical (first differing positions: {firsts}) "
+                f"| {'yes' if same == 64 else 'info'} |")  # fmt: skip
+    return rows
+
+
+def decode_step_ms(llm: LLM, batch: int, args: argparse.Namespace, sync_report: bool) -> float:
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(0, 128256, (args.context - 1,), generator=gen).tolist()
+               for _ in range(batch)]  # fmt: skip
+    params = SamplingParams(max_new_tokens=args.repeats * args.steps + 64, temperature=0.0,
+                            ignore_eos=True)  # fmt: skip
+    scheduler = llm.scheduler
+    reqs = [llm._make_req(p, params) for p in prompts]
+    for req in reqs:
+        scheduler.add_request(req)
+    while any(not r.output_ids for r in reqs) or scheduler.waiting:  # prefill
+        scheduler.step()
+    for _ in range(8):  # warm-up: the bucket's graph capture
+        scheduler.step()
+    per_step = []
+    for _ in range(args.repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            scheduler.step()
+        torch.cuda.synchronize()
+        per_step.append((time.perf_counter() - start) / args.steps * 1e3)
+    if sync_report:
+        report_syncs(scheduler)
+    while scheduler.has_work:
+        scheduler.step()
+    assert all(len(r.output_ids) == params.max_new_tokens for r in reqs)
+    median = statistics.median(per_step)
+    name = type(scheduler).__name__
+    print(f"{name}, batch {batch}: {', '.join(f'{t:.2f}' for t in per_step)} ms per decode step, "
+          f"median {median:.2f}", flush=True)  # fmt: skip
+    return median
+
+
+def report_syncs(scheduler: Scheduler) -> None:
+    import warnings
+    from collections import Counter
+
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(8):
+            scheduler.step()
+    torch.cuda.set_sync_debug_mode("default")
+    where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught)
+    print(f"synchronising calls in 8 overlapped decode steps: {dict(where) or 'none'}", flush=True)
 
 
 def profile_host(llm: LLM, batch: int, context: int, steps: int) -> None:
@@ -91,26 +214,6 @@ def profile_host(llm: LLM, batch: int, context: int, steps: int) -> None:
     profiler.disable()
     print(f"host profile, batch {batch}, 1 prefill + {steps} decode steps (own time):")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-
-
-def decode_step_ms(llm: LLM, batch: int, context: int, steps: int, repeats: int) -> float:
-    gen = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(0, 128256, (context - 1,), generator=gen).tolist()
-               for _ in range(batch)]  # fmt: skip
-    timed_generate(llm, prompts, 3)
-    graphs = llm.runner.graph_runner
-    print(f"batch {batch}: graph buckets captured so far {sorted(graphs.graphs) if graphs else []}")
-    per_step = []
-    for _ in range(repeats):
-        prefill = timed_generate(llm, prompts, 1)
-        full = timed_generate(llm, prompts, steps + 1)
-        per_step.append((full - prefill) / steps * 1e3)
-        print(f"  prefill only {prefill:.3f} s, with {steps} decode steps {full:.3f} s: "
-              f"{per_step[-1]:.2f} ms per decode step", flush=True)  # fmt: skip
-    median = statistics.median(per_step)
-    print(f"engine decode step, batch {batch}, ctx {context}: median {median:.2f} ms "
-          f"over {repeats} runs", flush=True)  # fmt: skip
-    return median
 
 
 if __name__ == "__main__":
