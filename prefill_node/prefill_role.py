@@ -11,6 +11,13 @@ Queues of a prefill request (one bootstrap room each):
                 confirmed, then the room is reported DONE to bootstrap and the pages are
                 released into the prefix cache
 
+KV pools in GPU memory: a step's kernels may still run when `after_step` sees it (a non-final
+chunk samples nothing, so nothing waited for them), and a transfer engine copies on its own
+streams (NIXL's UCX cuda_ipc), unordered with the compute stream: without a wait it sends pages
+the chunk has not written yet (seen on one H200: prompts of 3+ chunks decoded wrongly from the
+2nd token on, scripts/gpu/check_pd.py). `kv_ready` (the server passes a device synchronize for
+CUDA) is called once per step before the first page of that step is handed to the engine.
+
 A request that fails (D cancelled the room, D died, a write failed, the client aborted) leaves
 the scheduler with its pages still held, waits in `inflight` until every write it started has
 settled (a late write must not read pages handed to another request), then reports FAILED.
@@ -70,8 +77,10 @@ class PrefillRole:
         page_size: int,
         clock: Callable[[], float] = time.monotonic,
         metrics: PrefillMetrics | None = None,
+        kv_ready: Callable[[], None] = lambda: None,
     ) -> None:
         self.config = config
+        self.kv_ready = kv_ready  # waits until the last step's KV is in memory (GPU pools)
         self.metrics = metrics or PrefillMetrics()
         self.link = link
         self.engine = engine
@@ -127,6 +136,8 @@ class PrefillRole:
 
     def after_step(self, scheduler: Scheduler) -> None:
         finishing = {id(r) for r in scheduler.prefilled}
+        if self.active:
+            self.kv_ready()  # this step's KV is written before any of it is sent
         for entry in list(self.active.values()):
             if entry.failure or id(entry.req) in finishing:  # sent whole by _finish_prefill
                 continue

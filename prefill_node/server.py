@@ -7,6 +7,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
+
+import torch
 
 from bootstrap.security import add_internal_auth_args, internal_auth_from_args
 from engine.builder import Engine
@@ -39,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def kv_ready(device: torch.device) -> Callable[[], None]:
+    """What the role waits on before sending a step's KV: the GPU's queued kernels (the
+    transfer engine copies on streams of its own); nothing on the CPU."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
 async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> None:
     scheduler = engine.scheduler
     runner = scheduler.runner
@@ -56,6 +67,7 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
         kv=transfer.node_kv(runner),
         page_size=runner.config.page_size,
         metrics=PrefillMetrics(metrics.registry),
+        kv_ready=kv_ready(runner.device),
     )
     engine_loop = EngineLoop(scheduler, loop_config(args), role, metrics)
     service = NodeService(engine_loop, "prefill", model_path, link)
