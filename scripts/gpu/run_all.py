@@ -21,6 +21,10 @@ Needs torch with CUDA and Triton, nothing else (the GPU image has both). Steps:
    backend's checks and rows from scripts/gpu/check_flashinfer.py: its checks gate the figures
    with the others, and it adds one layer's attention of every backend and flashinfer's decode
    and prefill rows beside the ones above; without flashinfer a row says it was not run.
+6. with `--pd-carry` (scripts/gpu/check_pd.py: NIXL / Mooncake and grpcio / protobuf wheels),
+   prefill/decode disaggregation on the GPU: greedy output through real prefill and decode
+   servers equals the colocated decode node, and no page leaks; its rows join the correctness
+   checks (without the flag a row says it was not run).
 A section that fails records its error in the table; the run goes on with the next one.
 """
 
@@ -591,6 +595,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--chunks", default="1024,4096,8192")
+    parser.add_argument("--pd-carry", type=Path, help="check_pd.py's --carry folder")
+    parser.add_argument("--pd-wheels", type=Path, help="check_pd.py's --wheels folder")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
@@ -610,6 +616,12 @@ def main() -> None:
     section("elementwise checks", lambda: check_elementwise(rep))
     section("engine check", lambda: check_engine(rep, Path(tempfile.mkdtemp())))
     section("model check", lambda: check_model(rep, build_dummy_model(2), gate=True))
+    if args.pd_carry is not None:
+        import check_pd
+
+        check_pd.pd_checks(rep, section, args.pd_carry, args.pd_wheels)
+    else:
+        rep.row("PD greedy on one GPU (check_pd.py)", "not run: no --pd-carry")
     flashinfer = flashinfer_module(rep)
     if flashinfer is not None:
         flashinfer.flashinfer_checks(rep, Path(tempfile.mkdtemp()), section)

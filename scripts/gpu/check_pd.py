@@ -1,0 +1,359 @@
+"""Prefill/decode disaggregation on one GPU: greedy output through P->D equals a colocated
+decode node, token for token, and neither node keeps a page afterwards.
+
+    python3 scripts/gpu/mooncake_wheels.py pack .mooncake/carry         # here, once
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_17_x86_64 --platform any \
+        -d .mooncake/pdwheels grpcio==1.85.1 protobuf==7.36.2              # here, once
+    # on the GPU host (the device call carries both folders):
+    python3 scripts/gpu/check_pd.py --carry .mooncake/carry --wheels .mooncake/pdwheels \
+        --out "$OUT"
+
+A bootstrap-server, a prefill-server and a decode-server run as real processes on 127.0.0.1
+(tests/node_harness.py starts them exactly as an operator would), both nodes on the same GPU
+(`--device cuda`, KV pool in GPU memory, Triton attention, the default overlap scheduling) with
+a small fp32 dummy-weight Llama, so a difference is a bug and not rounding. Each transfer
+backend gets its own trio: NIXL (UCX: cuda_ipc between the two processes) and Mooncake (its CUDA
+build over TCP, `MC_FORCE_TCP`, which stages GPU memory through host buffers; "nvlink_intra"
+cannot register the nodes' CPU aux slots). Prompts of 5..900 tokens (some longer than the
+256-token chunked-prefill size of both nodes) go greedily through P->D with a room each, over
+gRPC without a gateway (gateway/pd_client.py), once one at a time and once all together; the
+reference is the same decode node prefilling itself (requests without a room), one at a time.
+Afterwards both nodes must be idle with no page in use (CheckIntegrity).
+
+The GPU image has grpcio and protobuf, but older than the committed stubs need, so the run
+carries grpcio 1.85.1 and protobuf 7.36.2 wheels beside the NIXL / Mooncake ones
+(scripts/gpu/mooncake_wheels.py); `--carry`/`--wheels` unpack them into /tmp/site, which the
+node processes get first on their PYTHONPATH. Also callable from run_all.py (`pd_checks`).
+`--device cpu` runs the same flow on the CPU (torch-native attention), for a dry run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+SITE = Path("/tmp/site")
+SCRIPTS = {
+    "bootstrap-server": "bootstrap.server",
+    "prefill-server": "prefill_node.server",
+    "decode-server": "decode_node.server",
+}
+LENGTHS = (5, 37, 128, 255, 256, 300, 513, 900)  # chunked-prefill size 256: the last 3 chunk
+MAX_NEW = 24
+CHUNK = 256
+MODEL = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 2048, "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "tie_word_embeddings": False,
+}  # fmt: skip
+# The decode node reuses its prefix cache for P->D requests (P then sends only the rest) and
+# would cache what P sent: without it every P->D request moves its whole prompt and the
+# colocated reference is computed by the decode node itself. The prefill node keeps its cache
+# (the second P->D pass hits it).
+DECODE_ARGS = ["--disable-prefix-cache"]
+# Backend -> environment of its trio (children inherit the rest of this process's environment).
+BACKENDS: dict[str, dict[str, str]] = {
+    "nixl": {},
+    "mooncake": {"MC_FORCE_TCP": "1"},
+}
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+    error: float = 0.0  # fraction of requests that differ (run_all's error column)
+
+
+@dataclass
+class Result:
+    checks: list[Check] = field(default_factory=list)
+    info: dict[str, str] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def install(carry: Path | None, wheels: Path | None) -> None:
+    """Unpack the carried wheels into SITE and put it first on this process's and the nodes'
+    import path (before anything imports grpc or the stubs)."""
+    env: dict[str, str] = {}
+    if carry is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import mooncake_wheels
+
+        env = mooncake_wheels.install(carry, SITE)
+    if wheels is not None:
+        SITE.mkdir(parents=True, exist_ok=True)
+        for wheel in sorted(wheels.glob("*.whl")):
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(SITE)
+        for so in SITE.rglob("*.so*"):
+            so.chmod(0o755)  # zipfile drops the mode bits
+    os.environ.update(env)
+    paths = [str(SITE)] if carry is not None or wheels is not None else []
+    paths += [str(ROOT), os.environ.get("PYTHONPATH", "")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    for p in reversed(paths[:2]):
+        if p and p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    import torch
+
+    found = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "CUDA (torch)": str(torch.version.cuda),
+        "GPU": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+    }
+    for name in ("grpcio", "protobuf", "nixl", "nixl-cu13", "mooncake-transfer-engine-cuda13",
+                 "mooncake-transfer-engine-non-cuda", "triton"):  # fmt: skip
+        try:
+            found[name] = md.version(name)
+        except md.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def wrappers(bin_dir: Path) -> dict[str, Path]:
+    """Console scripts for this interpreter: the GPU image has the project only as a checkout."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    found = {}
+    for name, module in SCRIPTS.items():
+        path = bin_dir / name
+        path.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
+        path.chmod(0o755)
+        found[name] = path
+    return found
+
+
+def prompts() -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(1, MODEL["vocab_size"], (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+@dataclass
+class Trio:
+    nodes: dict[str, Any]  # name -> tests.node_harness.NodeServer
+    ids: dict[str, str]
+
+
+@contextmanager
+def trio(workdir: Path, backend: str, device: str) -> Iterator[Trio]:
+    from proto import node_pb2
+    from tests.node_harness import running_node
+    from tests.pd_cluster import bootstrap_ready, registered
+
+    bins = wrappers(workdir / "bin")
+    env = {"UCX_NET_DEVICES": "lo", "MC_LOG_LEVEL": "ERROR", **BACKENDS[backend]}
+    model = workdir / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(MODEL))
+    backend_args = ["--attention-backend", "triton"] if device.startswith("cuda") else []
+    common = ["--model", str(model), "--load-format", "dummy", "--dtype", "float32",
+              "--device", device, "--page-size", "16", "--max-total-tokens", "16384",
+              "--chunked-prefill-size", str(CHUNK), "--max-running-requests", "16",
+              *backend_args, "--transfer-backend", backend]  # fmt: skip
+    logs = workdir / backend
+    with ExitStack() as stack:
+        boot = stack.enter_context(running_node(
+            str(bins["bootstrap-server"]), [], logs / "bootstrap.log", env=env,
+            probe=bootstrap_ready,
+        ))  # fmt: skip
+        common += ["--bootstrap", boot.address]
+        prefill = stack.enter_context(running_node(
+            str(bins["prefill-server"]), common, logs / "prefill.log", env=env,
+            probe=registered, ready_timeout=300,
+        ))  # fmt: skip
+        decode = stack.enter_context(running_node(
+            str(bins["decode-server"]), ["--mode", "disaggregated", *common, *DECODE_ARGS],
+            logs / "decode.log", env=env, probe=registered, ready_timeout=300,
+        ))  # fmt: skip
+        ids = {
+            name: node.stub.Health(node_pb2.HealthRequest(), timeout=5).node_id
+            for name, node in (("prefill", prefill), ("decode", decode))
+        }
+        yield Trio({"bootstrap": boot, "prefill": prefill, "decode": decode}, ids)
+
+
+async def _generate(t: Trio, batch: list[list[int]], pd: bool, together: bool) -> list[Any]:
+    import grpc
+
+    from gateway.pd_client import NodeTarget, pd_generate
+    from proto import node_pb2, node_pb2_grpc
+
+    sampling = node_pb2.SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    async with (
+        grpc.aio.insecure_channel(t.nodes["decode"].address) as d_chan,
+        grpc.aio.insecure_channel(t.nodes["prefill"].address) as p_chan,
+    ):
+        decode = NodeTarget(t.ids["decode"], node_pb2_grpc.NodeStub(d_chan))
+        prefill = NodeTarget(t.ids["prefill"], node_pb2_grpc.NodeStub(p_chan)) if pd else None
+        if together:
+            return list(await asyncio.gather(*(pd_generate(decode, prefill, p, sampling)
+                                               for p in batch)))  # fmt: skip
+        return [await pd_generate(decode, prefill, p, sampling) for p in batch]
+
+
+def _compare(name: str, got: list[Any], ref: list[list[int]], pd: bool) -> Check:
+    bad = []
+    for i, (r, want) in enumerate(zip(got, ref, strict=True)):
+        finished = r.finished is not None and r.finished.finish_reason == "length"
+        sent = not pd or (r.prefill is not None and r.prefill.sent_pages > 0)
+        if not (finished and sent and r.token_ids == want):
+            first = next(
+                (k for k, (a, b) in enumerate(zip(r.token_ids, want, strict=False)) if a != b), None
+            )
+            why = r.prefill_error or (r.finished.detail if r.finished else "no Finished")
+            bad.append(f"#{i} ({LENGTHS[i]} tokens): first difference at {first}, "
+                       f"{len(r.token_ids)} tokens; {why or 'finished'}")  # fmt: skip
+    detail = f"requests identical: {len(ref) - len(bad)}/{len(ref)}"
+    if pd:
+        descs = [f"{r.prefill.sent_pages}/{r.prefill.descriptors}" for r in got if r.prefill]
+        detail += f"; pages/descriptors sent: {' '.join(descs)}"
+    if bad:
+        detail += "; " + "; ".join(bad)
+    return Check(name, not bad, detail, len(bad) / len(ref))
+
+
+def check_backend(workdir: Path, backend: str, device: str) -> list[Check]:
+    batch = prompts()
+    checks = []
+    t0 = time.perf_counter()
+    with trio(workdir, backend, device) as t:
+        started = time.perf_counter() - t0
+        log(f"{backend}: trio ready in {started:.1f} s")
+        ref = [r.token_ids for r in asyncio.run(_generate(t, batch, pd=False, together=False))]
+        colo_ok = all(len(r) == MAX_NEW for r in ref)
+        checks.append(Check(f"{backend}: colocated decode node answers every prompt", colo_ok,
+                            f"{sum(len(r) == MAX_NEW for r in ref)}/{len(ref)} with "
+                            f"{MAX_NEW} tokens"))  # fmt: skip
+        desc = f"{len(batch)} prompts of {min(LENGTHS)}..{max(LENGTHS)} tokens, {MAX_NEW} new"
+        for together in (False, True):
+            t1 = time.perf_counter()
+            got = asyncio.run(_generate(t, batch, pd=True, together=together))
+            how = "all together" if together else "one at a time"
+            check = _compare(f"{backend}: PD greedy == colocated, {desc}, {how}", got, ref, True)
+            check.detail += f"; {time.perf_counter() - t1:.2f} s"
+            checks.append(check)
+            log(f"{check.name}: {'PASS' if check.ok else 'FAIL'} ({check.detail})")
+        for name in ("prefill", "decode"):
+            try:
+                report = t.nodes[name].wait_idle(timeout=60)
+                ok = bool(report.ok) and report.used_pages == 0
+                detail = f"used pages {report.used_pages}; {report.error or 'integrity ok'}"
+            except AssertionError as exc:
+                ok, detail = False, str(exc).splitlines()[0]
+            checks.append(Check(f"{backend}: no page leaked on the {name} node", ok, detail))
+    return checks
+
+
+def run(device: str, backends: list[str], workdir: Path) -> Result:
+    res = Result(info={"date (UTC)": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M"),
+                       **versions()})  # fmt: skip
+    log(f"versions: {res.info}")
+    for backend in backends:
+        try:
+            res.checks += check_backend(workdir, backend, device)
+        except Exception as exc:  # a backend that fails is reported, the next one runs
+            traceback.print_exc()
+            res.errors.append(f"{backend}: {type(exc).__name__}: {exc}")
+            res.checks.append(
+                Check(
+                    f"{backend}: PD trio ran",
+                    False,
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
+                )
+            )
+    return res
+
+
+def available(backends: list[str]) -> tuple[list[str], list[str]]:
+    """The backends whose engine imports here, and a line for each that does not."""
+    import importlib.util
+
+    mods = {"nixl": "nixl", "mooncake": "mooncake"}
+    ok = [b for b in backends if importlib.util.find_spec(mods[b]) is not None]
+    return ok, [f"{b}: not run, `{mods[b]}` not installed" for b in backends if b not in ok]
+
+
+def pd_checks(rep: Any, section: Callable[[str, Callable[[], object]], None],
+              carry: Path | None, wheels: Path | None) -> None:  # fmt: skip
+    """run_all.py's hook: PASS/FAIL rows of this check into its correctness table."""
+
+    def body() -> None:
+        install(carry, wheels)
+        backends, missing = available(list(BACKENDS))
+        for line in missing:
+            rep.row(f"PD greedy on one GPU, {line.split(':')[0]}", line.split(": ", 1)[1])
+        res = run("cuda", backends, Path(tempfile.mkdtemp()))
+        for c in res.checks:
+            rep.checks.append((f"{c.name} ({c.detail})", c.error, c.ok))
+        rep.errors += [f"PD check {e}" for e in res.errors]
+
+    section("PD check", body)
+
+
+def markdown(res: Result, missing: list[str]) -> str:
+    lines = [f"- {k}: {v}" for k, v in res.info.items()]
+    lines += ["", "| check | result | detail |", "|---|---|---|"]
+    lines += [f"| {c.name} | {'PASS' if c.ok else 'FAIL'} | {c.detail.replace('|', '/')} |"
+              for c in res.checks]  # fmt: skip
+    lines += [f"| {m.split(':')[0]} | not run | {m.split(': ', 1)[1]} |" for m in missing]
+    if res.errors:
+        lines += ["", "Errors:", ""] + [f"- {e}" for e in res.errors]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--carry", type=Path, help="folder from mooncake_wheels.py pack")
+    parser.add_argument("--wheels", type=Path, help="folder of grpcio / protobuf wheels")
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the flow")
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    args = parser.parse_args()
+    install(args.carry, args.wheels)
+    os.chdir(ROOT)
+    backends, missing = available(args.backends)
+    workdir = Path(tempfile.mkdtemp(prefix="check_pd-"))
+    res = run(args.device, backends, workdir)
+    text = markdown(res, missing)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "check_pd.md").write_text(text)
+    for backend in args.backends:  # the nodes' logs, for a failure's cause
+        for name in ("bootstrap", "prefill", "decode"):
+            src = workdir / backend / f"{name}.log"
+            if src.exists():
+                (args.out / f"{backend}-{name}.log").write_bytes(src.read_bytes()[-2_000_000:])
+    print(text, flush=True)
+    sys.exit(0 if res.checks and all(c.ok for c in res.checks) and not res.errors else 1)
+
+
+if __name__ == "__main__":
+    main()
