@@ -7,6 +7,8 @@
                the summary table bench_serving would print
     recommend  for a node (GPU) budget and SLOs, the highest rate each split sustains with
                >= --slo-attainment of the requests meeting the SLOs, and the best split
+    host       measure the host CPU a real cluster spends outside its engine steps per streamed
+               token (gateway, client, gRPC and transfer threads), for --host-overhead-ms
     calibrate  the step-time factor (--slowdown) that makes one measured bench_serving.py run's
                mean E2E come out of the simulator (the host as it was during the runs)
     validate   simulate what tune_ratio.py measured (its tune_ratio.json: same splits, rates
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -64,12 +67,23 @@ def add_host_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host-cores", type=int, default=0, help="0: a device per node (GPU)")
     g.add_argument("--threads-per-node", type=int, default=1)
     g.add_argument("--slowdown", type=float, default=1.0, help="scales every step time")
+    g.add_argument(
+        "--host-overhead-ms",
+        type=float,
+        default=0.0,
+        help="host CPU ms outside engine steps per streamed token, charged to --host-cores "
+        "(measure it with `plan_capacity.py host`)",
+    )
 
 
 def host_config(args: argparse.Namespace) -> HostConfig:
     if args.host_cores < 0 or args.threads_per_node < 1 or not args.slowdown > 0:
         raise ValueError("--host-cores must be >= 0, --threads-per-node >= 1, --slowdown > 0")
-    return HostConfig(args.host_cores, args.threads_per_node, args.slowdown)
+    if args.host_overhead_ms < 0:
+        raise ValueError(f"--host-overhead-ms must be >= 0, got {args.host_overhead_ms}")
+    return HostConfig(
+        args.host_cores, args.threads_per_node, args.slowdown, args.host_overhead_ms / 1000
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-attainment", type=float, default=0.9)
     p.add_argument("--max-rate", type=float, default=100.0, help="upper end of the search")
     add_host_args(p)
+    add_workload_args(p)
+
+    p = sub.add_parser("host", help="--host-overhead-ms of a real cluster on this host")
+    p.add_argument("--prefill", type=int, default=0, help="prefill nodes (0: colocated)")
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--threads-per-node", type=int, default=1, help="OMP_NUM_THREADS per node")
+    p.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "nixl"])
+    p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
+    p.add_argument("--max-total-tokens", type=int, default=16384)
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests first")
     add_workload_args(p)
 
     p = sub.add_parser("calibrate", help="--slowdown from one measured bench_serving run")
@@ -195,6 +219,40 @@ def read_measured(path: Path) -> dict[str, Any]:
     return doc
 
 
+def cmd_host(args: argparse.Namespace) -> int:
+    from gateway.cluster import ClusterConfig
+    from scripts.serving.benchmark import BenchmarkConfig
+    from scripts.serving.client import ClientConfig
+    from scripts.serving.host_cost import measure
+
+    if args.prefill < 0 or args.decode < 1 or args.threads_per_node < 1:
+        raise ValueError("need --prefill >= 0, --decode >= 1, --threads-per-node >= 1")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads_per_node)  # inherited by every node
+    load = load_config(args)
+    bench = BenchmarkConfig(
+        dataset_config(args, load.num_sessions or 1000),
+        load,
+        ClientConfig("http://unset", "", args.ignore_eos, args.temperature),
+        slo_config(args),
+    )
+    cluster = ClusterConfig(
+        prefill=args.prefill,
+        decode=args.decode,
+        backend=args.transfer_backend,
+        model=args.model,
+        port=0,
+        max_total_tokens=args.max_total_tokens,
+        gateway_args=("--local-prefill-max-tokens", "0") if args.prefill else (),
+    )
+    cost = measure(cluster, bench, args.warmup)
+    print(
+        f"{cost.requests} requests, {cost.output_tokens} tokens streamed: host CPU "
+        f"{cost.cpu_s:.2f} s, engine forward {cost.forward_s:.2f} s -> "
+        f"--host-overhead-ms {cost.overhead_s_per_token * 1e3:.2f}"
+    )
+    return 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     profile = NodeProfile.load(args.profile)
     doc = read_measured(args.measured)
@@ -241,6 +299,7 @@ COMMANDS = {
     "profile": cmd_profile,
     "simulate": cmd_simulate,
     "recommend": cmd_recommend,
+    "host": cmd_host,
     "calibrate": cmd_calibrate,
     "validate": cmd_validate,
 }

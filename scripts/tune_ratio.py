@@ -42,7 +42,7 @@ from scripts.bench_serving import (  # noqa: E402
     load_config,
     slo_config,
 )
-from scripts.serving.benchmark import BenchmarkConfig, run_benchmark  # noqa: E402
+from scripts.serving.benchmark import BenchmarkConfig, run_benchmark, warm  # noqa: E402
 from scripts.serving.client import ClientConfig, served_model  # noqa: E402
 from scripts.serving.datasets import build_sessions  # noqa: E402
 from scripts.serving.report import pyplot  # noqa: E402
@@ -199,15 +199,6 @@ def rate_seed(seed: int, index: int) -> int:
     """Dataset seed of the index-th rate: fresh prompts per rate, or the prefix cache would
     serve every prompt of the second rate from the first one's KV."""
     return seed + 1000 * (index + 1)
-
-
-def warm(bench: BenchmarkConfig, count: int) -> None:
-    """A few unmeasured requests (other seed) so first-request costs stay out of the sweep."""
-    if count == 0:
-        return
-    dataset = replace(bench.dataset, num_sessions=count, seed=bench.dataset.seed + 1)
-    load = replace(bench.load, num_sessions=count, duration_s=None, request_rate=float("inf"))
-    run_benchmark(replace(bench, dataset=dataset, load=load), progress=False)
 
 
 def write_outputs(config: TuneConfig, results: list[SplitResult]) -> None:

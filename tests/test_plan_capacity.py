@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -114,6 +115,19 @@ def test_shared_host_slows_concurrent_steps() -> None:
     shared = Simulation(profile(), 0, 2, HostConfig(host_cores=1)).run(burst)
     assert sorted(t.ttft or 0 for t in alone) == pytest.approx([S, S])
     assert max(t.ttft or 0 for t in shared) == pytest.approx(2 * S)
+
+
+def test_host_work_per_streamed_token_slows_steps_on_a_shared_host() -> None:
+    """0.5 CPU-s per token streamed in the last second: after 1 token the next step shares the
+    one core with 0.5 cores of host work (x1.5), after 2 tokens with 1 core (x2)."""
+    one = [Arrival(0.0, 100, 3)]
+    host = HostConfig(host_cores=1, overhead_s_per_token=0.5)
+    (plain,) = Simulation(profile(), 0, 1, HostConfig(host_cores=1)).run(one)
+    (loaded,) = Simulation(profile(), 0, 1, host).run(one)
+    assert plain.chunks == pytest.approx([S, S + D0, S + 2 * D0])
+    assert loaded.chunks == pytest.approx([S, S + 1.5 * D0, S + 3.5 * D0])
+    (own_devices,) = Simulation(profile(), 0, 1, replace(host, host_cores=0)).run(one)
+    assert own_devices.chunks == plain.chunks  # one device per node: the host does not slow it
 
 
 def test_arrivals_match_the_benchmark_schedule() -> None:

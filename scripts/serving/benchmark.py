@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .client import ClientConfig
@@ -43,3 +43,12 @@ def run_benchmark(
         sessions = build_sessions(config.dataset)
     result = asyncio.run(run_load(sessions, config.client, config.load, progress))
     return BenchmarkRun(config, result, summarize(result.traces, result.duration_s, config.slo))
+
+
+def warm(bench: BenchmarkConfig, count: int) -> None:
+    """A few unmeasured requests (other seed) so first-request costs stay out of a measurement."""
+    if count == 0:
+        return
+    dataset = replace(bench.dataset, num_sessions=count, seed=bench.dataset.seed + 1)
+    load = replace(bench.load, num_sessions=count, duration_s=None, request_rate=float("inf"))
+    run_benchmark(replace(bench, dataset=dataset, load=load), progress=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -165,7 +165,7 @@ def calibrate_slowdown(
     low, high = math.log(1 / 8), math.log(16)
     for _ in range(iterations):
         mid = (low + high) / 2
-        trial = HostConfig(host.host_cores, host.threads_per_node, math.exp(mid))
+        trial = replace(host, slowdown=math.exp(mid))
         e2e = simulate(profile, split, dataset, load, SLO(), trial).e2e_ms.mean
         low, high = (mid, high) if e2e < measured_e2e_ms else (low, mid)
     return math.exp((low + high) / 2)

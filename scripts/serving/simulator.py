@@ -17,7 +17,10 @@ prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from 
 - colocated node: one scheduler; a step carries every decoding request plus prefill chunks under
   the budget; a request's first token is emitted at the end of its last prefill chunk.
 - shared host (CPU): with host_cores > 0, a step that starts while k nodes are stepping is
-  slowed by max(1, k * threads_per_node / host_cores); slowdown scales every step.
+  slowed by max(1, (k * threads_per_node + b) / host_cores), where b is the cores the rest of
+  the host is busy with: the gateway, the client, the nodes' gRPC and transfer threads, charged
+  as `overhead_s_per_token` CPU-seconds per token streamed in the last HOST_WINDOW_S seconds
+  (measured by `plan_capacity.py host`); slowdown scales every step.
 
 Not modelled: prefix cache hits, retraction, multi-turn sessions, network jitter.
 """
@@ -34,12 +37,15 @@ from dataclasses import dataclass, field
 from .metrics import RequestTrace
 from .profile import NodeProfile
 
+HOST_WINDOW_S = 1.0  # the window over which the host's token rate is taken
+
 
 @dataclass(frozen=True)
 class HostConfig:
     host_cores: int = 0  # 0: every node has its own accelerator (no sharing)
     threads_per_node: int = 1
     slowdown: float = 1.0
+    overhead_s_per_token: float = 0.0  # host CPU outside engine steps per streamed token
 
 
 @dataclass(frozen=True)
@@ -191,6 +197,7 @@ class Node:
 
     def _emit(self, req: SimRequest, now: float) -> None:
         req.emitted.append(now + self.sim.profile.gateway_s)
+        self.sim.streamed.append(now)
         if req.finished:
             self.running.remove(req)
             profile = self.sim.profile
@@ -229,6 +236,7 @@ class Simulation:
         self._backlog: deque[SimRequest] = deque()  # client side, waiting for a slot
         self._in_flight = 0
         self.done: list[SimRequest] = []
+        self.streamed: deque[float] = deque()  # when each token left a node, oldest first
 
     @property
     def nodes(self) -> list[Node]:
@@ -242,8 +250,15 @@ class Simulation:
         factor = host.slowdown
         if host.host_cores > 0:
             stepping = sum(1 for n in self.nodes if n.stepping)  # this node included
-            factor *= max(1.0, stepping * host.threads_per_node / host.host_cores)
+            busy = stepping * host.threads_per_node + self.background_cores()
+            factor *= max(1.0, busy / host.host_cores)
         return factor
+
+    def background_cores(self) -> float:
+        """Cores the host spends outside engine steps: its recent token rate x cost per token."""
+        while self.streamed and self.streamed[0] < self.now - HOST_WINDOW_S:
+            self.streamed.popleft()
+        return self.host.overhead_s_per_token * len(self.streamed) / HOST_WINDOW_S
 
     def run(self, arrivals: Sequence[Arrival]) -> list[RequestTrace]:
         requests = [SimRequest(i, a) for i, a in enumerate(arrivals)]
