@@ -49,7 +49,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Req
 from engine.sampling import sample_tokens
-from engine.scheduler import Scheduler, StepOutput, StepStats, StopChecker
+from engine.scheduler import Scheduler, StepOutput, StopChecker
 
 
 @dataclass
@@ -105,15 +105,7 @@ class OverlapScheduler(Scheduler):
         self._inflight = self._launch(reqs, lens, prev)
         forward_s = time.perf_counter() - t0  # the launch only: the GPU runs on
         outputs += self._resolve(prev)
-        decode_n = self._num_decoding
-        self.last_stats = StepStats(
-            num_prefill_reqs=len(lens) - decode_n,
-            num_prefill_tokens=sum(lens[decode_n:]),
-            num_decode_reqs=decode_n,
-            cached_tokens=self._admitted_cached,
-            forward_s=forward_s,
-            step_s=time.perf_counter() - start,
-        )
+        self._record_stats(lens, forward_s, start)
         return outputs
 
     def _needs_sync_step(self) -> bool:

@@ -147,6 +147,11 @@ class Scheduler:
         logits = self.runner.forward(batch)
         forward_s = time.perf_counter() - t0
         outputs = dropped + self._process(reqs, lens, logits)
+        self._record_stats(lens, forward_s, start)
+        return outputs
+
+    def _record_stats(self, lens: list[int], forward_s: float, start: float) -> None:
+        """`last_stats` of the step that scheduled `lens` and began at `start`."""
         # The decoding requests come first in the batch (a 1-token prefill chunk is no decode).
         decode_n = self._num_decoding
         self.last_stats = StepStats(
@@ -157,7 +162,6 @@ class Scheduler:
             forward_s=forward_s,
             step_s=time.perf_counter() - start,
         )
-        return outputs
 
     def _schedule(self) -> tuple[list[Req], list[int]]:
         self._admitted_cached = 0
