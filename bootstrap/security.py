@@ -334,14 +334,7 @@ def _guarded_stream(behavior: Callable[..., Any], method: str) -> Callable[..., 
                 yield response
 
         return guarded_gen
-
-    @functools.wraps(behavior)
-    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _refusal(method, request))
-        return await behavior(request, context)
-
-    return guarded
+    return _guarded_unary(behavior, method)  # a handler that returns an iterator
 
 
 # ---- room tickets -----------------------------------------------------------------------------

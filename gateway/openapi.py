@@ -78,6 +78,20 @@ def _token_ids(max_items: int) -> Schema:
     return {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": max_items}
 
 
+def _length_and_logprobs(length_field: str, context: int) -> dict[str, Schema]:
+    """The new-token limit (named `length_field`) and the logprobs fields of a request."""
+    return {
+        length_field: {"type": "integer", "minimum": 1, "maximum": context, "nullable": True},
+        "logprobs": {"type": "boolean", "nullable": True},
+        "top_logprobs": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": MAX_TOP_LOGPROBS,
+            "nullable": True,
+        },
+    }
+
+
 def _request_schemas(config: GatewayConfig) -> dict[str, Schema]:
     context = config.model.context_length
     message = {
@@ -132,19 +146,7 @@ def _request_schemas(config: GatewayConfig) -> dict[str, Schema]:
             "properties": {
                 **_openai_common(config),
                 "messages": {"type": "array", "minItems": 1, "items": message},
-                "max_completion_tokens": {
-                    "type": "integer",
-                    "minimum": 1,
-                    "maximum": context,
-                    "nullable": True,
-                },
-                "logprobs": {"type": "boolean", "nullable": True},
-                "top_logprobs": {
-                    "type": "integer",
-                    "minimum": 0,
-                    "maximum": MAX_TOP_LOGPROBS,
-                    "nullable": True,
-                },
+                **_length_and_logprobs("max_completion_tokens", context),
             },
         },
         "GenerateRequest": {
@@ -158,19 +160,7 @@ def _request_schemas(config: GatewayConfig) -> dict[str, Schema]:
                 "sampling_params": {
                     "type": "object",
                     "properties": {
-                        "max_new_tokens": {
-                            "type": "integer",
-                            "minimum": 1,
-                            "maximum": context,
-                            "nullable": True,
-                        },
-                        "logprobs": {"type": "boolean", "nullable": True},
-                        "top_logprobs": {
-                            "type": "integer",
-                            "minimum": 0,
-                            "maximum": MAX_TOP_LOGPROBS,
-                            "nullable": True,
-                        },
+                        **_length_and_logprobs("max_new_tokens", context),
                         **_sampling_fields(config),
                     },
                 },
