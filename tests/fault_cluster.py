@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import signal
 import threading
 import time
@@ -40,31 +39,6 @@ from tests.pd_cluster import bootstrap_ready, registered
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only; the servers inherit it
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-
-
-def save_tiny_text_model(default_model_dir: Path, path: Path) -> Path:
-    """Random weights, the default model's tokenizer (49152 ids): fast nodes, real text."""
-    import torch
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    tf.LlamaForCausalLM(config).eval().save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default_model_dir / name).exists():
-            shutil.copy(default_model_dir / name, path / name)
-    return path
 
 
 def prompts(count: int, length: int, seed: int) -> list[tuple[int, ...]]:

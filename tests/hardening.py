@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.node_harness import console_script, free_port
-from tests.test_gateway import RunningCluster, _healthy, _stop_cluster
+from tests.test_gateway import RunningCluster, launched_cluster
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -71,30 +70,12 @@ def cluster_process(
     env: dict[str, str] | None = None,
 ) -> Iterator[RunningCluster]:
     """`pd-cluster --prefill 1 --decode 1` (mooncake) with extra flags; no process may be left."""
-    import os
-
     port = free_port()
     command = [console_script("pd-cluster"), "--model", str(model), "--port", str(port)]
     command += ["--max-total-tokens", "8192", *args]
     command += ["--gateway-args", " ".join(gateway_args), "--node-args", " ".join(node_args)]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-    cluster = RunningCluster(process, f"http://127.0.0.1:{port}", log_path)
-    try:
-        while "[pd-cluster] ready:" not in cluster.log():
-            assert process.poll() is None, f"pd-cluster exited:\n{cluster.log()[-4000:]}"
-            time.sleep(0.2)
-        assert _healthy(cluster.url)
+    with launched_cluster(command, port, log_path, env) as cluster:
         yield cluster
-    finally:
-        leftovers = _stop_cluster(process)
-        assert not leftovers, f"processes left behind: {leftovers}\n{cluster.log()[-3000:]}"
 
 
 @dataclass(frozen=True)

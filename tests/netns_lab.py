@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.node_harness import session_members, stop_process
+from scripts.serving.probes import session_pids
+from tests.node_harness import stop_process
 
 
 class LabError(RuntimeError):
@@ -90,7 +91,7 @@ class Host:
         for process in self.processes:
             with contextlib.suppress(ProcessLookupError):
                 stop_process(process, timeout)
-            for pid in session_members(process.pid):
+            for pid in session_pids(process.pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self.processes.clear()

@@ -5,7 +5,7 @@ port, with stdout and stderr going to a log file that failures quote. `running_n
 the server answers its readiness probe (the node API's `Health` by default) and always stops it
 afterwards: SIGTERM, then SIGKILL if it has not exited within the stop timeout.
 
-The server runs in its own session (`start_new_session`), so `session_members` can tell whether
+The server runs in its own session (`start_new_session`), so `session_pids` can tell whether
 it left any process behind, grandchildren included, after it exited.
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 
 from proto import node_pb2, node_pb2_grpc
+from scripts.serving.probes import session_pids
 
 LOCALHOST = "127.0.0.1"
 # A server that lost the race for its port exits with this in its log; it is started again.
@@ -96,23 +97,6 @@ def console_script(name: str) -> str:
     return str(path)
 
 
-def session_members(session_id: int) -> list[int]:
-    """Live processes of a session; a server's session id is its pid (`start_new_session`)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # exited while we looked
-            continue
-        # "pid (comm) state ppid pgrp session ...": comm may contain spaces and parentheses.
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[3]) == session_id:
-            members.append(int(entry.name))
-    return members
-
-
 def stop_process(process: subprocess.Popen[bytes], timeout: float) -> int:
     """SIGTERM, then SIGKILL after `timeout` seconds; returns the exit code."""
     if process.poll() is None:
@@ -125,7 +109,7 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float) -> int:
 
 
 def _kill_leftovers(session_id: int) -> None:
-    for pid in session_members(session_id):
+    for pid in session_pids(session_id):
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 

@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from proto import node_pb2
-from tests.node_harness import NodeServer, running_node, session_members
+from scripts.serving.probes import session_pids
+from tests.node_harness import NodeServer, running_node
 from tests.reference import hf_greedy
 
 # One torch thread per process: this machine's two cores are shared, and oversubscribed OpenMP
@@ -380,7 +381,7 @@ def test_sigterm_ends_in_flight_request_and_exits_zero(
         else:
             assert isinstance(error, grpc.RpcError), repr(error)
             assert error.code() != grpc.StatusCode.OK
-        assert session_members(server.pid) == [], "the server left processes behind"
+        assert session_pids(server.pid) == [], "the server left processes behind"
         log = server.log_text()
         assert "shutting down" in log and "stopped" in log, server.log_tail()
 

@@ -48,9 +48,9 @@ from tests.fault_cluster import (
     judge,
     prompts,
     reference_texts,
-    save_tiny_text_model,
     write_table,
 )
+from tests.tiny_text_model import save_tiny_text_model
 
 pytestmark = pytest.mark.faults
 

@@ -11,6 +11,7 @@ and --max-inflight are enforced. The cluster is stopped with SIGTERM and must le
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -27,7 +28,8 @@ import openai
 import pytest
 
 from proto import node_pb2, node_pb2_grpc
-from tests.node_harness import console_script, free_port, session_members
+from scripts.serving.probes import session_pids
+from tests.node_harness import console_script, free_port
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.slow  # the real default model
@@ -120,9 +122,22 @@ def pd_cluster_process(
     command += ["--prefill", str(prefill), "--decode", str(decode)]
     command += ["--transfer-backend", backend, "--max-total-tokens", "8192"]
     command += ["--gateway-args", " ".join(gateway_args), "--node-args", " ".join(node_args)]
+    with launched_cluster(command, port, log_path) as cluster:
+        yield cluster
+
+
+@contextmanager
+def launched_cluster(
+    command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[RunningCluster]:
+    """Run a `pd-cluster` command until it is ready; SIGTERM at the end, no process left."""
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
     cluster = RunningCluster(process, f"http://127.0.0.1:{port}", log_path)
     try:
@@ -145,7 +160,7 @@ def _stop_cluster(process: subprocess.Popen[bytes]) -> list[int]:
         process.kill()
         process.wait()
     left = [pid for pid in members_before if Path(f"/proc/{pid}").exists()]
-    left += [pid for child in members_before for pid in session_members(child)]
+    left += [pid for child in members_before for pid in session_pids(child)]
     return sorted(set(left) - {process.pid})
 
 

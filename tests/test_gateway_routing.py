@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -28,6 +27,7 @@ import torch
 from tests.node_harness import console_script, free_port, running_node
 from tests.pd_cluster import registered
 from tests.test_gateway import RunningCluster, pd_cluster_process
+from tests.tiny_text_model import save_tiny_text_model
 
 GATEWAY_ARGS = ["--local-prefill-max-tokens", "0", "--decode-policy", "round_robin"]
 SHARED_PREFIX = 96  # tokens: six 16-token pages
@@ -37,27 +37,7 @@ LOCAL_PREFILL_MAX = 32  # the prefix gateway lets the decode node prefill prompt
 @pytest.fixture(scope="module")
 def tiny_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Random weights, real tokenizer: text round-trips, and nodes start and run fast."""
-    import transformers as tf
-
-    path = tmp_path_factory.mktemp("tiny-llama-tokenizer")
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    tf.LlamaForCausalLM(config).eval().save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default_model_dir / name).exists():
-            shutil.copy(default_model_dir / name, path / name)
-    return path
+    return save_tiny_text_model(default_model_dir, tmp_path_factory.mktemp("tiny-llama-tokenizer"))
 
 
 @pytest.fixture(scope="module")

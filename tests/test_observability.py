@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +27,6 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.pd_client import NodeTarget, PDResult, pd_generate
@@ -37,6 +35,7 @@ from proto import node_pb2, node_pb2_grpc
 from tests.node_harness import free_port, running_node
 from tests.pd_cluster import registered
 from tests.test_gateway import RunningCluster, pd_cluster_process
+from tests.tiny_text_model import save_tiny_text_model
 
 N = 4  # requests of the counting test
 MAX_TOKENS = 5
@@ -116,27 +115,9 @@ def eventually(check: Callable[[], bool], what: str, timeout: float = 60.0) -> N
 @pytest.fixture(scope="module")
 def tiny_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Random weights, the default model's tokenizer: fast nodes, real text."""
-    import transformers as tf
-
-    path = tmp_path_factory.mktemp("tiny-llama-observability")
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
+    return save_tiny_text_model(
+        default_model_dir, tmp_path_factory.mktemp("tiny-llama-observability")
     )
-    tf.LlamaForCausalLM(config).eval().save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default_model_dir / name).exists():
-            shutil.copy(default_model_dir / name, path / name)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -51,9 +51,9 @@ from tests.fault_cluster import (
     judge,
     prompts,
     reference_texts,
-    save_tiny_text_model,
     write_table,
 )
+from tests.tiny_text_model import save_tiny_text_model
 
 BACKENDS = ["mooncake", "nixl"]
 FAIL_RATE = 0.3
