@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> None:
     scheduler = engine.scheduler
     if args.mode == "colocated":
-        engine_loop = EngineLoop(scheduler, loop_config(args), metrics=NodeMetrics("colocated"))
+        engine_loop = EngineLoop(
+            scheduler, loop_config(args, "colocated"), metrics=NodeMetrics("colocated")
+        )
         service = NodeService(engine_loop, "colocated", model_path)
         engine_loop.start()
         await serve_node(
@@ -67,7 +69,7 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
         page_size=runner.config.page_size,
         metrics=DecodeMetrics(metrics.registry),
     )
-    engine_loop = EngineLoop(scheduler, loop_config(args), role, metrics)
+    engine_loop = EngineLoop(scheduler, loop_config(args, "decode"), role, metrics)
     service = NodeService(engine_loop, "decode", model_path, link)
 
     await serve_registered(

@@ -20,11 +20,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from engine.metrics import NodeMetrics
 from engine.request import Req, TransferSummary
 from engine.scheduler import Scheduler, StepOutput
+from engine.step_trace import StepTrace
 from engine.timing import RequestTiming
 
 
@@ -71,6 +73,7 @@ class LoopConfig:
     decode_log_interval: int = 40  # log a decode line every N decode steps
     watchdog_timeout_s: float = 300.0
     idle_poll_s: float = 0.05
+    step_trace: Path | None = None  # append one JSON line per step here (engine/step_trace.py)
 
 
 @dataclass
@@ -131,6 +134,7 @@ class EngineLoop:
         self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self._step_started: float | None = None
         self._log = StepLogger(config.decode_log_interval)
+        self._trace = StepTrace(config.step_trace) if config.step_trace else None
         self.fatal_error: BaseException | None = None
         if role is not None:
             role.bind_wakeup(self.wake)
@@ -143,6 +147,8 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+        if self._trace is not None and not self._thread.is_alive():
+            self._trace.close()
 
     def submit(self, req: Req, sink: EventSink) -> None:
         self._commands.put(_Submit(req, sink))
@@ -241,6 +247,8 @@ class EngineLoop:
                 self._counted_stats = stats
                 self._log.record(self.scheduler, self.role.queue_summary() if self.role else "")
                 self.metrics.observe_step(self.scheduler, stats)
+                if self._trace is not None:
+                    self._trace.write(self.scheduler)
         if self.role is not None:
             self.role.after_step(self.scheduler)
         self.metrics.observe_queues(self.scheduler)

@@ -101,11 +101,12 @@ class OverlapScheduler(Scheduler):
         if not reqs:
             self._inflight = None
             return outputs + self._resolve(prev)
+        composition = self._composition(reqs, lens)
         t0 = time.perf_counter()
         self._inflight = self._launch(reqs, lens, prev)
         forward_s = time.perf_counter() - t0  # the launch only: the GPU runs on
         outputs += self._resolve(prev)
-        self._record_stats(lens, forward_s, start)
+        self._record_stats(composition, forward_s, start)
         return outputs
 
     def _needs_sync_step(self) -> bool:

@@ -24,7 +24,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
@@ -55,6 +55,8 @@ class StepStats:
     num_prefill_reqs: int = 0
     num_prefill_tokens: int = 0
     num_decode_reqs: int = 0
+    decode_context: int = 0  # KV tokens the decoding requests attend over, summed
+    prefill_chunks: tuple[tuple[int, int], ...] = ()  # (tokens, tokens already in the KV) each
     cached_tokens: int = 0
     forward_s: float = 0.0
     step_s: float = 0.0
@@ -142,26 +144,33 @@ class Scheduler:
         self._dropped.clear()
         if not reqs:
             return dropped
+        composition = self._composition(reqs, lens)
         batch = self.runner.build_batch(reqs, lens)
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
         forward_s = time.perf_counter() - t0
         outputs = dropped + self._process(reqs, lens, logits)
-        self._record_stats(lens, forward_s, start)
+        self._record_stats(composition, forward_s, start)
         return outputs
 
-    def _record_stats(self, lens: list[int], forward_s: float, start: float) -> None:
-        """`last_stats` of the step that scheduled `lens` and began at `start`."""
+    def _composition(self, reqs: list[Req], lens: list[int]) -> StepStats:
+        """What the step computes, taken before the forward moves each `kv_len` on."""
         # The decoding requests come first in the batch (a 1-token prefill chunk is no decode).
         decode_n = self._num_decoding
-        self.last_stats = StepStats(
+        prefills = zip(reqs[decode_n:], lens[decode_n:], strict=True)
+        return StepStats(
             num_prefill_reqs=len(lens) - decode_n,
             num_prefill_tokens=sum(lens[decode_n:]),
             num_decode_reqs=decode_n,
+            decode_context=sum(r.kv_len + 1 for r in reqs[:decode_n]),
+            prefill_chunks=tuple((n, r.kv_len) for r, n in prefills),
             cached_tokens=self._admitted_cached,
-            forward_s=forward_s,
-            step_s=time.perf_counter() - start,
         )
+
+    def _record_stats(self, composition: StepStats, forward_s: float, start: float) -> None:
+        """`last_stats` of the step of `composition` that began at `start`."""
+        step_s = time.perf_counter() - start
+        self.last_stats = replace(composition, forward_s=forward_s, step_s=step_s)
 
     def _schedule(self) -> tuple[list[Req], list[int]]:
         self._admitted_cached = 0

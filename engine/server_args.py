@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from bootstrap.telemetry import LogConfig, add_log_args, add_metrics_port_arg
 from bootstrap.telemetry import configure_logging as _configure_logging
@@ -59,6 +60,12 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--watchdog-timeout", type=float, default=300.0, help="seconds per step")
     g.add_argument("--decode-log-interval", type=int, default=40)
+    g.add_argument(
+        "--step-trace-dir",
+        default=None,
+        help="write one JSON line per engine step to DIR/<role>-<port>.jsonl "
+        "(engine/step_trace.py; compare with a profile: plan_capacity.py steps)",
+    )
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument(
@@ -124,9 +131,13 @@ def _tokens_for_fraction(args: argparse.Namespace, model_path: str, weight_bytes
     return int(budget // per_token)
 
 
-def loop_config(args: argparse.Namespace) -> LoopConfig:
+def loop_config(args: argparse.Namespace, role: str) -> LoopConfig:
+    """`role` (colocated, prefill, decode) names the node's step trace file."""
+    trace_dir = args.step_trace_dir
     return LoopConfig(
-        decode_log_interval=args.decode_log_interval, watchdog_timeout_s=args.watchdog_timeout
+        decode_log_interval=args.decode_log_interval,
+        watchdog_timeout_s=args.watchdog_timeout,
+        step_trace=Path(trace_dir) / f"{role}-{args.port}.jsonl" if trace_dir else None,
     )
 
 

@@ -69,7 +69,7 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
         metrics=PrefillMetrics(metrics.registry),
         kv_ready=kv_ready(runner.device),
     )
-    engine_loop = EngineLoop(scheduler, loop_config(args), role, metrics)
+    engine_loop = EngineLoop(scheduler, loop_config(args, "prefill"), role, metrics)
     service = NodeService(engine_loop, "prefill", model_path, link)
 
     await serve_registered(

@@ -11,6 +11,8 @@
                token (gateway, client, gRPC and transfer threads), for --host-overhead-ms
     calibrate  the step-time factor (--slowdown) that makes one measured bench_serving.py run's
                mean E2E come out of the simulator (the host as it was during the runs)
+    steps      compare the step traces of a real run (nodes started with --step-trace-dir)
+               with the profile: measured vs predicted step time per node and step kind
     validate   simulate what tune_ratio.py measured (its tune_ratio.json: same splits, rates
                and workload) and print predicted vs measured goodput, with the error
 
@@ -45,6 +47,7 @@ from scripts.bench_serving import (  # noqa: E402
     load_config,
     slo_config,
 )
+from scripts.serving import step_report  # noqa: E402
 from scripts.serving.planning import (  # noqa: E402
     Comparison,
     calibrate_slowdown,
@@ -53,7 +56,7 @@ from scripts.serving.planning import (  # noqa: E402
     simulate,
     workload_from_settings,
 )
-from scripts.serving.profile import NodeProfile  # noqa: E402
+from scripts.serving.profile import NodeProfile, fit_prefill  # noqa: E402
 from scripts.serving.report import table  # noqa: E402
 from scripts.serving.simulator import HostConfig  # noqa: E402
 from scripts.serving.sweep import Split, SweepError, parse_splits  # noqa: E402
@@ -74,15 +77,31 @@ def add_host_args(parser: argparse.ArgumentParser) -> None:
         help="host CPU ms outside engine steps per streamed token, charged to --host-cores "
         "(measure it with `plan_capacity.py host`)",
     )
+    g.add_argument(
+        "--host-overhead-pd-ms",
+        type=float,
+        default=None,
+        help="the same for clusters with prefill nodes (`host --prefill 1`; default: "
+        "--host-overhead-ms)",
+    )
 
 
 def host_config(args: argparse.Namespace) -> HostConfig:
     if args.host_cores < 0 or args.threads_per_node < 1 or not args.slowdown > 0:
         raise ValueError("--host-cores must be >= 0, --threads-per-node >= 1, --slowdown > 0")
-    if args.host_overhead_ms < 0:
-        raise ValueError(f"--host-overhead-ms must be >= 0, got {args.host_overhead_ms}")
+    pd_ms = args.host_overhead_pd_ms
+    for flag, value in (
+        ("--host-overhead-ms", args.host_overhead_ms),
+        ("--host-overhead-pd-ms", pd_ms),
+    ):
+        if value is not None and value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     return HostConfig(
-        args.host_cores, args.threads_per_node, args.slowdown, args.host_overhead_ms / 1000
+        args.host_cores,
+        args.threads_per_node,
+        args.slowdown,
+        args.host_overhead_ms / 1000,
+        None if pd_ms is None else pd_ms / 1000,
     )
 
 
@@ -134,8 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, required=True)
     add_host_args(p)
 
+    p = sub.add_parser("steps", help="a real run's step traces against the profile")
+    p.add_argument("--profile", type=Path, required=True, help="JSON written by `profile`")
+    p.add_argument("traces", type=Path, nargs="+", help="--step-trace-dir directories or files")
+
     p = sub.add_parser("validate", help="predicted vs tune_ratio.py's measured goodput")
-    p.add_argument("--measured", type=Path, required=True, help="tune_ratio.json")
+    p.add_argument(
+        "--measured",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="tune_ratio.json; several: repeats of one sweep, compared by their mean",
+    )
     p.add_argument("--output", type=Path, default=None, help="write the comparison as JSON")
     add_host_args(p)
     return parser
@@ -148,12 +177,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
         model=args.model,
         threads=args.threads,
         repeats=args.repeats,
-        chunked_prefill_size=args.chunked_prefill_size,
         max_total_tokens=args.max_total_tokens,
     )
     measured = measure(plan)
     profile = NodeProfile(
-        prefill_points=tuple(measured.prefill),
+        prefill_coef=fit_prefill(measured.prefill),
         decode_coef=fit_decode(measured.decode),
         kv_bytes_per_token=measured.kv_bytes_per_token,
         transfer_bytes_per_s=args.transfer_gbps * 1e9,
@@ -163,9 +191,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
         max_running_requests=args.max_running_requests,
         max_total_tokens=args.max_total_tokens,
         decode_headroom=args.decode_headroom,
-        meta={"model": measured.model, "threads": args.threads, "decode_points": measured.decode},
+        meta={
+            "model": measured.model,
+            "threads": args.threads,
+            "prefill_points": measured.prefill,
+            "decode_points": measured.decode,
+        },
     )
     profile.save(args.output)
+    p0, p1, p2 = profile.prefill_coef
+    print(f"prefill step = {p0 * 1e3:.1f} ms + {p1 * 1e3:.3f} ms/token + {p2 * 1e9:.1f} ns/pair")
+    for count, tokens, seconds in measured.prefill:
+        error = profile.prefill_s([(tokens, 0)] * count) / seconds - 1
+        print(f"  {count:2d} x {tokens:4d} tokens: {seconds * 1e3:7.1f} ms (fit {error:+.1%})")
     d0, d1, d2 = profile.decode_coef
     print(f"decode step = {d0 * 1e3:.2f} ms + {d1 * 1e3:.3f} ms/req + {d2 * 1e6:.3f} us/req-token")
     print(f"wrote {args.output}")
@@ -248,7 +286,8 @@ def cmd_host(args: argparse.Namespace) -> int:
     print(
         f"{cost.requests} requests, {cost.output_tokens} tokens streamed: host CPU "
         f"{cost.cpu_s:.2f} s, engine forward {cost.forward_s:.2f} s -> "
-        f"--host-overhead-ms {cost.overhead_s_per_token * 1e3:.2f}"
+        f"{'--host-overhead-pd-ms' if args.prefill else '--host-overhead-ms'} "
+        f"{cost.overhead_s_per_token * 1e3:.2f}"
     )
     return 0
 
@@ -265,30 +304,51 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_steps(args: argparse.Namespace) -> int:
+    profile = NodeProfile.load(args.profile)
+    files = [f for t in args.traces for f in (sorted(t.glob("*.jsonl")) if t.is_dir() else [t])]
+    if not files:
+        raise ValueError(f"no *.jsonl step traces in {', '.join(map(str, args.traces))}")
+    print(step_report.report({f.stem: step_report.read_trace(f) for f in files}, profile))
+    return 0
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     profile = NodeProfile.load(args.profile)
     host = host_config(args)
-    doc = read_measured(args.measured)
-    settings, results = doc["settings"], doc.get("results")
+    docs = [read_measured(path) for path in args.measured]
+    for path, doc in zip(args.measured[1:], docs[1:], strict=True):
+        if doc["settings"] != docs[0]["settings"]:
+            raise ValueError(
+                f"--measured {path} ran another workload or sweep than {args.measured[0]}: "
+                "repeats must share every setting"
+            )
+    settings, results = docs[0]["settings"], docs[0].get("results")
     if not isinstance(results, list):
-        raise ValueError(f"--measured {args.measured} is not a tune_ratio.json: no results")
+        raise ValueError(f"--measured {args.measured[0]} is not a tune_ratio.json: no results")
     dataset, load, slo = workload_from_settings(settings)
     rows = []
-    for result in results:
+    for i, result in enumerate(results):
         split = Split(**result["split"])
-        for point in result["points"]:
+        for j, point in enumerate(result["points"]):
             rate = float(point["rate"])
             seeded = replace(dataset, seed=int(point.get("seed", dataset.seed)))
-            load_at = replace(load, request_rate=rate)
-            predicted = simulate(profile, split, seeded, load_at, slo, host)
-            measured = float(point["summary"]["goodput"] or 0.0)
-            rows.append(Comparison(split, rate, measured, predicted.goodput or 0.0))
+            at_rate = replace(load, request_rate=rate)
+            predicted = simulate(profile, split, seeded, at_rate, slo, host)
+            runs = tuple(
+                float(doc["results"][i]["points"][j]["summary"]["goodput"] or 0.0) for doc in docs
+            )
+            rows.append(Comparison(split, rate, runs, predicted.goodput or 0.0))
     print(comparison_table(rows, VALIDATION_TARGET))
     if args.output is not None:
         doc_out = {
             "profile": str(args.profile),
+            "measured": [str(p) for p in args.measured],
             "host": asdict(host),
-            "rows": [{**asdict(r), "split": r.split.name, "error": r.error} for r in rows],
+            "rows": [
+                {**asdict(r), "split": r.split.name, "measured": r.measured, "error": r.error}
+                for r in rows
+            ],
         }
         args.output.write_text(json.dumps(doc_out, indent=1))
         print(f"wrote {args.output}")
@@ -301,6 +361,7 @@ COMMANDS = {
     "recommend": cmd_recommend,
     "host": cmd_host,
     "calibrate": cmd_calibrate,
+    "steps": cmd_steps,
     "validate": cmd_validate,
 }
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from scripts.serving.datasets import DatasetConfig
 from scripts.serving.load import LoadConfig, arrival_gaps
 from scripts.serving.metrics import SLO, summarize
 from scripts.serving.planning import Comparison, arrivals, max_rate, workload_from_settings
-from scripts.serving.profile import NodeProfile, ProfileError
+from scripts.serving.profile import NodeProfile, ProfileError, fit_prefill
 from scripts.serving.simulator import Arrival, HostConfig, Simulation
 from scripts.serving.sweep import (
     Split,
@@ -29,7 +31,7 @@ D0 = 0.03  # seconds per decode step, whatever the batch
 
 def profile(**overrides: object) -> NodeProfile:
     base: dict[str, object] = dict(
-        prefill_points=((0, 0.05), (1000, 1.55)),
+        prefill_coef=(0.05, 0.0015, 0.0),
         decode_coef=(D0, 0.0, 0.0),
         kv_bytes_per_token=1000,
         transfer_bytes_per_s=1e6,  # 100 tokens -> 0.1 s
@@ -41,15 +43,44 @@ def profile(**overrides: object) -> NodeProfile:
     return NodeProfile(**base)  # type: ignore[arg-type]
 
 
-def test_profile_interpolates_and_extrapolates() -> None:
-    p = profile(prefill_points=((100, 1.0), (200, 1.5), (400, 2.0)))
-    assert p.prefill_s(150) == pytest.approx(1.25)
-    assert p.prefill_s(300) == pytest.approx(1.75)
-    assert p.prefill_s(600) == pytest.approx(2.5)  # the last segment, extended
-    assert p.prefill_s(50) == pytest.approx(0.75)  # the first one, extended down
-    assert p.mixed_s(100, 4, 50.0) == pytest.approx(1.0)  # decode terms are zero but d0
-    with pytest.raises(ProfileError, match="ascending"):
-        profile(prefill_points=((200, 1.0), (100, 2.0)))
+def test_prefill_cost_of_a_step() -> None:
+    p = profile(prefill_coef=(0.1, 0.001, 1e-6))
+    assert p.prefill_s([]) == 0.0
+    assert p.prefill_s([(100, 0)]) == pytest.approx(0.1 + 0.1 + 0.01)
+    # two 100-token prompts: attention within each prompt only, cheaper than one of 200
+    assert p.prefill_s([(100, 0), (100, 0)]) == pytest.approx(0.1 + 0.2 + 0.02)
+    assert p.prefill_s([(200, 0)]) == pytest.approx(0.1 + 0.2 + 0.04)
+    # a second chunk of 100 after 100 cached tokens attends over 100 * (100 + 200) pairs
+    assert p.prefill_s([(100, 100)]) == pytest.approx(0.1 + 0.1 + 0.03)
+    assert p.mixed_s([(100, 0)], 4, 50.0) == pytest.approx(0.21)  # decode adds d1, d2 terms: 0
+    with pytest.raises(ProfileError, match="per-token cost must be > 0"):
+        profile(prefill_coef=(0.1, 0.0, 0.0))
+
+
+def test_fit_prefill_recovers_the_costs() -> None:
+    truth = profile(prefill_coef=(0.07, 0.0015, 5e-7))
+    shapes = [(1, 16), (1, 256), (1, 2048), (4, 256), (8, 64), (2, 512)]
+    points = [(k, n, truth.prefill_s([(n, 0)] * k)) for k, n in shapes]
+    assert fit_prefill(points) == pytest.approx((0.07, 0.0015, 5e-7), rel=1e-6)
+    # step times that shrink per token as prompts grow: no negative pair cost, refitted
+    p0, p1, p2 = fit_prefill([(1, 100, 0.3), (1, 200, 0.5), (1, 400, 0.8)])
+    assert p2 == 0.0 and p1 > 0 and p0 > 0
+
+
+def test_a_profile_from_before_the_fit_is_refitted_on_load(tmp_path: Path) -> None:
+    old = {
+        "prefill_points": [[16, 0.0724], [256, 0.4846], [2048, 5.218]],
+        "decode_coef": [0.05, 0.004, 1e-5],
+        "kv_bytes_per_token": 46080,
+    }
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = NodeProfile.load(path)
+    assert loaded.prefill_s([(256, 0)]) == pytest.approx(0.4846, rel=0.01)
+    assert loaded.meta["prefill_points"] == old["prefill_points"]
+    path.write_text(json.dumps({"decode_coef": [0.05, 0, 0]}))
+    with pytest.raises(ProfileError, match="is not a node profile"):
+        NodeProfile.load(path)
 
 
 def test_one_node_deterministic_service_all_at_once() -> None:
@@ -95,6 +126,14 @@ def test_disaggregated_single_request_latencies() -> None:
     assert t.e2e == pytest.approx(0.01 + S + 0.1 + 0.01 + 3 * D0)
 
 
+def test_a_prefill_node_sees_a_finished_transfer_only_between_steps() -> None:
+    """A's KV lands at 0.01 + S + 0.11 while P runs B's prefill (S to 2 S + 0.01): P polls its
+    writes before each step, so D hears of A at the end of B's step; B's transfer ends with P
+    idle and is seen at once."""
+    traces = Simulation(profile(), 1, 1).run([Arrival(0.0, 100, 1), Arrival(0.0, 100, 1)])
+    assert [t.ttft for t in traces] == pytest.approx([0.01 + 2 * S, 0.01 + 2 * S + 0.11])
+
+
 def test_two_prefill_nodes_halve_the_queue() -> None:
     burst = [Arrival(0.0, 100, 1)] * 4
     one = Simulation(profile(), 1, 1).run(burst)
@@ -114,7 +153,16 @@ def test_shared_host_slows_concurrent_steps() -> None:
     alone = Simulation(profile(), 0, 2).run(burst)
     shared = Simulation(profile(), 0, 2, HostConfig(host_cores=1)).run(burst)
     assert sorted(t.ttft or 0 for t in alone) == pytest.approx([S, S])
-    assert max(t.ttft or 0 for t in shared) == pytest.approx(2 * S)
+    assert sorted(t.ttft or 0 for t in shared) == pytest.approx([2 * S, 2 * S])  # half a core each
+
+
+def test_a_step_slows_down_when_another_starts_beside_it() -> None:
+    """One core, processor sharing: A alone for S/2, then A and B at half speed until A is
+    done at 1.5 S, then B alone for its last S/2: done at 2 S (B's TTFT: 1.5 S)."""
+    traces = Simulation(profile(), 0, 2, HostConfig(host_cores=1)).run(
+        [Arrival(0.0, 100, 1), Arrival(S / 2, 100, 1)]
+    )
+    assert [t.done for t in traces] == pytest.approx([1.5 * S, 2 * S])
 
 
 def test_host_work_per_streamed_token_slows_steps_on_a_shared_host() -> None:
@@ -128,6 +176,14 @@ def test_host_work_per_streamed_token_slows_steps_on_a_shared_host() -> None:
     assert loaded.chunks == pytest.approx([S, S + 1.5 * D0, S + 3.5 * D0])
     (own_devices,) = Simulation(profile(), 0, 1, replace(host, host_cores=0)).run(one)
     assert own_devices.chunks == plain.chunks  # one device per node: the host does not slow it
+    # a disaggregated cluster is charged its own cost per token
+    pd = HostConfig(host_cores=2, overhead_s_per_token=0.0, pd_overhead_s_per_token=1.0)
+    assert pd.overhead(True) == 1.0 and pd.overhead(False) == 0.0
+    (quiet,) = Simulation(profile(), 1, 1, replace(pd, pd_overhead_s_per_token=None)).run(one)
+    (busy,) = Simulation(profile(), 1, 1, pd).run(one)
+    assert quiet.itls == pytest.approx([D0, D0])
+    # 1 node stepping + 1 (then 2) tokens x 1 CPU-s in the last second, on 2 cores
+    assert busy.itls == pytest.approx([D0, D0 * 1.5])
 
 
 def test_arrivals_match_the_benchmark_schedule() -> None:
@@ -176,9 +232,12 @@ def test_workload_from_tune_ratio_settings() -> None:
 
 
 def test_comparison_error_and_best_split() -> None:
-    assert Comparison(Split(1, 1), 1.0, 0.5, 0.55).error == pytest.approx(0.1)
-    assert Comparison(Split(1, 1), 1.0, 0.0, 0.0).error is None
-    assert math.isinf(Comparison(Split(1, 1), 1.0, 0.0, 0.2).error or 0)
+    assert Comparison(Split(1, 1), 1.0, (0.5,), 0.55).error == pytest.approx(0.1)
+    assert Comparison(Split(1, 1), 1.0, (0.5,), 0.55).spread is None
+    repeated = Comparison(Split(1, 1), 1.0, (0.4, 0.6, 0.5), 0.55)
+    assert repeated.measured == pytest.approx(0.5) and repeated.spread == pytest.approx(0.4)
+    assert Comparison(Split(1, 1), 1.0, (0.0,), 0.0).error is None
+    assert math.isinf(Comparison(Split(1, 1), 1.0, (0.0, 0.0), 0.2).error or 0)
     assert [s.name for s in parse_splits("all", 3)] == ["1P2D", "2P1D", "colocated x3"]
     names = [s.name for s in parse_splits("1:1, 0:2,colocated,2:1", 3)]
     assert names == ["1P1D", "colocated x2", "colocated x3", "2P1D"]

@@ -114,35 +114,62 @@ def workload_from_settings(settings: dict[str, Any]) -> tuple[DatasetConfig, Loa
 class Comparison:
     split: Split
     rate: float
-    measured: float  # goodput, req/s
+    runs: tuple[float, ...]  # measured goodput (req/s) of each repeated run
     predicted: float
 
     @property
+    def measured(self) -> float:
+        return float(np.mean(self.runs))
+
+    @property
+    def spread(self) -> float | None:
+        """(max - min) / mean of the repeated runs: how far the measurement itself moves."""
+        if len(self.runs) < 2 or self.measured <= 0:
+            return None
+        return (max(self.runs) - min(self.runs)) / self.measured
+
+    @property
     def error(self) -> float | None:
-        """Relative error of the prediction (None when nothing was measured)."""
+        """Relative error of the prediction against the runs' mean (None: nothing measured)."""
         if self.measured <= 0:
             return None if self.predicted <= 0 else math.inf
         return (self.predicted - self.measured) / self.measured
 
 
+def _percent(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return "inf" if math.isinf(value) else f"{value:+.0%}"
+
+
 def comparison_table(rows: Sequence[Comparison], target: float) -> str:
+    runs = max(len(r.runs) for r in rows)
     lines = [
-        f"{'split':<14}{'rate':>7}{'measured':>10}{'predicted':>11}{'error':>9}",
-        "-" * 51,
+        f"{'split':<14}{'rate':>7}{'measured':>10}{'runs (min-max)':>16}{'spread':>8}"
+        f"{'predicted':>11}{'error':>9}",
+        "-" * 75,
     ]
     for row in rows:
-        err = row.error
-        shown = "n/a" if err is None else ("inf" if math.isinf(err) else f"{err:+.0%}")
+        shown = f"{min(row.runs):.3f}-{max(row.runs):.3f}" if runs > 1 else ""
+        spread = "" if row.spread is None else f"{row.spread:.0%}"
         lines.append(
-            f"{row.split.name:<14}{row.rate:>7.2f}{row.measured:>10.3f}{row.predicted:>11.3f}"
-            f"{shown:>9}"
+            f"{row.split.name:<14}{row.rate:>7.2f}{row.measured:>10.3f}{shown:>16}{spread:>8}"
+            f"{row.predicted:>11.3f}{_percent(row.error):>9}"
         )
     errors = [abs(r.error) for r in rows if r.error is not None and math.isfinite(r.error)]
     if errors:
         within = sum(1 for e in errors if e <= target)
         lines.append(
             f"mean |error| {np.mean(errors):.1%}, max {max(errors):.1%}; "
-            f"{within}/{len(errors)} points within {target:.0%}"
+            f"{within}/{len(errors)} points within {target:.0%} (of the mean of {runs} run(s))"
+        )
+    repeatable = [r for r in rows if r.spread is not None and r.spread <= target]
+    if runs > 1 and repeatable:
+        errs = [abs(r.error) for r in repeatable if r.error is not None]
+        lines.append(
+            f"points whose runs agree within {target:.0%}: {len(repeatable)}; there mean "
+            f"|error| {np.mean(errs):.1%}, {sum(e <= target for e in errs)}/{len(errs)} within "
+            f"{target:.0%}"
         )
     return "\n".join(lines)
 

@@ -1,7 +1,9 @@
 """Measures a `NodeProfile` on this machine: the engine in-process, one scheduler step at a time.
 
-Prefill: one fresh request of T tokens (max_new_tokens=1) is one prefill step; the median
-step time of `repeats` runs per T, after one unmeasured run (a new shape's first run is slow).
+Prefill: K fresh requests of T tokens each (max_new_tokens=1) are one prefill step, for single
+prompts (K=1) of every T and batches of shorter ones; the median step time of `repeats` runs
+per point, after one unmeasured run (a new shape's first run is slow); `fit_prefill`
+(profile.py) turns the points into the per-token and per-pair costs.
 Decode: B requests of a C-token prompt are prefilled, then
 `decode_steps` decode-only steps are timed (median); d0 + d1*B + d2*B*context is fitted by
 least squares. The transfer and gateway terms are not measured here (flags of `profile`).
@@ -22,17 +24,19 @@ class ProfilePlan:
     model: str | None
     threads: int
     prefill_tokens: tuple[int, ...] = (16, 64, 128, 256, 512, 1024, 2048)
+    prefill_batches: tuple[tuple[int, int], ...] = (  # (requests, tokens each) in one step
+        (16, 16), (8, 64), (4, 128), (8, 128), (2, 256), (4, 256), (2, 512), (4, 512)
+    )  # fmt: skip
     decode_batches: tuple[int, ...] = (1, 4, 16)
     decode_contexts: tuple[int, ...] = (64, 320)
     repeats: int = 2
     decode_steps: int = 6
-    chunked_prefill_size: int = 2048
     max_total_tokens: int = 16384
 
 
 @dataclass
 class Measured:
-    prefill: list[tuple[int, float]]
+    prefill: list[tuple[int, int, float]]  # (requests, tokens each, seconds)
     decode: list[tuple[int, float, float]]  # (batch, mean context, seconds)
     kv_bytes_per_token: int
     model: str
@@ -45,9 +49,10 @@ def measure(plan: ProfilePlan, log: bool = True) -> Measured:
     from engine.sampling import SamplingParams
 
     torch.set_num_threads(plan.threads)
+    shapes = [(1, t) for t in plan.prefill_tokens] + list(plan.prefill_batches)
     llm = LLM(
         plan.model,
-        chunked_prefill_size=plan.chunked_prefill_size,
+        chunked_prefill_size=max(count * tokens for count, tokens in shapes),
         max_total_tokens=plan.max_total_tokens,
         enable_prefix_cache=False,
     )
@@ -60,17 +65,20 @@ def measure(plan: ProfilePlan, log: bool = True) -> Measured:
     llm.generate([ids(32)], SamplingParams(max_new_tokens=2, temperature=0))  # warm-up
 
     prefill = []
-    for tokens in plan.prefill_tokens:
+    for count, tokens in shapes:
         times = []
         for _ in range(plan.repeats + 1):  # the first run of a shape is cold: not counted
-            req = llm._make_req(ids(tokens), SamplingParams(max_new_tokens=1, temperature=0))
-            sched.add_request(req)
+            params = SamplingParams(max_new_tokens=1, temperature=0)
+            reqs = [llm._make_req(ids(tokens), params) for _ in range(count)]
+            for req in reqs:
+                sched.add_request(req)
             start = time.perf_counter()
-            while not req.finished:
-                sched.step()
+            sched.step()  # all of them: the budget is at least count * tokens
             times.append(time.perf_counter() - start)
-        prefill.append((tokens, statistics.median(times[1:])))
-        _say(log, f"prefill {tokens:5d} tokens: {prefill[-1][1] * 1000:8.1f} ms")
+            if not all(r.finished for r in reqs):
+                raise RuntimeError(f"{count} x {tokens} tokens did not fit one prefill step")
+        prefill.append((count, tokens, statistics.median(times[1:])))
+        _say(log, f"prefill {count:2d} x {tokens:4d} tokens: {prefill[-1][2] * 1000:8.1f} ms")
 
     decode = []
     for context in plan.decode_contexts:

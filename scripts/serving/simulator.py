@@ -13,14 +13,20 @@ prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from 
   decode step until output_len.
 - prefill node: waiting queue (FIFO); a step carries partially prefilled requests first, then
   new ones, under the chunked_prefill_size token budget; a request whose last chunk ran starts
-  its transfer (transfer_s of its prompt) and frees its pages when the transfer completes.
+  its transfer (transfer_s of its prompt). The node sees a transfer complete (frees the pages,
+  reports DONE) only between steps (prefill_node/prefill_role.py polls its writes before each
+  step): a transfer that completes during a step waits for that step's end; an idle node sees
+  it at once.
 - colocated node: one scheduler; a step carries every decoding request plus prefill chunks under
   the budget; a request's first token is emitted at the end of its last prefill chunk.
-- shared host (CPU): with host_cores > 0, a step that starts while k nodes are stepping is
-  slowed by max(1, (k * threads_per_node + b) / host_cores), where b is the cores the rest of
+- shared host (CPU): with host_cores > 0 the cores are shared (processor sharing): while k
+  nodes are stepping, each step progresses at 1 / max(1, (k * threads_per_node + b) /
+  host_cores) of its profiled speed, re-evaluated whenever a step starts or ends, so a long
+  prefill slows down when the decode node starts stepping beside it; b is the cores the rest of
   the host is busy with: the gateway, the client, the nodes' gRPC and transfer threads, charged
   as `overhead_s_per_token` CPU-seconds per token streamed in the last HOST_WINDOW_S seconds
-  (measured by `plan_capacity.py host`); slowdown scales every step.
+  (measured by `plan_capacity.py host`; a disaggregated cluster has transfer and bootstrap
+  work on top, hence its own `pd_overhead_s_per_token`); slowdown scales every step.
 
 Not modelled: prefix cache hits, retraction, multi-turn sessions, network jitter.
 """
@@ -46,6 +52,11 @@ class HostConfig:
     threads_per_node: int = 1
     slowdown: float = 1.0
     overhead_s_per_token: float = 0.0  # host CPU outside engine steps per streamed token
+    pd_overhead_s_per_token: float | None = None  # the same with prefill nodes (None: same)
+
+    def overhead(self, disaggregated: bool) -> float:
+        pd = self.pd_overhead_s_per_token
+        return pd if disaggregated and pd is not None else self.overhead_s_per_token
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class Node:
         self.waiting: deque[SimRequest] = deque()  # P/colocated: to prefill; D: prealloc
         self.running: list[SimRequest] = []
         self.arrived: list[SimRequest] = []  # D: transfer done, joins at the next step
+        self.sent: list[SimRequest] = []  # P: transfer complete, seen at the step's end
         self.reserved = 0  # D: requests between prealloc and the running batch
         self.kv_used = 0
         self.assigned = 0  # requests routed here and not finished (the gateway's load)
@@ -114,16 +126,18 @@ class Node:
         decoding = [r for r in self.running if r.emitted] if self.role != "prefill" else []
         if not plan and not decoding:
             return
-        tokens = sum(n for _, n in plan)
+        chunks = [(n, req.prefilled) for req, n in plan]
         context = sum(r.context for r in decoding) / len(decoding) if decoding else 0.0
-        base = profile.mixed_s(tokens, len(decoding), context)
+        work = profile.mixed_s(chunks, len(decoding), context)
         self.stepping = True
-        duration = base * self.sim.contention()
-        self.sim.at(self.sim.now + duration, lambda: self._end_step(plan, decoding))
+        self.sim.begin_step(work, lambda: self._end_step(plan, decoding))
 
     def _end_step(self, plan: list[tuple[SimRequest, int]], decoding: list[SimRequest]) -> None:
         now = self.sim.now
         self.stepping = False
+        for req in self.sent:
+            self._transferred(req)
+        self.sent.clear()
         for req, n in plan:
             req.prefilled += n
             if req.prefilled < req.arrival.prompt_len:
@@ -131,7 +145,7 @@ class Node:
             if self.role == "prefill":
                 self.running.remove(req)
                 done_at = now + self.sim.profile.transfer_s(req.arrival.prompt_len)
-                self.sim.at(done_at, functools.partial(self._transferred, req))
+                self.sim.at(done_at, functools.partial(self._transfer_complete, req))
             else:
                 decoding.append(req)  # colocated: first token at the end of the last chunk
         for req in decoding:
@@ -189,6 +203,12 @@ class Node:
             self._emit(req, self.sim.now)  # the first token, sampled by the prefill node
         self.arrived.clear()
 
+    def _transfer_complete(self, req: SimRequest) -> None:
+        if self.stepping:
+            self.sent.append(req)
+        else:
+            self._transferred(req)
+
     def _transferred(self, req: SimRequest) -> None:
         self.kv_used -= req.arrival.prompt_len
         self.assigned -= 1
@@ -209,6 +229,12 @@ class Node:
                 self.kv_used -= req.arrival.prompt_len + req.arrival.output_len
             self.assigned -= 1
             self.sim.finished(req)
+
+
+@dataclass(eq=False)
+class _Step:
+    work: float  # seconds of it left at the profiled (unshared) speed
+    end: Callable[[], None]
 
 
 class Simulation:
@@ -237,6 +263,10 @@ class Simulation:
         self._in_flight = 0
         self.done: list[SimRequest] = []
         self.streamed: deque[float] = deque()  # when each token left a node, oldest first
+        self._steps: list[_Step] = []  # in flight on any node
+        self._factor = 1.0  # every step in flight runs this many times slower than profiled
+        self._since = 0.0  # when the factor was last set
+        self._epoch = 0  # step-end events of an older epoch are stale
 
     @property
     def nodes(self) -> list[Node]:
@@ -246,19 +276,48 @@ class Simulation:
         heapq.heappush(self._events, (when, next(self._seq), action))
 
     def contention(self) -> float:
+        """How many times slower than profiled each step in flight runs now."""
         host = self.host
         factor = host.slowdown
         if host.host_cores > 0:
-            stepping = sum(1 for n in self.nodes if n.stepping)  # this node included
-            busy = stepping * host.threads_per_node + self.background_cores()
+            busy = len(self._steps) * host.threads_per_node + self.background_cores()
             factor *= max(1.0, busy / host.host_cores)
         return factor
+
+    # -- steps sharing the host ---------------------------------------------------------------
+    def begin_step(self, work: float, end: Callable[[], None]) -> None:
+        """Run `work` seconds of profiled step time, then `end`; shares the host's cores."""
+        self._progress()
+        self._steps.append(_Step(work, end))
+        self._reschedule()
+
+    def _progress(self) -> None:
+        done = (self.now - self._since) / self._factor
+        for step in self._steps:
+            step.work -= done
+        self._since = self.now
+
+    def _reschedule(self) -> None:
+        self._factor = self.contention()
+        self._epoch += 1
+        for step in self._steps:
+            end_at = self.now + max(0.0, step.work) * self._factor
+            self.at(end_at, functools.partial(self._step_ended, step, self._epoch))
+
+    def _step_ended(self, step: _Step, epoch: int) -> None:
+        if epoch != self._epoch:
+            return  # the factor changed since this end time was computed
+        self._progress()
+        self._steps.remove(step)
+        self._reschedule()
+        step.end()
 
     def background_cores(self) -> float:
         """Cores the host spends outside engine steps: its recent token rate x cost per token."""
         while self.streamed and self.streamed[0] < self.now - HOST_WINDOW_S:
             self.streamed.popleft()
-        return self.host.overhead_s_per_token * len(self.streamed) / HOST_WINDOW_S
+        per_token = self.host.overhead(bool(self.prefill_nodes))
+        return per_token * len(self.streamed) / HOST_WINDOW_S
 
     def run(self, arrivals: Sequence[Arrival]) -> list[RequestTrace]:
         requests = [SimRequest(i, a) for i, a in enumerate(arrivals)]
