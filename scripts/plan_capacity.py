@@ -1,7 +1,8 @@
 """Capacity planner: profile a node once, simulate clusters we cannot run, recommend P:D.
 
-    profile    measure this machine's node (prefill time vs tokens, decode step time vs batch
-               and context) in-process and save it as JSON; the KV transfer (bandwidth and
+    profile    measure this machine's node (prefill time vs tokens for single prompts and
+               batches of prompts, decode step time vs batch and context) in-process and save
+               it as JSON; the KV transfer (bandwidth and
                rendezvous latency) and the gateway's latency are flags, stored with it
     simulate   one cluster shape under a workload (bench_serving.py's flags) and arrival rate:
                the summary table bench_serving would print
@@ -9,12 +10,15 @@
                >= --slo-attainment of the requests meeting the SLOs, and the best split
     host       measure the host CPU a real cluster spends outside its engine steps per streamed
                token (gateway, client, gRPC and transfer threads), for --host-overhead-ms
+               (colocated) or --host-overhead-pd-ms (with --prefill >= 1)
     calibrate  the step-time factor (--slowdown) that makes one measured bench_serving.py run's
                mean E2E come out of the simulator (the host as it was during the runs)
     steps      compare the step traces of a real run (nodes started with --step-trace-dir)
                with the profile: measured vs predicted step time per node and step kind
     validate   simulate what tune_ratio.py measured (its tune_ratio.json: same splits, rates
-               and workload) and print predicted vs measured goodput, with the error
+               and workload) and print predicted vs measured goodput, with the error; several
+               repeats of one sweep are compared by their mean, with their spread (near
+               saturation a short run does not repeat itself to 15%)
 
 The simulator (scripts/serving/simulator.py) is a discrete-event model of the nodes' queues
 and batching rules. On a CPU host where nodes share cores, pass --host-cores and
@@ -24,7 +28,8 @@ and batching rules. On a CPU host where nodes share cores, pass --host-cores and
     .venv/bin/python scripts/plan_capacity.py recommend --profile profile.json --gpus 8 \\
         --random-input-len 2048 --random-output-len 256 --slo-ttft-ms 1000 --slo-tpot-ms 50
     .venv/bin/python scripts/plan_capacity.py validate --profile profile.json \\
-        --measured benchmarks/serving-.../tune_ratio.json --host-cores 2 --threads-per-node 1
+        --measured run1/tune_ratio.json run2/tune_ratio.json --host-cores 2 \\
+        --threads-per-node 1 --host-overhead-ms 2.92 --host-overhead-pd-ms 4.82
 """
 
 from __future__ import annotations
