@@ -46,8 +46,10 @@ from run_all import (
     cuda_time_ms,
     kv_layout,
     log,
+    mixed_prompts,
     paged_setup,
     rel_err,
+    write_small_llama,
 )
 
 from engine.attention import attention_backend_class
@@ -132,21 +134,10 @@ def check_engine(rep: Report, workdir: Path) -> None:
     batch sizes: greedy output, bf16, head_dim 128 and 4 query heads per KV head."""
     from engine import LLM, SamplingParams
 
-    model_dir = workdir / "llama-hd128"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 2048, "hidden_size": 1024,
-        "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 8,
-        "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": False,
-    }  # fmt: skip
-    (model_dir / "config.json").write_text(json.dumps(config))
-    gen = torch.Generator().manual_seed(2)
-    shared = torch.randint(0, 2048, (40,), generator=gen).tolist()
-    prompts = [
-        (shared if i % 3 == 0 else []) + torch.randint(0, 2048, (n,), generator=gen).tolist()
-        for i, n in enumerate((5, 17, 64, 130, 300, 9, 33, 250, 77, 1, 190, 41))
-    ]
+    model_dir = write_small_llama(
+        workdir / "llama-hd128", hidden_size=1024, intermediate_size=2048
+    )  # head_dim 128
+    prompts = mixed_prompts()
     params = [
         SamplingParams(max_new_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True, top_logprobs=5)
         for i in range(len(prompts))

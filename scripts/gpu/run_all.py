@@ -272,27 +272,40 @@ def check_elementwise(rep: Report) -> None:
                 log(f"check {name}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
 
 
+SMALL_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 2048, "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def write_small_llama(model_dir: Path, **sizes: int) -> Path:
+    """SMALL_LLAMA's config.json (with `sizes` overriding its sizes) for load_format="dummy"."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps({**SMALL_LLAMA, **sizes}))
+    return model_dir
+
+
+def mixed_prompts() -> list[list[int]]:
+    """The engine checks' 12 prompts of 1-340 tokens; every third starts with the same 40 tokens
+    (prefix-cache hits), several are split by a 128-token prefill chunk."""
+    gen = torch.Generator().manual_seed(2)
+    shared = torch.randint(0, 2048, (40,), generator=gen).tolist()
+    return [
+        (shared if i % 3 == 0 else []) + torch.randint(0, 2048, (n,), generator=gen).tolist()
+        for i, n in enumerate((5, 17, 64, 130, 300, 9, 33, 250, 77, 1, 190, 41))
+    ]
+
+
 def check_engine(rep: Report, workdir: Path) -> None:
     """The whole engine on the GPU (scheduler, chunked prefill, prefix cache, decode through CUDA
     graphs with changing batch sizes): greedy output with the Triton backend equals torch-native,
     token for token, on a small fp32 dummy-weight Llama (the kernels use exact fp32 products)."""
     from engine import LLM, SamplingParams
 
-    model_dir = workdir / "small-llama"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 2048, "hidden_size": 256,
-        "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
-        "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": False,
-    }  # fmt: skip
-    (model_dir / "config.json").write_text(json.dumps(config))
-    gen = torch.Generator().manual_seed(2)
-    shared = torch.randint(0, 2048, (40,), generator=gen).tolist()
-    prompts = [
-        (shared if i % 3 == 0 else []) + torch.randint(0, 2048, (n,), generator=gen).tolist()
-        for i, n in enumerate((5, 17, 64, 130, 300, 9, 33, 250, 77, 1, 190, 41))
-    ]
+    model_dir = write_small_llama(workdir / "small-llama")
+    prompts = mixed_prompts()
     params = [
         SamplingParams(max_new_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True)
         for i in range(len(prompts))
