@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine import LLM, SamplingParams
+from tests.reference import hf_greedy
 
 
 def tiny_model(path: Path) -> Path:
@@ -42,26 +43,6 @@ def tiny_model(path: Path) -> Path:
     return path
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda").eval()  # type: ignore[arg-type]
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
-
-
 def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -72,7 +53,7 @@ def main() -> int:
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
-        expected = hf_greedy(model, prompts, params.max_new_tokens)
+        expected = hf_greedy(model, prompts, params.max_new_tokens, device="cuda")
         for backend in ("torch_native", "triton"):
             for tp in (1, 2):
                 started = time.perf_counter()
