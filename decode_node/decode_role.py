@@ -123,6 +123,9 @@ class DecodeRole:
     def after_step(self, scheduler: Scheduler) -> None:
         return None
 
+    def during_forward(self, scheduler: Scheduler) -> list[StepOutput]:
+        return []  # its news comes as bootstrap messages, handled before each step
+
     def queue_summary(self) -> str:
         return f"#prealloc-req {len(self.prealloc)}, #transfer-req {len(self.transfer)}"
 

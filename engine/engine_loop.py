@@ -58,6 +58,13 @@ class NodeRole(Protocol):
 
     def after_step(self, scheduler: Scheduler) -> None: ...
 
+    def during_forward(self, scheduler: Scheduler) -> list[StepOutput]:
+        """Called between the model's layers while a step's forward runs (at most every
+        `LoopConfig.interlude_s`): requests finished meanwhile (a prefill node's KV writes
+        done), answered now instead of when the step ends. The batch being computed and the
+        KV memory must stay as they are until the step ends."""
+        ...
+
     def abort(self, scheduler: Scheduler, rid: str) -> Req | None: ...
 
     def queue_summary(self) -> str:
@@ -74,6 +81,7 @@ class LoopConfig:
     watchdog_timeout_s: float = 300.0
     idle_poll_s: float = 0.05
     step_trace: Path | None = None  # append one JSON line per step here (engine/step_trace.py)
+    interlude_s: float = 0.01  # the role's `during_forward` runs at most this often
 
 
 @dataclass
@@ -136,8 +144,10 @@ class EngineLoop:
         self._log = StepLogger(config.decode_log_interval)
         self._trace = StepTrace(config.step_trace) if config.step_trace else None
         self.fatal_error: BaseException | None = None
+        self._last_interlude = float("-inf")
         if role is not None:
             role.bind_wakeup(self.wake)
+            scheduler.runner.interlude = self._interlude
 
     # ---- called from other threads -------------------------------------------------------
     def start(self) -> None:
@@ -254,6 +264,14 @@ class EngineLoop:
         self.metrics.observe_queues(self.scheduler)
         self._step_started = None
         for out in outputs:
+            self._emit(out)
+
+    def _interlude(self) -> None:
+        now = time.monotonic()
+        if self.role is None or now - self._last_interlude < self.config.interlude_s:
+            return
+        self._last_interlude = now
+        for out in self.role.during_forward(self.scheduler):
             self._emit(out)
 
     def _emit(self, out: StepOutput) -> None:

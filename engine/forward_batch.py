@@ -7,6 +7,7 @@ request contributes exactly one token (the backend may then use its batched/grap
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,8 @@ class ForwardBatch:
     extend_lens: list[int]  # new tokens of each request in this forward
     attn_backend: AttentionBackend
     attn_metadata: Any = field(default=None)
+    # Called between decoder layers on the engine thread (see ModelRunner.interlude).
+    interlude: Callable[[], None] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -76,6 +76,11 @@ class ModelRunner:
         self.attn_backend = backend_cls(self.kv_cache, self.req_to_token)
         self.graph_runner: DecodeGraphRunner | None = None
         self.on_shutdown: Callable[[], None] | None = None  # stops the other TP ranks
+        # Work that must not wait for a long forward to end (a prefill node reporting finished
+        # KV writes): called between decoder layers of the batches `build_batch` makes. On GPU
+        # the layers only launch kernels, so it runs before the step's sync, not during it;
+        # CUDA-graph decode and the other TP ranks do not call it.
+        self.interlude: Callable[[], None] | None = None
         graphs_ok = self.device.type == "cuda" and self.group.size == 1  # no TP collectives
         if graphs_ok and hasattr(self.attn_backend, "init_graph_metadata"):
             # Padding rows read one key through slot 0 (reads only) and write to location 0.
@@ -120,6 +125,7 @@ class ModelRunner:
             seq_lens=[r.kv_len + n for r, n in zip(reqs, extend_lens, strict=True)],
             extend_lens=list(extend_lens),
             attn_backend=self.attn_backend,
+            interlude=self.interlude,
         )
         self.attn_backend.init_metadata(batch)
         return batch

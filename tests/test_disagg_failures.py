@@ -46,7 +46,7 @@ from typing import Any
 import grpc
 import pytest
 
-from engine.request import Req
+from engine.request import FinishReason, Req
 from engine.sampling import SamplingParams
 from gateway.pd_client import new_room
 from kvtransfer.aux import AuxBuffer
@@ -773,6 +773,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.settled = False
+        self.outcome = TransferState.DONE  # what a settled write ends as
 
     def connect(self, peer: PeerInfo) -> None:
         pass
@@ -781,7 +782,7 @@ class FakeEngine:
         return TransferHandle()
 
     def poll(self, handle: TransferHandle) -> TransferState:
-        return TransferState.DONE if self.settled else TransferState.PENDING
+        return self.outcome if self.settled else TransferState.PENDING
 
     def release(self, handle: TransferHandle) -> None:
         pass
@@ -792,7 +793,8 @@ class FakeScheduler:
         self.waiting: list[Req] = []
         self.prefilled: list[Req] = []
         self.parked: list[Req] = []
-        self.kv = SimpleNamespace(release=lambda req, cache: None)
+        self.released: list[tuple[Req, bool]] = []  # (request, cached) per page release
+        self.kv = SimpleNamespace(release=lambda req, cache: self.released.append((req, cache)))
 
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
@@ -835,15 +837,45 @@ def test_prefill_role_ignores_a_replayed_destination() -> None:
     assert link.final == []
 
 
-def test_prefill_role_confirms_a_cancel_only_after_its_writes_settle() -> None:
-    role, link, engine, scheduler, req = prefill_role_with_room()
-    # The first token is sampled: the last pages and the aux slot go out (still in flight).
+def sample_first_token(role: PrefillRole, scheduler: Any, req: Req) -> None:
+    """The last chunk ran: the last pages and the aux slot go out (still in flight)."""
     scheduler.waiting.remove(req)
     req.slot, req.pages, req.kv_len = 0, [0, 1, 2, 3], 64
     req.output_ids, req.output_logprobs, req.output_top_logprobs = [5], [None], [None]
     scheduler.prefilled.append(req)
     role.after_step(scheduler)
-    assert ROOM in role.inflight
+    assert ROOM in role.inflight and scheduler.parked == [req]
+
+
+def test_prefill_role_reports_done_mid_forward_and_frees_pages_at_the_step_end() -> None:
+    role, link, engine, scheduler, req = prefill_role_with_room()
+    sample_first_token(role, scheduler, req)
+    assert role.during_forward(scheduler) == []  # writes pending: nothing to report
+    engine.settled = True  # the writes land while the next step computes
+    (out,) = role.during_forward(scheduler)
+    assert out.req is req and out.finished and req.finish_reason is FinishReason.PREFILLED
+    assert link.final == [RoomState.DONE]  # D may start decoding now
+    assert scheduler.released == [] and scheduler.parked == [req]  # the forward still runs
+    assert role.during_forward(scheduler) == []  # reported once
+    assert role.before_step(scheduler) == []  # the step ended: pages go, nothing re-reported
+    assert scheduler.released == [(req, True)] and scheduler.parked == []
+    assert link.final == [RoomState.DONE] and not role.inflight
+
+
+def test_prefill_role_leaves_a_failed_write_to_the_step_boundary() -> None:
+    role, link, engine, scheduler, req = prefill_role_with_room()
+    sample_first_token(role, scheduler, req)
+    engine.settled, engine.outcome = True, TransferState.FAILED
+    assert role.during_forward(scheduler) == [] and link.final == []
+    (out,) = role.before_step(scheduler)
+    assert out.req is req and req.finish_reason is FinishReason.ABORT
+    assert link.final == [RoomState.FAILED]
+    assert scheduler.released == [(req, False)]  # a failed room's pages are not cached
+
+
+def test_prefill_role_confirms_a_cancel_only_after_its_writes_settle() -> None:
+    role, link, engine, scheduler, req = prefill_role_with_room()
+    sample_first_token(role, scheduler, req)
 
     role.inbox.put(replace(DEST, cancelled=True))  # D gave the room up
     role.before_step(scheduler)

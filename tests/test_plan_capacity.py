@@ -126,12 +126,12 @@ def test_disaggregated_single_request_latencies() -> None:
     assert t.e2e == pytest.approx(0.01 + S + 0.1 + 0.01 + 3 * D0)
 
 
-def test_a_prefill_node_sees_a_finished_transfer_only_between_steps() -> None:
-    """A's KV lands at 0.01 + S + 0.11 while P runs B's prefill (S to 2 S + 0.01): P polls its
-    writes before each step, so D hears of A at the end of B's step; B's transfer ends with P
-    idle and is seen at once."""
+def test_a_prefill_node_reports_a_finished_transfer_mid_step() -> None:
+    """A's KV lands at 0.01 + S + 0.1 while P runs B's prefill (S + 0.01 to 2 S + 0.01): P
+    polls its writes between the model's layers, so D hears of A then, not at the end of B's
+    step; B follows a step later."""
     traces = Simulation(profile(), 1, 1).run([Arrival(0.0, 100, 1), Arrival(0.0, 100, 1)])
-    assert [t.ttft for t in traces] == pytest.approx([0.01 + 2 * S, 0.01 + 2 * S + 0.11])
+    assert [t.ttft for t in traces] == pytest.approx([0.01 + S + 0.11, 0.01 + 2 * S + 0.11])
 
 
 def test_two_prefill_nodes_halve_the_queue() -> None:

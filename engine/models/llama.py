@@ -126,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self._embed(batch.input_ids), None
         for layer in self.layers:
             x, residual = layer(batch.positions, x, residual, batch)
+            if batch.interlude is not None:
+                batch.interlude()
         rows = batch.last_token_index
         if residual is None:
             last = self.norm(x[rows])

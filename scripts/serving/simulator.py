@@ -13,10 +13,10 @@ prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from 
   decode step until output_len.
 - prefill node: waiting queue (FIFO); a step carries partially prefilled requests first, then
   new ones, under the chunked_prefill_size token budget; a request whose last chunk ran starts
-  its transfer (transfer_s of its prompt). The node sees a transfer complete (frees the pages,
-  reports DONE) only between steps (prefill_node/prefill_role.py polls its writes before each
-  step): a transfer that completes during a step waits for that step's end; an idle node sees
-  it at once.
+  its transfer (transfer_s of its prompt). The node reports DONE as soon as the transfer
+  completes, mid-step too (prefill_node/prefill_role.py polls its writes between the model's
+  layers), but frees the pages only between steps: a transfer that completes during a step
+  holds its pages until that step's end.
 - colocated node: one scheduler; a step carries every decoding request plus prefill chunks under
   the budget; a request's first token is emitted at the end of its last prefill chunk.
 - shared host (CPU): with host_cores > 0 the cores are shared (processor sharing): while k
@@ -95,7 +95,7 @@ class Node:
         self.waiting: deque[SimRequest] = deque()  # P/colocated: to prefill; D: prealloc
         self.running: list[SimRequest] = []
         self.arrived: list[SimRequest] = []  # D: transfer done, joins at the next step
-        self.sent: list[SimRequest] = []  # P: transfer complete, seen at the step's end
+        self.sent: list[SimRequest] = []  # P: transfer complete, pages freed at the step's end
         self.reserved = 0  # D: requests between prealloc and the running batch
         self.kv_used = 0
         self.assigned = 0  # requests routed here and not finished (the gateway's load)
@@ -136,7 +136,7 @@ class Node:
         now = self.sim.now
         self.stepping = False
         for req in self.sent:
-            self._transferred(req)
+            self._free_prefill(req)
         self.sent.clear()
         for req, n in plan:
             req.prefilled += n
@@ -204,16 +204,16 @@ class Node:
         self.arrived.clear()
 
     def _transfer_complete(self, req: SimRequest) -> None:
+        assert req.decode is not None
+        req.decode.transfer_done(req)
         if self.stepping:
             self.sent.append(req)
         else:
-            self._transferred(req)
+            self._free_prefill(req)
 
-    def _transferred(self, req: SimRequest) -> None:
+    def _free_prefill(self, req: SimRequest) -> None:
         self.kv_used -= req.arrival.prompt_len
         self.assigned -= 1
-        assert req.decode is not None
-        req.decode.transfer_done(req)
 
     def _emit(self, req: SimRequest, now: float) -> None:
         req.emitted.append(now + self.sim.profile.gateway_s)

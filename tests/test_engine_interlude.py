@@ -1,0 +1,122 @@
+"""A node role's `during_forward`: work answered while a step's forward runs, not after it.
+
+A prefill node reports finished KV writes from there (prefill_node/prefill_role.py); with a
+multi-second prefill step on a CPU, waiting for the step's end held every hand-off up to one
+step. This drives the real loop, scheduler and model with a role that finishes a request of its
+own from inside a forward.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from engine.builder import build_engine
+from engine.config import EngineConfig
+from engine.engine_loop import EngineLoop, FinishEvent, LoopConfig, RequestEvent, TokenEvent
+from engine.request import FinishReason, Req
+from engine.sampling import RequestSampler, SamplingParams
+from engine.scheduler import Scheduler, StepOutput
+
+
+class InterludeRole:
+    """Holds the requests it accepts (`held`) and finishes them from `during_forward`."""
+
+    def __init__(self) -> None:
+        self.held: list[Req] = []
+        self.calls_in_step: list[bool] = []  # per call: did a step's forward run?
+        self.loop: EngineLoop | None = None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.held)
+
+    @property
+    def needs_polling(self) -> bool:
+        return False
+
+    def bind_wakeup(self, wake: Callable[[], None]) -> None:
+        pass
+
+    def accepts(self, req: Req) -> bool:
+        return req.rid.startswith("held")
+
+    def submit(self, scheduler: Scheduler, req: Req) -> None:
+        self.held.append(req)
+
+    def before_step(self, scheduler: Scheduler) -> list[StepOutput]:
+        return []
+
+    def after_step(self, scheduler: Scheduler) -> None:
+        return None
+
+    def during_forward(self, scheduler: Scheduler) -> list[StepOutput]:
+        assert self.loop is not None
+        self.calls_in_step.append(self.loop._step_started is not None)
+        done, self.held = self.held, []
+        for req in done:
+            req.finish_reason = FinishReason.PREFILLED
+        return [StepOutput(req, [], True) for req in done]
+
+    def abort(self, scheduler: Scheduler, rid: str) -> Req | None:
+        return None
+
+    def queue_summary(self) -> str:
+        return ""
+
+
+def _req(rid: str, prompt_len: int) -> Req:
+    params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    prompt = list(range(5, 5 + prompt_len))
+    return Req(rid, prompt, params, RequestSampler(params, prompt, 256, "cpu"))
+
+
+def test_a_role_finishes_a_request_from_inside_a_forward(tiny_model_dir) -> None:
+    engine = build_engine(EngineConfig(str(Path(tiny_model_dir("llama"))), max_total_tokens=1024))
+    role = InterludeRole()
+    loop = EngineLoop(engine.scheduler, LoopConfig(interlude_s=0.0), role=role)
+    role.loop = loop
+    events: list[tuple[str, str]] = []
+    done = threading.Event()
+
+    def sink(rid: str) -> Callable[[RequestEvent], None]:
+        def put(event: RequestEvent) -> None:
+            events.append((rid, type(event).__name__))
+            if rid == "computed" and isinstance(event, FinishEvent):
+                done.set()
+
+        return put
+
+    # Both are queued before the loop starts: the first step computes one and holds the other.
+    loop.submit(_req("held", 8), sink("held"))
+    loop.submit(_req("computed", 40), sink("computed"))
+    loop.start()
+    try:
+        assert done.wait(60)
+    finally:
+        loop.stop()
+    layers = engine.scheduler.runner.model_config.num_layers
+    assert len(role.calls_in_step) == layers  # once per layer of the one forward, interval 0
+    assert all(role.calls_in_step)
+    # The held request finished before the step that ran during its answer produced a token.
+    assert events == [
+        ("held", FinishEvent.__name__),
+        ("computed", TokenEvent.__name__),
+        ("computed", FinishEvent.__name__),
+    ]
+
+
+def test_a_role_is_called_at_most_every_interlude_interval(tiny_model_dir) -> None:
+    engine = build_engine(EngineConfig(str(Path(tiny_model_dir("llama"))), max_total_tokens=1024))
+    role = InterludeRole()
+    loop = EngineLoop(engine.scheduler, LoopConfig(interlude_s=3600.0), role=role)
+    role.loop = loop
+    done = threading.Event()
+    loop.submit(_req("computed", 40), lambda e: done.set() if isinstance(e, FinishEvent) else None)
+    loop.start()
+    try:
+        assert done.wait(60)
+    finally:
+        loop.stop()
+    assert len(role.calls_in_step) == 1  # the first layer; the rest fall inside the hour
