@@ -161,6 +161,8 @@ class EngineLoop:
             self._trace.close()
 
     def submit(self, req: Req, sink: EventSink) -> None:
+        # Marked here: a request sent during a long step waits for its end in the queue.
+        req.timing.mark("arrived")
         self._commands.put(_Submit(req, sink))
 
     def wake(self) -> None:
@@ -230,7 +232,6 @@ class EngineLoop:
         if isinstance(cmd, _Call):
             self._call(cmd)
             return
-        cmd.req.timing.mark("arrived")
         try:
             if self.role is not None and self.role.accepts(cmd.req):
                 self.scheduler.validate_prompt(cmd.req.prompt_ids)

@@ -1,7 +1,8 @@
 """When a request passed each point of its life on one node (for its timing breakdown).
 
-Marks are `time.monotonic()` stamps set once, on the engine thread (except `kv_arrived`, set by
-the bootstrap link's thread when the decode node hears the room is done). Durations between
+Marks are `time.monotonic()` stamps set once, on the engine thread (except `arrived`, set by
+the thread that hands the request to the engine loop, and `kv_arrived`, set by the bootstrap
+link's thread when the decode node hears the room is done). Durations between
 marks go back to the gateway in the node's final message (`proto/node.proto`, NodeTiming),
 which assembles the request's whole timeline (see gateway/timeline.py).
 

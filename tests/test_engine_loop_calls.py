@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.engine_loop import EngineLoop, LoopConfig
+from engine.engine_loop import EngineLoop, FinishEvent, LoopConfig, RequestEvent
+from engine.request import Req
+from engine.sampling import RequestSampler, SamplingParams
 
 
 @pytest.fixture
@@ -65,3 +68,27 @@ def test_a_failing_call_whose_caller_gave_up_is_logged(
     assert loop.call(lambda s: 1).result(10) == 1
     assert "broken admin call" in caplog.text
     assert loop.fatal_error is None
+
+
+def test_a_request_queued_behind_a_long_step_counts_its_wait(loop: EngineLoop) -> None:
+    """`arrived` is when the node got the request, not when the engine thread took it: the
+    time it waited for a step to end is queueing (timelines showed it as transfer time)."""
+    release = threading.Event()
+    loop.call(lambda s: release.wait(10))  # the engine thread is in a long step
+    events: list[RequestEvent] = []
+    done = threading.Event()
+
+    def sink(event: RequestEvent) -> None:
+        events.append(event)
+        if isinstance(event, FinishEvent):
+            done.set()
+
+    params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    prompt = list(range(5, 25))
+    loop.submit(Req("r", prompt, params, RequestSampler(params, prompt, 256, "cpu")), sink)
+    time.sleep(0.3)
+    release.set()
+    assert done.wait(30)
+    finish = events[-1]
+    assert isinstance(finish, FinishEvent) and finish.timing is not None
+    assert finish.timing.span("arrived", "scheduled") >= 0.3
