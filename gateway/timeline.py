@@ -8,7 +8,8 @@ Finished.timing). The segments, in order:
 
     gateway_queue           HTTP request in -> node RPCs sent (parsing, tokenising, routing,
                             earlier failed attempts)
-    prefill_bootstrap_wait  P: request in -> D's destination arrived through bootstrap
+    prefill_bootstrap_wait  P: request in -> D's destination arrived through bootstrap and
+                            taken at P's next step boundary (a busy P: up to one step)
     prefill_queue           P's waiting queue (a local prefill: D's) -> first chunk scheduled
     prefill                 first chunk -> first token sampled (all chunks)
     transfer                what D waited for the KV beyond P's three spans above: P's KV
