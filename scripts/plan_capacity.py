@@ -18,7 +18,9 @@
     validate   simulate what tune_ratio.py measured (its tune_ratio.json: same splits, rates
                and workload) and print predicted vs measured goodput, with the error; several
                repeats of one sweep are compared by their mean, with their spread (near
-               saturation a short run does not repeat itself to 15%)
+               saturation a short run does not repeat itself to 15%); --speed-band 0.05
+               adds the prediction with every step 5% slower and faster (at overload a
+               profile taken in another hour moves goodput by far more than 15%)
 
 The simulator (scripts/serving/simulator.py) is a discrete-event model of the nodes' queues
 and batching rules. On a CPU host where nodes share cores, pass --host-cores and
@@ -171,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tune_ratio.json; several: repeats of one sweep, compared by their mean",
     )
     p.add_argument("--output", type=Path, default=None, help="write the comparison as JSON")
+    p.add_argument(
+        "--speed-band",
+        type=float,
+        default=0.0,
+        help="also simulate every step this fraction slower and faster (e.g. 0.05) and show "
+        "the predicted goodput's range: how much a profile that far off changes the answer",
+    )
     add_host_args(p)
     return parser
 
@@ -319,6 +328,8 @@ def cmd_steps(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    if not 0 <= args.speed_band < 1:
+        raise ValueError(f"--speed-band must be in [0, 1) (0.05: +-5%), got {args.speed_band}")
     profile = NodeProfile.load(args.profile)
     host = host_config(args)
     docs = [read_measured(path) for path in args.measured]
@@ -340,10 +351,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
             seeded = replace(dataset, seed=int(point.get("seed", dataset.seed)))
             at_rate = replace(load, request_rate=rate)
             predicted = simulate(profile, split, seeded, at_rate, slo, host)
+            band = None
+            if args.speed_band > 0:
+                slower, faster = (
+                    replace(host, slowdown=host.slowdown * (1 + d))
+                    for d in (args.speed_band, -args.speed_band)
+                )
+                band = (
+                    simulate(profile, split, seeded, at_rate, slo, slower).goodput or 0.0,
+                    simulate(profile, split, seeded, at_rate, slo, faster).goodput or 0.0,
+                )
             runs = tuple(
                 float(doc["results"][i]["points"][j]["summary"]["goodput"] or 0.0) for doc in docs
             )
-            rows.append(Comparison(split, rate, runs, predicted.goodput or 0.0))
+            rows.append(Comparison(split, rate, runs, predicted.goodput or 0.0, band))
     print(comparison_table(rows, VALIDATION_TARGET))
     if args.output is not None:
         doc_out = {

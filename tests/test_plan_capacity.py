@@ -10,10 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from scripts.plan_capacity import main as plan_capacity
 from scripts.serving.datasets import DatasetConfig
 from scripts.serving.load import LoadConfig, arrival_gaps
 from scripts.serving.metrics import SLO, summarize
-from scripts.serving.planning import Comparison, arrivals, max_rate, workload_from_settings
+from scripts.serving.planning import (
+    Comparison,
+    arrivals,
+    comparison_table,
+    max_rate,
+    workload_from_settings,
+)
 from scripts.serving.profile import NodeProfile, ProfileError, fit_prefill
 from scripts.serving.simulator import Arrival, HostConfig, Simulation
 from scripts.serving.sweep import (
@@ -231,6 +238,17 @@ def test_workload_from_tune_ratio_settings() -> None:
     assert slo == SLO(ttft_ms=3000.0)
 
 
+def test_the_speed_band_flags_predictions_a_profile_error_would_move() -> None:
+    steady = Comparison(Split(1, 1), 1.0, (0.5, 0.52), 0.5, band=(0.48, 0.53))
+    cliff = Comparison(Split(2, 1), 3.0, (0.3, 0.4), 0.6, band=(0.3, 0.8))
+    assert not steady.fragile(0.15) and cliff.fragile(0.15)
+    assert not Comparison(Split(1, 1), 1.0, (0.5,), 0.5).fragile(0.15)  # no band: no claim
+    table = comparison_table([steady, cliff], 0.15)
+    assert "speed band" in table and "0.300-0.800" in table
+    assert "moves more than 15% within the speed band: 1/2" in table
+    assert "speed band" not in comparison_table([replace(steady, band=None)], 0.15)
+
+
 def test_comparison_error_and_best_split() -> None:
     assert Comparison(Split(1, 1), 1.0, (0.5,), 0.55).error == pytest.approx(0.1)
     assert Comparison(Split(1, 1), 1.0, (0.5,), 0.55).spread is None
@@ -247,3 +265,9 @@ def test_comparison_error_and_best_split() -> None:
         parse_rates("0,1")
     assert parse_rates("2,0.5") == (0.5, 2.0)
     assert best_split([SplitResult(Split(1, 1))], 0.9) is None
+
+
+def test_a_speed_band_outside_zero_to_one_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["validate", "--profile", "p.json", "--measured", "m.json", "--speed-band", "1.5"]
+    assert plan_capacity(args) == 2
+    assert "--speed-band must be in [0, 1)" in capsys.readouterr().err

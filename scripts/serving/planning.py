@@ -116,6 +116,15 @@ class Comparison:
     rate: float
     runs: tuple[float, ...]  # measured goodput (req/s) of each repeated run
     predicted: float
+    band: tuple[float, float] | None = None  # predicted with every step slower / faster
+
+    def fragile(self, target: float) -> bool:
+        """The prediction moves by more than `target` within its speed band: a profile that
+        far off (noise, another hour on a shared host) changes the answer."""
+        if self.band is None:
+            return False
+        ref = max(self.predicted, 1e-9)
+        return max(abs(b - self.predicted) for b in self.band) / ref > target
 
     @property
     def measured(self) -> float:
@@ -144,17 +153,19 @@ def _percent(value: float | None) -> str:
 
 def comparison_table(rows: Sequence[Comparison], target: float) -> str:
     runs = max(len(r.runs) for r in rows)
+    banded = any(r.band is not None for r in rows)
     lines = [
         f"{'split':<14}{'rate':>7}{'measured':>10}{'runs (min-max)':>16}{'spread':>8}"
-        f"{'predicted':>11}{'error':>9}",
-        "-" * 75,
+        f"{'predicted':>11}{'error':>9}" + (f"{'speed band':>14}" if banded else ""),
+        "-" * (89 if banded else 75),
     ]
     for row in rows:
         shown = f"{min(row.runs):.3f}-{max(row.runs):.3f}" if runs > 1 else ""
         spread = "" if row.spread is None else f"{row.spread:.0%}"
+        band = "" if row.band is None else f"{min(row.band):.3f}-{max(row.band):.3f}"
         lines.append(
             f"{row.split.name:<14}{row.rate:>7.2f}{row.measured:>10.3f}{shown:>16}{spread:>8}"
-            f"{row.predicted:>11.3f}{_percent(row.error):>9}"
+            f"{row.predicted:>11.3f}{_percent(row.error):>9}" + (f"{band:>14}" if banded else "")
         )
     errors = [abs(r.error) for r in rows if r.error is not None and math.isfinite(r.error)]
     if errors:
@@ -170,6 +181,12 @@ def comparison_table(rows: Sequence[Comparison], target: float) -> str:
             f"points whose runs agree within {target:.0%}: {len(repeatable)}; there mean "
             f"|error| {np.mean(errs):.1%}, {sum(e <= target for e in errs)}/{len(errs)} within "
             f"{target:.0%}"
+        )
+    if banded:
+        fragile = sum(r.fragile(target) for r in rows)
+        lines.append(
+            f"points whose prediction moves more than {target:.0%} within the speed band: "
+            f"{fragile}/{len(rows)}"
         )
     return "\n".join(lines)
 
