@@ -22,7 +22,15 @@ from engine.sampling import RequestSampler, SamplingParams
 from engine.server_args import add_node_args, loop_config
 from scripts.plan_capacity import main as plan_capacity
 from scripts.serving.profile import NodeProfile
-from scripts.serving.step_report import Step, TraceError, read_trace, report, summarize_steps
+from scripts.serving.step_report import (
+    Step,
+    TraceError,
+    company_report,
+    others_stepping,
+    read_trace,
+    report,
+    summarize_steps,
+)
 
 
 def _serve_one(model_dir: Path, trace: Path, prompt_len: int, new_tokens: int) -> None:
@@ -88,6 +96,28 @@ def test_steps_are_priced_with_the_profile() -> None:
     assert by_kind["mixed"].predicted_s == pytest.approx(0.1825)
     text = report({"prefill-1": steps}, PROFILE)
     assert "prefill-1" in text and "busy" in text
+
+
+def test_steps_are_split_by_the_nodes_stepping_beside_them() -> None:
+    """Decode steps of 0.09 s (profile: 0.09 s at batch 4): one alone, one a third inside a
+    prefill step of the other node, two wholly inside it at twice the profiled time."""
+    decode = [
+        Step(0.0, (), 4, 400, 0.09, 0.09),
+        Step(1.0, (), 4, 400, 0.09, 0.09),
+        Step(2.0, (), 4, 400, 0.18, 0.18),
+        Step(2.2, (), 4, 400, 0.18, 0.18),
+    ]
+    prefill = [Step(1.06, ((100, 0),), 0, 0, 1.5, 1.5)]  # 1.06 to 2.56
+    assert others_stepping(decode[0], [prefill]) == 0.0
+    assert others_stepping(decode[1], [prefill]) == pytest.approx(1 / 3)
+    assert others_stepping(decode[2], [prefill]) == pytest.approx(1.0)
+    rows = company_report({"decode-1": decode, "prefill-1": prefill}, PROFILE).splitlines()[2:]
+    cells = [row.split() for row in rows]
+    assert cells[0] == ["decode-1", "decode", "0", "2", "1.00", "1.00"]  # 1/3 rounds to 0
+    assert cells[1] == ["decode-1", "decode", "1", "2", "2.00", "2.00"]
+    assert cells[2][:4] == ["prefill-1", "prefill", "0", "1"]  # D stepped 0.39 s of its 1.5 s
+    assert "other nodes stepping" in report({"decode-1": decode, "prefill-1": prefill}, PROFILE)
+    assert "other nodes stepping" not in report({"decode-1": decode}, PROFILE)
 
 
 def test_steps_command_rejects_what_is_not_a_trace(

@@ -4,11 +4,17 @@ Per node and step kind (prefill only, decode only, mixed), the measured mean ste
 what the profile predicts for the same composition (prefill tokens, decode batch and mean
 context): a ratio above 1 is time the simulator does not see (cores shared with other nodes,
 host threads), one near 1 says the steps are right and any error is in the queues.
+
+With several nodes' traces of one run (one host, one wall clock), a second table splits each
+node's steps by how many other nodes were stepping beside them: fair sharing of c cores among
+k + 1 stepping single-threaded nodes predicts a ratio of max(1, (k + 1) / c); a wide p90 there
+is the tail a fair-share model does not have.
 """
 
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +116,39 @@ def busy_fraction(steps: list[Step]) -> float:
     return sum(s.step_s for s in steps) / span if span > 0 else 1.0
 
 
+def others_stepping(step: Step, others: Iterable[list[Step]]) -> float:
+    """How many of the other nodes were inside a step while `step` ran (mean over it)."""
+    start, end = step.start, step.start + step.step_s
+    if end <= start:
+        return 0.0
+    overlap = sum(
+        max(0.0, min(end, o.start + o.step_s) - max(start, o.start)) for t in others for o in t
+    )
+    return overlap / (end - start)
+
+
+def company_report(traces: dict[str, list[Step]], profile: NodeProfile) -> str:
+    """Measured / profiled step time per node, kind and number of other nodes stepping."""
+    lines = [
+        f"{'node':<22}{'kind':<9}{'others':>7}{'steps':>6}{'ratio':>7}{'p90':>7}",
+        "-" * 58,
+    ]
+    for name, steps in sorted(traces.items()):
+        others = [t for other, t in traces.items() if other != name]
+        groups: dict[tuple[str, int], list[float]] = defaultdict(list)
+        for step in steps:
+            predicted = step.predicted_s(profile)
+            if predicted > 0:
+                company = round(others_stepping(step, others))
+                groups[(step.kind, company)].append(step.step_s / predicted)
+        for (kind, company), ratios in sorted(groups.items()):
+            ratios.sort()
+            mean = sum(ratios) / len(ratios)
+            p90 = ratios[int(0.9 * (len(ratios) - 1))]
+            lines.append(f"{name:<22}{kind:<9}{company:>7}{len(ratios):>6}{mean:>7.2f}{p90:>7.2f}")
+    return "\n".join(lines)
+
+
 def report(traces: dict[str, list[Step]], profile: NodeProfile) -> str:
     lines = [
         f"{'node':<22}{'kind':<9}{'steps':>6}{'tok/step':>9}{'batch':>7}"
@@ -125,4 +164,7 @@ def report(traces: dict[str, list[Step]], profile: NodeProfile) -> str:
                 f"{s.predicted_s / n * 1e3:>11.1f}{s.ratio:>7.2f}"
             )
         lines.append(f"{name:<22}busy {busy_fraction(steps):.0%} of its span")
+    if len(traces) > 1:
+        lines += ["", "by the number of other nodes stepping beside the step:"]
+        lines.append(company_report(traces, profile))
     return "\n".join(lines)
