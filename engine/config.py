@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.models.cpu_linear import LINEAR_KERNELS
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -27,6 +29,9 @@ class EngineConfig:
     # Build step N+1 on the host while the GPU runs step N (engine/overlap.py); None: on for
     # CUDA with tp_size 1, where it pays, off elsewhere (a TP step copies its ids to the host).
     overlap_schedule: bool | None = None
+    # Linear layers: "onednn" packs their weights for oneDNN (CPU), "aten" keeps torch's
+    # F.linear, "auto" packs where it can (engine/models/cpu_linear.py).
+    linear_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         _at_least("page_size", self.page_size, 1)
@@ -39,6 +44,10 @@ class EngineConfig:
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}"
+            )
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(
+                f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}"
             )
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(

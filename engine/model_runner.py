@@ -56,6 +56,7 @@ class ModelRunner:
             self.device,
             self.shard,
             self.group,
+            config.linear_kernel,
         )
         self.kv_layout = KVLayout(
             num_layers=model_config.num_layers,

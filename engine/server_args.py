@@ -30,6 +30,13 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--linear-kernel",
+        default="auto",
+        choices=["auto", "onednn", "aten"],
+        help="matmuls of the linear layers: oneDNN over weights packed at load (CPU), torch's "
+        "F.linear, or auto (oneDNN where it can run); see engine/models/cpu_linear.py",
+    )
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV capacity in tokens")
     g.add_argument(
@@ -105,6 +112,7 @@ def engine_config(args: argparse.Namespace, model_path: str, weight_bytes: int) 
         schedule_policy=args.schedule_policy,
         tp_size=args.tp_size,
         overlap_schedule=args.overlap_schedule,
+        linear_kernel=args.linear_kernel,
     )
 
 

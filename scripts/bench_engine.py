@@ -56,6 +56,7 @@ class BenchConfig:
     clock: str  # a key of CLOCKS
     skip_hf: bool
     output_json: Path | None
+    linear_kernel: str = "auto"  # EngineConfig.linear_kernel of our engine
 
 
 @dataclass
@@ -314,6 +315,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "when other work shares the cores",
     )
     parser.add_argument("--skip-hf", action="store_true", help="benchmark only the engine")
+    parser.add_argument(
+        "--linear-kernel",
+        choices=["auto", "onednn", "aten"],
+        default="auto",
+        help="our engine's linear layers (engine/models/cpu_linear.py); aten = the same "
+        "F.linear as HF",
+    )
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args(argv)
     sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
@@ -333,6 +341,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         clock=args.clock,
         skip_hf=args.skip_hf,
         output_json=args.output_json,
+        linear_kernel=args.linear_kernel,
     )
 
 
@@ -348,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         max_total_tokens=max(65536, max(cfg.batch_sizes) * (cfg.input_len + cfg.output_len + 16)),
         max_running_requests=max(256, max(cfg.batch_sizes)),
         enable_prefix_cache=False,
+        linear_kernel=cfg.linear_kernel,
     )
     hf_model = None
     if not cfg.skip_hf:

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.models import build_model
+from engine.models.cpu_linear import pack_linears, wants_packed_linears
 from engine.tp.group import TPGroup
 from engine.tp.partition import TPShard
 
@@ -26,8 +27,11 @@ def load_model(
     device: torch.device,
     shard: TPShard | None = None,
     group: TPGroup | None = None,
+    linear_kernel: str = "auto",
 ) -> nn.Module:
-    """The model (or one tensor-parallel rank's `shard` of it, talking over `group`)."""
+    """The model (or one tensor-parallel rank's `shard` of it, talking over `group`); its linear
+    layers packed for oneDNN when `linear_kernel` asks for it (engine/models/cpu_linear.py)."""
+    pack = wants_packed_linears(linear_kernel, device, dtype)
     with torch.device(device):
         model = build_model(config, shard, group)
     if load_format == "dummy":
@@ -36,7 +40,10 @@ def load_model(
         _load_safetensors(model, Path(config.model_path))
     else:
         raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
-    return model.to(dtype=dtype).eval()
+    model = model.to(dtype=dtype).eval()
+    if pack:
+        pack_linears(model)
+    return model
 
 
 def _init_dummy(model: nn.Module) -> None:
