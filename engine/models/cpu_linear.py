@@ -25,8 +25,8 @@ from torch import nn
 
 LINEAR_KERNELS = ("auto", "onednn", "aten")
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# Row-count hint for the reorder; the packed layout serves any row count (1-2,048 rows measured
-# within 5% of a layout packed for that count).
+# Row-count hint for the reorder; the packed layout serves any row count (hints of 64, 256 and
+# 2,048 timed alike at 16-2,048 rows).
 _ROWS_HINT = 256
 _EXACT_ROWS = 32  # row counts up to this run unpadded (see "Row buckets" above)
 
