@@ -29,9 +29,18 @@ and batching rules. On a CPU host where nodes share cores, pass --host-cores and
     .venv/bin/python scripts/plan_capacity.py profile --threads 1 --output profile.json
     .venv/bin/python scripts/plan_capacity.py recommend --profile profile.json --gpus 8 \\
         --random-input-len 2048 --random-output-len 256 --slo-ttft-ms 1000 --slo-tpot-ms 50
+
+On a shared CPU host the in-process profile is optimistic: a node's steps in a real cluster ran
+1.13-1.16x the profile when alone and another ~10% slower per node stepping beside them (shared
+memory bandwidth), beyond sharing the cores (benchmarks/serving-2026-11-24.md). Measure the host
+work (`host`), then trace a low-rate run and a loaded one (nodes with --step-trace-dir) and read
+`steps`: the low-rate ratio is --slowdown, the loaded run's ratio beside another node over its
+ratio alone, less the cores' sharing, is --co-runner-slowdown:
+
     .venv/bin/python scripts/plan_capacity.py validate --profile profile.json \\
         --measured run1/tune_ratio.json run2/tune_ratio.json --host-cores 2 \\
-        --threads-per-node 1 --host-overhead-ms 2.92 --host-overhead-pd-ms 4.82
+        --threads-per-node 1 --host-overhead-ms 1.60 --host-overhead-pd-ms 2.37 \\
+        --slowdown 1.15 --co-runner-slowdown 0.10
 """
 
 from __future__ import annotations
@@ -78,6 +87,13 @@ def add_host_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads-per-node", type=int, default=1)
     g.add_argument("--slowdown", type=float, default=1.0, help="scales every step time")
     g.add_argument(
+        "--co-runner-slowdown",
+        type=float,
+        default=0.0,
+        help="fraction each other step in flight slows a step by, beyond sharing --host-cores "
+        "(memory bandwidth; `steps` shows a step's ratio by the company it kept)",
+    )
+    g.add_argument(
         "--host-overhead-ms",
         type=float,
         default=0.0,
@@ -96,6 +112,8 @@ def add_host_args(parser: argparse.ArgumentParser) -> None:
 def host_config(args: argparse.Namespace) -> HostConfig:
     if args.host_cores < 0 or args.threads_per_node < 1 or not args.slowdown > 0:
         raise ValueError("--host-cores must be >= 0, --threads-per-node >= 1, --slowdown > 0")
+    if args.co_runner_slowdown < 0:
+        raise ValueError(f"--co-runner-slowdown must be >= 0, got {args.co_runner_slowdown}")
     pd_ms = args.host_overhead_pd_ms
     for flag, value in (
         ("--host-overhead-ms", args.host_overhead_ms),
@@ -109,6 +127,7 @@ def host_config(args: argparse.Namespace) -> HostConfig:
         args.slowdown,
         args.host_overhead_ms / 1000,
         None if pd_ms is None else pd_ms / 1000,
+        args.co_runner_slowdown,
     )
 
 

@@ -172,6 +172,19 @@ def test_a_step_slows_down_when_another_starts_beside_it() -> None:
     assert [t.done for t in traces] == pytest.approx([1.5 * S, 2 * S])
 
 
+def test_co_runner_slows_steps_beyond_core_sharing() -> None:
+    """Two cores, so no sharing; a co-runner cost of 0.2: A alone for S/2, then A and B at
+    1/1.2 speed; A has S/2 left, done at S/2 + 0.6 S = 1.1 S; B then has S - 0.5 S left alone:
+    done at 1.6 S. Without a co-runner cost both run at full speed (done at S, 1.5 S)."""
+    pair = [Arrival(0.0, 100, 1), Arrival(S / 2, 100, 1)]
+    plain = Simulation(profile(), 0, 2, HostConfig(host_cores=2)).run(pair)
+    assert [t.done for t in plain] == pytest.approx([S, 1.5 * S])
+    slowed = Simulation(profile(), 0, 2, HostConfig(host_cores=2, co_runner=0.2)).run(pair)
+    assert [t.done for t in slowed] == pytest.approx([1.1 * S, 1.6 * S])
+    own_devices = Simulation(profile(), 0, 2, HostConfig(co_runner=0.2)).run(pair)
+    assert [t.done for t in own_devices] == pytest.approx([S, 1.5 * S])  # GPUs: not charged
+
+
 def test_host_work_per_streamed_token_slows_steps_on_a_shared_host() -> None:
     """0.5 CPU-s per token streamed in the last second: after 1 token the next step shares the
     one core with 0.5 cores of host work (x1.5), after 2 tokens with 1 core (x2)."""
@@ -271,3 +284,19 @@ def test_a_speed_band_outside_zero_to_one_exits_2(capsys: pytest.CaptureFixture[
     args = ["validate", "--profile", "p.json", "--measured", "m.json", "--speed-band", "1.5"]
     assert plan_capacity(args) == 2
     assert "--speed-band must be in [0, 1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--slowdown", "0", "--slowdown > 0"),
+        ("--co-runner-slowdown", "-0.1", "--co-runner-slowdown must be >= 0, got -0.1"),
+    ],
+)
+def test_host_flags_that_make_no_sense_exit_2(
+    flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = Path(__file__).parent.parent / "benchmarks/serving-2026-11-24/node_profile.json"
+    args = ["simulate", "--profile", str(profile), flag, value, "--request-rate", "1"]
+    assert plan_capacity(args) == 2
+    assert message in capsys.readouterr().err

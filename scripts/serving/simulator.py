@@ -26,7 +26,9 @@ prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from 
   the host is busy with: the gateway, the client, the nodes' gRPC and transfer threads, charged
   as `overhead_s_per_token` CPU-seconds per token streamed in the last HOST_WINDOW_S seconds
   (measured by `plan_capacity.py host`; a disaggregated cluster has transfer and bootstrap
-  work on top, hence its own `pd_overhead_s_per_token`); slowdown scales every step.
+  work on top, hence its own `pd_overhead_s_per_token`); on top of that each step slows by
+  `co_runner` per other step in flight (shared memory bandwidth and caches, which sharing the
+  cores does not show); slowdown scales every step.
 
 Not modelled: prefix cache hits, retraction, multi-turn sessions, network jitter.
 """
@@ -53,6 +55,9 @@ class HostConfig:
     slowdown: float = 1.0
     overhead_s_per_token: float = 0.0  # host CPU outside engine steps per streamed token
     pd_overhead_s_per_token: float | None = None  # the same with prefill nodes (None: same)
+    # each other step in flight slows a step by this fraction on top of sharing the cores
+    # (memory bandwidth and caches: `plan_capacity.py steps` shows it by the company a step kept)
+    co_runner: float = 0.0
 
     def overhead(self, disaggregated: bool) -> float:
         pd = self.pd_overhead_s_per_token
@@ -282,6 +287,7 @@ class Simulation:
         if host.host_cores > 0:
             busy = len(self._steps) * host.threads_per_node + self.background_cores()
             factor *= max(1.0, busy / host.host_cores)
+            factor *= 1.0 + host.co_runner * max(0, len(self._steps) - 1)
         return factor
 
     # -- steps sharing the host ---------------------------------------------------------------
