@@ -147,7 +147,11 @@ class EngineLoop:
         self._last_interlude = float("-inf")
         if role is not None:
             role.bind_wakeup(self.wake)
-            scheduler.runner.interlude = self._interlude
+            # Not on a TP node: its other ranks are inside the forward's all-reduces, and a
+            # role's poll there talks to them (a TP prefill node agrees on its KV writes' state
+            # by a collective, kvtransfer/tp_engine.py), so both sides would wait for ever.
+            if scheduler.runner.group.size == 1:
+                scheduler.runner.interlude = self._interlude
 
     # ---- called from other threads -------------------------------------------------------
     def start(self) -> None:

@@ -80,7 +80,7 @@ class ModelRunner:
         # Work that must not wait for a long forward to end (a prefill node reporting finished
         # KV writes): called between decoder layers of the batches `build_batch` makes. On GPU
         # the layers only launch kernels, so it runs before the step's sync, not during it;
-        # CUDA-graph decode and the other TP ranks do not call it.
+        # CUDA-graph decode does not call it, and TP nodes do not set it (engine_loop.py).
         self.interlude: Callable[[], None] | None = None
         graphs_ok = self.device.type == "cuda" and self.group.size == 1  # no TP collectives
         if graphs_ok and hasattr(self.attn_backend, "init_graph_metadata"):

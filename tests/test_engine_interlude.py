@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
@@ -120,3 +121,18 @@ def test_a_role_is_called_at_most_every_interlude_interval(tiny_model_dir) -> No
     finally:
         loop.stop()
     assert len(role.calls_in_step) == 1  # the first layer; the rest fall inside the hour
+
+
+def test_a_tensor_parallel_node_gets_no_interlude(tiny_model_dir) -> None:
+    """Rank 0 of a TP node calls the interlude while its other ranks wait in the layer's
+    all-reduce; a TP prefill node's poll broadcasts to them (kvtransfer/tp_engine.py), so the
+    two would wait for each other until gloo's timeout (seen: `make test-tp`, PD 3->1). The
+    TP engine itself is covered by tests/test_tp_disagg.py; here only the rule."""
+    engine = build_engine(EngineConfig(str(Path(tiny_model_dir("llama"))), max_total_tokens=1024))
+    runner = engine.scheduler.runner
+    runner.group = SimpleNamespace(size=2)  # type: ignore[assignment]  # rank 0 of two
+    EngineLoop(engine.scheduler, LoopConfig(), role=InterludeRole())
+    assert runner.interlude is None
+    runner.group = SimpleNamespace(size=1)  # type: ignore[assignment]
+    EngineLoop(engine.scheduler, LoopConfig(), role=InterludeRole())
+    assert runner.interlude is not None
