@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.cpu_linear import LINEAR_KERNELS
+from engine.models.cpu_linear import check_linear_kernel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,10 +45,7 @@ class EngineConfig:
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}"
             )
-        if self.linear_kernel not in LINEAR_KERNELS:
-            raise ValueError(
-                f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}"
-            )
+        check_linear_kernel(self.linear_kernel)
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(
                 f"schedule_policy must be 'fcfs' or 'lpm', got {self.schedule_policy!r}"

@@ -11,6 +11,7 @@ from bootstrap.telemetry import LogConfig, add_log_args, add_metrics_port_arg
 from bootstrap.telemetry import configure_logging as _configure_logging
 from engine.config import EngineConfig
 from engine.engine_loop import LoopConfig
+from engine.models.cpu_linear import LINEAR_KERNELS
 from kvtransfer.base import TransferConfig
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -33,7 +34,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--linear-kernel",
         default="auto",
-        choices=["auto", "onednn", "aten"],
+        choices=LINEAR_KERNELS,
         help="matmuls of the linear layers: oneDNN over weights packed at load (CPU), torch's "
         "F.linear, or auto (oneDNN where it can run); see engine/models/cpu_linear.py",
     )

@@ -35,6 +35,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model_fetch import ensure_default_model
+from engine.models.cpu_linear import LINEAR_KERNELS
 from engine.scheduler import StepStats
 
 WARMUP_OUTPUT_LEN = 4
@@ -317,7 +318,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--skip-hf", action="store_true", help="benchmark only the engine")
     parser.add_argument(
         "--linear-kernel",
-        choices=["auto", "onednn", "aten"],
+        choices=LINEAR_KERNELS,
         default="auto",
         help="our engine's linear layers (engine/models/cpu_linear.py); aten = the same "
         "F.linear as HF",

@@ -40,10 +40,14 @@ def onednn_linear_available() -> bool:
     )
 
 
-def wants_packed_linears(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `kernel` (one of LINEAR_KERNELS) packs the linears of a model on `device`."""
+def check_linear_kernel(kernel: str) -> None:
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {kernel!r}")
+
+
+def wants_packed_linears(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `kernel` (one of LINEAR_KERNELS) packs the linears of a model on `device`."""
+    check_linear_kernel(kernel)
     if kernel == "aten":
         return False
     usable = device.type == "cpu" and dtype in _PACKED_DTYPES and onednn_linear_available()
