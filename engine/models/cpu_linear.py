@@ -21,6 +21,7 @@ the CPU for float32/bfloat16 when this torch build has the oneDNN ops.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 LINEAR_KERNELS = ("auto", "onednn", "aten")
@@ -76,7 +77,7 @@ class PackedLinear(nn.Module):
         rows = x2d.shape[0]
         padded = bucket_rows(rows)
         if padded != rows:
-            x2d = torch.cat([x2d, x2d.new_zeros(padded - rows, self.in_features)])
+            x2d = F.pad(x2d, (0, 0, 0, padded - rows))  # zero rows, one new tensor
         out = torch.ops.mkldnn._linear_pointwise(x2d, self.packed_weight, self.bias, "none", [], "")
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
