@@ -33,6 +33,7 @@ run: setup fetch-model
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 typecheck: setup
 	$(BIN)/mypy $(PACKAGES)

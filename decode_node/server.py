@@ -17,9 +17,7 @@ from decode_node.decode_role import DecodeRole, DecodeRoleConfig
 from engine.builder import Engine
 from engine.engine_loop import EngineLoop
 from engine.metrics import DecodeMetrics, NodeMetrics
-from engine.node_server import run_node_main, serve_node, serve_registered
-from engine.node_service import NodeService
-from engine.server_args import (
+from engine.node.args import (
     add_disagg_args,
     add_node_args,
     configure_logging,
@@ -28,7 +26,9 @@ from engine.server_args import (
     server_config,
     transfer_config,
 )
-from kvtransfer.node_setup import make_link, node_info, node_load, setup_transfer
+from engine.node.server import run_node_main, serve_node, serve_registered
+from engine.node.service import NodeService
+from engine.node.transfer_setup import make_link, node_info, node_load, setup_transfer
 from proto import bootstrap_pb2
 
 logger = logging.getLogger("pdserve.decode")

@@ -149,7 +149,7 @@ class EngineLoop:
             role.bind_wakeup(self.wake)
             # Not on a TP node: its other ranks are inside the forward's all-reduces, and a
             # role's poll there talks to them (a TP prefill node agrees on its KV writes' state
-            # by a collective, kvtransfer/tp_engine.py), so both sides would wait for ever.
+            # by a collective, engine/node/tp_transfer.py), so both sides would wait for ever.
             if scheduler.runner.group.size == 1:
                 scheduler.runner.interlude = self._interlude
 

@@ -13,8 +13,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.builder import build_engine, resolve_model
+from engine.builder import build_engine
 from engine.config import EngineConfig
+from engine.model_fetch import resolve_model
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
 from engine.tokenizer import trim_at_stop

@@ -317,3 +317,15 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def resolve_model(model: str | None) -> str:
+    """The model directory to load: `model`, or the default model (fetched on first use)."""
+    if model is None:
+        return str(ensure_default_model())
+    if not Path(model).is_dir():
+        raise FileNotFoundError(
+            f"model directory {model!r} does not exist; pass a Hugging Face model directory "
+            "or leave it unset for the default model"
+        )
+    return model

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.request import Req
+if TYPE_CHECKING:  # the gateway loads tokenizers here and must not import torch
+    from engine.request import Req
 
 # Tokens decoded to look for a stop string: enough for any stop string of up to ~4x this many
 # characters, without re-decoding the whole output every step.
@@ -18,6 +19,12 @@ def load_tokenizer(model_dir: str) -> Any | None:
     path = Path(model_dir)
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
+    if (path / "tokenizer.json").exists():
+        # The same tokenizer class AutoTokenizer picks for a tokenizer.json, without its
+        # import of torch (the gateway loads tokenizers here and runs without torch).
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)

@@ -78,7 +78,7 @@ def keepalive_options(interval_s: float) -> list[tuple[str, int]]:
     """gRPC channel options: a ping every `interval_s` while calls are open, the transport (and
     its calls, UNAVAILABLE) closed when one goes unanswered for `interval_s`. Without them a
     stream from a node whose link was cut waits for TCP to give up (many minutes). The nodes
-    accept pings this often (engine/node_server.py, PING_POLICY)."""
+    accept pings this often (engine/node/server.py, PING_POLICY)."""
     if interval_s <= 0:
         return []
     ms = max(int(interval_s * 1000), 1000)

@@ -1,4 +1,5 @@
-"""Send one request through a prefill/decode pair: the gateway's core call (DESIGN.md step 2).
+"""Send one request through a prefill/decode pair: the gateway's core call (docs/architecture.md,
+the request life cycle).
 
 `Generate(room, P id)` goes to the decode node and `Prefill(room, D id)` to the prefill node at
 the same time; the decode node streams the tokens. Without a prefill node the decode node

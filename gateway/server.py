@@ -18,8 +18,7 @@ from bootstrap.security import (
     internal_auth_from_args,
     room_tickets_from_args,
 )
-from bootstrap.telemetry import add_log_args
-from engine.server_args import configure_logging
+from bootstrap.telemetry import LogConfig, add_log_args, configure_logging
 from gateway.config import (
     ADMIN,
     INFERENCE,
@@ -160,9 +159,9 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args)
+    configure_logging(LogConfig(args.log_level, args.log_format))
     try:
-        from engine.builder import resolve_model
+        from engine.model_fetch import resolve_model
         from gateway.text import TextCodec
 
         model_path = resolve_model(args.model)

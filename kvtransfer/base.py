@@ -115,6 +115,15 @@ class KVTransferEngine(ABC):
     def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
         """Start writing local ranges into the peer's memory; does not block on completion."""
 
+    def write_remote(self, plan: dict[int, dict[str, list[TransferRange]]]) -> TransferHandle:
+        """Start the writes of TP ranks other than 0 (prefill rank -> decode peer -> ranges).
+        Only a TP node's engine can (engine/node/tp_transfer.py); a plain engine refuses."""
+        ranks = sorted(rank for rank in plan if rank != 0)
+        raise TransferError(
+            f"the {self.name or type(self).__name__} engine writes only from TP rank 0, "
+            f"but the plan has writes from ranks {ranks}: a TP prefill node needs its TP engine"
+        )
+
     @abstractmethod
     def poll(self, handle: TransferHandle) -> TransferState:
         """Non-blocking state of a started write."""

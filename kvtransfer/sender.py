@@ -4,7 +4,8 @@ Maps the request's prompt pages onto the destination pages D published for the r
 KV-head routes between the two nodes' TP ranks (kvtransfer/head_routes.py: one descriptor per
 page run with equal TP sizes, per page and run of heads otherwise), and tracks every write it
 started so the request's pages are released only after every rank's engine finished reading them.
-Rank 0's writes go to its engine directly; the other ranks' go through `TPTransferEngine`.
+Rank 0's writes go to its engine directly; the other ranks' through `write_remote`, which
+only a TP node's engine (engine/node/tp_transfer.py) can do.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from kvtransfer.base import (
 )
 from kvtransfer.head_routes import HeadRoute, WritePlan, route_pages
 from kvtransfer.room import RoomDestination
-from kvtransfer.tp_engine import TPTransferEngine
 
 
 @dataclass
@@ -75,7 +75,6 @@ class KVSender:
         for peer_id, ranges in plan.get(0, {}).items():
             self._handles.append(self.engine.write(peer_id, ranges))
         if any(rank != 0 for rank in plan):
-            assert isinstance(self.engine, TPTransferEngine), "other ranks' writes need TP"
             self._handles.append(self.engine.write_remote(plan))
         for by_peer in plan.values():
             for ranges in by_peer.values():

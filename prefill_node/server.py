@@ -15,9 +15,7 @@ from bootstrap.security import add_internal_auth_args, internal_auth_from_args
 from engine.builder import Engine
 from engine.engine_loop import EngineLoop
 from engine.metrics import NodeMetrics, PrefillMetrics
-from engine.node_server import run_node_main, serve_registered
-from engine.node_service import NodeService
-from engine.server_args import (
+from engine.node.args import (
     add_disagg_args,
     add_node_args,
     configure_logging,
@@ -26,7 +24,9 @@ from engine.server_args import (
     server_config,
     transfer_config,
 )
-from kvtransfer.node_setup import make_link, node_info, node_load, setup_transfer
+from engine.node.server import run_node_main, serve_registered
+from engine.node.service import NodeService
+from engine.node.transfer_setup import make_link, node_info, node_load, setup_transfer
 from prefill_node.prefill_role import PrefillRole, PrefillRoleConfig
 from proto import bootstrap_pb2
 

@@ -666,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [] if cfg.skip_node else bench_node(cfg)
     overhead = None
     if not cfg.skip_overhead:
-        from engine.builder import resolve_model
+        from engine.model_fetch import resolve_model
 
         overhead = measure_overhead(cfg, resolve_model(cfg.model))
     if levels:

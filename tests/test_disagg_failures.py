@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation when things go wrong (DESIGN.md, request life cycle step 6).
+"""Prefill/decode disaggregation when things go wrong (docs/architecture.md, failure semantics).
 
 Real bootstrap, prefill-server and decode-server processes on 127.0.0.1 with a real transfer
 engine (Mooncake over TCP, NIXL over UCX); dying processes get a real SIGKILL. Every case checks

@@ -125,7 +125,7 @@ def test_a_role_is_called_at_most_every_interlude_interval(tiny_model_dir) -> No
 
 def test_a_tensor_parallel_node_gets_no_interlude(tiny_model_dir) -> None:
     """Rank 0 of a TP node calls the interlude while its other ranks wait in the layer's
-    all-reduce; a TP prefill node's poll broadcasts to them (kvtransfer/tp_engine.py), so the
+    all-reduce; a TP prefill node's poll broadcasts to them (engine/node/tp_transfer.py), so the
     two would wait for each other until gloo's timeout (seen: `make test-tp`, PD 3->1). The
     TP engine itself is covered by tests/test_tp_disagg.py; here only the rule."""
     engine = build_engine(EngineConfig(str(Path(tiny_model_dir("llama"))), max_total_tokens=1024))

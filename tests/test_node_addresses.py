@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from engine.server_args import add_node_args, advertised_host, node_address
+from engine.node.args import add_node_args, advertised_host, node_address
 from kvtransfer.nixl import net_device_for
 
 

@@ -7,7 +7,7 @@ import json
 import logging
 
 from bootstrap.telemetry import JsonFormatter, RoomFilter, TextFormatter, current_room
-from engine.node_service import timing_to_proto
+from engine.node.service import timing_to_proto
 from engine.timing import RequestTiming
 from gateway.timeline import SEGMENTS, assemble
 from proto import node_pb2

@@ -17,9 +17,9 @@ import pytest
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, FinishEvent, LoopConfig, RequestEvent
+from engine.node.args import add_node_args, loop_config
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
-from engine.server_args import add_node_args, loop_config
 from scripts.plan_capacity import main as plan_capacity
 from scripts.serving.profile import NodeProfile
 from scripts.serving.step_report import (

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.node.tp_transfer import _decode_plan, _encode_plan
 from kvtransfer.base import MemoryRegion, PeerInfo, PeerRank, TransferRange
 from kvtransfer.head_routes import (
     HeadRouteError,
@@ -22,7 +23,6 @@ from kvtransfer.head_routes import (
     plan_routes,
     route_pages,
 )
-from kvtransfer.tp_engine import _decode_plan, _encode_plan
 from proto import node_pb2
 from tests.node_harness import NodeStartError
 from tests.pd_cluster import pd_cluster

@@ -21,7 +21,7 @@ _HEADER_LEN = 32
 class MessageKind(IntEnum):
     STOP = 0
     FORWARD = 1
-    # KV transfer on every rank (kvtransfer/tp_engine.py on rank 0, tp_agent.py on the others)
+    # KV transfer on every rank (engine/node/tp_transfer.py on rank 0, tp_agent.py on the others)
     TRANSFER_SETUP = 2
     TRANSFER_CONNECT = 3
     TRANSFER_WRITE = 4

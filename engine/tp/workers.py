@@ -14,9 +14,12 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.process import BaseProcess
+from typing import Protocol
 
+import torch
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
@@ -27,6 +30,20 @@ from engine.tp.group import TPGroup, TPInit
 from engine.tp.partition import check_tp
 
 logger = logging.getLogger("pdserve.tp")
+
+
+class RankAgent(Protocol):
+    """Handles rank 0's messages beyond forwards on a spawned rank (a disaggregated node's KV
+    transfers: engine/node/tp_transfer.py). The node passes its class; the engine knows none."""
+
+    KINDS: frozenset[messages.MessageKind]
+
+    def handle(self, kind: messages.MessageKind, arrays: list[torch.Tensor]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+RankAgentFactory = Callable[[ModelRunner], RankAgent]
 
 
 class TPStartError(RuntimeError):
@@ -66,11 +83,14 @@ def _free_port() -> int:
         return port
 
 
-def start_runner(config: EngineConfig, model_config: ModelConfig) -> ModelRunner:
-    """Rank 0's runner; with tp_size > 1 the other ranks are spawned and loaded first."""
+def start_runner(
+    config: EngineConfig, model_config: ModelConfig, rank_agent: RankAgentFactory | None = None
+) -> ModelRunner:
+    """Rank 0's runner; with tp_size > 1 the other ranks are spawned and loaded first (each
+    with `rank_agent(runner)` for messages beyond forwards, when given)."""
     if config.tp_size == 1:
         return ModelRunner(config, model_config)
-    workers = launch(config, model_config)
+    workers = launch(config, model_config, rank_agent)
     try:
         runner = ModelRunner(config, model_config, workers.group)
     except Exception:
@@ -81,7 +101,9 @@ def start_runner(config: EngineConfig, model_config: ModelConfig) -> ModelRunner
     return runner
 
 
-def launch(config: EngineConfig, model_config: ModelConfig) -> TPWorkers:
+def launch(
+    config: EngineConfig, model_config: ModelConfig, rank_agent: RankAgentFactory | None = None
+) -> TPWorkers:
     """Spawn ranks 1..tp_size-1 and join the group as rank 0 (the model is not loaded yet)."""
     check_tp(model_config, config.tp_size)
     method = f"tcp://127.0.0.1:{_free_port()}"
@@ -92,7 +114,7 @@ def launch(config: EngineConfig, model_config: ModelConfig) -> TPWorkers:
         rank_config = replace(config, device=init.device)
         proc = ctx.Process(
             target=worker_main,
-            args=(rank_config, model_config, init),
+            args=(rank_config, model_config, init, rank_agent),
             name=f"tp-rank-{rank}",
             daemon=True,
         )
@@ -110,7 +132,12 @@ def confirm_loaded(group: TPGroup, loaded: bool) -> None:
         )
 
 
-def worker_main(config: EngineConfig, model_config: ModelConfig, init: TPInit) -> None:
+def worker_main(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    init: TPInit,
+    rank_agent: RankAgentFactory | None = None,
+) -> None:
     # Ctrl-C reaches the whole process group: rank 0 decides when this rank stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{init.rank} %(message)s")
@@ -122,16 +149,14 @@ def worker_main(config: EngineConfig, model_config: ModelConfig, init: TPInit) -
         confirm_loaded(group, False)
         sys.exit(1)
     confirm_loaded(group, True)
-    serve_steps(runner)
+    serve_steps(runner, rank_agent(runner) if rank_agent is not None else None)
     group.close()
 
 
-def serve_steps(runner: ModelRunner) -> None:
-    """Run rank 0's messages until STOP: forwards, and the KV transfers of a disaggregated
-    node (kvtransfer/tp_engine.py, imported here lazily: the engine does not need it)."""
-    from kvtransfer.tp_engine import RankTransferAgent
-
-    agent = RankTransferAgent(runner)
+def serve_steps(runner: ModelRunner, agent: RankAgent | None = None) -> None:
+    """Run rank 0's messages until STOP: forwards, and what `agent` handles (a disaggregated
+    node's KV transfers)."""
+    kinds = agent.KINDS if agent is not None else frozenset()
     try:
         while True:
             kind, arrays = messages.receive(runner.group)
@@ -139,9 +164,10 @@ def serve_steps(runner: ModelRunner) -> None:
                 return
             if kind is messages.MessageKind.FORWARD:
                 runner.forward_step(messages.ForwardStep.from_arrays(arrays))
-            elif kind in agent.KINDS:
+            elif agent is not None and kind in kinds:
                 agent.handle(kind, arrays)
             else:
                 raise ValueError(f"tp rank {runner.group.rank}: unknown message kind {kind!r}")
     finally:
-        agent.close()
+        if agent is not None:
+            agent.close()

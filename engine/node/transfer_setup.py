@@ -9,15 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bootstrap.client import BootstrapClient
-from bootstrap.node_link import NodeLink
 from bootstrap.security import InternalAuth
 from engine.model_runner import ModelRunner
+from engine.node.bootstrap_link import NodeLink
+from engine.node.tp_transfer import RankTransferInfo, kv_region, rank_info, setup_tp_transfer
 from engine.scheduler import Scheduler
 from kvtransfer import KVTransferEngine, MemoryRegion, TransferConfig, create_engine
 from kvtransfer.aux import AuxBuffer
 from kvtransfer.head_routes import NodeKV, RankKV
 from kvtransfer.room import RoomMessage
-from kvtransfer.tp_engine import RankTransferInfo, kv_region, rank_info, setup_tp_transfer
 from proto import bootstrap_pb2
 
 

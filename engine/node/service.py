@@ -14,9 +14,9 @@ from dataclasses import fields
 
 import grpc
 
-from bootstrap.node_link import NodeLink
 from bootstrap.telemetry import current_room
 from engine.engine_loop import EngineLoop, FinishEvent, RequestEvent, TokenEvent
+from engine.node.bootstrap_link import NodeLink
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
 from engine.scheduler import Scheduler

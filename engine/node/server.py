@@ -16,14 +16,16 @@ from typing import Any
 
 import grpc
 
-from bootstrap.node_link import NodeLink
 from bootstrap.security import InternalAuth
 from bootstrap.telemetry import serve_metrics
-from engine.builder import Engine, build_engine, resolve_model
+from engine.builder import Engine, build_engine
 from engine.engine_loop import EngineLoop
 from engine.model_config import ModelConfigError
-from engine.node_service import NodeService
-from engine.server_args import ServerConfig, engine_config
+from engine.model_fetch import resolve_model
+from engine.node.args import ServerConfig, engine_config
+from engine.node.bootstrap_link import NodeLink
+from engine.node.service import NodeService
+from engine.node.tp_transfer import RankTransferAgent
 from proto import node_pb2_grpc
 
 logger = logging.getLogger("pdserve.node")
@@ -135,7 +137,8 @@ def run_node_main(
     """The common `main` of the node servers: load the model, then run `run` on uvloop."""
     try:
         model_path = resolve_model(args.model)
-        engine = build_engine(engine_config(args, model_path, weight_bytes=0))
+        # A TP node's other ranks run its KV transfers too (engine/node/tp_transfer.py).
+        engine = build_engine(engine_config(args, model_path, weight_bytes=0), RankTransferAgent)
     except (ValueError, FileNotFoundError, ModelConfigError) as exc:
         logger.error("%s cannot start: %s", name, exc)
         return 2
