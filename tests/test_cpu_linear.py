@@ -14,6 +14,7 @@ from engine.models import build_model
 from engine.models.cpu_linear import (
     PackedLinear,
     bucket_rows,
+    onednn_dtype_supported,
     onednn_linear_available,
     pack_linears,
     wants_packed_linears,
@@ -21,6 +22,10 @@ from engine.models.cpu_linear import (
 from tests.test_elementwise import TINY
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch without oneDNN")
+needs_onednn_bf16 = pytest.mark.skipif(
+    not (onednn_linear_available() and onednn_dtype_supported(torch.bfloat16)),
+    reason="this CPU lacks oneDNN's bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT)",
+)
 CPU = torch.device("cpu")
 
 
@@ -58,7 +63,7 @@ def test_padded_rows_do_not_leak_into_the_output(shape: tuple[int, ...]) -> None
     torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
+@needs_onednn_bf16
 def test_packed_linear_bfloat16() -> None:
     torch.manual_seed(0)
     linear = nn.Linear(64, 48, bias=False).to(torch.bfloat16)
@@ -113,5 +118,12 @@ def test_kernel_choice() -> None:
         wants_packed_linears("onednn", CPU, fp16)
     with pytest.raises(ValueError, match="linear_kernel must be one of"):
         wants_packed_linears("mkl", CPU, fp32)
+    # bf16 packs only where the CPU has oneDNN's bf16 instructions; elsewhere auto falls back
+    # and an explicit 'onednn' is refused, naming the missing instructions.
+    bf16_ok = onednn_linear_available() and onednn_dtype_supported(torch.bfloat16)
+    assert wants_packed_linears("auto", CPU, torch.bfloat16) == bf16_ok
+    if onednn_linear_available() and not bf16_ok:
+        with pytest.raises(ValueError, match="bf16 instructions missing"):
+            wants_packed_linears("onednn", CPU, torch.bfloat16)
     with pytest.raises(ValueError, match=r"linear_kernel must be one of .* got 'mkl'"):
         EngineConfig(model_path="x", linear_kernel="mkl")

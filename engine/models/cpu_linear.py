@@ -41,6 +41,14 @@ def onednn_linear_available() -> bool:
     )
 
 
+def onednn_dtype_supported(dtype: torch.dtype) -> bool:
+    """float32 always; bfloat16 only on CPUs with the instructions oneDNN's bf16 path needs
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): elsewhere packing a bf16 weight raises."""
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def check_linear_kernel(kernel: str) -> None:
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {kernel!r}")
@@ -51,12 +59,21 @@ def wants_packed_linears(kernel: str, device: torch.device, dtype: torch.dtype) 
     check_linear_kernel(kernel)
     if kernel == "aten":
         return False
-    usable = device.type == "cpu" and dtype in _PACKED_DTYPES and onednn_linear_available()
+    available = onednn_linear_available()
+    usable = (
+        device.type == "cpu"
+        and dtype in _PACKED_DTYPES
+        and available
+        and onednn_dtype_supported(dtype)
+    )
     if kernel == "onednn" and not usable:
+        bf16 = available and onednn_dtype_supported(torch.bfloat16)
         raise ValueError(
-            f"linear_kernel 'onednn' needs the CPU, float32 or bfloat16 and a torch build with "
-            f"oneDNN (device {device}, dtype {dtype}, oneDNN ops "
-            f"{'present' if onednn_linear_available() else 'missing'}); use 'auto' or 'aten'"
+            f"linear_kernel 'onednn' needs the CPU, float32 or bfloat16 (bfloat16 only where "
+            f"this CPU has oneDNN's bf16 instructions) and a torch build with oneDNN (device "
+            f"{device}, dtype {dtype}, oneDNN ops {'present' if available else 'missing'}, "
+            f"bf16 instructions {'present' if bf16 else 'missing'}); "
+            "use 'auto' or 'aten'"
         )
     return usable
 
