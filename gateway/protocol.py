@@ -133,7 +133,8 @@ class ChatBody(_OpenAIBody):
 
 
 class NativeSamplingFields(SamplingFields):
-    max_new_tokens: int | None = number(table.MAX_NEW_TOKENS)
+    # null: the table's default, within the context (native_api.py)
+    max_new_tokens: int | None = number(table.MAX_NEW_TOKENS, default=None)
     logprobs: bool | None = None
     top_logprobs: int | None = number(table.TOP_LOGPROBS)
 

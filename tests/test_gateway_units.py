@@ -111,6 +111,8 @@ def test_parse_errors_name_the_field() -> None:
     assert [req.sampling.to_proto(7, c).seed for c in range(2)] == [3, 4]
     prompts = parse_completion({"model": "m", "prompt": [[1, 2], "x"]}, "m", LIMITS).prompts
     assert prompts == ((1, 2), "x")
+    # No length asked: the endpoint's default applies, shortened to fit the context.
+    assert parse_native({"text": "x"}, LIMITS).sampling.max_tokens is None
 
 
 @pytest.mark.parametrize(
