@@ -81,18 +81,19 @@ def _collapse(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 ONE_OF = WrapValidator(_collapse)
 
 
-def validation_error(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> APIError:
+def validation_error(exc: ValidationError, model: type[BaseModel]) -> APIError:
     """A 400 for the first error: the field's path as `param`, what it must be as the text."""
     error = exc.errors(include_url=False)[0]
     loc = error["loc"]
-    param = prefix + _path(loc)
+    param = _path(loc)
     info = _field_at(model, loc)
-    described = info is not None and info.description and loc and isinstance(loc[-1], str)
+    # A field's description is about the field itself, not about one item of its list.
+    description = info.description if info and loc and isinstance(loc[-1], str) else None
     if error["type"] == "missing":
-        hint = f": {info.description}" if described and info else ""
+        hint = f": {description}" if description else ""
         return bad_request(param, f"`{param}` is required{hint}")
-    if described and info:
-        expected = info.description
+    if description:
+        expected = description
     elif error["type"] in _EXPECTED:
         context = {k: _text(v) for k, v in (error.get("ctx") or {}).items()}
         expected = _EXPECTED[error["type"]].format(**context)
