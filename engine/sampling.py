@@ -29,23 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_TOP_LOGPROBS = 20
+from engine import sampling_fields as fields
+
 # Below this, dividing by the temperature can overflow float32 (inf - inf = nan in softmax), and
 # the distribution is a point mass on the argmax anyway, so such rows are sampled greedily.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 _SEED_MASK = (1 << 64) - 1
-
-
-def _check_int(name: str, value: object) -> int:
-    if not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    return value
-
-
-def _check_finite(name: str, value: object) -> float:
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
 
 
 def _as_tuple(name: str, value: object) -> tuple[object, ...]:
@@ -67,24 +56,26 @@ class SamplingParams:
     - `top_logprobs > 0` turns `logprobs` on, since alternatives without the chosen token's
       logprob would be a confusing response.
 
-    `seed` may be any int; it is masked to 64 bits (two's complement for negatives) when the
-    generator is seeded, so clients sending signed seeds are not rejected.
+    `seed` is an int64, as in the node API; it is masked to 64 bits (two's complement for
+    negatives) when the generator is seeded, so clients sending signed seeds are not rejected.
     """
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
+    # Types, ranges and defaults: engine/sampling_fields.py (the gateway declares its request
+    # fields from the same table).
+    max_new_tokens: int = fields.MAX_NEW_TOKENS.default
+    temperature: float = fields.TEMPERATURE.default
+    top_p: float = fields.TOP_P.default
+    top_k: int = fields.TOP_K.default
+    min_p: float = fields.MIN_P.default
+    repetition_penalty: float = fields.REPETITION_PENALTY.default
+    frequency_penalty: float = fields.FREQUENCY_PENALTY.default
+    presence_penalty: float = fields.PRESENCE_PENALTY.default
+    seed: int | None = fields.SEED.default
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
-    top_logprobs: int = 0
+    top_logprobs: int = fields.TOP_LOGPROBS.default
 
     def __post_init__(self) -> None:
         self._validate_numbers()
@@ -95,28 +86,10 @@ class SamplingParams:
             object.__setattr__(self, "logprobs", True)
 
     def _validate_numbers(self) -> None:
-        if _check_int("max_new_tokens", self.max_new_tokens) < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if _check_finite("temperature", self.temperature) < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < _check_finite("top_p", self.top_p) <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if _check_int("top_k", self.top_k) < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
-        if not 0 <= _check_finite("min_p", self.min_p) <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if _check_finite("repetition_penalty", self.repetition_penalty) <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if not -2 <= _check_finite(name, value) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if self.seed is not None:
-            _check_int("seed", self.seed)
-        if not 0 <= _check_int("top_logprobs", self.top_logprobs) <= MAX_TOP_LOGPROBS:
-            raise ValueError(
-                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
-            )
+        for spec in fields.NUMBER_FIELDS:
+            value = getattr(self, spec.name)
+            if value is not None or spec.default is not None:
+                spec.check(value)
 
     def _normalise_stops(self) -> None:
         stop = _as_tuple("stop", self.stop)
@@ -124,9 +97,17 @@ class SamplingParams:
             if not isinstance(text, str) or not text:
                 raise ValueError(f"stop must contain non-empty strings, got {text!r}")
         stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids)
+        if len(stop_token_ids) > fields.MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids has {len(stop_token_ids)} items; "
+                f"at most {fields.MAX_STOP_TOKEN_IDS}"
+            )
         for token_id in stop_token_ids:
-            if not isinstance(token_id, int) or token_id < 0:
-                raise ValueError(f"stop_token_ids must contain integers >= 0, got {token_id!r}")
+            if fields.STOP_TOKEN_ID.problem(token_id) is not None:
+                raise ValueError(
+                    f"stop_token_ids must contain integers {fields.STOP_TOKEN_ID.rule}, "
+                    f"got {token_id!r}"
+                )
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
 

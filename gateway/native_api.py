@@ -1,8 +1,9 @@
 """The native endpoint, `POST /generate`: text or token ids in, text and token ids out.
 
-Body: `{"text": "..."}` or `{"input_ids": [...]}`, optional `sampling_params` (the node's names:
-max_new_tokens (default 128), temperature, top_p, top_k, min_p, seed, stop, stop_token_ids,
-ignore_eos, logprobs, top_logprobs, penalties), `stream`, `rid`. Answer:
+Body (`GenerateBody` in protocol.py): `{"text": "..."}` or `{"input_ids": [...]}`, optional
+`sampling_params` (the node's names: max_new_tokens, temperature, top_p, top_k, min_p, seed,
+stop, stop_token_ids, ignore_eos, logprobs, top_logprobs, penalties; defaults and ranges in
+engine/sampling_fields.py), `stream`, `rid`. Answer:
 `{"text", "output_ids", "meta_info": {"id", "finish_reason", "matched", "prompt_tokens",
 "completion_tokens", "cached_tokens", "timing", "output_token_logprobs"?}}`; `timing` is the
 request's breakdown in seconds (gateway/timeline.py). Streaming sends the same
@@ -17,6 +18,7 @@ import secrets
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
+from engine.sampling_fields import MAX_NEW_TOKENS
 from gateway.choices import ChoiceEvent, ChoiceJob, choice_events, collect
 from gateway.config import LimitsConfig, ModelInfo
 from gateway.dispatch import Dispatcher
@@ -25,8 +27,6 @@ from gateway.openai_api import DONE, Payload, primed, sse, token_budget
 from gateway.protocol import parse_native
 from gateway.text import TextCodec
 from proto import node_pb2
-
-NATIVE_DEFAULT_MAX_TOKENS = 128
 
 
 class NativeHandler:
@@ -43,7 +43,7 @@ class NativeHandler:
         param = "text" if isinstance(req.prompt, str) else "input_ids"
         ids = self.codec.encode_prompt(req.prompt, param)
         budget = token_budget(
-            self.model, len(ids), req.sampling.max_tokens, NATIVE_DEFAULT_MAX_TOKENS, param
+            self.model, len(ids), req.sampling.max_tokens, MAX_NEW_TOKENS.default, param
         )
         job = ChoiceJob(0, ids, req.sampling.to_proto(budget))
         rid = req.rid or "gen-" + secrets.token_hex(12)

@@ -1,172 +1,70 @@
-"""The gateway's OpenAPI 3.0 document, served at `GET /openapi.json`.
+"""The gateway's OpenAPI 3.1 document, served at `GET /openapi.json`.
 
-It describes the real routes and the request fields `gateway/protocol.py` accepts, with the
-limits of this gateway's configuration (served model name, context length, `--max-n`, stop
-limits), so that clients and API fuzzers (tests/test_hostile_input.py runs schemathesis on it)
-see what the parser enforces. Every error answer has OpenAI's error shape (`ErrorResponse`).
-Streaming answers (`stream: true`) are `text/event-stream` with one JSON chunk per `data:` line.
+The request bodies' schemas are generated from the models that parse them
+(`gateway/protocol.py`, pydantic), so the document cannot drift from the parser. The limits of
+this gateway's flags (served model name, context length, `--max-n`, stop limits), which the
+parser checks at run time, are written into those schemas here, so that clients and API
+fuzzers (tests/test_hostile_input.py runs schemathesis on it) see what is enforced. Every error
+answer has OpenAI's error shape (`ErrorResponse`). Streaming answers (`stream: true`) are
+`text/event-stream` with one JSON chunk per `data:` line.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pydantic.json_schema import models_json_schema
+
 from gateway.config import ADMIN, INFERENCE, GatewayConfig
-from gateway.protocol import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
+from gateway.protocol import BODIES, ChatBody, CompletionBody, GenerateBody, NativeSamplingFields
 
 Schema = dict[str, Any]
+_REFS = "#/components/schemas/{model}"
 
 
 def _ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _number(low: float, high: float | None = None, *, exclusive_low: bool = False) -> Schema:
-    schema: Schema = {"type": "number", "minimum": low, "nullable": True}
-    if exclusive_low:
-        schema["exclusiveMinimum"] = True
-    if high is not None:
-        schema["maximum"] = high
-    return schema
-
-
-def _sampling_fields(config: GatewayConfig) -> dict[str, Schema]:
-    limits = config.limits
-    stop_string: Schema = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars}
-    return {
-        "temperature": _number(0.0, 2.0),
-        "top_p": _number(0.0, 1.0, exclusive_low=True),
-        "top_k": {"type": "integer", "minimum": -1, "nullable": True},
-        "min_p": _number(0.0, 1.0),
-        "frequency_penalty": _number(-2.0, 2.0),
-        "presence_penalty": _number(-2.0, 2.0),
-        "repetition_penalty": _number(0.0, exclusive_low=True),
-        "seed": {"type": "integer", "nullable": True},
-        "stop": {
-            "nullable": True,
-            "oneOf": [
-                stop_string,
-                {"type": "array", "items": stop_string, "maxItems": limits.max_stop},
-            ],
-        },
-        "stop_token_ids": {
-            "type": "array",
-            "items": {"type": "integer", "minimum": 0},
-            "maxItems": MAX_STOP_TOKEN_IDS,
-        },
-        "ignore_eos": {"type": "boolean", "nullable": True},
-    }
-
-
-def _openai_common(config: GatewayConfig) -> dict[str, Schema]:
-    context = config.model.context_length
-    return {
-        "model": {"type": "string", "enum": [config.model.served_name]},
-        "max_tokens": {"type": "integer", "minimum": 1, "maximum": context, "nullable": True},
-        "n": {"type": "integer", "minimum": 1, "maximum": config.limits.max_n, "nullable": True},
-        "stream": {"type": "boolean", "nullable": True},
-        "stream_options": {
-            "type": "object",
-            "nullable": True,
-            "properties": {"include_usage": {"type": "boolean"}},
-        },
-        **_sampling_fields(config),
-    }
-
-
-def _token_ids(max_items: int) -> Schema:
-    return {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": max_items}
-
-
-def _length_and_logprobs(length_field: str, context: int) -> dict[str, Schema]:
-    """The new-token limit (named `length_field`) and the logprobs fields of a request."""
-    return {
-        length_field: {"type": "integer", "minimum": 1, "maximum": context, "nullable": True},
-        "logprobs": {"type": "boolean", "nullable": True},
-        "top_logprobs": {
-            "type": "integer",
-            "minimum": 0,
-            "maximum": MAX_TOP_LOGPROBS,
-            "nullable": True,
-        },
-    }
+    return {"$ref": _REFS.format(model=name)}
 
 
 def _request_schemas(config: GatewayConfig) -> dict[str, Schema]:
-    context = config.model.context_length
-    message = {
-        "type": "object",
-        "required": ["role", "content"],
-        "properties": {
-            "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
-            "content": {
-                "oneOf": [
-                    {"type": "string"},
-                    {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": ["type", "text"],
-                            "properties": {
-                                "type": {"type": "string", "enum": ["text"]},
-                                "text": {"type": "string"},
-                            },
-                        },
-                    },
-                ]
-            },
-        },
+    _, top = models_json_schema([(m, "validation") for m in BODIES], ref_template=_REFS)
+    schemas: dict[str, Schema] = top["$defs"]
+    _add_flag_limits(schemas, config)
+    return schemas
+
+
+def _branches(field: Schema, of_type: str) -> list[Schema]:
+    """The alternatives of a field's schema (`anyOf` or not) of JSON type `of_type`."""
+    return [b for b in field.get("anyOf", [field]) if b.get("type") == of_type]
+
+
+def _add_flag_limits(schemas: dict[str, Schema], config: GatewayConfig) -> None:
+    limits, room = config.limits, config.model.context_length - 1  # a prompt has >= 1 token
+    fields = {
+        m.__name__: schemas[m.__name__]["properties"] for m in (*BODIES, NativeSamplingFields)
     }
-    prompt = {
-        "oneOf": [
-            {"type": "string"},
-            {**_token_ids(context), "minItems": 1},
-            {"type": "array", "minItems": 1, "items": {"type": "string"}},
-        ]
-    }
-    return {
-        "CompletionRequest": {
-            "type": "object",
-            "required": ["model", "prompt"],
-            "properties": {
-                **_openai_common(config),
-                "prompt": prompt,
-                "echo": {"type": "boolean", "nullable": True},
-                "logprobs": {
-                    "type": "integer",
-                    "minimum": 0,
-                    "maximum": MAX_TOP_LOGPROBS,
-                    "nullable": True,
-                },
-            },
-        },
-        "ChatRequest": {
-            "type": "object",
-            "required": ["model", "messages"],
-            "properties": {
-                **_openai_common(config),
-                "messages": {"type": "array", "minItems": 1, "items": message},
-                **_length_and_logprobs("max_completion_tokens", context),
-            },
-        },
-        "GenerateRequest": {
-            "type": "object",
-            "description": "Exactly one of `text` and `input_ids`.",
-            "properties": {
-                "text": {"type": "string"},
-                "input_ids": _token_ids(context),
-                "rid": {"type": "string"},
-                "stream": {"type": "boolean", "nullable": True},
-                "sampling_params": {
-                    "type": "object",
-                    "properties": {
-                        **_length_and_logprobs("max_new_tokens", context),
-                        **_sampling_fields(config),
-                    },
-                },
-            },
-        },
-    }
+    maxima: list[tuple[Schema, int]] = []  # integer fields and their flag's limit
+    for name in (CompletionBody.__name__, ChatBody.__name__, NativeSamplingFields.__name__):
+        for text in _branches(fields[name]["stop"], "string"):
+            text["maxLength"] = limits.max_stop_chars
+        for array in _branches(fields[name]["stop"], "array"):
+            array.update(maxItems=limits.max_stop)
+            array["items"]["maxLength"] = limits.max_stop_chars
+    for name in (CompletionBody.__name__, ChatBody.__name__):
+        fields[name]["model"]["enum"] = [config.model.served_name]
+        maxima.append((fields[name]["n"], limits.max_n))
+        for length in ("max_tokens", "max_completion_tokens"):
+            if length in fields[name]:
+                maxima.append((fields[name][length], room))
+    maxima.append((fields[NativeSamplingFields.__name__]["max_new_tokens"], room))
+    for field, limit in maxima:
+        for part in _branches(field, "integer"):
+            part["maximum"] = limit
+    for part in _branches(fields[GenerateBody.__name__]["input_ids"], "array"):
+        part["maxItems"] = room
+    for part in _branches(fields[CompletionBody.__name__]["prompt"], "array"):
+        is_ids = part["items"].get("type") == "integer"
+        part["maxItems"] = room if is_ids else limits.max_n  # prompts x n <= --max-n
 
 
 _ERROR: Schema = {
@@ -179,8 +77,8 @@ _ERROR: Schema = {
             "properties": {
                 "message": {"type": "string"},
                 "type": {"type": "string"},
-                "param": {"type": "string", "nullable": True},
-                "code": {"type": "string", "nullable": True},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
             },
         }
     },
@@ -235,12 +133,14 @@ def openapi_document(config: GatewayConfig) -> Schema:
         "properties": {"object": {"type": "string"}, "data": {"type": "array"}},
     }
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {"title": "pdserve gateway", "version": "1"},
         "paths": {
-            "/v1/completions": _generation("OpenAI completions", "CompletionRequest", INFERENCE),
-            "/v1/chat/completions": _generation("OpenAI chat", "ChatRequest", INFERENCE),
-            "/generate": _generation("native generation", "GenerateRequest", INFERENCE),
+            "/v1/completions": _generation(
+                "OpenAI completions", CompletionBody.__name__, INFERENCE
+            ),
+            "/v1/chat/completions": _generation("OpenAI chat", ChatBody.__name__, INFERENCE),
+            "/generate": _generation("native generation", GenerateBody.__name__, INFERENCE),
             "/v1/models": {
                 "get": {
                     "summary": "the served model",

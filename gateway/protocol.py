@@ -1,8 +1,19 @@
-"""Request bodies of the HTTP API, parsed into frozen dataclasses (400 on the first bad field).
+"""Request bodies of the HTTP API: declared once as pydantic models, parsed into frozen dataclasses.
 
-- `/v1/completions`   -> CompletionRequest (prompt: text, token ids, or a list of either)
-- `/v1/chat/completions` -> ChatRequest (messages with text content)
-- `/generate` (native) -> NativeRequest (`text` or `input_ids`, `sampling_params`, `stream`)
+- `/v1/completions`      body `CompletionBody` -> CompletionRequest (prompt: text, token ids, or a
+  list of either)
+- `/v1/chat/completions` body `ChatBody` -> ChatRequest (messages with text content)
+- `/generate` (native)   body `GenerateBody` -> NativeRequest (`text` or `input_ids`,
+  `sampling_params`, `stream`)
+
+The models are the one declaration of the request fields: they validate the bodies (strict
+JSON types: no "1" for 1, no true for 1), and `gateway/openapi.py` publishes their JSON schema
+at `GET /openapi.json`. The sampling fields' ranges and defaults come from the engine's table
+(`engine/sampling_fields.py`); a bad field answers 400 naming it (gateway/fields.py). What a
+model cannot know is checked after it, at run time: the served model's name, this gateway's
+flags (`--max-n`, stop-string limits; the context length in openai_api.py), and rules that
+tie two fields together. Unknown fields are ignored, except those in `_UNSUPPORTED`, which
+would change the answer.
 
 Sampling fields become one `SamplingOptions`; `SamplingOptions.to_proto` makes the node's
 `SamplingParams` for one choice (choice i of a seeded request uses seed + i, so the n choices
@@ -14,57 +25,156 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar, cast
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine import sampling_fields as table
 from gateway.config import LimitsConfig
 from gateway.errors import APIError, bad_request
-from gateway.fields import INT32_MAX, INT64_MAX, BodyReader
+from gateway.fields import ONE_OF, number, validation_error
 from proto import node_pb2
 
-MAX_TOP_LOGPROBS = 20  # the engine's limit (engine/sampling.py)
-MAX_STOP_TOKEN_IDS = 64
-_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields that would change what the client gets, which this server does not implement.
 _UNSUPPORTED = ("logit_bias", "tools", "functions", "suffix", "audio", "prediction")
+# Sent to the node as given (null: the table's default).
+_NODE_NUMBERS = (
+    table.TEMPERATURE,
+    table.TOP_P,
+    table.TOP_K,
+    table.MIN_P,
+    table.FREQUENCY_PENALTY,
+    table.PRESENCE_PENALTY,
+    table.REPETITION_PENALTY,
+)
+MAX_INPUT_IDS = 1 << 24
 
 Prompt = str | tuple[int, ...]
+TokenId = Annotated[int, Field(ge=0, le=table.INT32_MAX)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class SamplingFields(_Body):
+    """The sampling fields of every generation route."""
+
+    temperature: float | None = number(table.TEMPERATURE)
+    top_p: float | None = number(table.TOP_P)
+    top_k: int | None = number(table.TOP_K)
+    min_p: float | None = number(table.MIN_P)
+    frequency_penalty: float | None = number(table.FREQUENCY_PENALTY)
+    presence_penalty: float | None = number(table.PRESENCE_PENALTY)
+    repetition_penalty: float | None = number(table.REPETITION_PENALTY)
+    seed: int | None = number(table.SEED)
+    stop: Annotated[NonEmptyStr | list[NonEmptyStr] | None, ONE_OF] = Field(
+        default=None, description="a non-empty string or a list of non-empty strings"
+    )
+    stop_token_ids: list[TokenId] | None = Field(
+        default=None,
+        max_length=table.MAX_STOP_TOKEN_IDS,
+        description=f"a list of at most {table.MAX_STOP_TOKEN_IDS} token ids",
+    )
+    ignore_eos: bool | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"] = Field("text", description="'text', the only format served")
+
+
+class _OpenAIBody(SamplingFields):
+    model: str = Field(description="the served model's name (GET /v1/models)")
+    n: int | None = Field(default=None, ge=1, description="an integer >= 1 (at most --max-n)")
+    best_of: int | None = Field(default=None, ge=1, description="an integer equal to `n`")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    max_tokens: int | None = number(table.MAX_NEW_TOKENS, default=None)
+
+
+class CompletionBody(_OpenAIBody):
+    prompt: Annotated[
+        str | TokenIds | Annotated[list[str | TokenIds], Field(min_length=1)], ONE_OF
+    ] = Field(
+        description="a string, a list of token ids, or a non-empty list of strings or of "
+        "token-id lists"
+    )
+    echo: bool | None = None
+    logprobs: int | None = number(table.TOP_LOGPROBS, default=None)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class MessageBody(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null only for an assistant message; checked in `_message`
+    content: Annotated[str | list[TextPart] | None, ONE_OF] = Field(
+        default=None, description="a string or a list of text parts ({type: text, text})"
+    )
+
+
+class ChatBody(_OpenAIBody):
+    messages: list[MessageBody] = Field(
+        min_length=1, description="a non-empty list of messages ({role, content})"
+    )
+    max_completion_tokens: int | None = number(table.MAX_NEW_TOKENS, default=None)
+    logprobs: bool | None = None
+    top_logprobs: int | None = number(table.TOP_LOGPROBS)
+
+
+class NativeSamplingFields(SamplingFields):
+    # null: the table's default, within the context (native_api.py)
+    max_new_tokens: int | None = number(table.MAX_NEW_TOKENS, default=None)
+    logprobs: bool | None = None
+    top_logprobs: int | None = number(table.TOP_LOGPROBS)
+
+
+class GenerateBody(_Body):
+    """Exactly one of `text` and `input_ids`."""
+
+    text: str | None = None
+    input_ids: list[TokenId] | None = Field(default=None, max_length=MAX_INPUT_IDS)
+    rid: str | None = None
+    stream: bool | None = None
+    sampling_params: NativeSamplingFields | None = None
+
+
+BODIES = (CompletionBody, ChatBody, GenerateBody)
 
 
 @dataclass(frozen=True)
 class SamplingOptions:
+    fields: SamplingFields  # validated; the node applies the table's default for a null
     max_tokens: int | None  # None: the endpoint's default
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: bool = False
-    top_logprobs: int = 0
+    stop: tuple[str, ...]
+    logprobs: bool
+    top_logprobs: int
 
     def to_proto(self, max_new_tokens: int, choice: int = 0) -> node_pb2.SamplingParams:
         msg = node_pb2.SamplingParams(
             max_new_tokens=max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty,
             stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.fields.stop_token_ids or (),
+            ignore_eos=bool(self.fields.ignore_eos),
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs,
         )
-        if self.seed is not None:
-            msg.seed = self.seed + choice
+        for spec in _NODE_NUMBERS:
+            value = getattr(self.fields, spec.name)
+            if value is not None:
+                setattr(msg, spec.name, value)
+        if self.fields.seed is not None:
+            msg.seed = self.fields.seed + choice
         return msg
 
 
@@ -104,196 +214,141 @@ class NativeRequest:
 def parse_completion(
     body: Mapping[str, Any], served: str, limits: LimitsConfig
 ) -> CompletionRequest:
-    reader = _openai_reader(body, served)
-    top = reader.integer("logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
-    sampling = _sampling(
-        reader,
-        limits,
-        max_tokens=reader.integer("max_tokens", minimum=1),
-        logprobs=top is not None,
-        top_logprobs=top or 0,
-    )
-    echo = bool(reader.boolean("echo"))
-    if echo and top is not None:
+    req = _openai_body(CompletionBody, body, served)
+    top = req.logprobs
+    if req.echo and top is not None:
         raise bad_request(
             "echo", "`echo` with `logprobs` is not supported (prompt logprobs are not computed)"
         )
-    n = _choices(reader, limits)
-    prompts = _prompts(body.get("prompt"))
+    n = _choices(req, limits)
+    prompts = _prompts(req.prompt)
     if len(prompts) * n > limits.max_n:
         raise bad_request(
             "n", f"{len(prompts)} prompts x n={n} choices exceed the limit of {limits.max_n}"
         )
-    stream, include_usage = _stream(reader)
-    return CompletionRequest(prompts, sampling, n, stream, include_usage, echo)
+    sampling = _sampling(req, limits, n, req.max_tokens, top is not None, top or 0)
+    stream, include_usage = _stream(req)
+    return CompletionRequest(prompts, sampling, n, stream, include_usage, bool(req.echo))
 
 
 def parse_chat(body: Mapping[str, Any], served: str, limits: LimitsConfig) -> ChatRequest:
-    reader = _openai_reader(body, served)
-    logprobs = bool(reader.boolean("logprobs"))
-    top = reader.integer("top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS) or 0
-    if top and not logprobs:
+    req = _openai_body(ChatBody, body, served)
+    top = req.top_logprobs or 0
+    if top and not req.logprobs:
         raise bad_request("top_logprobs", "`top_logprobs` needs `logprobs: true`")
-    max_tokens = reader.integer("max_completion_tokens", minimum=1)
+    max_tokens = req.max_completion_tokens
     if max_tokens is None:
-        max_tokens = reader.integer("max_tokens", minimum=1)
-    sampling = _sampling(reader, limits, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top)
-    n = _choices(reader, limits)
-    stream, include_usage = _stream(reader)
-    return ChatRequest(_messages(body.get("messages")), sampling, n, stream, include_usage)
+        max_tokens = req.max_tokens
+    n = _choices(req, limits)
+    sampling = _sampling(req, limits, n, max_tokens, bool(req.logprobs), top)
+    stream, include_usage = _stream(req)
+    messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
+    return ChatRequest(messages, sampling, n, stream, include_usage)
 
 
 def parse_native(body: Mapping[str, Any], limits: LimitsConfig) -> NativeRequest:
-    reader = BodyReader(body)
-    text = reader.string("text")
-    ids = reader.int_list("input_ids", max_items=1 << 24) if "input_ids" in body else None
-    if (text is None) == (ids is None):
+    req = _validate(GenerateBody, body)
+    if (req.text is None) == (req.input_ids is None):
         raise bad_request("text", "give exactly one of `text` and `input_ids`")
-    params = BodyReader(reader.mapping("sampling_params") or {})
-    logprobs = bool(params.boolean("logprobs"))
-    top = params.integer("top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS) or 0
-    sampling = _sampling(
-        params,
-        limits,
-        max_tokens=params.integer("max_new_tokens", minimum=1),
-        logprobs=logprobs or top > 0,
-        top_logprobs=top,
-    )
-    prompt: Prompt = text if text is not None else tuple(ids or ())
-    return NativeRequest(
-        prompt, sampling, bool(reader.boolean("stream")), reader.string("rid") or ""
-    )
+    params = req.sampling_params or NativeSamplingFields()
+    top = params.top_logprobs or 0
+    logprobs = bool(params.logprobs) or top > 0
+    sampling = _sampling(params, limits, 1, params.max_new_tokens, logprobs, top)
+    prompt: Prompt = req.text if req.text is not None else tuple(req.input_ids or ())
+    return NativeRequest(prompt, sampling, bool(req.stream), req.rid or "")
 
 
-def _openai_reader(body: Mapping[str, Any], served: str) -> BodyReader:
-    reader = BodyReader(body)
-    model = reader.string("model")
-    if model is None:
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+def _validate(model: type[BodyT], body: Mapping[str, Any]) -> BodyT:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc, model) from None
+
+
+def _openai_body(model: type[BodyT], body: Mapping[str, Any], served: str) -> BodyT:
+    """The model name first (404 for another model, as OpenAI), then the body."""
+    name = body.get("model")
+    if not isinstance(name, str):
         raise bad_request("model", f"`model` is required: this server serves {served!r}")
-    if model != served:
+    if name != served:
         raise APIError(
             404,
-            f"the model {model!r} does not exist here: this server serves {served!r} "
+            f"the model {name!r} does not exist here: this server serves {served!r} "
             "(GET /v1/models lists it)",
             param="model",
             code="model_not_found",
         )
-    for name in _UNSUPPORTED:
-        if body.get(name) not in (None, [], {}, ""):
-            raise bad_request(name, f"`{name}` is not supported by this server; leave it out")
-    response_format = reader.mapping("response_format")
-    if response_format is not None and response_format.get("type", "text") != "text":
-        raise bad_request("response_format", "only `response_format: {type: text}` is supported")
-    return reader
+    for field in _UNSUPPORTED:
+        if body.get(field) not in (None, [], {}, ""):
+            raise bad_request(field, f"`{field}` is not supported by this server; leave it out")
+    return _validate(model, body)
 
 
 def _sampling(
-    reader: BodyReader,
+    fields: SamplingFields,
     limits: LimitsConfig,
-    *,
+    n: int,
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
 ) -> SamplingOptions:
-    top_k = reader.integer("top_k", minimum=-1, maximum=INT32_MAX)
-    return SamplingOptions(
-        max_tokens=max_tokens,
-        temperature=_float(reader.number("temperature", minimum=0.0, maximum=2.0), 1.0),
-        top_p=_float(reader.number("top_p", minimum=0.0, maximum=1.0, exclusive_minimum=True), 1.0),
-        top_k=-1 if top_k is None else top_k,
-        min_p=_float(reader.number("min_p", minimum=0.0, maximum=1.0), 0.0),
-        frequency_penalty=_float(reader.number("frequency_penalty", minimum=-2, maximum=2), 0.0),
-        presence_penalty=_float(reader.number("presence_penalty", minimum=-2, maximum=2), 0.0),
-        repetition_penalty=_float(
-            reader.number("repetition_penalty", minimum=0.0, exclusive_minimum=True), 1.0
-        ),
-        # choice i samples with seed + i: every one must fit the node API's int64
-        seed=reader.integer("seed", minimum=-INT64_MAX - 1, maximum=INT64_MAX - limits.max_n),
-        stop=reader.stop_strings(
-            "stop", max_items=limits.max_stop, max_chars=limits.max_stop_chars
-        ),
-        stop_token_ids=reader.int_list("stop_token_ids", max_items=MAX_STOP_TOKEN_IDS),
-        ignore_eos=bool(reader.boolean("ignore_eos")),
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-    )
+    # choice i samples with seed + i: every one must fit the node API's int64
+    if fields.seed is not None and fields.seed + n - 1 > table.INT64_MAX:
+        raise bad_request(
+            "seed", f"`seed` + n - 1 must fit in int64: at most {table.INT64_MAX - n + 1}"
+        )
+    return SamplingOptions(fields, max_tokens, _stop(fields.stop, limits), logprobs, top_logprobs)
 
 
-def _float(value: float | None, default: float) -> float:
-    return default if value is None else value
+def _stop(value: str | list[str] | None, limits: LimitsConfig) -> tuple[str, ...]:
+    """`stop`: a string or a list of strings, within the gateway's --max-stop* flags."""
+    items = [] if value is None else [value] if isinstance(value, str) else value
+    if len(items) > limits.max_stop:
+        raise bad_request("stop", f"`stop` has {len(items)} strings; at most {limits.max_stop}")
+    for text in items:
+        if len(text) > limits.max_stop_chars:
+            raise bad_request(
+                "stop",
+                f"a `stop` string has {len(text)} characters; at most {limits.max_stop_chars}",
+            )
+    return tuple(items)
 
 
-def _choices(reader: BodyReader, limits: LimitsConfig) -> int:
-    n = reader.integer("n", minimum=1, maximum=limits.max_n)
-    best_of = reader.integer("best_of", minimum=1)
-    if best_of is not None and best_of != (n or 1):
+def _choices(req: _OpenAIBody, limits: LimitsConfig) -> int:
+    n = req.n or 1
+    if n > limits.max_n:
+        raise bad_request("n", f"`n` must be <= {limits.max_n}, got {n}")
+    if req.best_of is not None and req.best_of != n:
         raise bad_request("best_of", "`best_of` other than `n` is not supported")
-    return n or 1
+    return n
 
 
-def _stream(reader: BodyReader) -> tuple[bool, bool]:
-    stream = bool(reader.boolean("stream"))
-    options = reader.mapping("stream_options")
-    if options is None:
+def _stream(req: _OpenAIBody) -> tuple[bool, bool]:
+    stream = bool(req.stream)
+    if req.stream_options is None:
         return stream, False
     if not stream:
         raise bad_request("stream_options", "`stream_options` needs `stream: true`")
-    usage = BodyReader(options).boolean("include_usage")
-    return stream, bool(usage)
+    return stream, bool(req.stream_options.include_usage)
 
 
-def _prompts(value: object) -> tuple[Prompt, ...]:
-    """A string, a list of token ids, or a non-empty list of either."""
+def _prompts(value: str | list[int] | list[str | list[int]]) -> tuple[Prompt, ...]:
+    """One prompt (a string or token ids) or a list of them."""
     if isinstance(value, str):
         return (value,)
-    if isinstance(value, list) and value:
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return (tuple(value),)
-        prompts: list[Prompt] = []
-        for item in value:
-            if isinstance(item, str):
-                prompts.append(item)
-            elif isinstance(item, list) and item and all(isinstance(v, int) for v in item):
-                prompts.append(tuple(item))
-            else:
-                break
-        else:
-            return tuple(prompts)
-    raise bad_request(
-        "prompt",
-        "`prompt` is required: a string, a list of token ids, or a list of strings or of "
-        "token-id lists",
-    )
+    if all(isinstance(v, int) for v in value):
+        return (tuple(cast(list[int], value)),)
+    return tuple(v if isinstance(v, str) else tuple(v) for v in cast(list[str | list[int]], value))
 
 
-def _messages(value: object) -> tuple[ChatMessage, ...]:
-    if not isinstance(value, list) or not value:
-        raise bad_request("messages", "`messages` is required: a non-empty list of messages")
-    return tuple(_message(i, m) for i, m in enumerate(value))
-
-
-def _message(index: int, value: object) -> ChatMessage:
-    where = f"messages[{index}]"
-    if not isinstance(value, Mapping):
-        raise bad_request(where, f"`{where}` must be an object with `role` and `content`")
-    role = value.get("role")
-    if role not in _CHAT_ROLES:
-        raise bad_request(f"{where}.role", f"`{where}.role` must be one of {list(_CHAT_ROLES)}")
-    content = value.get("content")
-    if content is None and role == "assistant":
-        return ChatMessage(role, "")
-    if isinstance(content, str):
-        return ChatMessage(role, content)
+def _message(index: int, message: MessageBody) -> ChatMessage:
+    content = message.content
+    if content is None and message.role != "assistant":
+        where = f"messages[{index}].content"
+        raise bad_request(where, f"`{where}` is required: a string or a list of text parts")
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, Mapping) and part.get("type") == "text"):
-                raise bad_request(
-                    f"{where}.content", "only text content parts (`type: text`) are supported"
-                )
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise bad_request(f"{where}.content", "a text content part needs a `text` string")
-            parts.append(text)
-        return ChatMessage(role, "".join(parts))
-    raise bad_request(f"{where}.content", f"`{where}.content` must be a string or text parts")
+        return ChatMessage(message.role, "".join(part.text for part in content))
+    return ChatMessage(message.role, content or "")

@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import LimitsConfig, RoutingConfig
+from engine import sampling_fields as table
+from engine.sampling import SamplingParams
+from gateway.config import GatewayConfig, LimitsConfig, ModelInfo, RoutingConfig
 from gateway.errors import APIError
 from gateway.nodes import DECODE, PREFILL, LiveNode, NodeDirectory
-from gateway.protocol import parse_chat, parse_completion
+from gateway.openapi import openapi_document
+from gateway.protocol import parse_chat, parse_completion, parse_native
 from gateway.routing import PrefixAware, Router
 from gateway.text import StopTrimmer, TextCodec
 from proto import bootstrap_pb2
@@ -108,6 +111,78 @@ def test_parse_errors_name_the_field() -> None:
     assert [req.sampling.to_proto(7, c).seed for c in range(2)] == [3, 4]
     prompts = parse_completion({"model": "m", "prompt": [[1, 2], "x"]}, "m", LIMITS).prompts
     assert prompts == ((1, 2), "x")
+    # No length asked: the endpoint's default applies, shortened to fit the context.
+    assert parse_native({"text": "x"}, LIMITS).sampling.max_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"temperature": -1}, "temperature", "`temperature` must be a finite number in [0, 2], "
+         "got -1"),
+        ({"top_p": 0}, "top_p", "`top_p` must be a finite number in (0, 1], got 0"),
+        ({"top_k": 1.0}, "top_k", "`top_k` must be an integer in [-1, 2147483647] (-1 or 0: "
+         "disabled), got 1.0"),
+        ({"max_tokens": True}, "max_tokens", "`max_tokens` must be an integer >= 1, got True"),
+        ({"stop": ""}, "stop", "`stop` must be a non-empty string or a list of non-empty "
+         "strings, got ''"),
+        ({"stop_token_ids": [1, -1]}, "stop_token_ids[1]", "`stop_token_ids[1]` must be >= 0, "
+         "got -1"),
+        ({"messages": []}, "messages", "`messages` must be a non-empty list of messages "
+         "({role, content}), got []"),
+        ({"messages": [{"role": "tool", "content": [{"type": "image_url"}]}]},
+         "messages[0].content", "`messages[0].content` must be a string or a list of text "
+         "parts ({type: text, text}), got [{'type': 'image_url'}]"),
+        ({"messages": [{"content": "x"}]}, "messages[0].role", "`messages[0].role` is required"),
+        ({"seed": table.INT64_MAX, "n": 2}, "seed",
+         f"`seed` + n - 1 must fit in int64: at most {table.INT64_MAX - 1}"),
+    ],
+)  # fmt: skip
+def test_validation_errors_name_the_field_and_the_rule(fields, param, message) -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(APIError) as info:
+        parse_chat({**base, **fields}, "m", LIMITS)
+    assert (info.value.status, info.value.param, info.value.message) == (400, param, message)
+
+
+def _accepted(check, value) -> bool:
+    try:
+        check(value)
+    except (APIError, ValueError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("spec", table.NUMBER_FIELDS, ids=lambda spec: spec.name)
+def test_gateway_and_engine_accept_the_same_values(spec) -> None:
+    """One table: /generate's sampling_params (the engine's names) and SamplingParams agree."""
+    values = [0, 1, -1, 0.5, 2**31, 2**63, -(2**63) - 1, 1e300, "1", True, None]
+    for bound in (spec.minimum, spec.maximum):
+        if bound is not None:
+            values += [bound, bound - 1, bound + 1, bound - 0.001, bound + 0.001]
+    gateway = lambda v: parse_native({"text": "x", "sampling_params": {spec.name: v}}, LIMITS)  # noqa: E731
+    engine = lambda v: SamplingParams(**({} if v is None else {spec.name: v}))  # noqa: E731
+    for value in values:
+        assert _accepted(gateway, value) == _accepted(engine, value), (spec.name, value)
+
+
+def test_openapi_schema_comes_from_the_request_models() -> None:
+    config = GatewayConfig(
+        "127.0.0.1", 1, "127.0.0.1:2", ModelInfo("path", "m", 32), LIMITS, ROUTING
+    )
+    schemas = openapi_document(config)["components"]["schemas"]
+    chat = schemas["ChatBody"]["properties"]
+    role = schemas["MessageBody"]["properties"]["role"]
+    assert "tool" in role["enum"]  # the hand-written document used to omit it
+    prompt_forms = schemas["CompletionBody"]["properties"]["prompt"]["anyOf"]
+    assert {"type": "integer", "minimum": 0, "maximum": table.INT32_MAX} in [
+        form.get("items") for form in prompt_forms
+    ]
+    assert chat["temperature"]["anyOf"][0] == {"type": "number", "minimum": 0, "maximum": 2}
+    assert chat["model"]["enum"] == ["m"]
+    assert chat["n"]["anyOf"][0]["maximum"] == LIMITS.max_n
+    assert chat["max_tokens"]["anyOf"][0]["maximum"] == 31
+    assert chat["stop"]["anyOf"][1]["maxItems"] == LIMITS.max_stop
 
 
 def _node(node_id: str, role: int, inflight: int = 0) -> LiveNode:

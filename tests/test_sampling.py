@@ -11,15 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.sampling import (
-    MAX_TOP_LOGPROBS,
     RequestSampler,
     SampleOutput,
     SamplingParams,
     _warp_logits,
     sample_batch,
 )
+from engine.sampling_fields import INT32_MAX, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 
 CPU = torch.device("cpu")
+IDS = f"in [0, {INT32_MAX}]"
 
 
 def make_sampler(
@@ -41,13 +42,15 @@ def random_logits(rows: int, vocab_size: int, seed: int, scale: float = 3.0) -> 
     [
         ("max_new_tokens", 0, "max_new_tokens must be >= 1, got 0"),
         ("max_new_tokens", 1.5, "max_new_tokens must be an integer, got 1.5"),
-        ("temperature", -1.0, "temperature must be >= 0, got -1.0"),
+        ("temperature", -1.0, "temperature must be in [0, 2], got -1.0"),
+        ("temperature", 2.5, "temperature must be in [0, 2], got 2.5"),
         ("temperature", math.nan, "temperature must be a finite number, got nan"),
         ("temperature", math.inf, "temperature must be a finite number, got inf"),
         ("temperature", "hot", "temperature must be a finite number, got 'hot'"),
         ("top_p", 0.0, "top_p must be in (0, 1], got 0.0"),
         ("top_p", 1.5, "top_p must be in (0, 1], got 1.5"),
-        ("top_k", -2, "top_k must be -1 or 0 (disabled) or >= 1, got -2"),
+        ("top_k", -2, f"top_k must be in [-1, {INT32_MAX}] (-1 or 0: disabled), got -2"),
+        ("top_k", 1.0, "top_k must be an integer, got 1.0"),
         ("min_p", -0.1, "min_p must be in [0, 1], got -0.1"),
         ("min_p", 1.1, "min_p must be in [0, 1], got 1.1"),
         ("repetition_penalty", 0.0, "repetition_penalty must be > 0, got 0.0"),
@@ -57,14 +60,20 @@ def random_logits(rows: int, vocab_size: int, seed: int, scale: float = 3.0) -> 
         ("presence_penalty", 3, "presence_penalty must be in [-2, 2], got 3"),
         ("presence_penalty", math.nan, "presence_penalty must be a finite number, got nan"),
         ("seed", 1.0, "seed must be an integer, got 1.0"),
+        ("seed", 1 << 63, f"seed must be in [{-(1 << 63)}, {(1 << 63) - 1}], got {1 << 63}"),
         ("top_logprobs", -1, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got -1"),
         ("top_logprobs", 21, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got 21"),
         ("stop", "", "stop must contain non-empty strings, got ''"),
         ("stop", ["ok", ""], "stop must contain non-empty strings, got ''"),
         ("stop", ["ok", 3], "stop must contain non-empty strings, got 3"),
         ("stop", 3.5, "stop must be a single value, a list or a tuple, got 3.5"),
-        ("stop_token_ids", [1, -1], "stop_token_ids must contain integers >= 0, got -1"),
-        ("stop_token_ids", ["1"], "stop_token_ids must contain integers >= 0, got '1'"),
+        ("stop_token_ids", [1, -1], f"stop_token_ids must contain integers {IDS}, got -1"),
+        ("stop_token_ids", ["1"], f"stop_token_ids must contain integers {IDS}, got '1'"),
+        (
+            "stop_token_ids",
+            [1] * (MAX_STOP_TOKEN_IDS + 1),
+            f"stop_token_ids has 65 items; at most {MAX_STOP_TOKEN_IDS}",
+        ),
     ],
 )
 def test_invalid_params_name_field_value_and_range(field: str, value: Any, message: str) -> None:
@@ -321,11 +330,10 @@ def test_unseeded_requests_differ() -> None:
 
 
 def test_negative_seed_is_masked_to_64_bits() -> None:
-    logits = torch.zeros(2, 1000)
-    samplers = [make_sampler(1000, seed=-1), make_sampler(1000, seed=2**64 - 1)]
-    for _ in range(5):
-        sample_batch(logits, samplers)
-    assert samplers[0].output_token_ids == samplers[1].output_token_ids
+    # Seeds are int64 (the node API's type, engine/sampling_fields.py); the generator takes the
+    # same 64 bits unsigned.
+    assert make_sampler(1000, seed=-1).generator.initial_seed() == 2**64 - 1
+    assert make_sampler(1000, seed=-(2**63)).generator.initial_seed() == 2**63
 
 
 # --- penalties --------------------------------------------------------------------------------
