@@ -38,22 +38,10 @@ from dataclasses import asdict, dataclass, field, fields
 
 from proto import node_pb2
 
-SEGMENTS = (
-    "gateway_queue",
-    "prefill_bootstrap_wait",
-    "prefill_queue",
-    "prefill",
-    "transfer",
-    "decode_queue",
-    "decode_first",
-    "decode",
-    "rpc",
-)
-
 
 @dataclass(frozen=True)
 class Timeline:
-    """Seconds per segment (see the module docstring), plus `e2e` and `transfer_kv`."""
+    """Seconds per segment (see the module docstring), in order, plus `e2e` and `transfer_kv`."""
 
     gateway_queue: float
     prefill_bootstrap_wait: float
@@ -77,6 +65,10 @@ class Timeline:
     def server_timing(self) -> str:
         """The `Server-Timing` header value: `name;dur=<ms>` per field."""
         return ", ".join(f"{f.name};dur={getattr(self, f.name) * 1000:.3f}" for f in fields(self))
+
+
+# The fields that tile `e2e`, in order: all but `e2e` and `transfer_kv` (P's measure of its writes).
+SEGMENTS = tuple(f.name for f in fields(Timeline) if f.name not in ("e2e", "transfer_kv"))
 
 
 def assemble(

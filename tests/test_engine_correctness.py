@@ -52,18 +52,8 @@ def test_equal_length_prompts_batched_together_match_hf(tiny_model_dir) -> None:
     llm.check_integrity()
 
 
-def _chat_prompts(tokenizer) -> list[list[int]]:
-    questions = [
-        "What is the capital of France?",
-        "Hi",
-        "Write a haiku about the sea.",
-        "Explain in detail how a transformer language model turns a prompt into text, "
-        "covering tokenisation, embeddings, attention layers, the KV cache and sampling. " * 3,
-        "List three prime numbers.",
-        "Translate 'good morning' into Spanish and German.",
-        "What does a CPU do? Answer in two sentences. " * 6,
-        "Why is the sky blue?",
-    ]
+def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
+    """Each question as a one-turn chat in the model's template, as token ids (also test_tp)."""
     return [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": q}],
@@ -75,6 +65,19 @@ def _chat_prompts(tokenizer) -> list[list[int]]:
     ]
 
 
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Hi",
+    "Write a haiku about the sea.",
+    "Explain in detail how a transformer language model turns a prompt into text, "
+    "covering tokenisation, embeddings, attention layers, the KV cache and sampling. " * 3,
+    "List three prime numbers.",
+    "Translate 'good morning' into Spanish and German.",
+    "What does a CPU do? Answer in two sentences. " * 6,
+    "Why is the sky blue?",
+]
+
+
 DEFAULT_PARAMS = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 
 
@@ -82,7 +85,7 @@ DEFAULT_PARAMS = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=T
 def chat_prompts_and_reference(default_model_dir):
     from transformers import AutoTokenizer
 
-    prompts = _chat_prompts(AutoTokenizer.from_pretrained(default_model_dir))
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(default_model_dir), CHAT_QUESTIONS)
     return prompts, hf_greedy(default_model_dir, prompts, DEFAULT_PARAMS.max_new_tokens)
 
 

@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.pd_client import NodeTarget, PDResult, pd_generate
 from gateway.text import TextCodec
+from gateway.timeline import SEGMENTS
 from proto import node_pb2, node_pb2_grpc
 from tests.node_harness import free_port, running_node
 from tests.pd_cluster import registered
@@ -245,19 +246,6 @@ def test_counters_move_by_exactly_n_requests(cluster: Cluster, tiny_model: Path)
         return not any(gauges)
 
     eventually(idle, "the PD queue gauges read 0 once the requests are done")
-
-
-SEGMENTS = [
-    "gateway_queue",
-    "prefill_bootstrap_wait",
-    "prefill_queue",
-    "prefill",
-    "transfer",
-    "decode_queue",
-    "decode_first",
-    "decode",
-    "rpc",
-]
 
 
 def _check_breakdown(timing: dict[str, float], client_e2e: float) -> float:

@@ -65,6 +65,20 @@ def test_node_spans_from_marks() -> None:
     assert msg.queue_s == 0 and msg.prefill_s == 0  # no local prefill
 
 
+def test_timeline_segments_are_the_published_names_in_order() -> None:
+    assert SEGMENTS == (
+        "gateway_queue",
+        "prefill_bootstrap_wait",
+        "prefill_queue",
+        "prefill",
+        "transfer",
+        "decode_queue",
+        "decode_first",
+        "decode",
+        "rpc",
+    )
+
+
 def test_timeline_segments_tile_the_e2e() -> None:
     prefill = node_pb2.PrefillResponse(
         timing=node_pb2.NodeTiming(

@@ -12,6 +12,7 @@ from engine import LLM, SamplingParams
 from engine.model_config import ModelConfig
 from engine.tp.partition import TPConfigError, plan_tp
 from tests.reference import hf_greedy
+from tests.test_engine_correctness import chat_prompts
 
 PARAMS = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 QUESTIONS = ["What is the capital of France?", "Hi", "List three prime numbers, then explain why."]
@@ -67,16 +68,7 @@ def test_engine_refuses_unmappable_tp_before_spawning(default_model_dir) -> None
 def prompts_and_reference(default_model_dir):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": q}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-        for q in QUESTIONS
-    ]
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(default_model_dir), QUESTIONS)
     return prompts, hf_greedy(default_model_dir, prompts, PARAMS.max_new_tokens)
 
 

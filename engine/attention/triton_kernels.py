@@ -39,6 +39,35 @@ EXTEND_CONFIG_FP32 = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages
 
 
 @triton.jit
+def _attend_key_block(
+    acc, m_i, l_i, q, k_ptrs, v_ptrs, mask_n, visible, sm_scale_log2, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One block of keys into the online softmax of q's rows (log2 domain): K^T read at `k_ptrs`
+    [HEAD_DIM, BLOCK_N], V at `v_ptrs` [BLOCK_N, HEAD_DIM]; `mask_n` marks the keys that exist,
+    `visible` ([rows or 1, BLOCK_N]) those each row may see. Returns the new (acc, m_i, l_i)."""
+    k = tl.load(k_ptrs, mask=mask_n[None, :], other=0.0)
+    qk = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _visible(mask_n, pos, q_pos, CAUSAL: tl.constexpr):
+    """Which keys (at `pos`) each query row (at `q_pos`) sees: all that exist, or, when CAUSAL,
+    those not after the row's own position."""
+    visible = mask_n[None, :]
+    if CAUSAL:
+        visible = visible & (pos[None, :] <= q_pos[:, None])
+    return visible
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # layer's K view, addressed by page/offset/head strides
@@ -90,16 +119,11 @@ def _decode_split_kernel(
         loc = tl.load(table_ptr + slot * stride_table + pos, mask=mask_n, other=0)
         addr = (loc // PAGE_SIZE) * stride_page + (loc % PAGE_SIZE) * stride_tok
         addr += kvh * stride_head
-        k = tl.load(k_ptr + addr[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0.0)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + addr[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_key_block(
+            acc, m_i, l_i, q, k_ptr + addr[None, :] + offs_d[:, None],
+            v_ptr + addr[:, None] + offs_d[None, :], mask_n, mask_n[None, :], sm_scale_log2,
+            DOT_PRECISION,
+        )  # fmt: skip
 
     # An empty split (a context shorter than the split count) leaves l_i == 0: weight 0 in stage 2.
     mid = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
@@ -166,19 +190,11 @@ def _extend_attend_block(
         mask_n = pos < key_end
         loc = tl.load(table_row_ptr + pos, mask=mask_n, other=0)
         addr = (loc // PAGE_SIZE) * stride_page + (loc % PAGE_SIZE) * stride_tok + kv_head_off
-        k = tl.load(k_ptr + addr[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0.0)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
-        visible = mask_n[None, :]
-        if CAUSAL:
-            visible = visible & (pos[None, :] <= q_pos[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + addr[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_key_block(
+            acc, m_i, l_i, q, k_ptr + addr[None, :] + offs_d[:, None],
+            v_ptr + addr[:, None] + offs_d[None, :], mask_n,
+            _visible(mask_n, pos, q_pos, CAUSAL), sm_scale_log2, DOT_PRECISION,
+        )  # fmt: skip
     return acc, m_i, l_i
 
 
@@ -196,21 +212,11 @@ def _extend_attend_new(
         pos = start_n + tl.arange(0, BLOCK_N)
         mask_n = pos < key_end
         rows = row_of_first + pos
-        k = tl.load(kn_ptr + rows[None, :] * stride_kn + offs_d[:, None], mask=mask_n[None, :],
-                    other=0.0)  # fmt: skip
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
-        visible = mask_n[None, :]
-        if CAUSAL:
-            visible = visible & (pos[None, :] <= q_pos[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vn_ptr + rows[:, None] * stride_vn + offs_d[None, :], mask=mask_n[:, None],
-                    other=0.0)  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_key_block(
+            acc, m_i, l_i, q, kn_ptr + rows[None, :] * stride_kn + offs_d[:, None],
+            vn_ptr + rows[:, None] * stride_vn + offs_d[None, :], mask_n,
+            _visible(mask_n, pos, q_pos, CAUSAL), sm_scale_log2, DOT_PRECISION,
+        )  # fmt: skip
     return acc, m_i, l_i
 
 
