@@ -24,7 +24,6 @@ run_all.py calls `flashinfer_checks` and `flashinfer_figures` when flashinfer im
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 import traceback
@@ -367,10 +366,7 @@ def main() -> None:
     text = run_all.markdown(env, rep).replace(
         "# GPU figures:", "# GPU figures, FlashInfer backend beside Triton and torch-native:"
     )
-    name = f"gpu-{env['date (UTC)'][:10]}-flashinfer-{env['GPU'].split()[1].lower()}"
-    (args.out / f"{name}.md").write_text(text)
-    (args.out / f"{name}.json").write_text(json.dumps({"env": env, **rep.raw}, indent=1))
-    print(text, flush=True)
+    run_all.write_report(args.out, "flashinfer", text, env, rep)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,12 @@ compiled modules found under DIR/aot/NAME.so where flashinfer looks for prebuilt
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-from scripts.gpu.environment import add_site_arg, site_dir, unpack_wheels
+from scripts.gpu.environment import unpack_wheels, wheels_main
 
 FLASHINFER = "flashinfer-python==0.7.2.post1"
 TVM_FFI = "apache-tvm-ffi==0.1.15.post2"
@@ -86,17 +85,5 @@ def install(src: Path, site: Path) -> None:
     print(site)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("action", choices=["pack", "install"])
-    parser.add_argument("dir", type=Path)
-    add_site_arg(parser)
-    args = parser.parse_args()
-    if args.action == "pack":
-        pack(args.dir)
-    else:
-        install(args.dir, site_dir(args.site))
-
-
 if __name__ == "__main__":
-    main()
+    wheels_main(__doc__, pack, install)

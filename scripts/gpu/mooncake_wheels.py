@@ -20,14 +20,13 @@ the image's `nvidia-cuda-runtime` (torch's own), libcuda.so.1 from the driver.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-from scripts.gpu.environment import add_site_arg, site_dir, unpack_wheels
+from scripts.gpu.environment import unpack_wheels, wheels_main
 
 MOONCAKE = "mooncake-transfer-engine-cuda13==0.3.14"
 NIXL = ("nixl==1.5.1", "nixl-cu13==1.5.1")
@@ -152,18 +151,10 @@ def _unresolved(library: Path, env: dict[str, str]) -> list[str]:
     return [line.split()[0] for line in out.splitlines() if "not found" in line]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("action", choices=["pack", "install"])
-    parser.add_argument("dir", type=Path)
-    add_site_arg(parser)
-    args = parser.parse_args()
-    if args.action == "pack":
-        pack(args.dir)
-    else:
-        for key, value in install(args.dir, site_dir(args.site)).items():
-            print(f"export {key}={value}")
+def install_and_print(src: Path, site: Path) -> None:
+    for key, value in install(src, site).items():
+        print(f"export {key}={value}")
 
 
 if __name__ == "__main__":
-    main()
+    wheels_main(__doc__, pack, install_and_print)

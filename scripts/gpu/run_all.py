@@ -586,6 +586,16 @@ def markdown(env: dict[str, str], rep: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(out: Path, tag: str, text: str, env: dict[str, str], rep: Report) -> None:
+    """gpu-<date>[-<tag>]-<gpu>.md and .json into `out`, the table onto stdout."""
+    name = "-".join(
+        p for p in ("gpu", env["date (UTC)"][:10], tag, env["GPU"].split()[1].lower()) if p
+    )
+    (out / f"{name}.md").write_text(text)
+    (out / f"{name}.json").write_text(json.dumps({"env": env, **rep.raw}, indent=1))
+    print(text, flush=True)
+
+
 def flashinfer_module(rep: Report) -> Any:
     """check_flashinfer when flashinfer imports (the `gpu` extra, carried as wheels: see
     scripts/gpu/flashinfer_wheels.py); otherwise a row saying why its backend was not run."""
@@ -654,11 +664,7 @@ def main() -> None:
         section("kv transfer", lambda: bench_kv_transfer(rep))
     else:
         rep.errors.append("correctness checks failed or did not run: no figures measured")
-    text = markdown(env, rep)
-    name = f"gpu-{env['date (UTC)'][:10]}-{env['GPU'].split()[1].lower()}"
-    (args.out / f"{name}.md").write_text(text)
-    (args.out / f"{name}.json").write_text(json.dumps({"env": env, **rep.raw}, indent=1))
-    print(text, flush=True)
+    write_report(args.out, "", markdown(env, rep), env, rep)
 
 
 if __name__ == "__main__":
