@@ -60,7 +60,7 @@ class Host:
     address: str  # its IPv4 address inside the lab
     device: str  # the veth end inside the namespace
     bridge_end: str  # the veth end on the bridge: what cut() takes down
-    processes: list[ServerProcess] = field(default_factory=list)
+    servers: list[ServerProcess] = field(default_factory=list)
 
     def spawn(
         self, command: Sequence[str], log_path: Path, env: Mapping[str, str]
@@ -72,8 +72,12 @@ class Host:
             env=env,
             shown=f"[{self.namespace}] {' '.join(command)}",
         )
-        self.processes.append(server)
+        self.servers.append(server)
         return server.process
+
+    @property
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        return [server.process for server in self.servers]
 
     def cut(self) -> None:
         ip("link", "set", self.bridge_end, "down")
@@ -82,9 +86,9 @@ class Host:
         ip("link", "set", self.bridge_end, "up")
 
     def stop(self, timeout: float = 15.0) -> None:
-        for server in self.processes:
+        for server in self.servers:
             server.stop(timeout)
-        self.processes.clear()
+        self.servers.clear()
 
 
 @dataclass
