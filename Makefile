@@ -51,10 +51,10 @@ test-tp: setup
 test: lint typecheck pytest
 
 bench-engine: setup fetch-model
-	$(BIN)/python scripts/bench_engine.py
+	$(BIN)/python -m scripts.bench.engine
 
 bench-gateway: setup fetch-model
-	$(BIN)/python scripts/bench_gateway.py
+	$(BIN)/python -m scripts.bench.gateway
 
 clean:
 	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -2,7 +2,7 @@
 
 Each line is a `StepStats` plus when the step began (wall clock, seconds since the epoch, so it
 lines up with a client's request timestamps) and the scheduler's queue lengths after it.
-`scripts/plan_capacity.py steps` compares such traces with a node profile.
+`python -m scripts.planning.plan_capacity steps` compares such traces with a node profile.
 """
 
 from __future__ import annotations

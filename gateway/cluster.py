@@ -8,9 +8,9 @@ the gateway serves /metrics on its API port: one `[pd-cluster] metrics <name> <u
 for scrape configs and tests); streams the
 children's logs with a `[name]` prefix. On Ctrl-C / SIGTERM, or when the bootstrap or the
 gateway dies, it stops everything: SIGTERM to each child (gateway first, bootstrap last), SIGKILL
-after the grace period, and a kill of each child's whole process group, so nothing is left
-behind even if a child died or left processes of its own. Children also get SIGTERM from the
-kernel if pd-cluster itself is killed (PR_SET_PDEATHSIG).
+after the grace period, and a kill of each child's whole session (gateway/launcher.py), so
+nothing is left behind even if a child died or left processes of its own. Children also get
+SIGTERM from the kernel if pd-cluster itself is killed (PR_SET_PDEATHSIG).
 
 Internal gRPC security (`--internal-token-file`, `--tls-*`, see bootstrap/security.py) is passed
 to every child by the same flags; a token given by value (`--internal-token` or the environment)
@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -48,9 +45,10 @@ from bootstrap.security import (
     room_tickets_from_args,
 )
 from bootstrap.telemetry import add_log_args
+from engine.ports import LOCALHOST as HOST
+from engine.ports import free_port
+from gateway.launcher import ServerProcess, console_script, loopback_transports
 
-HOST = "127.0.0.1"
-_PR_SET_PDEATHSIG = 1
 _POLL_S = 0.25
 
 
@@ -76,17 +74,10 @@ class ClusterConfig:
 
 
 @dataclass
-class Child:
-    name: str
-    process: subprocess.Popen[bytes]
-    address: str
-    essential: bool  # its death takes the cluster down
+class Child(ServerProcess):
+    essential: bool = False  # its death takes the cluster down
     metrics_url: str = ""
     reported_exit: bool = False
-
-    @property
-    def alive(self) -> bool:
-        return self.process.poll() is None
 
 
 @dataclass
@@ -140,27 +131,31 @@ class Cluster:
         metrics: bool = False,
     ) -> Child:
         port = port or free_port()
-        command = [_script(script), *self.config.log_args, *self.config.auth_args, *args]
+        try:
+            executable = console_script(script)
+        except FileNotFoundError as exc:
+            raise ClusterError(str(exc)) from None
+        command = [executable, *self.config.log_args, *self.config.auth_args, *args]
         command += ["--host", HOST]
         command += ["--port", str(port)]
         metrics_port = free_port() if metrics else 0
         if metrics_port:
             command += ["--metrics-port", str(metrics_port)]
         self.say(f"[pd-cluster] starting {name}: {shlex.join(command)}")
-        process = subprocess.Popen(
+        log_dir = self.config.log_dir
+        child = Child.start(
+            name,
             command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            address=f"{HOST}:{port}",
+            log_path=log_dir / f"{name}.log" if log_dir is not None else None,
+            relay=self.say,
             env=self._child_env(),
-            start_new_session=True,  # our own signal order; the whole group can be killed
-            preexec_fn=_die_with_parent,
+            die_with_parent=True,
         )
-        child = Child(name, process, f"{HOST}:{port}", essential)
+        child.essential = essential
         if metrics_port:
             child.metrics_url = f"http://{HOST}:{metrics_port}/metrics"
         self.children.append(child)
-        threading.Thread(target=self._relay, args=(child,), daemon=True).start()
         return child
 
     def _child_env(self) -> dict[str, str]:
@@ -168,22 +163,6 @@ class Cluster:
         if self.config.internal_token:
             env[TOKEN_ENV] = self.config.internal_token
         return env
-
-    def _relay(self, child: Child) -> None:
-        """Copy a child's output to ours, each line prefixed with its name (and to its log)."""
-        log = None
-        if self.config.log_dir is not None:
-            self.config.log_dir.mkdir(parents=True, exist_ok=True)
-            log = (self.config.log_dir / f"{child.name}.log").open("ab")
-        assert child.process.stdout is not None
-        with contextlib.ExitStack() as stack:
-            if log is not None:
-                stack.enter_context(log)
-            for raw in child.process.stdout:
-                if log is not None:
-                    log.write(raw)
-                    log.flush()
-                self.say(f"[{child.name}] {raw.decode(errors='replace').rstrip()}")
 
     def _wait_healthy(self, url: str, stop: threading.Event) -> None:
         c = self.config
@@ -228,47 +207,16 @@ class Cluster:
         ]
         for phase in phases:
             for child in phase:
-                if child.alive:
-                    child.process.send_signal(signal.SIGTERM)
+                child.terminate()
             deadline = time.monotonic() + self.config.stop_grace_s
             for child in phase:
-                _wait(child, max(deadline - time.monotonic(), 0.1))
-                if child.alive:
+                if not child.wait(max(deadline - time.monotonic(), 0.1)):
                     self.say(f"[pd-cluster] {child.name} did not stop: killing it")
-                # The whole group, grandchildren included; it may outlive a dead leader.
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.process.pid, signal.SIGKILL)
-                child.process.wait()
+                child.kill()  # the whole session, grandchildren included
 
 
 class ClusterError(RuntimeError):
     """The cluster could not start; the message names the process or the wait that failed."""
-
-
-def _wait(child: Child, timeout: float) -> None:
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        child.process.wait(timeout)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when pd-cluster dies, however it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _script(name: str) -> str:
-    """The console script next to the running interpreter (the project's venv)."""
-    path = Path(sys.executable).parent / name
-    if not path.exists():
-        raise ClusterError(f"{path} does not exist: install the project (`make setup`)")
-    return str(path)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def _get_json(url: str) -> dict[str, object] | None:
@@ -355,8 +303,7 @@ def _served_name(config: ClusterConfig, url: str) -> str:
 
 
 def run(config: ClusterConfig, on_ready: Callable[[str], None] | None = None) -> int:
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # NIXL over loopback only
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    loopback_transports()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,15 +1,15 @@
 """A whole cluster of real processes on 127.0.0.1 for fault tests, and steady load against it.
 
 `FaultCluster` runs a bootstrap-server, named prefill/decode nodes and a gateway-server, each a
-real process (tests/node_harness.py) that a test may SIGKILL, SIGSTOP/SIGCONT and start again:
+real process (gateway/launcher.py) that a test may SIGKILL, SIGSTOP/SIGCONT and start again:
 the bootstrap and the gateway come back on the same address (nodes and clients know them by it),
 a node comes back on a new port under a new node id and joins through the bootstrap.
 
-`SteadyLoad` sends the load tester's streamed requests (scripts/serving/client.py, the client of
-scripts/bench_serving.py) at a steady rate from a background thread and keeps what each request
-got: its text, or its error type and detail. `judge` sorts those outcomes around a fault into
-correct, failed with a clear error, and lost (accepted and neither correct nor reported as
-failed: wrong text, no end, or an unexplained error).
+`SteadyLoad` sends the load tester's streamed requests (scripts/serving/client.py, the client
+of scripts/serving/bench_serving.py) at a steady rate from a background thread and keeps what
+each request got: its text, or its error type and detail. `judge` sorts those outcomes around a
+fault into correct, failed with a clear error, and lost (accepted and neither correct nor
+reported as failed: wrong text, no end, or an unexplained error).
 
 The model is a random-weight tiny llama with the default model's tokenizer: fast nodes and real
 text; greedy output is deterministic (fp32 on CPU), so a reference run gives every prompt's text.
@@ -31,14 +31,19 @@ from pathlib import Path
 
 import httpx
 
+from engine.ports import free_port
+from gateway.launcher import ServerProcess as NodeServer
+from gateway.launcher import (
+    bootstrap_ready,
+    loopback_transports,
+    node_registered,
+    running_node,
+)
 from proto import node_pb2
 from scripts.serving.client import ClientConfig, send
 from scripts.serving.datasets import RequestSpec
-from tests.node_harness import NodeServer, free_port, running_node
-from tests.pd_cluster import bootstrap_ready, registered
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only; the servers inherit it
-os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+loopback_transports()  # the servers inherit it
 
 
 def prompts(count: int, length: int, seed: int) -> list[tuple[int, ...]]:
@@ -157,7 +162,7 @@ class FaultCluster:
         if script == "decode-server":
             args = ["--mode", "disaggregated", *args]
         proc = self._start(
-            name, running_node(script, args, self.tmp / f"{name}.log", probe=registered)
+            name, running_node(script, args, self.tmp / f"{name}.log", probe=node_registered)
         )
         proc.node_id = proc.server.stub.Health(node_pb2.HealthRequest(), timeout=30).node_id
 

@@ -1,7 +1,5 @@
 """Helpers of the security, hostile-input and overload tests (issue 8, items 4-6).
 
-- `tiny_chat_model`: a random-weight 2-layer llama with the default model's real tokenizer and
-  chat template (so the gateway works as with the real model, at a fraction of the CPU time);
 - `cluster_process`: `pd-cluster` as an operator runs it, with any of its flags;
 - `make_certs`: a throwaway CA and a certificate for 127.0.0.1 signed by it (openssl CLI), plus
   a rogue self-signed one;
@@ -11,8 +9,6 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -20,44 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.node_harness import console_script, free_port
+from engine.ports import free_port
+from gateway.launcher import console_script
 from tests.test_gateway import RunningCluster, launched_cluster
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "generation_config.json",
-)
-
-
-def tiny_chat_model(default_model_dir: Path, path: Path, max_positions: int = 1024) -> Path:
-    """Random weights (2 layers, hidden 64) over the real tokenizer's vocabulary."""
-    import torch
-    import transformers as tf
-
-    real = json.loads((default_model_dir / "config.json").read_text())
-    config = tf.LlamaConfig(
-        vocab_size=real["vocab_size"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=False,
-        bos_token_id=real.get("bos_token_id"),
-        eos_token_id=real.get("eos_token_id"),
-    )
-    torch.manual_seed(0)
-    tf.LlamaForCausalLM(config).eval().save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        if (default_model_dir / name).exists():
-            shutil.copy(default_model_dir / name, path / name)
-    return path
 
 
 @contextmanager

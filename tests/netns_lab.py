@@ -18,15 +18,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.serving.probes import session_pids
-from tests.node_harness import stop_process
+from gateway.launcher import ServerProcess
 
 
 class LabError(RuntimeError):
@@ -62,24 +60,24 @@ class Host:
     address: str  # its IPv4 address inside the lab
     device: str  # the veth end inside the namespace
     bridge_end: str  # the veth end on the bridge: what cut() takes down
-    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    servers: list[ServerProcess] = field(default_factory=list)
 
     def spawn(
         self, command: Sequence[str], log_path: Path, env: Mapping[str, str]
     ) -> subprocess.Popen[bytes]:
-        with log_path.open("ab") as log:
-            log.write(f"$ [{self.namespace}] {' '.join(command)}\n".encode())
-            log.flush()
-            process = subprocess.Popen(
-                ["ip", "netns", "exec", self.namespace, *command],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=dict(env),
-            )
-        self.processes.append(process)
-        return process
+        server = ServerProcess.start(
+            Path(command[0]).name,
+            ["ip", "netns", "exec", self.namespace, *command],
+            log_path=log_path,
+            env=env,
+            shown=f"[{self.namespace}] {' '.join(command)}",
+        )
+        self.servers.append(server)
+        return server.process
+
+    @property
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        return [server.process for server in self.servers]
 
     def cut(self) -> None:
         ip("link", "set", self.bridge_end, "down")
@@ -88,13 +86,9 @@ class Host:
         ip("link", "set", self.bridge_end, "up")
 
     def stop(self, timeout: float = 15.0) -> None:
-        for process in self.processes:
-            with contextlib.suppress(ProcessLookupError):
-                stop_process(process, timeout)
-            for pid in session_pids(process.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        self.processes.clear()
+        for server in self.servers:
+            server.stop(timeout)
+        self.servers.clear()
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""scripts/bench_serving.py: metrics on hand-made traces, dataset generators, arrivals, bad input.
+"""scripts/serving/bench_serving.py: metrics on hand-made traces, dataset generators, arrivals,
+bad input.
 
 The metric tests build `RequestTrace`s with chosen timestamps and check TTFT / ITL / TPOT / E2E,
 percentiles, throughput and goodput against values worked out by hand. The CLI tests run the
@@ -16,13 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.ports import free_port
 from scripts.serving.datasets import DatasetConfig, DatasetError, build_sessions, load_sharegpt
 from scripts.serving.load import LoadConfig, LoadError, arrival_gaps
 from scripts.serving.metrics import SLO, RequestTrace, SLOError, percentile, summarize
 from scripts.serving.report import document, table, throughput_series
-from tests.node_harness import free_port
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_serving.py"
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ("-m", "scripts.serving.bench_serving")  # run from ROOT
 
 
 def trace(
@@ -139,8 +141,8 @@ def test_throughput_series_buckets_tokens_and_completions() -> None:
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
+    from scripts.planning.sweep import RatePoint, Split, SplitResult, plot_goodput
     from scripts.serving.report import plot
-    from scripts.serving.sweep import RatePoint, Split, SplitResult, plot_goodput
 
     paths = plot(hand_made_run(), tmp_path, "t_")
     assert sorted(p.name for p in paths) == [
@@ -285,7 +287,8 @@ def test_bad_load_options() -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), "--no-progress", *args],
+        [sys.executable, *SCRIPT, "--no-progress", *args],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import grpc
 import pytest
 
 from bootstrap.client import BootstrapClient, NodeSession, RegistrationRefused, RetryPolicy
+from engine.ports import free_port
 from proto import bootstrap_pb2 as pb
 from proto import bootstrap_pb2_grpc
 
@@ -49,12 +49,6 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=WAIT_S)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(log_dir: Path, *flags: str, port: int | None = None) -> Server:

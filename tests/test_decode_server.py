@@ -28,10 +28,10 @@ import grpc
 import pytest
 import torch
 
+from gateway.launcher import ServerProcess as NodeServer
+from gateway.launcher import running_node, session_pids
 from proto import node_pb2
-from scripts.serving.probes import session_pids
-from tests.node_harness import NodeServer, running_node
-from tests.reference import hf_greedy
+from scripts.tiny_models import hf_greedy
 
 # One torch thread per process: this machine's two cores are shared, and oversubscribed OpenMP
 # threads spin (measured: HF greedy 10x slower with two threads than with one under load).

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gateway.launcher import pd_trio
 from proto import node_pb2
-from tests.pd_cluster import pd_cluster
-from tests.reference import hf_greedy
+from scripts.tiny_models import hf_greedy
 
 LENGTHS = [5, 8, 12, 20, 30, 45, 64, 90, 128, 180, 256, 360, 512, 720, 1000, 1500]
 MAX_NEW = 6
@@ -58,7 +58,7 @@ def test_pd_matches_colocated_and_hf(
     tmp_path: Path, default_model_dir: Path, prompts, hf_reference, backend: str
 ) -> None:
     sampling = node_pb2.SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    with pd_cluster(
+    with pd_trio(
         tmp_path,
         default_model_dir,
         backend,

@@ -48,6 +48,8 @@ import pytest
 
 from engine.request import FinishReason, Req
 from engine.sampling import SamplingParams
+from gateway.launcher import ServerProcess as NodeServer
+from gateway.launcher import bootstrap_ready, node_registered, running_node
 from gateway.pd_client import new_room
 from kvtransfer.aux import AuxBuffer
 from kvtransfer.base import MemoryRegion, PeerInfo, TransferHandle, TransferRange, TransferState
@@ -55,8 +57,6 @@ from kvtransfer.head_routes import NodeKV
 from kvtransfer.room import RoomDestination, RoomState, RoomStatus
 from prefill_node.prefill_role import PrefillRole, PrefillRoleConfig
 from proto import node_pb2
-from tests.node_harness import NodeServer, running_node
-from tests.pd_cluster import bootstrap_ready, registered
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only; the servers inherit it
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -155,7 +155,7 @@ class Fleet:
         args += ["--transfer-backend", self.backend, *NODE_ARGS, *extra]
         if script == "decode-server":
             args = ["--mode", "disaggregated", *args]
-        context = running_node(script, args, self.tmp / f"{name}.log", probe=registered)
+        context = running_node(script, args, self.tmp / f"{name}.log", probe=node_registered)
         server = context.__enter__()
         try:
             health = server.stub.Health(node_pb2.HealthRequest(), timeout=RPC_TIMEOUT)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.reference import hf_greedy
+from scripts.tiny_models import hf_greedy
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 

@@ -36,6 +36,7 @@ import pytest
 
 from gateway.pd_client import PREFILL_ANSWER_GRACE_S
 from proto import node_pb2
+from scripts.tiny_models import save_tiny_text_model
 from tests.fault_cluster import (
     FaultCluster,
     Outcome,
@@ -50,7 +51,6 @@ from tests.fault_cluster import (
     reference_texts,
     write_table,
 )
-from tests.tiny_text_model import save_tiny_text_model
 
 pytestmark = pytest.mark.faults
 

@@ -27,10 +27,10 @@ import httpx
 import openai
 import pytest
 
+from engine.ports import free_port
+from gateway.launcher import console_script, session_pids
 from proto import node_pb2, node_pb2_grpc
-from scripts.serving.probes import session_pids
-from tests.node_harness import console_script, free_port
-from tests.reference import hf_greedy
+from scripts.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.slow  # the real default model
 

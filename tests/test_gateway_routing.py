@@ -24,10 +24,10 @@ import openai
 import pytest
 import torch
 
-from tests.node_harness import console_script, free_port, running_node
-from tests.pd_cluster import registered
+from engine.ports import free_port
+from gateway.launcher import console_script, node_registered, running_node
+from scripts.tiny_models import save_tiny_text_model
 from tests.test_gateway import RunningCluster, pd_cluster_process
-from tests.tiny_text_model import save_tiny_text_model
 
 GATEWAY_ARGS = ["--local-prefill-max-tokens", "0", "--decode-policy", "round_robin"]
 SHARED_PREFIX = 96  # tokens: six 16-token pages
@@ -155,7 +155,9 @@ def test_a_decode_node_joining_gets_traffic_without_restart(
     bootstrap = cluster.node_address("bootstrap")
     args = ["--mode", "disaggregated", "--model", str(tiny_model), "--bootstrap", bootstrap]
     args += ["--transfer-backend", "mooncake", "--max-total-tokens", "8192"]
-    with running_node("decode-server", args, tmp_path / "decode-new.log", probe=registered) as new:
+    with running_node(
+        "decode-server", args, tmp_path / "decode-new.log", probe=node_registered
+    ) as new:
         while httpx.get(cluster.url + "/health").json()["decode"] != 3:
             time.sleep(0.1)
         before = per_node(cluster, requests, "decode")

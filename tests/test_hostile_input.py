@@ -30,7 +30,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.generation import GenerationMode
 
 from proto import bootstrap_pb2, node_pb2
-from tests.hardening import assert_openai_error, cluster_process, tiny_chat_model
+from scripts.tiny_models import tiny_chat_model
+from tests.hardening import assert_openai_error, cluster_process
 from tests.test_gateway import RunningCluster, node_stub, wait_idle
 
 API_KEY = "fuzz-key"

@@ -43,11 +43,10 @@ import grpc
 import httpx
 import pytest
 
+from gateway.launcher import console_script
 from proto import bootstrap_pb2, bootstrap_pb2_grpc, node_pb2, node_pb2_grpc
+from scripts.tiny_models import hf_greedy, save_tiny_text_model
 from tests.netns_lab import Host, Lab, lab_unavailable, netns_lab, wait_for
-from tests.node_harness import console_script
-from tests.reference import hf_greedy
-from tests.tiny_text_model import save_tiny_text_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]  # ~2 min per backend: make test-faults
 

@@ -29,14 +29,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.ports import free_port
+from gateway.launcher import node_registered, running_node
 from gateway.pd_client import NodeTarget, PDResult, pd_generate
 from gateway.text import TextCodec
 from gateway.timeline import SEGMENTS
 from proto import node_pb2, node_pb2_grpc
-from tests.node_harness import free_port, running_node
-from tests.pd_cluster import registered
+from scripts.tiny_models import save_tiny_text_model
 from tests.test_gateway import RunningCluster, pd_cluster_process
-from tests.tiny_text_model import save_tiny_text_model
 
 N = 4  # requests of the counting test
 MAX_TOKENS = 5
@@ -349,7 +349,7 @@ def test_injected_transfer_failure_counts_once(
     args += ["mooncake", "--max-total-tokens", "8192", "--inject-transfer-failures", "1.0"]
     args += ["--metrics-port", str(metrics_port)]
     with running_node(
-        "prefill-server", args, tmp_path / "prefill-failing.log", probe=registered
+        "prefill-server", args, tmp_path / "prefill-failing.log", probe=node_registered
     ) as failing:
         failing_url = f"http://127.0.0.1:{metrics_port}/metrics"
         before = {**cluster.scrape_all(), "failing": scrape(failing_url)}

@@ -34,7 +34,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.hardening import assert_openai_error, cluster_process, rss_bytes, tiny_chat_model
+from scripts.tiny_models import tiny_chat_model
+from tests.hardening import assert_openai_error, cluster_process, rss_bytes
 from tests.test_gateway import RunningCluster, node_stub, wait_idle
 
 MAX_INFLIGHT = 4

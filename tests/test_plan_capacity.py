@@ -1,4 +1,5 @@
-"""scripts/plan_capacity.py's simulator on cases with closed-form answers, and its pieces."""
+"""scripts/planning/plan_capacity.py's simulator on cases with closed-form answers, and its
+pieces."""
 
 from __future__ import annotations
 
@@ -10,20 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scripts.plan_capacity import main as plan_capacity
-from scripts.serving.datasets import DatasetConfig
-from scripts.serving.load import LoadConfig, arrival_gaps
-from scripts.serving.metrics import SLO, summarize
-from scripts.serving.planning import (
+from scripts.planning.plan_capacity import main as plan_capacity
+from scripts.planning.planner import (
     Comparison,
     arrivals,
     comparison_table,
     max_rate,
     workload_from_settings,
 )
-from scripts.serving.profile import NodeProfile, ProfileError, fit_prefill
-from scripts.serving.simulator import Arrival, HostConfig, Simulation
-from scripts.serving.sweep import (
+from scripts.planning.profile import NodeProfile, ProfileError, fit_prefill
+from scripts.planning.simulator import Arrival, HostConfig, Simulation
+from scripts.planning.sweep import (
     Split,
     SplitResult,
     SweepError,
@@ -31,6 +29,9 @@ from scripts.serving.sweep import (
     parse_rates,
     parse_splits,
 )
+from scripts.serving.datasets import DatasetConfig
+from scripts.serving.load import LoadConfig, arrival_gaps
+from scripts.serving.metrics import SLO, summarize
 
 S = 0.2  # seconds: prefill of one 100-token prompt (0.05 + 0.0015 * 100)
 D0 = 0.03  # seconds per decode step, whatever the batch

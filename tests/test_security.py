@@ -22,10 +22,12 @@ import pytest
 
 from bootstrap.client import BootstrapClient
 from bootstrap.security import TOKEN_HEADER, InternalAuth, RoomTickets, TLSConfig
+from gateway.launcher import ServerProcess as NodeServer
+from gateway.launcher import running_node
 from proto import bootstrap_pb2 as pb
 from proto import bootstrap_pb2_grpc, node_pb2, node_pb2_grpc
-from tests.hardening import Certs, assert_openai_error, cluster_process, make_certs, tiny_chat_model
-from tests.node_harness import NodeServer, running_node
+from scripts.tiny_models import tiny_chat_model
+from tests.hardening import Certs, assert_openai_error, cluster_process, make_certs
 from tests.test_gateway import RunningCluster
 
 TOKEN = "s3cret-internal-token-0123456789"

@@ -1,4 +1,5 @@
-"""scripts/soak.py: the growth rule on hand-made series, the probes, and a 20-second real soak.
+"""scripts/serving/soak.py: the growth rule on hand-made series, the probes, and a 20-second real
+soak.
 
 The rule tests build series with a known shape (flat with noise, a steady leak, one late spike,
 a step down) and check the verdict and its figures. The smoke test runs the script as a user
@@ -19,12 +20,14 @@ from pathlib import Path
 
 import pytest
 
+from gateway.launcher import session_pids
 from scripts.serving.growth import Tolerance, judge, slope
-from scripts.serving.probes import Sample, metric_quantities, proc_usage, session_pids
+from scripts.serving.probes import Sample, metric_quantities, proc_usage
 from scripts.serving.soak_report import Findings, SampleLog, judge_samples, new_errors
-from tests.tiny_text_model import save_tiny_text_model
+from scripts.tiny_models import save_tiny_text_model
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ("-m", "scripts.serving.soak")  # run from ROOT
 MINUTES = [60.0 * i for i in range(31)]  # 30 minutes, one sample a minute
 
 
@@ -163,8 +166,8 @@ def test_proc_usage_of_this_process() -> None:
 
 
 def test_bad_flags_exit_2_with_one_line(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(SCRIPT), "--output-dir", str(tmp_path), "--load-fraction", "1.5"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, *SCRIPT, "--output-dir", str(tmp_path), "--load-fraction", "1.5"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--load-fraction must be in (0, 1], got 1.5" in done.stderr
     assert "Traceback" not in done.stderr
@@ -181,11 +184,11 @@ def tiny_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.mark.slow
 def test_short_soak_on_a_real_cluster_passes(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "soak"
-    cmd = [sys.executable, str(SCRIPT), "--output-dir", str(out), "--model", str(tiny_model)]
+    cmd = [sys.executable, *SCRIPT, "--output-dir", str(out), "--model", str(tiny_model)]
     cmd += ["--duration", "20", "--interval", "2", "--capacity-requests", "6"]
     cmd += ["--capacity-concurrency", "3", "--input-len", "48", "--output-len", "8"]
     cmd += ["--max-total-tokens", "4096"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "[soak]" in done.stdout and "capacity" in done.stdout
     with (out / "samples.csv").open() as f:

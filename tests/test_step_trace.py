@@ -1,6 +1,6 @@
 """`--step-trace-dir`: what each engine step computed, written by the loop, read by the planner.
 
-The planner (scripts/plan_capacity.py steps) prices a traced step with the node profile, so
+The planner (scripts/planning/plan_capacity.py steps) prices a traced step with the node profile, so
 the composition must be exact: the chunks with the tokens already in the KV before them, and
 the context the decoding requests attend over.
 """
@@ -20,9 +20,9 @@ from engine.engine_loop import EngineLoop, FinishEvent, LoopConfig, RequestEvent
 from engine.node.args import add_node_args, loop_config
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
-from scripts.plan_capacity import main as plan_capacity
-from scripts.serving.profile import NodeProfile
-from scripts.serving.step_report import (
+from scripts.planning.plan_capacity import main as plan_capacity
+from scripts.planning.profile import NodeProfile
+from scripts.planning.step_report import (
     Step,
     TraceError,
     company_report,

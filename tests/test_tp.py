@@ -11,7 +11,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.model_config import ModelConfig
 from engine.tp.partition import TPConfigError, plan_tp
-from tests.reference import hf_greedy
+from scripts.tiny_models import hf_greedy
 from tests.test_engine_correctness import chat_prompts
 
 PARAMS = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -105,7 +105,7 @@ def test_tp_colocated_matches_hf(default_model_dir, prompts_and_reference, tp_si
 def test_server_refuses_unmappable_tp_at_start(default_model_dir) -> None:
     import subprocess
 
-    from tests.node_harness import console_script
+    from gateway.launcher import console_script
 
     proc = subprocess.run(
         [console_script("decode-server"), "--model", str(default_model_dir), "--tp-size", "4"],

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine.node.tp_transfer import _decode_plan, _encode_plan
+from gateway.launcher import NodeStartError, pd_trio
 from kvtransfer.base import MemoryRegion, PeerInfo, PeerRank, TransferRange
 from kvtransfer.head_routes import (
     HeadRouteError,
@@ -24,9 +25,7 @@ from kvtransfer.head_routes import (
     route_pages,
 )
 from proto import node_pb2
-from tests.node_harness import NodeStartError
-from tests.pd_cluster import pd_cluster
-from tests.reference import hf_greedy
+from scripts.tiny_models import hf_greedy
 
 HEAD = 1000  # bytes of one KV head's part of a page
 MAX_NEW = 5
@@ -165,7 +164,7 @@ def test_pd_across_tp_sizes_matches_hf(
     tmp_path: Path, default_model_dir: Path, prompts, hf_reference, p_tp, d_tp, backend
 ) -> None:
     sampling = node_pb2.SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    with pd_cluster(
+    with pd_trio(
         tmp_path,
         default_model_dir,
         backend,
@@ -192,7 +191,7 @@ def test_decode_node_of_another_model_is_refused_at_registration(
     refused = pytest.raises(NodeStartError, match=r"KV layout mismatch: layout\.model_id")
     with (
         refused,
-        pd_cluster(
+        pd_trio(
             tmp_path,
             tiny_model_dir("llama"),
             "mooncake",

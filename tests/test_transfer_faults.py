@@ -42,6 +42,7 @@ from kvtransfer.base import (
 from kvtransfer.faults import FaultInjectingEngine
 from kvtransfer.room import LinkReset
 from proto import node_pb2, node_pb2_grpc
+from scripts.tiny_models import save_tiny_text_model
 from tests.fault_cluster import (
     FaultCluster,
     Row,
@@ -53,7 +54,6 @@ from tests.fault_cluster import (
     reference_texts,
     write_table,
 )
-from tests.tiny_text_model import save_tiny_text_model
 
 BACKENDS = ["mooncake", "nixl"]
 FAIL_RATE = 0.3

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.ports import free_port
 from engine.tp import messages
 from engine.tp.group import TPGroup, TPInit
 from engine.tp.partition import check_tp
@@ -76,13 +76,6 @@ def _rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device.startswith("cuda") else device
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def start_runner(
     config: EngineConfig, model_config: ModelConfig, rank_agent: RankAgentFactory | None = None
 ) -> ModelRunner:
@@ -106,7 +99,7 @@ def launch(
 ) -> TPWorkers:
     """Spawn ranks 1..tp_size-1 and join the group as rank 0 (the model is not loaded yet)."""
     check_tp(model_config, config.tp_size)
-    method = f"tcp://127.0.0.1:{_free_port()}"
+    method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     procs: list[BaseProcess] = []
     for rank in range(1, config.tp_size):

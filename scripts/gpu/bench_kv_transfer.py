@@ -1,6 +1,6 @@
 """KV transfer GPU0 -> GPU1 through the project's NIXL engine, against the torch peer copy.
 
-    python3 scripts/gpu/bench_kv_transfer.py          # or as a section of run_all.py
+    python3 -m scripts.gpu.bench_kv_transfer          # or as a section of run_all.py
 
 Two processes, as a prefill node and a decode node would be: this one owns GPU0 (the sender),
 a spawned one owns GPU1 (the receiver). Each registers a KV pool of Llama-3-8B pages (page size
@@ -12,16 +12,13 @@ torch copy of the same bytes GPU0 -> GPU1 in this process.
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvtransfer import (
     MemoryRegion,
@@ -142,5 +139,6 @@ def bench_transfer(token_counts: tuple[int, ...] = (1024, 4096)) -> list[Transfe
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     for r in bench_transfer():
         print(r)

@@ -1,7 +1,7 @@
 """KV pages GPU -> GPU through Mooncake's CUDA build: two processes on one GPU, checked byte-exact.
 
-    python3 scripts/gpu/mooncake_wheels.py pack .mooncake            # here (no index there)
-    python3 scripts/gpu/bench_mooncake_gpu.py --carry .mooncake --out "$OUT"   # on the GPU host
+    python3 -m scripts.gpu.mooncake_wheels pack .mooncake            # here (no index there)
+    python3 -m scripts.gpu.bench_mooncake_gpu --carry .mooncake --out "$OUT"   # on the GPU host
 
 A prefill process and a decode process share GPU 0, each with the engine's KV pool
 (`PagedKVCache` of a Llama-3-8B shape: 32 layers, 8 KV heads, head dim 128, bf16, 16-token
@@ -39,9 +39,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from engine.memory.kv_cache import KVLayout, PagedKVCache
 from kvtransfer import (
     MemoryRegion,
@@ -52,6 +49,8 @@ from kvtransfer import (
     coalesce_pages,
     create_engine,
 )
+from scripts.gpu import mooncake_wheels
+from scripts.gpu.environment import add_site_arg, site_dir, use_site
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
 POOL_PAGES = 1024  # 2 GiB a process
@@ -478,13 +477,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="variant labels to run (default: all)")
     parser.add_argument("--device", default="cuda:0", help="cpu: a dry run of the flow")
     parser.add_argument("--pool-pages", type=int, default=POOL_PAGES)
+    add_site_arg(parser)
     args = parser.parse_args()
     if args.carry:
-        import mooncake_wheels
-
-        env = mooncake_wheels.install(args.carry, Path("/tmp/site"))
-        os.environ.update(env)  # for the spawned engines
-        sys.path.insert(0, "/tmp/site")
+        site = site_dir(args.site)
+        use_site(site, mooncake_wheels.install(args.carry, site))  # the spawned engines too
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     info = {"date (UTC)": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), **versions()}
     if args.carry:

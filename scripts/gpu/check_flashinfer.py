@@ -1,8 +1,9 @@
 """The FlashInfer attention backend on one GPU: correctness against torch-native, then its figures
 beside the Triton backend's and torch-native's, as a markdown table.
 
-    python3 scripts/gpu/flashinfer_wheels.py install .flashinfer && export PYTHONPATH=/tmp/site
-    PYTHONUNBUFFERED=1 python3 scripts/gpu/check_flashinfer.py --out "$OUT"
+    python3 -m scripts.gpu.flashinfer_wheels install .flashinfer --site DIR
+    export PYTHONPATH=DIR
+    PYTHONUNBUFFERED=1 python3 -m scripts.gpu.check_flashinfer --out "$OUT"
 
 (`flashinfer_wheels.py pack .flashinfer` here first: the GPU host has no package index.)
 run_all.py calls `flashinfer_checks` and `flashinfer_figures` when flashinfer imports. Steps:
@@ -23,8 +24,6 @@ run_all.py calls `flashinfer_checks` and `flashinfer_figures` when flashinfer im
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 import time
 import traceback
@@ -36,10 +35,12 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import run_all
-from run_all import (
+from engine.attention import attention_backend_class
+from engine.attention.torch_native import TorchNativeBackend
+from engine.cuda_graph import DecodeGraphRunner
+from engine.memory.kv_cache import KVLayout, PagedKVCache
+from scripts.gpu import run_all
+from scripts.gpu.run_all import (
     BF16_REL_TOL,
     LLAMA3_8B,
     Report,
@@ -51,11 +52,6 @@ from run_all import (
     rel_err,
     write_small_llama,
 )
-
-from engine.attention import attention_backend_class
-from engine.attention.torch_native import TorchNativeBackend
-from engine.cuda_graph import DecodeGraphRunner
-from engine.memory.kv_cache import KVLayout, PagedKVCache
 
 ALL_BACKENDS = ("flashinfer", "triton", "torch_native")
 # The logits are bf16: near the top of this model's range (2..4) one rounding step is 2^-6 =
@@ -115,8 +111,8 @@ def check_model_logits(rep: Report) -> None:
     prompts = [torch.randint(0, LLAMA3_8B.vocab_size, (n,), device="cuda", generator=gen)
                for n in (700, 300)]  # fmt: skip
     decode_ids: list[torch.Tensor] = []
-    ref = run_all._model_logits(model, TorchNativeBackend, prompts, decode_ids, unfused=False)
-    out = run_all._model_logits(
+    ref = run_all.model_logits(model, TorchNativeBackend, prompts, decode_ids, unfused=False)
+    out = run_all.model_logits(
         model, attention_backend_class("flashinfer"), prompts, decode_ids, unfused=False
     )
     errs = [rel_err(o, r) for r, o in zip(ref, out, strict=True)]
@@ -261,10 +257,10 @@ def bench_decode(rep: Report, model, copy_bw, batches, context, names: tuple[str
         ceiling = f"roofline {floor_ms:.2f} ms ({floor_bytes / 1e9:.1f} GB)"
         graphable = tuple(n for n in names if n != "torch_native")  # run_all times it eager
         for name, cls in backend_variants(graphable, decode=True).items():
-            eager = run_all._step_fn(model, cls(setup.cache, setup.pool), setup.pool, ids, bs,
+            eager = run_all.step_fn(model, cls(setup.cache, setup.pool), setup.pool, ids, bs,
                                      context)  # fmt: skip
             graphs = DecodeGraphRunner(model, c.max_position_embeddings, pad_slot=0, buckets=(bs,))
-            graphed = run_all._step_fn(model, cls(setup.cache, setup.pool), setup.pool, ids, bs,
+            graphed = run_all.step_fn(model, cls(setup.cache, setup.pool), setup.pool, ids, bs,
                                        context, graphs)  # fmt: skip
             graphed()  # captures
             variants = {"eager": eager, "CUDA graph": graphed,
@@ -287,7 +283,7 @@ def bench_prefill(rep: Report, model, matmul: float, chunks, names: tuple[str, .
             setup = paged_setup(kv_layout(), [0], [n], slack_pages=1, random_kv=False)
             ids = torch.randint(0, LLAMA3_8B.vocab_size, (n,), device="cuda")
             backend = attention_backend_class(name)(setup.cache, setup.pool)
-            step = partial(run_all._forward, model, backend, setup.pool, ids, [0], [n])
+            step = partial(run_all.forward, model, backend, setup.pool, ids, [0], [n])
             ms = cuda_time_ms(step, warmup=2, repeats=5)
             rep.row(f"prefill {name}, one {n}-token chunk",
                     f"{ms:.1f} ms, {n / ms * 1e3:,.0f} tok/s, {flops / ms / 1e9:.0f} TFLOP/s",
@@ -370,10 +366,7 @@ def main() -> None:
     text = run_all.markdown(env, rep).replace(
         "# GPU figures:", "# GPU figures, FlashInfer backend beside Triton and torch-native:"
     )
-    name = f"gpu-{env['date (UTC)'][:10]}-flashinfer-{env['GPU'].split()[1].lower()}"
-    (args.out / f"{name}.md").write_text(text)
-    (args.out / f"{name}.json").write_text(json.dumps({"env": env, **rep.raw}, indent=1))
-    print(text, flush=True)
+    run_all.write_report(args.out, "flashinfer", text, env, rep)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
 """Prefill/decode disaggregation on one GPU: greedy output through P->D equals a colocated
 decode node, token for token, and neither node keeps a page afterwards.
 
-    python3 scripts/gpu/mooncake_wheels.py pack .mooncake/carry         # here, once
+    python3 -m scripts.gpu.mooncake_wheels pack .mooncake/carry         # here, once
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_17_x86_64 --platform any \
         -d .mooncake/pdwheels grpcio==1.85.1 protobuf==7.36.2              # here, once
     # on the GPU host (the device call carries both folders):
-    python3 scripts/gpu/check_pd.py --carry .mooncake/carry --wheels .mooncake/pdwheels \
+    python3 -m scripts.gpu.check_pd --carry .mooncake/carry --wheels .mooncake/pdwheels \
         --out "$OUT"
 
 A bootstrap-server, a prefill-server and a decode-server run as real processes on 127.0.0.1
-(tests/node_harness.py starts them exactly as an operator would), both nodes on the same GPU
+(gateway/launcher.py starts them exactly as an operator would), both nodes on the same GPU
 (`--device cuda`, KV pool in GPU memory, Triton attention, the default overlap scheduling) with
 a small fp32 dummy-weight Llama, so a difference is a bug and not rounding. Each transfer
 backend gets its own trio: NIXL (UCX: cuda_ipc between the two processes) and Mooncake (its CUDA
@@ -23,8 +23,9 @@ Afterwards both nodes must be idle with no page in use (CheckIntegrity).
 
 The GPU image has grpcio and protobuf, but older than the committed stubs need, so the run
 carries grpcio 1.85.1 and protobuf 7.36.2 wheels beside the NIXL / Mooncake ones
-(scripts/gpu/mooncake_wheels.py); `--carry`/`--wheels` unpack them into /tmp/site, which the
-node processes get first on their PYTHONPATH. Also callable from run_all.py (`pd_checks`).
+(scripts/gpu/mooncake_wheels.py); `--carry`/`--wheels` unpack them into `--site DIR`
+(scripts/gpu/environment.py), which the node processes get first on their PYTHONPATH. Also
+callable from run_all.py (`pd_checks`).
 `--device cpu` runs the same flow on the CPU (torch-native attention), for a dry run here.
 """
 
@@ -39,20 +40,22 @@ import sys
 import tempfile
 import time
 import traceback
-import zipfile
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-SITE = Path("/tmp/site")
-SCRIPTS = {
-    "bootstrap-server": "bootstrap.server",
-    "prefill-server": "prefill_node.server",
-    "decode-server": "decode_node.server",
-}
+from scripts.gpu import mooncake_wheels
+from scripts.gpu.environment import (
+    REPO_ROOT,
+    add_site_arg,
+    console_wrappers,
+    site_dir,
+    unpack_wheels,
+    use_site,
+)
+
 LENGTHS = (5, 37, 128, 255, 256, 300, 513, 900)  # chunked-prefill size 256: the last 3 chunk
 MAX_NEW = 24
 CHUNK = 256
@@ -93,29 +96,17 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def install(carry: Path | None, wheels: Path | None) -> None:
-    """Unpack the carried wheels into SITE and put it first on this process's and the nodes'
+def install(carry: Path | None, wheels: Path | None, site: Path | None) -> None:
+    """Unpack the carried wheels into `site` and put it first on this process's and the nodes'
     import path (before anything imports grpc or the stubs)."""
-    env: dict[str, str] = {}
-    if carry is not None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import mooncake_wheels
-
-        env = mooncake_wheels.install(carry, SITE)
+    if carry is None and wheels is None:
+        use_site(None)
+        return
+    site = site_dir(site)
+    env = mooncake_wheels.install(carry, site) if carry is not None else {}
     if wheels is not None:
-        SITE.mkdir(parents=True, exist_ok=True)
-        for wheel in sorted(wheels.glob("*.whl")):
-            with zipfile.ZipFile(wheel) as z:
-                z.extractall(SITE)
-        for so in SITE.rglob("*.so*"):
-            so.chmod(0o755)  # zipfile drops the mode bits
-    os.environ.update(env)
-    paths = [str(SITE)] if carry is not None or wheels is not None else []
-    paths += [str(ROOT), os.environ.get("PYTHONPATH", "")]
-    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
-    for p in reversed(paths[:2]):
-        if p and p not in sys.path:
-            sys.path.insert(0, p)
+        unpack_wheels(wheels, site)
+    use_site(site, env)
 
 
 def versions() -> dict[str, str]:
@@ -138,18 +129,6 @@ def versions() -> dict[str, str]:
     return found
 
 
-def wrappers(bin_dir: Path) -> dict[str, Path]:
-    """Console scripts for this interpreter: the GPU image has the project only as a checkout."""
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    found = {}
-    for name, module in SCRIPTS.items():
-        path = bin_dir / name
-        path.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
-        path.chmod(0o755)
-        found[name] = path
-    return found
-
-
 def prompts() -> list[list[int]]:
     import torch
 
@@ -157,67 +136,34 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, MODEL["vocab_size"], (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-@dataclass
-class Trio:
-    nodes: dict[str, Any]  # name -> tests.node_harness.NodeServer
-    ids: dict[str, str]
-
-
 @contextmanager
-def trio(workdir: Path, backend: str, device: str) -> Iterator[Trio]:
-    from proto import node_pb2
-    from tests.node_harness import running_node
-    from tests.pd_cluster import bootstrap_ready, registered
+def trio(workdir: Path, backend: str, device: str) -> Iterator[Any]:
+    """gateway/launcher.py's PD trio on this host: yields a `PDTrio`."""
+    from gateway.launcher import pd_trio
 
-    bins = wrappers(workdir / "bin")
+    bins = console_wrappers(workdir / "bin")
     env = {"UCX_NET_DEVICES": "lo", "MC_LOG_LEVEL": "ERROR", **BACKENDS[backend]}
     model = workdir / "model"
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps(MODEL))
     backend_args = ["--attention-backend", "triton"] if device.startswith("cuda") else []
-    common = ["--model", str(model), "--load-format", "dummy", "--dtype", "float32",
-              "--device", device, "--page-size", "16", "--max-total-tokens", "16384",
-              "--chunked-prefill-size", str(CHUNK), "--max-running-requests", "16",
-              *backend_args, "--transfer-backend", backend]  # fmt: skip
-    logs = workdir / backend
-    with ExitStack() as stack:
-        boot = stack.enter_context(running_node(
-            str(bins["bootstrap-server"]), [], logs / "bootstrap.log", env=env,
-            probe=bootstrap_ready,
-        ))  # fmt: skip
-        common += ["--bootstrap", boot.address]
-        prefill = stack.enter_context(running_node(
-            str(bins["prefill-server"]), common, logs / "prefill.log", env=env,
-            probe=registered, ready_timeout=300,
-        ))  # fmt: skip
-        decode = stack.enter_context(running_node(
-            str(bins["decode-server"]), ["--mode", "disaggregated", *common, *DECODE_ARGS],
-            logs / "decode.log", env=env, probe=registered, ready_timeout=300,
-        ))  # fmt: skip
-        ids = {
-            name: node.stub.Health(node_pb2.HealthRequest(), timeout=5).node_id
-            for name, node in (("prefill", prefill), ("decode", decode))
-        }
-        yield Trio({"bootstrap": boot, "prefill": prefill, "decode": decode}, ids)
+    node_args = ["--load-format", "dummy", "--dtype", "float32",
+                 "--device", device, "--page-size", "16", "--max-total-tokens", "16384",
+                 "--chunked-prefill-size", str(CHUNK), "--max-running-requests", "16",
+                 *backend_args]  # fmt: skip
+    with pd_trio(workdir / backend, model, backend, node_args, decode_args=DECODE_ARGS, env=env,
+                 ready_timeout=300, scripts=bins) as t:  # fmt: skip
+        yield t
 
 
-async def _generate(t: Trio, batch: list[list[int]], pd: bool, together: bool) -> list[Any]:
-    import grpc
-
-    from gateway.pd_client import NodeTarget, pd_generate
-    from proto import node_pb2, node_pb2_grpc
+async def _generate(t: Any, batch: list[list[int]], pd: bool, together: bool) -> list[Any]:
+    from proto import node_pb2
 
     sampling = node_pb2.SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    async with (
-        grpc.aio.insecure_channel(t.nodes["decode"].address) as d_chan,
-        grpc.aio.insecure_channel(t.nodes["prefill"].address) as p_chan,
-    ):
-        decode = NodeTarget(t.ids["decode"], node_pb2_grpc.NodeStub(d_chan))
-        prefill = NodeTarget(t.ids["prefill"], node_pb2_grpc.NodeStub(p_chan)) if pd else None
-        if together:
-            return list(await asyncio.gather(*(pd_generate(decode, prefill, p, sampling)
-                                               for p in batch)))  # fmt: skip
-        return [await pd_generate(decode, prefill, p, sampling) for p in batch]
+    if together:
+        return list(await asyncio.gather(*(t.generate_async(p, sampling, through_prefill=pd)
+                                           for p in batch)))  # fmt: skip
+    return [await t.generate_async(p, sampling, through_prefill=pd) for p in batch]
 
 
 def _compare(name: str, got: list[Any], ref: list[list[int]], pd: bool) -> Check:
@@ -264,7 +210,7 @@ def check_backend(workdir: Path, backend: str, device: str) -> list[Check]:
             log(f"{check.name}: {'PASS' if check.ok else 'FAIL'} ({check.detail})")
         for name in ("prefill", "decode"):
             try:
-                report = t.nodes[name].wait_idle(timeout=60)
+                report = getattr(t, name).wait_idle(timeout=60)
                 ok = bool(report.ok) and report.used_pages == 0
                 detail = f"used pages {report.used_pages}; {report.error or 'integrity ok'}"
             except AssertionError as exc:
@@ -303,11 +249,11 @@ def available(backends: list[str]) -> tuple[list[str], list[str]]:
 
 
 def pd_checks(rep: Any, section: Callable[[str, Callable[[], object]], None],
-              carry: Path | None, wheels: Path | None) -> None:  # fmt: skip
+              carry: Path | None, wheels: Path | None, site: Path | None) -> None:  # fmt: skip
     """run_all.py's hook: PASS/FAIL rows of this check into its correctness table."""
 
     def body() -> None:
-        install(carry, wheels)
+        install(carry, wheels, site)
         backends, missing = available(list(BACKENDS))
         for line in missing:
             rep.row(f"PD greedy on one GPU, {line.split(':')[0]}", line.split(": ", 1)[1])
@@ -332,14 +278,15 @@ def markdown(res: Result, missing: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--carry", type=Path, help="folder from mooncake_wheels.py pack")
+    parser.add_argument("--carry", type=Path, help="folder from scripts.gpu.mooncake_wheels pack")
     parser.add_argument("--wheels", type=Path, help="folder of grpcio / protobuf wheels")
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the flow")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    add_site_arg(parser)
     args = parser.parse_args()
-    install(args.carry, args.wheels)
-    os.chdir(ROOT)
+    install(args.carry, args.wheels, args.site)
+    os.chdir(REPO_ROOT)
     backends, missing = available(args.backends)
     workdir = Path(tempfile.mkdtemp(prefix="check_pd-"))
     res = run(args.device, backends, workdir)

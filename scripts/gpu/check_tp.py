@@ -1,6 +1,6 @@
 """Tensor parallelism on GPUs (NCCL): greedy output of TP=1 and TP=2 equals HF transformers.
 
-    PYTHONUNBUFFERED=1 python3 scripts/gpu/check_tp.py
+    PYTHONUNBUFFERED=1 python3 -m scripts.gpu.check_tp
 
 Needs 2 GPUs, torch and transformers (the GPU image has both). The model is a random-weight
 Llama with SmolLM2-135M's head shape (9 query heads, 3 KV heads of 64 dims: TP=2 splits the KV
@@ -12,17 +12,16 @@ the NCCL path is exercised by nothing but this script; CPU TP (gloo) is tested i
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from engine import LLM, SamplingParams
-from tests.reference import hf_greedy
+from scripts.gpu.environment import gpu_defaults
+from scripts.tiny_models import hf_greedy
 
 
 def tiny_model(path: Path) -> Path:
@@ -44,6 +43,8 @@ def tiny_model(path: Path) -> Path:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
+    gpu_defaults()  # before the ranks start: they inherit it
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     print("GPUs:", torch.cuda.device_count())

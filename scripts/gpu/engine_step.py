@@ -2,7 +2,7 @@
 for a Llama-3-8B-shaped model on one GPU, with and without overlap scheduling (engine/overlap.py),
 and greedy equality of the two modes.
 
-    python3 scripts/gpu/engine_step.py [--batches 16,64,256] [--context 1024] [--steps 64] \
+    python3 -m scripts.gpu.engine_step [--batches 16,64,256] [--context 1024] [--steps 64] \
         [--out table.md] [--profile]
 
 One offline engine (Triton backend, bf16 dummy weights, prefix cache off, CUDA graphs) and two
@@ -28,14 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine import LLM, SamplingParams
 from engine.overlap import OverlapScheduler

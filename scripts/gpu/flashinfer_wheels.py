@@ -1,7 +1,7 @@
 """Bring flashinfer to a GPU host that has no package index.
 
-    python3 scripts/gpu/flashinfer_wheels.py pack .flashinfer        # here: download and prune
-    python3 scripts/gpu/flashinfer_wheels.py install .flashinfer     # there: prints PYTHONPATH
+    python3 -m scripts.gpu.flashinfer_wheels pack .flashinfer                # here: download, prune
+    python3 -m scripts.gpu.flashinfer_wheels install .flashinfer --site DIR  # there: prints DIR
 
 `pack` downloads flashinfer-python (pure Python plus the CUDA sources it compiles on first use)
 and apache-tvm-ffi (its binding layer; the only import-time need the GPU image lacks: torch,
@@ -10,18 +10,20 @@ numpy, einops, tabulate, click, nvidia-ml-py, ninja and nvcc are there). The fla
 the C++ that the JIT of the paged attention kernels reads (flashinfer's headers, CUTLASS, CCCL,
 spdlog and the top-level sources of data/csrc), dropping the model-specific kernel trees: ~26 MB.
 
-`install` unpacks into a private site directory (/tmp/site by default) and also places any
+`install` unpacks into a private site directory (`--site DIR`, by default a new temporary
+folder: scripts/gpu/environment.py) and also places any
 compiled modules found under DIR/aot/NAME.so where flashinfer looks for prebuilt ones
 (flashinfer/data/aot/NAME/NAME.so), so a later call need not compile them again.
 """
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from scripts.gpu.environment import unpack_wheels, wheels_main
 
 FLASHINFER = "flashinfer-python==0.7.2.post1"
 TVM_FFI = "apache-tvm-ffi==0.1.15.post2"
@@ -71,8 +73,7 @@ def pack(out: Path) -> None:
 
 def install(src: Path, site: Path) -> None:
     site.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(src / PRUNED_ZIP) as z:
-        z.extractall(site)
+    unpack_wheels(src, site, PRUNED_ZIP)
     (tvm,) = src.glob("apache_tvm_ffi-*.whl")
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
     subprocess.run([*pip, "--no-compile", "--upgrade", "--target", str(site), str(tvm)], check=True)
@@ -84,17 +85,5 @@ def install(src: Path, site: Path) -> None:
     print(site)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("action", choices=["pack", "install"])
-    parser.add_argument("dir", type=Path)
-    parser.add_argument("--site", type=Path, default=Path("/tmp/site"))
-    args = parser.parse_args()
-    if args.action == "pack":
-        pack(args.dir)
-    else:
-        install(args.dir, args.site)
-
-
 if __name__ == "__main__":
-    main()
+    wheels_main(__doc__, pack, install)

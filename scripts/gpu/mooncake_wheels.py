@@ -1,7 +1,7 @@
 """Bring Mooncake's CUDA build (and NIXL) to a GPU host that has no package index.
 
-    python3 scripts/gpu/mooncake_wheels.py pack .mooncake      # here: download, prune, fetch .debs
-    python3 scripts/gpu/mooncake_wheels.py install .mooncake   # there: prints the environment
+    python3 -m scripts.gpu.mooncake_wheels pack .mooncake                  # here: download, prune
+    python3 -m scripts.gpu.mooncake_wheels install .mooncake --site DIR    # there: prints the env
 
 `pack` downloads `mooncake-transfer-engine-cuda13` (the CUDA 13 build, as the GPU image's torch
 is cu130; 49.7 MB, with the store, EP and process-group modules and their binaries) and keeps
@@ -12,19 +12,21 @@ half the wheel and the agent never loads them), so both fit in one device call.
 
 The engine links system libraries that a CUDA image need not have: libibverbs.so.1 and
 libmlx5.so.1 (even without an RDMA device), libnuma.so.1 and libcurl.so.4. `pack` fetches their
-Debian packages; `install` unpacks them outside `/` and links into one folder only the sonames
-the host's loader cannot find, so a host library is never shadowed. libcudart.so.13 comes from
+Debian packages; `install` unpacks them under the site folder (never into `/`) and links into
+one folder there only the sonames the host's loader cannot find, so a host library is never
+shadowed. libcudart.so.13 comes from
 the image's `nvidia-cuda-runtime` (torch's own), libcuda.so.1 from the driver.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from scripts.gpu.environment import unpack_wheels, wheels_main
 
 MOONCAKE = "mooncake-transfer-engine-cuda13==0.3.14"
 NIXL = ("nixl==1.5.1", "nixl-cu13==1.5.1")
@@ -44,8 +46,6 @@ DEBS = (
 )  # fmt: skip
 MOONCAKE_FILES = ("engine.so", "libasio.so", "libetcd_wrapper.so")
 MOONCAKE_LIBS = ("libyaml-cpp-", "libjsoncpp-", "libglog-", "libgflags-")
-DEB_ROOT = Path("/tmp/mooncake-debs")
-LIB_DIR = Path("/tmp/mooncake-libs")
 CUDA_LIBS = "nvidia/cu13/lib"  # libcudart.so.13 of the image's nvidia-cuda-runtime (torch's)
 
 
@@ -99,9 +99,7 @@ def _loader_knows() -> set[str]:
     return {line.split()[0] for line in listing.splitlines()[1:] if line.strip()}
 
 
-def link_missing_libraries(
-    deb_dir: Path, deb_root: Path = DEB_ROOT, lib_dir: Path = LIB_DIR
-) -> list[str]:
+def link_missing_libraries(deb_dir: Path, deb_root: Path, lib_dir: Path) -> list[str]:
     """Unpack every .deb under `deb_root` and link into `lib_dir` each versioned soname
     (lib*.so.N) that the host's loader does not know; returns the linked names."""
     deb_root.mkdir(parents=True, exist_ok=True)
@@ -122,21 +120,16 @@ def link_missing_libraries(
 
 
 def install(src: Path, site: Path) -> dict[str, str]:
-    """Unpack the pruned wheels into `site`, the missing system libraries into LIB_DIR; returns
-    the environment a process that imports `mooncake.engine` needs (set it before it starts)."""
-    site.mkdir(parents=True, exist_ok=True)
-    for pruned in sorted(src.glob("*-pruned.zip")):
-        with zipfile.ZipFile(pruned) as z:
-            z.extractall(site)
-    for wheel in sorted(src.glob("*.whl")):
-        with zipfile.ZipFile(wheel) as z:
-            z.extractall(site)
-    for so in site.rglob("*.so*"):
-        so.chmod(0o755)  # zipfile drops the mode bits
-    linked = link_missing_libraries(src / "deb")
+    """Unpack the pruned wheels into `site`, the missing system libraries into `site/libs`;
+    returns the environment a process that imports `mooncake.engine` needs (set it before it
+    starts)."""
+    unpack_wheels(src, site, "*-pruned.zip")
+    unpack_wheels(src, site, "*.whl")
+    lib_dir = site / "libs"
+    linked = link_missing_libraries(src / "deb", site / "debs", lib_dir)
     print(f"installed into {site}; system libraries linked from .debs: {linked or 'none'}")
     cuda_libs = sorted({str(p) for entry in sys.path for p in Path(entry or ".").glob(CUDA_LIBS)})
-    paths = [str(LIB_DIR), *cuda_libs, os.environ.get("LD_LIBRARY_PATH", "")]
+    paths = [str(lib_dir), *cuda_libs, os.environ.get("LD_LIBRARY_PATH", "")]
     env = {
         "PYTHONPATH": os.pathsep.join(
             p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p
@@ -158,18 +151,10 @@ def _unresolved(library: Path, env: dict[str, str]) -> list[str]:
     return [line.split()[0] for line in out.splitlines() if "not found" in line]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("action", choices=["pack", "install"])
-    parser.add_argument("dir", type=Path)
-    parser.add_argument("--site", type=Path, default=Path("/tmp/site"))
-    args = parser.parse_args()
-    if args.action == "pack":
-        pack(args.dir)
-    else:
-        for key, value in install(args.dir, args.site).items():
-            print(f"export {key}={value}")
+def install_and_print(src: Path, site: Path) -> None:
+    for key, value in install(src, site).items():
+        print(f"export {key}={value}")
 
 
 if __name__ == "__main__":
-    main()
+    wheels_main(__doc__, pack, install_and_print)

@@ -1,6 +1,6 @@
 """Where a decode or prefill step of the Llama-3-8B-shaped model spends GPU time, by kernel.
 
-    python3 scripts/gpu/profile_step.py --decode 1,64 --prefill 4096
+    python3 -m scripts.gpu.profile_step --decode 1,64 --prefill 4096
 
 Runs eager steps (kernel times do not depend on launch gaps) under torch.profiler and prints the
 kernels sorted by their total GPU time, per step.
@@ -9,19 +9,15 @@ kernels sorted by their total GPU time, per step.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from run_all import (
+from scripts.gpu.run_all import (
     LLAMA3_8B,
     TritonBackend,
-    _forward,
     build_dummy_model,
+    forward,
     kv_layout,
     paged_setup,
 )
@@ -34,11 +30,11 @@ def profile_step(model, prefix_lens: list[int], extend_lens: list[int], label: s
     backend = TritonBackend(setup.cache, setup.pool)
     ids = torch.randint(0, LLAMA3_8B.vocab_size, (sum(extend_lens),), device="cuda")
     for _ in range(2):
-        _forward(model, backend, setup.pool, ids, prefix_lens, extend_lens)
+        forward(model, backend, setup.pool, ids, prefix_lens, extend_lens)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(STEPS):
-            _forward(model, backend, setup.pool, ids, prefix_lens, extend_lens)
+            forward(model, backend, setup.pool, ids, prefix_lens, extend_lens)
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: e.device_time_total, reverse=True)

@@ -1,7 +1,7 @@
 """One GPU run: correctness of the GPU attention backends, then the engine's figures against the
 ceilings measured in the same run on the same GPU, as a markdown table.
 
-    PYTHONUNBUFFERED=1 python3 scripts/gpu/run_all.py --out "$OUT"
+    PYTHONUNBUFFERED=1 python3 -m scripts.gpu.run_all --out "$OUT"
 
 Needs torch with CUDA and Triton, nothing else (the GPU image has both). Steps:
 1. ceilings: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate
@@ -47,17 +47,15 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from engine.attention.torch_native import TorchNativeBackend  # noqa: E402
-from engine.attention.triton_backend import TritonBackend  # noqa: E402
-from engine.cuda_graph import DecodeGraphRunner  # noqa: E402
-from engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from engine.memory.kv_cache import KVLayout, PagedKVCache, ReqToTokenPool  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.models import build_model  # noqa: E402
-from engine.models import elementwise as ew  # noqa: E402
+from engine.attention.torch_native import TorchNativeBackend
+from engine.attention.triton_backend import TritonBackend
+from engine.cuda_graph import DecodeGraphRunner
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.memory.kv_cache import KVLayout, PagedKVCache, ReqToTokenPool
+from engine.model_config import ModelConfig
+from engine.models import build_model
+from engine.models import elementwise as ew
+from scripts.gpu.environment import add_site_arg
 
 LLAMA3_8B = ModelConfig(
     architecture="LlamaForCausalLM",
@@ -119,7 +117,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # ---- ceilings ---------------------------------------------------------------------------------
-def _copy_ms() -> tuple[float, int]:
+def copy_ms() -> tuple[float, int]:
     src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
     dst = torch.empty_like(src)
     return cuda_time_ms(lambda: dst.copy_(src), warmup=3, repeats=20), 2 * src.nbytes
@@ -132,7 +130,7 @@ def _matmul_ms(n: int) -> float:
 
 
 def measure_ceilings(rep: Report) -> tuple[float, float]:
-    ms, moved = _copy_ms()
+    ms, moved = copy_ms()
     copy_bw = moved / (ms * 1e-3)
     n = 8192
     matmul = 2 * n**3 / (_matmul_ms(n) * 1e-3)
@@ -371,7 +369,7 @@ def check_model(rep: Report, model: torch.nn.Module, gate: bool) -> None:
     prompts = [torch.randint(0, LLAMA3_8B.vocab_size, (n,), device="cuda", generator=gen)
                for n in (700, 300)]  # fmt: skip
     decode_ids: list[torch.Tensor] = []  # the reference's greedy picks, fed to every variant
-    ref = _model_logits(model, TorchNativeBackend, prompts, decode_ids, unfused=True)
+    ref = model_logits(model, TorchNativeBackend, prompts, decode_ids, unfused=True)
     variants = {
         "triton backend + fused elementwise vs torch_native + torch elementwise": (
             TritonBackend, False),
@@ -379,7 +377,7 @@ def check_model(rep: Report, model: torch.nn.Module, gate: bool) -> None:
             TorchNativeBackend, False),
     }  # fmt: skip
     for what, (cls, unfused) in variants.items():
-        out = _model_logits(model, cls, prompts, decode_ids, unfused=unfused)
+        out = model_logits(model, cls, prompts, decode_ids, unfused=unfused)
         errs = [rel_err(o, r) for r, o in zip(ref, out, strict=True)]
         picks = [bool((o.argmax(-1) == r.argmax(-1)).all()) for r, o in zip(ref, out, strict=True)]
         finite = all(bool(torch.isfinite(t).all()) for t in out)
@@ -392,7 +390,7 @@ def check_model(rep: Report, model: torch.nn.Module, gate: bool) -> None:
                     f"same greedy pick in {sum(picks)}/{len(picks)} steps")  # fmt: skip
 
 
-def _model_logits(model, cls, prompts, decode_ids: list[torch.Tensor], unfused: bool):
+def model_logits(model, cls, prompts, decode_ids: list[torch.Tensor], unfused: bool):
     """Logits of 2 chunked-prefill steps and 8 decode steps; the decode inputs are appended to
     `decode_ids` (greedy picks) on the first call and reused by later ones."""
     layout = replace(kv_layout(), num_layers=len(model.layers))
@@ -403,17 +401,17 @@ def _model_logits(model, cls, prompts, decode_ids: list[torch.Tensor], unfused: 
     with ew.torch_elementwise() if unfused else contextlib.nullcontext():
         for prefix, ext in chunks:
             ids = torch.cat([p[s : s + n] for p, s, n in zip(prompts, prefix, ext, strict=True)])
-            steps.append(_forward(model, backend, setup.pool, ids, prefix, ext))
+            steps.append(forward(model, backend, setup.pool, ids, prefix, ext))
         seq = [700, 300]
         for i in range(8):
             if len(decode_ids) <= i:
                 decode_ids.append(steps[-1].argmax(-1))
-            steps.append(_forward(model, backend, setup.pool, decode_ids[i], seq, [1, 1]))
+            steps.append(forward(model, backend, setup.pool, decode_ids[i], seq, [1, 1]))
             seq = [s + 1 for s in seq]
     return steps
 
 
-def _forward(model, backend, pool, ids, prefix_lens, extend_lens, graphs=None) -> torch.Tensor:
+def forward(model, backend, pool, ids, prefix_lens, extend_lens, graphs=None) -> torch.Tensor:
     batch = make_batch(backend, pool, ids, prefix_lens, extend_lens)
     with torch.inference_mode():
         if graphs is not None:
@@ -459,7 +457,7 @@ def bench_decode(rep: Report, model, copy_bw: float, batches: list[int], context
                 continue  # its padded gather copies the whole context per layer: minutes here
             cls = TritonBackend if name == "triton" else TorchNativeBackend
             backend = cls(setup.cache, setup.pool)
-            step = _step_fn(model, backend, setup.pool, ids, bs, context)
+            step = step_fn(model, backend, setup.pool, ids, bs, context)
             ms = cuda_time_ms(step)
             rep.row(f"decode {name} eager, batch {bs}, ctx {context}", f"{ms:.2f} ms/step",
                     ceiling, floor_ms / ms)  # fmt: skip
@@ -467,7 +465,7 @@ def bench_decode(rep: Report, model, copy_bw: float, batches: list[int], context
         for unfused in (True, False):  # the fused one last: its graph is timed alone below
             backend = TritonBackend(setup.cache, setup.pool)
             graphs = DecodeGraphRunner(model, c.max_position_embeddings, pad_slot=0, buckets=(bs,))
-            step = _step_fn(model, backend, setup.pool, ids, bs, context, graphs)
+            step = step_fn(model, backend, setup.pool, ids, bs, context, graphs)
             with ew.torch_elementwise() if unfused else contextlib.nullcontext():
                 step()  # captures the graph with this elementwise path
             ms = cuda_time_ms(step)
@@ -485,11 +483,11 @@ def bench_decode(rep: Report, model, copy_bw: float, batches: list[int], context
         torch.cuda.empty_cache()
 
 
-def _step_fn(model, backend, pool, ids, bs, context, graphs=None) -> Callable[[], object]:
+def step_fn(model, backend, pool, ids, bs, context, graphs=None) -> Callable[[], object]:
     """One decode step (metadata built on the host each time, as the engine does)."""
 
     def step() -> object:
-        return _forward(model, backend, pool, ids, [context - 1] * bs, [1] * bs, graphs)
+        return forward(model, backend, pool, ids, [context - 1] * bs, [1] * bs, graphs)
 
     return step
 
@@ -528,7 +526,7 @@ def _prefill_ms(model, name: str, n: int) -> float:
     cls = TritonBackend if name == "triton" else TorchNativeBackend
     backend = cls(setup.cache, setup.pool)
     return cuda_time_ms(
-        lambda: _forward(model, backend, setup.pool, ids, [0], [n]), warmup=2, repeats=5
+        lambda: forward(model, backend, setup.pool, ids, [0], [n]), warmup=2, repeats=5
     )
 
 
@@ -588,6 +586,16 @@ def markdown(env: dict[str, str], rep: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(out: Path, tag: str, text: str, env: dict[str, str], rep: Report) -> None:
+    """gpu-<date>[-<tag>]-<gpu>.md and .json into `out`, the table onto stdout."""
+    name = "-".join(
+        p for p in ("gpu", env["date (UTC)"][:10], tag, env["GPU"].split()[1].lower()) if p
+    )
+    (out / f"{name}.md").write_text(text)
+    (out / f"{name}.json").write_text(json.dumps({"env": env, **rep.raw}, indent=1))
+    print(text, flush=True)
+
+
 def flashinfer_module(rep: Report) -> Any:
     """check_flashinfer when flashinfer imports (the `gpu` extra, carried as wheels: see
     scripts/gpu/flashinfer_wheels.py); otherwise a row saying why its backend was not run."""
@@ -597,7 +605,7 @@ def flashinfer_module(rep: Report) -> Any:
         rep.row("flashinfer backend", "not run: flashinfer-python not installed "
                 "(scripts/gpu/flashinfer_wheels.py)")  # fmt: skip
         return None
-    import check_flashinfer
+    from scripts.gpu import check_flashinfer
 
     return check_flashinfer
 
@@ -610,6 +618,7 @@ def main() -> None:
     parser.add_argument("--chunks", default="1024,4096,8192")
     parser.add_argument("--pd-carry", type=Path, help="check_pd.py's --carry folder")
     parser.add_argument("--pd-wheels", type=Path, help="check_pd.py's --wheels folder")
+    add_site_arg(parser)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
@@ -630,9 +639,9 @@ def main() -> None:
     section("engine check", lambda: check_engine(rep, Path(tempfile.mkdtemp())))
     section("model check", lambda: check_model(rep, build_dummy_model(2), gate=True))
     if args.pd_carry is not None:
-        import check_pd
+        from scripts.gpu import check_pd
 
-        check_pd.pd_checks(rep, section, args.pd_carry, args.pd_wheels)
+        check_pd.pd_checks(rep, section, args.pd_carry, args.pd_wheels, args.site)
     else:
         rep.row("PD greedy on one GPU (check_pd.py)", "not run: no --pd-carry")
     flashinfer = flashinfer_module(rep)
@@ -655,11 +664,7 @@ def main() -> None:
         section("kv transfer", lambda: bench_kv_transfer(rep))
     else:
         rep.errors.append("correctness checks failed or did not run: no figures measured")
-    text = markdown(env, rep)
-    name = f"gpu-{env['date (UTC)'][:10]}-{env['GPU'].split()[1].lower()}"
-    (args.out / f"{name}.md").write_text(text)
-    (args.out / f"{name}.json").write_text(json.dumps({"env": env, **rep.raw}, indent=1))
-    print(text, flush=True)
+    write_report(args.out, "", markdown(env, rep), env, rep)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Launch settings of the Triton attention kernels, timed one layer at a time on Llama-3-8B shapes.
 
-    python3 scripts/gpu/tune_attention.py [--extend-only]
+    python3 -m scripts.gpu.tune_attention [--extend-only]
 
 Decode: batch 1/16/64/256 at context 1k; GB/s = K+V bytes read / kernel time, against the copy
 bandwidth measured here. Extend: one fresh 4k-token prompt; TFLOP/s of causal attention, against
@@ -9,21 +9,17 @@ torch's SDPA on contiguous tensors. Prints one line per variant, best first per 
 
 from __future__ import annotations
 
+import argparse
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton  # type: ignore[import-untyped]
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from run_all import _copy_ms, kv_layout, paged_setup
-
 from engine.attention import triton_kernels
 from engine.attention.triton_backend import TritonBackend
 from engine.attention.triton_reference import DecodePlan
+from scripts.gpu.run_all import copy_ms, kv_layout, paged_setup
 
 LAYER = 5
 
@@ -118,11 +114,14 @@ def tune_extend() -> None:
 
 
 def main() -> None:
-    ms, moved = _copy_ms()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--extend-only", action="store_true", help="skip the decode variants")
+    args = parser.parse_args()
+    ms, moved = copy_ms()
     copy_bw = moved / (ms * 1e-3)
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     tune_extend()
-    if "--extend-only" not in sys.argv:
+    if not args.extend_only:
         tune_decode(copy_bw)
 
 

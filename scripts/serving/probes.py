@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.launcher import session_pids
 from proto import node_pb2, node_pb2_grpc
 
 # Cumulative error counters per process kind: (sample name, label that must match or None).
@@ -73,22 +74,6 @@ class Sample:
     process: str
     quantity: str
     value: float
-
-
-def session_pids(session_id: int) -> list[int]:
-    """Live members of a session (the leader included)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # exited while we looked
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # comm may hold spaces and parentheses
-        if fields[0] != "Z" and int(fields[3]) == session_id:
-            pids.append(int(entry.name))
-    return pids
 
 
 def proc_usage(pids: Iterable[int]) -> dict[str, float]:

@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from .datasets import DatasetConfig, build_sessions
-from .load import LoadConfig, arrival_gaps
-from .metrics import SLO, Summary, summarize
+from scripts.serving.datasets import DatasetConfig, build_sessions
+from scripts.serving.load import LoadConfig, arrival_gaps
+from scripts.serving.metrics import SLO, Summary, summarize
+
 from .profile import NodeProfile
 from .simulator import Arrival, HostConfig, Simulation
 from .sweep import Split

@@ -16,7 +16,7 @@ scripts/serving/soak_report.py), when more than `--max-errors` errors occurred (
 failures plus every process's error counters), when a page is still in use after the drain,
 or when a process exited. Exit 2: bad flags; 3: the cluster did not start.
 
-    .venv/bin/python scripts/soak.py --duration 1800 --output-dir /tmp/soak
+    .venv/bin/python -m scripts.serving.soak --duration 1800 --output-dir /tmp/soak
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import shlex
 import signal
 import sys
@@ -35,18 +34,16 @@ from pathlib import Path
 
 import grpc
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))  # run as `python scripts/soak.py` from anywhere
-
-from gateway.cluster import Cluster, ClusterConfig, ClusterError  # noqa: E402
-from proto import node_pb2, node_pb2_grpc  # noqa: E402
-from scripts.serving.benchmark import BenchmarkConfig, run_benchmark  # noqa: E402
-from scripts.serving.client import ClientConfig, served_model  # noqa: E402
-from scripts.serving.datasets import DatasetConfig, build_sessions  # noqa: E402
-from scripts.serving.load import LoadConfig, LoadResult, run_load  # noqa: E402
-from scripts.serving.metrics import SLO, summarize  # noqa: E402
-from scripts.serving.probes import Prober, Target  # noqa: E402
-from scripts.serving.soak_report import (  # noqa: E402
+from gateway.cluster import Cluster, ClusterConfig, ClusterError
+from gateway.launcher import loopback_transports
+from proto import node_pb2, node_pb2_grpc
+from scripts.serving.benchmark import BenchmarkConfig, run_benchmark
+from scripts.serving.client import ClientConfig, served_model
+from scripts.serving.datasets import DatasetConfig, build_sessions
+from scripts.serving.load import LoadConfig, LoadResult, run_load
+from scripts.serving.metrics import SLO, summarize
+from scripts.serving.probes import Prober, Target
+from scripts.serving.soak_report import (
     Findings,
     SampleLog,
     judge_samples,
@@ -282,8 +279,7 @@ def _wait_idle(name: str, stub: node_pb2_grpc.NodeStub, deadline: float) -> list
 
 
 def soak(config: SoakConfig) -> int:
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # as pd-cluster: NIXL over loopback only
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    loopback_transports()  # as pd-cluster
     config.output_dir.mkdir(parents=True, exist_ok=True)
     with (config.output_dir / "cluster.out").open("w") as out:
         cluster = Cluster(config.cluster, out=out)

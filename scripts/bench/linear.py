@@ -6,7 +6,7 @@ the GB/s of weight read and the GFLOP/s; then, in a fresh process per mode, the 
 of `--memory-calls` random row counts (1 to 2,048) leaves behind, with exact row counts and with
 engine/models/cpu_linear.py's row buckets. Usage:
 
-    .venv/bin/python scripts/bench_linear.py --rows 1,16,64,512,2048 --repeats 5
+    .venv/bin/python -m scripts.bench.linear --rows 1,16,64,512,2048 --repeats 5
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         print("| rows | distinct GEMM row counts | growth at 1/4 / 2/4 / 3/4 / 4/4 |")
         print("|---|---:|---|")
         for mode in ("exact", "bucketed"):
-            cmd = [sys.executable, __file__, "--memory-run", mode]
+            cmd = [sys.executable, "-m", __spec__.name, "--memory-run", mode]
             cmd += ["--memory-calls", str(args.memory_calls)]
             subprocess.run(cmd, check=True)
 

@@ -14,7 +14,8 @@ least `--slo-attainment` of the requests met every SLO; the best split is the on
 highest such rate. Writes `tune_ratio.json` (every summary) and `goodput_vs_rate.png` under
 `--output-dir`. The same command works on a GPU host (pass `--node-args "--device cuda ..."`).
 
-    .venv/bin/python scripts/tune_ratio.py --budget 2 --splits 1:1,colocated --rates 0.2,0.4 \\
+    .venv/bin/python -m scripts.planning.tune_ratio --budget 2 --splits 1:1,colocated \\
+        --rates 0.2,0.4 \\
         --num-prompts 30 --random-input-len 256 --random-output-len 16 --ignore-eos \\
         --slo-ttft-ms 3000 --slo-tpot-ms 300 --output-dir benchmarks/serving-run
 """
@@ -32,21 +33,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))  # run as `python scripts/tune_ratio.py` from anywhere
-
-from gateway.cluster import Cluster, ClusterConfig, ClusterError  # noqa: E402
-from scripts.bench_serving import (  # noqa: E402
-    add_workload_args,
-    dataset_config,
-    load_config,
-    slo_config,
-)
-from scripts.serving.benchmark import BenchmarkConfig, run_benchmark, warm  # noqa: E402
-from scripts.serving.client import ClientConfig, served_model  # noqa: E402
-from scripts.serving.datasets import build_sessions  # noqa: E402
-from scripts.serving.report import pyplot  # noqa: E402
-from scripts.serving.sweep import (  # noqa: E402
+from gateway.cluster import Cluster, ClusterConfig, ClusterError
+from scripts.planning.sweep import (
     RatePoint,
     Split,
     SplitResult,
@@ -57,6 +45,16 @@ from scripts.serving.sweep import (  # noqa: E402
     plot_goodput,
     sweep_table,
 )
+from scripts.serving.bench_serving import (
+    add_workload_args,
+    dataset_config,
+    load_config,
+    slo_config,
+)
+from scripts.serving.benchmark import BenchmarkConfig, run_benchmark, warm
+from scripts.serving.client import ClientConfig, served_model
+from scripts.serving.datasets import build_sessions
+from scripts.serving.report import pyplot
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ writes into it through `kvtransfer.create_engine` and polls to DONE. For each pa
 once coalesced (`coalesce_pages`) and once one descriptor per page; each case is checked byte for
 byte once (CRC of the destination pages) and timed best of --repeats.
 
-    .venv/bin/python scripts/bench_transfer_raw.py
-    .venv/bin/python scripts/bench_transfer_raw.py --backends nixl --layout 4096x65536
+    .venv/bin/python -m scripts.bench.transfer_raw
+    .venv/bin/python -m scripts.bench.transfer_raw --backends nixl --layout 4096x65536
 
 The default layouts are the default model's KV for a 2,000-token prompt: 30 layers x K,V x 16
 tokens x 3 KV heads x 64 dims x 4 bytes = 737,280 bytes per 16-token page (125 pages), and the

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .metrics import Summary
+from scripts.serving.metrics import Summary
 
 
 class SweepError(ValueError):
@@ -150,7 +150,7 @@ def sweep_table(results: Sequence[SplitResult], attainment: float) -> str:
 
 
 def plot_goodput(results: Sequence[SplitResult], path: Any, title: str) -> None:
-    from .report import pyplot
+    from scripts.serving.report import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))

@@ -7,7 +7,7 @@ a summary table; `--output-file` writes every setting, figure and per-request tr
 `--plot DIR` writes PNGs (latency CDFs, TTFT/TPOT over time, throughput over time). Metric
 definitions: scripts/serving/metrics.py.
 
-    .venv/bin/python scripts/bench_serving.py --base-url http://127.0.0.1:8000 \\
+    .venv/bin/python -m scripts.serving.bench_serving --base-url http://127.0.0.1:8000 \\
         --dataset random --random-input-len 256 --random-output-len 32 --num-prompts 50 \\
         --request-rate 1 --ignore-eos --slo-ttft-ms 2000 --slo-tpot-ms 200 \\
         --output-file out.json --plot plots/
@@ -23,20 +23,17 @@ import math
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))  # run as `python scripts/bench_serving.py` from anywhere
-
-from scripts.serving.benchmark import BenchmarkConfig, run_benchmark  # noqa: E402
-from scripts.serving.client import (  # noqa: E402
+from scripts.serving.benchmark import BenchmarkConfig, run_benchmark
+from scripts.serving.client import (
     ClientConfig,
     ServerUnreachable,
     normalize_base_url,
     served_model,
 )
-from scripts.serving.datasets import GENERATORS, DatasetConfig, build_sessions  # noqa: E402
-from scripts.serving.load import LoadConfig  # noqa: E402
-from scripts.serving.metrics import SLO  # noqa: E402
-from scripts.serving.report import document, plot, pyplot, table, write_json  # noqa: E402
+from scripts.serving.datasets import GENERATORS, DatasetConfig, build_sessions
+from scripts.serving.load import LoadConfig
+from scripts.serving.metrics import SLO
+from scripts.serving.report import document, plot, pyplot, table, write_json
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:

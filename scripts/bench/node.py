@@ -22,7 +22,7 @@ Above 10% (or with `--profile`), the steps are profiled with cProfile, the forwa
 The two parts never run at the same time (the node is stopped first). On a shared machine the
 numbers are noisy: latencies are percentiles over all requests, and repeated runs differ.
 
-    .venv/bin/python scripts/bench_node.py --concurrency 1,8,32 --output-json bench_node.json
+    .venv/bin/python -m scripts.bench.node --concurrency 1,8,32 --output-json bench_node.json
 """
 
 from __future__ import annotations
@@ -37,9 +37,6 @@ import os
 import pstats
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,10 +49,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))  # run as `python scripts/bench_node.py` from anywhere
+from gateway.launcher import running_node
+from proto import node_pb2, node_pb2_grpc
 
-from proto import node_pb2, node_pb2_grpc  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]  # engine paths in the profile are shown from here
 
 TOKEN_ID_RANGE = (100, 20000)  # clear of the special tokens at the start of the vocabulary
 OVERHEAD_TARGET = 0.10
@@ -152,80 +149,41 @@ def make_prompts(count: int, length: int, seed: int, label: str) -> list[list[in
 
 
 # ---- the node under test -------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def server_command(cfg: BenchConfig, port: int) -> list[str]:
-    exe = Path(sys.executable).parent / "decode-server"
-    if not exe.exists():
-        raise FileNotFoundError(f"{exe} not found: install the project first (`make setup`)")
-    cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--page-size", str(cfg.page_size)]
+def server_args(cfg: BenchConfig) -> list[str]:
+    args = ["--page-size", str(cfg.page_size)]
     if cfg.model:
-        cmd += ["--model", cfg.model]
+        args += ["--model", cfg.model]
     if cfg.max_total_tokens:
-        cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
-    return cmd + list(cfg.server_args)
+        args += ["--max-total-tokens", str(cfg.max_total_tokens)]
+    return args + list(cfg.server_args)
 
 
 def server_env(cfg: BenchConfig) -> dict[str, str]:
-    env = dict(os.environ)
-    if cfg.threads is not None:
-        env["OMP_NUM_THREADS"] = str(cfg.threads)  # torch's intra-op pool follows it
-    return env
-
-
-async def wait_healthy(address: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
-    """The model name the node reports, once `Health` answers ok."""
-    deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = node_pb2_grpc.NodeStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"decode-server exited with code {proc.returncode} at startup")
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                health = await stub.Health(node_pb2.HealthRequest(), timeout=2.0)
-                if health.ok:
-                    return str(health.model)
-            await asyncio.sleep(0.5)
-    raise TimeoutError(f"decode-server on {address} not healthy after {timeout_s:.0f} s")
+    if cfg.threads is None:
+        return {}
+    return {"OMP_NUM_THREADS": str(cfg.threads)}  # torch's intra-op pool follows it
 
 
 @contextlib.contextmanager
-def running_node(cfg: BenchConfig, log_path: Path) -> Iterator[str]:
+def decode_server(cfg: BenchConfig, log_path: Path) -> Iterator[str]:
     """Start a decode-server, yield its address once healthy, stop it with SIGTERM."""
-    address = f"127.0.0.1:{free_port()}"
-    cmd = server_command(cfg, int(address.rsplit(":", 1)[1]))
-    log(f"starting {' '.join(cmd)} (log: {log_path})")
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=server_env(cfg)
-        )
-    try:
-        try:
-            model = asyncio.run(wait_healthy(address, proc, cfg.startup_timeout_s))
-        except (RuntimeError, TimeoutError) as exc:
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{exc}; last lines of {log_path}:\n{tail}") from exc
-        log(f"node healthy on {address}, model {model}")
-        yield address
-    finally:
-        stop_node(proc)
-
-
-def stop_node(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-        log(f"node stopped (exit code {proc.returncode})")
-    except subprocess.TimeoutExpired:
-        log("node ignored SIGTERM for 60 s; killing it")
-        proc.kill()
-        proc.wait()
+    args = server_args(cfg)
+    log(f"starting decode-server {' '.join(args)} (log: {log_path})")
+    with running_node(
+        "decode-server",
+        args,
+        log_path,
+        env=server_env(cfg),
+        ready_timeout=cfg.startup_timeout_s,
+        stop_timeout=60,
+    ) as node:
+        health = node.stub.Health(node_pb2.HealthRequest(), timeout=10.0)
+        log(f"node healthy on {node.address}, model {health.model}")
+        yield node.address
+        node.terminate()
+        if not node.wait(60):
+            log("node ignored SIGTERM for 60 s; killing it")
+        log(f"node stopped (exit code {node.kill()})")
 
 
 def server_gen_throughput(log_path: Path | None, start: int, end: int) -> float | None:
@@ -657,7 +615,7 @@ def bench_node(cfg: BenchConfig) -> list[LevelResult]:
     fd, name = tempfile.mkstemp(prefix="bench-node-", suffix=".log")
     os.close(fd)
     log_path = Path(name)
-    with running_node(cfg, log_path) as address:
+    with decode_server(cfg, log_path) as address:
         return asyncio.run(run_levels(cfg, address, log_path))
 
 

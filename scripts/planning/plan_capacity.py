@@ -22,12 +22,12 @@
                adds the prediction with every step 5% slower and faster (at overload a
                profile taken in another hour moves goodput by far more than 15%)
 
-The simulator (scripts/serving/simulator.py) is a discrete-event model of the nodes' queues
+The simulator (scripts/planning/simulator.py) is a discrete-event model of the nodes' queues
 and batching rules. On a CPU host where nodes share cores, pass --host-cores and
 --threads-per-node so that steps running at once slow each other down.
 
-    .venv/bin/python scripts/plan_capacity.py profile --threads 1 --output profile.json
-    .venv/bin/python scripts/plan_capacity.py recommend --profile profile.json --gpus 8 \\
+    .venv/bin/python -m scripts.planning.plan_capacity profile --threads 1 --output profile.json
+    .venv/bin/python -m scripts.planning.plan_capacity recommend --profile profile.json --gpus 8 \\
         --random-input-len 2048 --random-output-len 256 --slo-ttft-ms 1000 --slo-tpot-ms 50
 
 On a shared CPU host the in-process profile is optimistic: a node's steps in a real cluster ran
@@ -37,7 +37,7 @@ work (`host`), then trace a low-rate run and a loaded one (nodes with --step-tra
 `steps`: the low-rate ratio is --slowdown, the loaded run's ratio beside another node over its
 ratio alone, less the cores' sharing, is --co-runner-slowdown:
 
-    .venv/bin/python scripts/plan_capacity.py validate --profile profile.json \\
+    .venv/bin/python -m scripts.planning.plan_capacity validate --profile profile.json \\
         --measured run1/tune_ratio.json run2/tune_ratio.json --host-cores 2 \\
         --threads-per-node 1 --host-overhead-ms 1.60 --host-overhead-pd-ms 2.37 \\
         --slowdown 1.15 --co-runner-slowdown 0.10
@@ -54,17 +54,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))  # run as `python scripts/plan_capacity.py` from anywhere
-
-from scripts.bench_serving import (  # noqa: E402
-    add_workload_args,
-    dataset_config,
-    load_config,
-    slo_config,
-)
-from scripts.serving import step_report  # noqa: E402
-from scripts.serving.planning import (  # noqa: E402
+from scripts.planning import step_report
+from scripts.planning.planner import (
     Comparison,
     calibrate_slowdown,
     comparison_table,
@@ -72,10 +63,16 @@ from scripts.serving.planning import (  # noqa: E402
     simulate,
     workload_from_settings,
 )
-from scripts.serving.profile import NodeProfile, fit_prefill  # noqa: E402
-from scripts.serving.report import table  # noqa: E402
-from scripts.serving.simulator import HostConfig  # noqa: E402
-from scripts.serving.sweep import Split, SweepError, parse_splits  # noqa: E402
+from scripts.planning.profile import NodeProfile, fit_prefill
+from scripts.planning.simulator import HostConfig
+from scripts.planning.sweep import Split, SweepError, parse_splits
+from scripts.serving.bench_serving import (
+    add_workload_args,
+    dataset_config,
+    load_config,
+    slo_config,
+)
+from scripts.serving.report import table
 
 VALIDATION_TARGET = 0.15  # relative goodput error the issue asks for
 
@@ -204,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from scripts.serving.profiler import ProfilePlan, fit_decode, measure
+    from scripts.planning.profiler import ProfilePlan, fit_decode, measure
 
     plan = ProfilePlan(
         model=args.model,
@@ -292,9 +289,9 @@ def read_measured(path: Path) -> dict[str, Any]:
 
 def cmd_host(args: argparse.Namespace) -> int:
     from gateway.cluster import ClusterConfig
+    from scripts.planning.host_cost import measure
     from scripts.serving.benchmark import BenchmarkConfig
     from scripts.serving.client import ClientConfig
-    from scripts.serving.host_cost import measure
 
     if args.prefill < 0 or args.decode < 1 or args.threads_per_node < 1:
         raise ValueError("need --prefill >= 0, --decode >= 1, --threads-per-node >= 1")

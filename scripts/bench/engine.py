@@ -12,7 +12,7 @@ prompt, prefix cache off) at several batch sizes. Prefill and decode are measure
 Ours and HF alternate their timed runs; each figure is the best of `--repeats` runs, taken per
 figure. Usage:
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_engine.py --batch-sizes 1,16,64 \
+    .venv/bin/python -m scripts.bench.engine --batch-sizes 1,16,64 \
         --input-len 128 --output-len 64 --repeats 3 --output-json bench.json
 
 On a machine whose cores other work also uses, torch's default of one thread per core stalls at

@@ -10,7 +10,7 @@ overload the gateway then keeps admitted requests at that operating point and an
 429 at once (tests/test_overload.py).
 
     pd-cluster --gateway-args "--max-inflight 1024" &
-    python scripts/admission_limit.py --base-url http://127.0.0.1:PORT --slo-e2e-ms 800
+    python -m scripts.serving.admission_limit --base-url http://127.0.0.1:PORT --slo-e2e-ms 800
 
 The client is a bare HTTP/1.1 one (a fresh connection per request) so that on a small machine
 the load generator costs little CPU beside the cluster.

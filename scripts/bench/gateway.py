@@ -17,7 +17,7 @@ arrivals are aligned by that whole number of steps (a step takes far longer than
 Per request: the two paths alternately, one request at a time; the TTFT and end-to-end
 differences of each pair (these include the engine's step-to-step jitter).
 
-    .venv/bin/python scripts/bench_gateway.py [--model DIR] [--runs 20] [--tokens 32]
+    .venv/bin/python -m scripts.bench.gateway [--model DIR] [--runs 20] [--tokens 32]
 """
 
 from __future__ import annotations

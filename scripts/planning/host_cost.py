@@ -19,9 +19,8 @@ import urllib.request
 from dataclasses import dataclass, replace
 
 from gateway.cluster import Cluster, ClusterConfig
-
-from .benchmark import BenchmarkConfig, run_benchmark, warm
-from .client import served_model
+from scripts.serving.benchmark import BenchmarkConfig, run_benchmark, warm
+from scripts.serving.client import served_model
 
 _FORWARD = re.compile(r"^pdserve_node_forward_seconds_sum(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
 

@@ -42,7 +42,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .metrics import RequestTrace
+from scripts.serving.metrics import RequestTrace
+
 from .profile import NodeProfile
 
 HOST_WINDOW_S = 1.0  # the window over which the host's token rate is taken

@@ -13,8 +13,8 @@ alternative measured for comparison: one descriptor per (KV head, page run) for 
 `--strided` adds the token-major cost of the smallest head slice (tokens outside heads, as the
 engine's layout was before: one KV head of a page is 30 x 2 x 16 pieces of 256 bytes).
 
-    .venv/bin/python scripts/bench_transfer_tp.py
-    .venv/bin/python scripts/bench_transfer_tp.py --backends nixl --pairs 1:1,2:1 --tokens 4000
+    .venv/bin/python -m scripts.bench.transfer_tp
+    .venv/bin/python -m scripts.bench.transfer_tp --backends nixl --pairs 1:1,2:1 --tokens 4000
 
 Defaults: the default model's KV (30 layers, 3 KV heads of 64 dims, fp32), a 2,000-token prompt
 in 16-token pages (125 pages, 92 MB), pages scattered in runs of 1..8 on both sides.

@@ -1,6 +1,6 @@
 """KV transfer and PD handoff benchmarks on loopback (issue: disaggregation).
 
-Part 1, transfer throughput: runs `bench_transfer_raw.py` (two processes, real engines), which
+Part 1, transfer throughput: runs `scripts.bench.transfer_raw` (two processes, real engines), which
 moves the default model's KV for a 2,000-token prompt laid out as the engine lays it out
 (737,280-byte pages of 16 tokens; also page size 1) beside one descriptor of the same bytes.
 
@@ -9,15 +9,14 @@ prefilling locally (colocated), for 512- and 2,000-token prompts, p50 over --req
 each (one at a time, the two paths alternating request by request, fresh random prompts so
 no prefix cache hits), per backend.
 
-    .venv/bin/python scripts/bench_transfer.py                 # both parts, both backends
-    .venv/bin/python scripts/bench_transfer.py --skip-raw --requests 20 --backends mooncake
+    .venv/bin/python -m scripts.bench.transfer                 # both parts, both backends
+    .venv/bin/python -m scripts.bench.transfer --skip-raw --requests 20 --backends mooncake
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import subprocess
 import sys
@@ -27,12 +26,10 @@ from pathlib import Path
 import grpc
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from engine.model_fetch import ensure_default_model
+from gateway.launcher import PDTrio, loopback_transports, pd_trio
 from gateway.pd_client import NodeTarget, pd_generate
 from proto import node_pb2, node_pb2_grpc
-from tests.pd_cluster import PDCluster, pd_cluster
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,7 +43,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-async def _ttfts(cluster: PDCluster, prompts: list[list[int]]) -> tuple[list[float], list[float]]:
+async def _ttfts(cluster: PDTrio, prompts: list[list[int]]) -> tuple[list[float], list[float]]:
     """TTFTs (colocated, PD), alternating the two paths request by request so that load from
     elsewhere on the machine falls on both alike."""
     sampling = node_pb2.SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
@@ -76,7 +73,7 @@ def handoff(backend: str, lengths: list[int], requests: int, chunk: int) -> list
     rows = []
     with (
         tempfile.TemporaryDirectory() as tmp,
-        pd_cluster(
+        pd_trio(
             Path(tmp),
             model,
             backend,
@@ -103,11 +100,10 @@ def handoff(backend: str, lengths: list[int], requests: int, chunk: int) -> list
 
 def main() -> None:
     args = parse_args()
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    loopback_transports()
     if not args.skip_raw:
-        raw = Path(__file__).with_name("bench_transfer_raw.py")
-        subprocess.run([sys.executable, str(raw), "--backends", args.backends], check=True)
+        raw = ["-m", "scripts.bench.transfer_raw", "--backends", args.backends]
+        subprocess.run([sys.executable, *raw], check=True)
     if args.skip_handoff:
         return
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -1,0 +1,96 @@
+"""Models the tests and the scripts share: tiny random-weight llamas and the HF greedy reference.
+
+- `save_tiny_text_model` / `tiny_chat_model`: a 2-layer llama (hidden 64) with random weights
+  over the default model's real tokenizer, so that nodes load in a second on 2 cores and every
+  HTTP endpoint of the gateway still speaks text; `positions` sets max_position_embeddings
+  (raise it for requests that must stream for a while). The chat one unties its embeddings and
+  carries every tokenizer and generation file of the default model.
+- `hf_greedy`: HF transformers' greedy generation in fp32 (CPU, or a GPU for
+  scripts/gpu/check_tp.py), the reference the engine's output is compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+CHAT_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def save_tiny_llama(
+    default_model_dir: Path,
+    path: Path,
+    positions: int = 1024,
+    *,
+    tie_word_embeddings: bool = True,
+    files: Sequence[str] = TEXT_FILES,
+) -> Path:
+    """Random weights (seed 0) over the default model's vocabulary; copies `files` from it."""
+    import transformers as tf
+
+    real = json.loads((default_model_dir / "config.json").read_text())
+    config = tf.LlamaConfig(
+        vocab_size=real["vocab_size"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=real.get("bos_token_id"),
+        eos_token_id=real.get("eos_token_id"),
+    )
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).eval().save_pretrained(path)
+    for name in files:
+        if (default_model_dir / name).exists():
+            shutil.copy(default_model_dir / name, path / name)
+    return path
+
+
+def save_tiny_text_model(default_model_dir: Path, path: Path, positions: int = 1024) -> Path:
+    return save_tiny_llama(default_model_dir, path, positions)
+
+
+def tiny_chat_model(default_model_dir: Path, path: Path, max_positions: int = 1024) -> Path:
+    return save_tiny_llama(
+        default_model_dir, path, max_positions, tie_word_embeddings=False, files=CHAT_FILES
+    )
+
+
+def hf_greedy(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu"
+) -> list[list[int]]:
+    """HF transformers greedy generation, one prompt at a time (no padding), fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to(device).eval()  # type: ignore[arg-type]
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(p) :].tolist())
+    return outs
