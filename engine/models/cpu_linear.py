@@ -3,7 +3,8 @@
 Why: torch's CPU `F.linear` goes to MKL's sgemm, which on this project's dev/CI CPUs (AMD EPYC,
 AVX-512) runs 2.3-3.4x slower than oneDNN's inner product over a weight reordered once into its
 blocked layout (SmolLM2-135M's linears, fp32, 2 threads: 1 row 28.9 -> 9.8 ms, 16 rows 58.1 ->
-17.2 ms, 2,048 rows 2,723 -> 1,158 ms; python -m scripts.bench.linear, benchmarks/cpu-2026-11-24.md).
+17.2 ms, 2,048 rows 2,723 -> 1,158 ms; `python -m scripts.bench.linear`,
+benchmarks/cpu-2026-11-24.md).
 The packed weight is an opaque oneDNN tensor: the layer keeps it instead of its plain weight, so
 the model's memory does not grow (a tied LM head is the exception: the embedding keeps the plain
 matrix and the head a packed copy). Results differ from MKL's only in summation order (~1e-6).
