@@ -5,6 +5,10 @@
   HTTP endpoint of the gateway still speaks text; `positions` sets max_position_embeddings
   (raise it for requests that must stream for a while). The chat one unties its embeddings and
   carries every tokenizer and generation file of the default model.
+- `TINY_SIZES` / `tiny_sizes`: the sizes of the tests' random-weight HF models (2 layers, hidden 64,
+  vocab 256), as transformers config keywords.
+- `llama_config` / `write_llama_config`: config.json of a llama shape for `load_format="dummy"`:
+  `SMALL_LLAMA` (4 layers, hidden 256, vocab 2,048: GPU checks) and `LLAMA3_8B` (benchmarks).
 - `hf_greedy`: HF transformers' greedy generation in fp32 (CPU, or a GPU for
   scripts/gpu/check_tp.py), the reference the engine's output is compared with.
 """
@@ -17,6 +21,51 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+TINY_SIZES: dict[str, int | bool] = {
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def tiny_sizes(**overrides: object) -> dict[str, object]:
+    """TINY_SIZES with `overrides`: keywords for a transformers model config."""
+    return {**TINY_SIZES, **overrides}
+
+
+_SMALL_SIZES = {
+    "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+}  # fmt: skip
+
+
+def llama_config(**sizes: float) -> dict[str, object]:
+    """A LlamaForCausalLM config.json: SMALL_LLAMA's sizes, with `sizes` overriding them."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        **_SMALL_SIZES,
+        **sizes,
+    }
+
+
+SMALL_LLAMA = llama_config()
+LLAMA3_8B = llama_config(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+    rope_theta=500000.0,
+)  # fmt: skip
+
+
+def write_llama_config(model_dir: Path, config: dict[str, object] = SMALL_LLAMA) -> Path:
+    """`config` as model_dir/config.json (weights come from load_format="dummy")."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
 
 TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 CHAT_FILES = (
@@ -43,16 +92,13 @@ def save_tiny_llama(
 
     real = json.loads((default_model_dir / "config.json").read_text())
     config = tf.LlamaConfig(
-        vocab_size=real["vocab_size"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=positions,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=real.get("bos_token_id"),
-        eos_token_id=real.get("eos_token_id"),
+        **tiny_sizes(
+            vocab_size=real["vocab_size"],
+            max_position_embeddings=positions,
+            tie_word_embeddings=tie_word_embeddings,
+            bos_token_id=real.get("bos_token_id"),
+            eos_token_id=real.get("eos_token_id"),
+        )
     )
     torch.manual_seed(0)
     tf.LlamaForCausalLM(config).eval().save_pretrained(path)

@@ -8,6 +8,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from scripts.tiny_models import tiny_sizes
+
 # The machines running the suite are small and shared: never fail a property test on speed.
 settings.register_profile("pdserve", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("pdserve")
@@ -16,16 +18,7 @@ settings.load_profile("pdserve")
 def _save_tiny(arch: str, path: Path) -> Path:
     import transformers as tf
 
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
+    common = tiny_sizes()
     torch.manual_seed(0)
     if arch == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from scripts.tiny_models import hf_greedy
+from scripts.tiny_models import hf_greedy, tiny_sizes
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -117,21 +117,17 @@ def test_llama3_rope_scaling_and_sharded_checkpoint(tmp_path) -> None:
     import transformers as tf
 
     config = tf.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 256,
-        },
-        tie_word_embeddings=True,
+        **tiny_sizes(
+            max_position_embeddings=2048,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+            tie_word_embeddings=True,
+        )
     )
     torch.manual_seed(3)
     tf.LlamaForCausalLM(config).eval().save_pretrained(tmp_path, max_shard_size="100KB")

@@ -10,13 +10,13 @@ overlap mode changes nothing); scripts/gpu/engine_step.py checks the bf16 Llama-
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.overlap import OverlapScheduler
+from scripts.tiny_models import SMALL_LLAMA, write_llama_config
 from tests.test_overlap_schedule import _run, _same
 
 pytestmark = pytest.mark.skipif(
@@ -24,19 +24,10 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA GPU and the triton package",
 )
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 2048, "hidden_size": 256,
-    "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "tie_word_embeddings": False,
-}  # fmt: skip
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory):
-    path = tmp_path_factory.mktemp("small-llama")
-    (path / "config.json").write_text(json.dumps(CONFIG))
-    return path
+    return write_llama_config(tmp_path_factory.mktemp("small-llama"), SMALL_LLAMA)
 
 
 def _engines(model_dir, **kwargs) -> tuple[LLM, LLM]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import sys
 import tempfile
@@ -55,16 +54,12 @@ from scripts.gpu.environment import (
     unpack_wheels,
     use_site,
 )
+from scripts.tiny_models import SMALL_LLAMA, write_llama_config
 
 LENGTHS = (5, 37, 128, 255, 256, 300, 513, 900)  # chunked-prefill size 256: the last 3 chunk
 MAX_NEW = 24
 CHUNK = 256
-MODEL = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 2048, "hidden_size": 256,
-    "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "tie_word_embeddings": False,
-}  # fmt: skip
+MODEL = SMALL_LLAMA
 # The decode node reuses its prefix cache for P->D requests (P then sends only the rest) and
 # would cache what P sent: without it every P->D request moves its whole prompt and the
 # colocated reference is computed by the decode node itself. The prefill node keeps its cache
@@ -145,7 +140,7 @@ def trio(workdir: Path, backend: str, device: str) -> Iterator[Any]:
     env = {"UCX_NET_DEVICES": "lo", "MC_LOG_LEVEL": "ERROR", **BACKENDS[backend]}
     model = workdir / "model"
     model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(MODEL))
+    write_llama_config(model, MODEL)
     backend_args = ["--attention-backend", "triton"] if device.startswith("cuda") else []
     node_args = ["--load-format", "dummy", "--dtype", "float32",
                  "--device", device, "--page-size", "16", "--max-total-tokens", "16384",

@@ -21,21 +21,23 @@ import torch
 
 from engine import LLM, SamplingParams
 from scripts.gpu.environment import gpu_defaults
-from scripts.tiny_models import hf_greedy
+from scripts.tiny_models import hf_greedy, tiny_sizes
 
 
 def tiny_model(path: Path) -> Path:
     import transformers as tf
 
     config = tf.LlamaConfig(
-        vocab_size=2048,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
+        **tiny_sizes(
+            vocab_size=2048,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=4,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        )
     )
     torch.manual_seed(0)
     tf.LlamaForCausalLM(config).eval().save_pretrained(path)

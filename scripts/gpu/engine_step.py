@@ -26,7 +26,6 @@ overlap mode (other batch sizes, other graph buckets: bf16 near ties may flip; r
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -37,13 +36,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.overlap import OverlapScheduler
 from engine.scheduler import Scheduler
+from scripts.tiny_models import LLAMA3_8B, write_llama_config
 
-LLAMA3_8B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "tie_word_embeddings": False,
-}  # fmt: skip
+LLAMA3_8B_CONFIG = LLAMA3_8B
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
@@ -69,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = Path(tempfile.mkdtemp()) / "llama3-8b-shaped"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG))
+    write_llama_config(model_dir, LLAMA3_8B_CONFIG)
     batches = [int(b) for b in args.batches.split(",")]
     longest = args.context + args.repeats * args.steps + 64
     t0 = time.perf_counter()

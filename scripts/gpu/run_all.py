@@ -56,6 +56,7 @@ from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.models import elementwise as ew
 from scripts.gpu.environment import add_site_arg
+from scripts.tiny_models import llama_config, write_llama_config
 
 LLAMA3_8B = ModelConfig(
     architecture="LlamaForCausalLM",
@@ -270,19 +271,9 @@ def check_elementwise(rep: Report) -> None:
                 log(f"check {name}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
 
 
-SMALL_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 2048, "hidden_size": 256,
-    "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "tie_word_embeddings": False,
-}  # fmt: skip
-
-
 def write_small_llama(model_dir: Path, **sizes: int) -> Path:
     """SMALL_LLAMA's config.json (with `sizes` overriding its sizes) for load_format="dummy"."""
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps({**SMALL_LLAMA, **sizes}))
-    return model_dir
+    return write_llama_config(model_dir, llama_config(**sizes))
 
 
 def mixed_prompts() -> list[list[int]]:
