@@ -31,6 +31,10 @@ started when it wakes up, whatever its lease says by then.
 A closed room is forgotten (once settled), so its number may be reused and a late post about it
 gets NOT_FOUND.
 Messages wait in the addressee's outbox (`streams.Outbox`) until its stream takes them.
+
+The bootstrap only relays: a room keeps the wire messages as posted (`WireDestination`,
+`WireStatus`, the proto types). Nodes turn them into their own typed messages
+(`kvtransfer.room`) at their edge, `engine/node/bootstrap_link.py`.
 """
 
 from __future__ import annotations
@@ -42,11 +46,10 @@ from dataclasses import dataclass
 from bootstrap.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
 from bootstrap.streams import Outbox
 from proto import bootstrap_pb2
+from proto.bootstrap_pb2 import RoomDestination as WireDestination
+from proto.bootstrap_pb2 import RoomStatus as WireStatus
 
 logger = logging.getLogger("pdserve.bootstrap.rooms")
-
-RoomDestination = bootstrap_pb2.RoomDestination
-RoomStatus = bootstrap_pb2.RoomStatus
 
 
 class RoomPhase(enum.Enum):
@@ -57,7 +60,7 @@ class RoomPhase(enum.Enum):
 
 @dataclass
 class Room:
-    destination: RoomDestination
+    destination: WireDestination
     opened_at: float  # time.monotonic() of PostDestination
     phase: RoomPhase = RoomPhase.QUEUED
 
@@ -87,8 +90,8 @@ class Room:
         """P has (or may have) the destination, so it may be writing into D's pages."""
         return self.phase is not RoomPhase.QUEUED
 
-    def status(self, state: int, reason: str, may_still_write: bool = False) -> RoomStatus:
-        return RoomStatus(
+    def status(self, state: int, reason: str, may_still_write: bool = False) -> WireStatus:
+        return WireStatus(
             room=self.room_id,
             prefill_node_id=self.prefill_node_id,
             decode_node_id=self.decode_node_id,
@@ -97,8 +100,8 @@ class Room:
             may_still_write=may_still_write,
         )
 
-    def cancelled_destination(self) -> RoomDestination:
-        cancel = RoomDestination()
+    def cancelled_destination(self) -> WireDestination:
+        cancel = WireDestination()
         cancel.CopyFrom(self.destination)
         cancel.cancelled = True
         return cancel
@@ -115,16 +118,16 @@ class RoomTable:
         self.replay_window_s = replay_window_s  # see `streams.Outbox`
         self.rooms: dict[int, Room] = {}
         self.unsettled: dict[int, Room] = {}  # closed while P may still write into D's pages
-        self.destinations: dict[str, Outbox[RoomDestination]] = {}  # by prefill node id
-        self.statuses: dict[str, Outbox[RoomStatus]] = {}  # by decode node id
+        self.destinations: dict[str, Outbox[WireDestination]] = {}  # by prefill node id
+        self.statuses: dict[str, Outbox[WireStatus]] = {}  # by decode node id
 
-    def destination_outbox(self, prefill_node_id: str) -> Outbox[RoomDestination]:
+    def destination_outbox(self, prefill_node_id: str) -> Outbox[WireDestination]:
         outbox = self.destinations.get(prefill_node_id)
         if outbox is None:
             outbox = self.destinations[prefill_node_id] = Outbox(self.replay_window_s)
         return outbox
 
-    def status_outbox(self, decode_node_id: str) -> Outbox[RoomStatus]:
+    def status_outbox(self, decode_node_id: str) -> Outbox[WireStatus]:
         outbox = self.statuses.get(decode_node_id)
         if outbox is None:
             outbox = self.statuses[decode_node_id] = Outbox(self.replay_window_s)
@@ -147,20 +150,20 @@ class RoomTable:
                 if outbox.idle:
                     del outboxes[node_id]
 
-    def open(self, destination: RoomDestination, now: float) -> Room:
+    def open(self, destination: WireDestination, now: float) -> Room:
         existing = self.rooms.get(destination.room)
         if existing is not None:
             raise AlreadyExists(
                 f"{existing.label} is already open: use a new room number, or FailRoom it first"
             )
-        room = Room(RoomDestination(), now)
+        room = Room(WireDestination(), now)
         room.destination.CopyFrom(destination)
         self.rooms[room.room_id] = room
         self.destination_outbox(room.prefill_node_id).put(room.destination)
         logger.info("%s opened: %d pages queued for P", room.label, len(destination.page_ids))
         return room
 
-    def take_destination(self, destination: RoomDestination) -> bool:
+    def take_destination(self, destination: WireDestination) -> bool:
         """P's stream is about to write `destination`: False if it is stale (skip it).
 
         From this moment on P may be writing into D's pages, so the room counts as delivered
@@ -178,7 +181,7 @@ class RoomTable:
             logger.info("%s delivered to P", room.label)
         return True
 
-    def post_status(self, status: RoomStatus) -> Room | None:
+    def post_status(self, status: WireStatus) -> Room | None:
         """P's status for an open room (None: it settled an UNSETTLED one)."""
         if status.room not in self.rooms and self._settle(
             status.room, status.prefill_node_id, f"prefill node reported {state_name(status.state)}"

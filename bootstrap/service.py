@@ -19,17 +19,12 @@ from typing import Any, TypeVar, cast
 
 import grpc
 
-from bootstrap.errors import (
-    BootstrapError,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-)
+from bootstrap.checks import check_destination, verify_caller
+from bootstrap.errors import BootstrapError, InvalidArgument
 from bootstrap.metrics import BootstrapMetrics
 from bootstrap.registry import NodeRecord, NodeRegistry
 from bootstrap.rooms import RoomPhase, RoomTable
-from bootstrap.security import NODE_ID_HEADER, NODE_SECRET_HEADER, RoomTickets, metadata_value
+from bootstrap.security import RoomTickets
 from bootstrap.streams import Broadcast, Outbox
 from bootstrap.telemetry import current_room
 from proto import bootstrap_pb2, bootstrap_pb2_grpc
@@ -178,44 +173,10 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         self._verify_caller(
             context, request.decode_node_id, f"room {request.room}: its destination"
         )
-        self._check_destination(request)
+        check_destination(request, self.registry, self.config.tickets)
         self.rooms.open(request, self.clock())
         self.metrics.rooms_opened.inc()
         return bootstrap_pb2.PostAck()
-
-    def _check_destination(self, dest: bootstrap_pb2.RoomDestination) -> None:
-        if dest.room == 0:
-            raise InvalidArgument("room 0 is not a valid room number: use a nonzero id")
-        if dest.cancelled:
-            raise InvalidArgument(
-                f"room {dest.room}: `cancelled` is set by the bootstrap only; use FailRoom"
-            )
-        for name in ("decode_node_id", "prefill_node_id"):
-            if not getattr(dest, name):
-                raise InvalidArgument(f"room {dest.room}: {name} is required")
-        decode = self.registry.require(dest.decode_node_id)
-        if decode.role != bootstrap_pb2.DECODE:
-            raise FailedPrecondition(
-                f"room {dest.room}: {decode.label} cannot post destinations; only decode nodes do"
-            )
-        tickets = self.config.tickets
-        if tickets is not None and not tickets.valid(
-            dest.ticket, dest.room, dest.prefill_node_id, dest.decode_node_id
-        ):
-            raise PermissionDenied(
-                f"room {dest.room}: {'no' if not dest.ticket else 'a wrong'} room ticket for "
-                f"decode node {dest.decode_node_id} and prefill node {dest.prefill_node_id}: "
-                "only the decode node the gateway assigned the room to may open it (the gateway "
-                "and the bootstrap share --room-key-file)"
-            )
-        prefill = self.registry.get(dest.prefill_node_id)
-        if prefill is None:
-            raise FailedPrecondition(
-                f"room {dest.room}: prefill node {dest.prefill_node_id} is not registered "
-                f"(dead, left or never joined): pick a live prefill node"
-            )
-        if prefill.role != bootstrap_pb2.PREFILL:
-            raise FailedPrecondition(f"room {dest.room}: {prefill.label} is not a prefill node")
 
     @_refusals_to_status
     async def PostRoomStatus(self, request: bootstrap_pb2.RoomStatus, context: Any) -> Any:
@@ -303,31 +264,8 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
             logger.info("node %s stopped watching its %s", node_id, what)
 
     def _verify_caller(self, context: Any, node_id: str, what: str) -> None:
-        """With `verify_node_identity`: the call must carry `node_id`'s own credential.
-
-        The rooms' own checks compare the node ids the messages name; this proves the caller
-        is the node it names, so a node cannot post, fail or watch as another one.
-        """
-        if not self.config.verify_node_identity:
-            return
-        if self.registry.get(node_id) is None:  # e.g. the bootstrap restarted: retry later
-            raise NotFound(
-                f"{what}: node {node_id or '(none named)'} is not registered: register first"
-            )
-        metadata = context.invocation_metadata()
-        caller = metadata_value(metadata, NODE_ID_HEADER)
-        record = self.registry.get(caller) if caller else None
-        proven = record is not None and record.holds(metadata_value(metadata, NODE_SECRET_HEADER))
-        if proven and caller == node_id:
-            return
-        who = (
-            f"node {caller}" if proven
-            else f"a caller without node {caller or '?'}'s credential (x-pdserve-node-secret)"
-        )  # fmt: skip
-        raise PermissionDenied(
-            f"{what}: only node {node_id or '(none named)'} may do this, and this call comes "
-            f"from {who}; each node calls with the credential its Register returned"
-        )
+        if self.config.verify_node_identity:
+            verify_caller(context.invocation_metadata(), self.registry, node_id, what)
 
     # ---- sweeping ----------------------------------------------------------------------------
 

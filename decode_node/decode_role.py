@@ -1,34 +1,20 @@
 """The decode node's PD life cycle, run on the engine thread around each scheduler step.
 
-Queues of a disaggregated decode request (one bootstrap room each):
-
-    prealloc    waiting for KV pages: admitted when the pool can hold the prompt plus
-                `decode_headroom` tokens while keeping a page for every decoding request
-    transfer    pages reserved and published to bootstrap as the room's destination; waiting
-                for the prefill node to report DONE (then the aux slot is checked and the
-                request joins the running batch with no prefill forward) or FAILED; when
-                this node registers again (bootstrap restarted: it forgot the rooms), rooms
-                published before fail at once and go to quarantine
-    quarantine  given up (client abort or `transfer_timeout_s`), or failed by bootstrap with
-                `may_still_write` (P declared dead while its process may be frozen), while P
-                may still be writing: the client has its error, but the pages stay held until
-                bootstrap says no write can land any more (never delivered, P confirmed it
-                stopped, or P's process is gone). If no answer comes (bootstrap restarted and
-                forgot the room), the pages are freed after another `transfer_timeout_s`.
-
-Requests without a room prefill locally (colocated): they go straight to the scheduler.
+A room moves through the phases of `decode_node/rooms.py` (PREALLOC -> TRANSFER -> gone, or
+-> QUARANTINE -> gone); this module makes the moves. The scheduler holds the request parked,
+pages kept, from TRANSFER on, and runs it once P's DONE and the first token arrived.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from decode_node.rooms import DECODE_MOVES, DecodeEntry, DecodePhase
 from engine.metrics import DecodeMetrics
+from engine.node.phases import RoomRole
 from engine.request import FinishReason, Req
 from engine.scheduler import Scheduler, StepOutput
 from kvtransfer.aux import AuxBuffer, AuxMismatchError
@@ -39,10 +25,12 @@ from kvtransfer.room import (
     RoomLink,
     RoomMessage,
     RoomState,
-    RoomStatus,
 )
 
 logger = logging.getLogger("pdserve.decode")
+
+PREALLOC, TRANSFER, QUARANTINE = DecodePhase
+FINAL = (RoomState.DONE, RoomState.FAILED)
 
 
 @dataclass(frozen=True)
@@ -51,15 +39,7 @@ class DecodeRoleConfig:
     transfer_timeout_s: float = 300.0  # published (or last progress from P) -> DONE
 
 
-@dataclass
-class DecodeEntry:
-    req: Req
-    created: float = field(default_factory=time.monotonic)
-    published: float = 0.0
-    epoch: int = 0  # the link's registration when the destination was published
-
-
-class DecodeRole:
+class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
     def __init__(
         self,
         config: DecodeRoleConfig,
@@ -69,55 +49,31 @@ class DecodeRole:
         clock: Callable[[], float] = time.monotonic,
         metrics: DecodeMetrics | None = None,
     ) -> None:
+        super().__init__(DECODE_MOVES, clock)
         self.config = config
         self.link = link
         self.aux = aux
         self.page_size = page_size
-        self.clock = clock
         self.metrics = metrics or DecodeMetrics()
-        self.inbox: queue.Queue[RoomMessage] = queue.Queue()
-        self._wake: Callable[[], None] = lambda: None  # the engine loop's, once bound
-        self._kv_arrived: dict[int, float] = {}  # room -> when P's DONE came (link thread)
-        self.prealloc: deque[DecodeEntry] = deque()
-        self.transfer: dict[int, DecodeEntry] = {}
-        self.quarantine: dict[int, DecodeEntry] = {}
 
     def accepts(self, req: Req) -> bool:
         return req.room != 0
 
     @property
-    def has_work(self) -> bool:
-        return bool(self.prealloc or self.transfer or self.quarantine or not self.inbox.empty())
-
-    @property
     def needs_polling(self) -> bool:
         return False  # every change comes as a message or a timeout
 
-    def bind_wakeup(self, wake: Callable[[], None]) -> None:
-        self._wake = wake
-
     def submit(self, scheduler: Scheduler, req: Req) -> None:
-        self.prealloc.append(DecodeEntry(req, created=self.clock()))
-
-    def deliver(self, message: RoomMessage) -> None:
-        """Called by the bootstrap link's thread: stamp P's DONE, queue the message, wake
-        the engine loop."""
-        if isinstance(message, RoomStatus) and message.state is RoomState.DONE:
-            self._kv_arrived[message.room] = time.monotonic()
-        self.inbox.put(message)
-        self._wake()
+        self.rooms.add(DecodeEntry(req, PREALLOC, self.clock()))
 
     def before_step(self, scheduler: Scheduler) -> list[StepOutput]:
         outputs: list[StepOutput] = []
-        while True:
-            try:
-                event = self.inbox.get_nowait()
-            except queue.Empty:
-                break
-            outputs += self._on_event(scheduler, event)
+        for event, arrived in self.received():
+            outputs += self._on_event(scheduler, event, arrived)
         outputs += self._expire(scheduler)
         self._admit(scheduler)
-        self.metrics.observe_queues(len(self.prealloc), len(self.transfer), len(self.quarantine))
+        counts = self.rooms.counts()
+        self.metrics.observe_queues(counts[PREALLOC], counts[TRANSFER], counts[QUARANTINE])
         return outputs
 
     def after_step(self, scheduler: Scheduler) -> None:
@@ -126,46 +82,47 @@ class DecodeRole:
     def during_forward(self, scheduler: Scheduler) -> list[StepOutput]:
         return []  # its news comes as bootstrap messages, handled before each step
 
+    def load_queues(self) -> tuple[int, int]:
+        """(rooms waiting for their KV, rooms waiting for pages): the load the node reports in
+        its heartbeats (called from the node's event loop)."""
+        counts = self.rooms.counts()
+        return counts[TRANSFER], counts[PREALLOC]
+
     def queue_summary(self) -> str:
-        return f"#prealloc-req {len(self.prealloc)}, #transfer-req {len(self.transfer)}"
+        counts = self.rooms.counts()
+        return f"#prealloc-req {counts[PREALLOC]}, #transfer-req {counts[TRANSFER]}"
 
     def abort(self, scheduler: Scheduler, rid: str) -> Req | None:
-        for entry in self.prealloc:
-            if entry.req.rid == rid:
-                self.prealloc.remove(entry)
-                entry.req.finish_reason = FinishReason.ABORT
-                return entry.req
-        for room, entry in self.transfer.items():
-            if entry.req.rid == rid:
-                self._give_up(room, "aborted by the client")
-                self._count_failure("aborted")
-                entry.req.finish_reason = FinishReason.ABORT
-                return entry.req
-        return None
+        entry = self.rooms.find(rid)
+        if entry is None or entry.phase is QUARANTINE:
+            return None
+        if entry.phase is PREALLOC:
+            self.rooms.move(entry, None)
+        else:
+            self._give_up(entry, "aborted by the client")
+            self._count_failure("aborted")
+        entry.req.finish_reason = FinishReason.ABORT
+        return entry.req
 
-    # ---- prealloc -> transfer ------------------------------------------------------------
+    # ---- PREALLOC -> TRANSFER ------------------------------------------------------------
     def _admit(self, scheduler: Scheduler) -> None:
-        kv = scheduler.kv
-        while self.prealloc:
-            entry = self.prealloc[0]
+        waiting = self.rooms.in_phase(PREALLOC)
+        if not waiting:
+            return
+        counts = self.rooms.counts()
+        busy = len(scheduler.running) + counts[TRANSFER] + counts[QUARANTINE]
+        decoding = sum(1 for r in scheduler.running if r.is_decoding)
+        for entry in waiting:
             req = entry.req
-            busy = len(scheduler.running) + len(self.transfer) + len(self.quarantine)
             prompt_pages = -(-(len(req.prompt_ids) + self.config.decode_headroom) // self.page_size)
-            decoding = sum(1 for r in scheduler.running if r.is_decoding)
             if busy >= scheduler.config.max_running_requests or (
-                kv.available_pages < prompt_pages + decoding
+                scheduler.kv.available_pages < prompt_pages + decoding
             ):
                 return
-            self.prealloc.popleft()
-            req.slot = kv.req_to_token.alloc_slot()
-            kv.attach_prefix(req)
-            cached = req.kv_len
-            if not kv.reserve(req, len(req.prompt_ids) - cached):
-                kv.release(req, cache=False)
-                self.prealloc.appendleft(entry)
+            if not scheduler.hold_prompt(req):
                 return
-            scheduler.parked.append(req)
-            self._publish(entry, cached)
+            busy += 1
+            self._publish(entry, cached=req.kv_len)
 
     def _publish(self, entry: DecodeEntry, cached: int) -> None:
         req = entry.req
@@ -182,47 +139,47 @@ class DecodeRole:
             prompt_len=len(req.prompt_ids),
             ticket=req.room_ticket,
         )
-        entry.published = self.clock()
         entry.epoch = self.link.epoch
+        self.rooms.move(entry, TRANSFER)
         req.timing.mark("published")
         self.metrics.prealloc_wait.observe(req.timing.span("arrived", "published"))
-        self.transfer[req.room] = entry
         self.link.post_destination(dest)
 
-    # ---- transfer -> running ------------------------------------------------------------
-    def _on_event(self, scheduler: Scheduler, event: RoomMessage) -> list[StepOutput]:
+    # ---- TRANSFER -> running, QUARANTINE or gone --------------------------------------------
+    def _on_event(
+        self, scheduler: Scheduler, event: RoomMessage, arrived: float
+    ) -> list[StepOutput]:
         if isinstance(event, RoomDestination):
             return []  # destinations go to prefill nodes
         if isinstance(event, LinkReset):
             return self._forgotten(scheduler, event.epoch)
+        entry = self.rooms.get(event.room)
+        if entry is None or entry.phase is PREALLOC:
+            return []
         if isinstance(event, FailRoomAnswer):
-            if event.safe_to_free and event.room in self.quarantine:
-                self._free(scheduler, self.quarantine.pop(event.room).req)
+            if event.safe_to_free and entry.phase is QUARANTINE:
+                self._free(scheduler, entry)
             return []
-        if event.room in self.quarantine:
-            if event.state in (RoomState.DONE, RoomState.FAILED) and not event.may_still_write:
-                self._free(scheduler, self.quarantine.pop(event.room).req)
+        if entry.phase is QUARANTINE:
+            if event.state in FINAL and not event.may_still_write:
+                self._free(scheduler, entry)
             return []
-        if event.state not in (RoomState.DONE, RoomState.FAILED):
-            progressing = self.transfer.get(event.room)
-            if progressing is not None:  # P started writing: the timeout restarts
-                progressing.published = self.clock()
-            return []
-        arrived = self._kv_arrived.pop(event.room, None)
-        entry = self.transfer.pop(event.room, None)
-        if entry is None:
+        if event.state not in FINAL:  # P started writing: the timeout restarts
+            self.rooms.restart_timer(entry)
             return []
         if event.state is RoomState.DONE:
+            self.rooms.move(entry, None)
             timing = entry.req.timing
             timing.mark("kv_arrived", arrived)
             self.metrics.transfer_wait.observe(timing.span("published", "kv_arrived"))
-            return [self._take_over(scheduler, entry.req)]
-        reason = event.reason or "prefill failed"
+            return [self._take_over(scheduler, entry)]
         self._count_failure("prefill_failed")
+        reason = event.reason or "prefill failed"
         if event.may_still_write:
-            self._hold(event.room, entry)
-            return [self._fail(scheduler, entry.req, reason, free=False)]
-        return [self._fail(scheduler, entry.req, reason)]
+            self.rooms.move(entry, QUARANTINE)
+            return [self._fail(entry.req, reason)]
+        self._free(scheduler, entry)
+        return [self._fail(entry.req, reason)]
 
     def _forgotten(self, scheduler: Scheduler, epoch: int) -> list[StepOutput]:
         """Bootstrap forgot the rooms published before registration `epoch`: no DONE can
@@ -230,22 +187,24 @@ class DecodeRole:
         its own lease or registration changed), so their pages wait in quarantine for the
         quarantine expiry: there is nobody left to confirm earlier."""
         outputs = []
-        for room, entry in list(self.transfer.items()):
+        for entry in self.rooms.in_phase(TRANSFER):
             if entry.epoch >= epoch:
                 continue
-            self._hold(room, self.transfer.pop(room))
+            self.rooms.move(entry, QUARANTINE)
             self._count_failure("bootstrap_reset")
             reason = "the bootstrap forgot the room (it restarted, or declared this node dead)"
-            outputs.append(self._fail(scheduler, entry.req, reason, free=False))
+            outputs.append(self._fail(entry.req, reason))
         return outputs
 
-    def _take_over(self, scheduler: Scheduler, req: Req) -> StepOutput:
+    def _take_over(self, scheduler: Scheduler, entry: DecodeEntry) -> StepOutput:
+        req = entry.req
         assert req.slot is not None
         try:
             first = self.aux.read(req.slot, req.room)
         except AuxMismatchError as exc:
             self._count_failure("aux_mismatch")
-            return self._fail(scheduler, req, str(exc))
+            scheduler.release(req, cache=False)
+            return self._fail(req, str(exc))
         self.metrics.rooms.labels("done").inc()
         req.timing.mark("first_token")
         req.timing.mark("admitted")
@@ -255,20 +214,18 @@ class DecodeRole:
             req.peer_node_id,
             extra={"room": req.room},
         )
-        scheduler.parked.remove(req)
         req.kv_len = len(req.prompt_ids)
         req.cached_tokens = first.cached_tokens
         req.output_ids.append(first.token)
         req.output_logprobs.append(first.logprob)
         req.output_top_logprobs.append(first.top_logprobs)
         req.sampler.adopt(first.token)
-        scheduler.admit_prefilled(req)
+        scheduler.resume(req)
         scheduler.check_finish(req, first.token)
         return StepOutput(req, [first.token], req.finished)
 
-    def _fail(self, scheduler: Scheduler, req: Req, reason: str, free: bool = True) -> StepOutput:
-        if free:
-            self._free(scheduler, req)
+    def _fail(self, req: Req, reason: str) -> StepOutput:
+        """The client's end of a failed room (its pages are freed or quarantined apart)."""
         req.finish_reason = FinishReason.ABORT
         req.finish_detail = (
             f"room {req.room} (prefill node {req.peer_node_id} -> decode node "
@@ -281,36 +238,33 @@ class DecodeRole:
         self.metrics.rooms.labels("failed").inc()
         self.metrics.failures.labels(reason).inc()
 
-    def _free(self, scheduler: Scheduler, req: Req) -> None:
-        if req in scheduler.parked:
-            scheduler.parked.remove(req)
-        scheduler.kv.release(req, cache=False)
+    def _free(self, scheduler: Scheduler, entry: DecodeEntry) -> None:
+        self.rooms.move(entry, None)
+        scheduler.release(entry.req, cache=False)
 
-    def _give_up(self, room: int, reason: str) -> None:
-        self._hold(room, self.transfer.pop(room))
-        self.link.fail_room(room, reason)
-
-    def _hold(self, room: int, entry: DecodeEntry) -> None:
-        entry.published = self.clock()  # quarantine clock
-        self.quarantine[room] = entry
+    def _give_up(self, entry: DecodeEntry, reason: str) -> None:
+        self.rooms.move(entry, QUARANTINE)
+        self.link.fail_room(entry.room, reason)
 
     def _expire(self, scheduler: Scheduler) -> list[StepOutput]:
         outputs = []
-        now = self.clock()
-        for room, entry in list(self.quarantine.items()):
-            if now - entry.published > self.config.transfer_timeout_s:
-                logger.warning("room %d: no word from bootstrap; freeing quarantined pages", room)
-                self._free(scheduler, self.quarantine.pop(room).req)
-        for room, entry in list(self.transfer.items()):
-            if now - entry.published > self.config.transfer_timeout_s:
+        now, timeout = self.clock(), self.config.transfer_timeout_s
+        for entry in self.rooms.in_phase(QUARANTINE):
+            if now - entry.since > timeout:
+                logger.warning(
+                    "room %d: no word from bootstrap; freeing quarantined pages", entry.room
+                )
+                self._free(scheduler, entry)
+        for entry in self.rooms.in_phase(TRANSFER):
+            if now - entry.since > timeout:
                 reason = (
                     f"no KV from prefill node {entry.req.peer_node_id} within "
-                    f"{self.config.transfer_timeout_s:.1f} s (transfer timeout)"
+                    f"{timeout:.1f} s (transfer timeout)"
                 )
-                self._give_up(room, reason)
+                self._give_up(entry, reason)
                 self._count_failure("transfer_timeout")
                 req = entry.req
                 req.finish_reason = FinishReason.ABORT
-                req.finish_detail = f"room {room} (decode node {self.link.node_id}): {reason}"
+                req.finish_detail = f"room {entry.room} (decode node {self.link.node_id}): {reason}"
                 outputs.append(StepOutput(req, [], True))
         return outputs

@@ -22,14 +22,11 @@ from engine.node.args import (
     add_node_args,
     configure_logging,
     loop_config,
-    node_address,
     server_config,
-    transfer_config,
 )
-from engine.node.server import run_node_main, serve_node, serve_registered
+from engine.node.disagg import RoleParts, serve_disaggregated
+from engine.node.server import run_node_main, serve_node
 from engine.node.service import NodeService
-from engine.node.transfer_setup import make_link, node_info, node_load, setup_transfer
-from proto import bootstrap_pb2
 
 logger = logging.getLogger("pdserve.decode")
 
@@ -55,25 +52,16 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
             engine_loop, service, server_config(args), auth=internal_auth_from_args(args)
         )
         return
-    runner = scheduler.runner
-    transfer = setup_transfer(transfer_config(args, "decode"), runner)
-    info = node_info(bootstrap_pb2.DECODE, node_address(args), transfer, runner, args.node_id)
-    load = lambda: node_load(scheduler, lambda: (len(role.transfer), len(role.prealloc)))  # noqa: E731
-    auth = internal_auth_from_args(args)
-    link = make_link(args.bootstrap, info, lambda msg: role.deliver(msg), load, auth)
-    metrics = NodeMetrics("decode")
-    role = DecodeRole(
-        DecodeRoleConfig(args.decode_headroom, args.transfer_timeout),
-        link=link,
-        aux=transfer.aux,
-        page_size=runner.config.page_size,
-        metrics=DecodeMetrics(metrics.registry),
-    )
-    engine_loop = EngineLoop(scheduler, loop_config(args, "decode"), role, metrics)
-    service = NodeService(engine_loop, "decode", model_path, link)
+    await serve_disaggregated(args, engine, model_path, "decode", build_role)
 
-    await serve_registered(
-        engine_loop, service, server_config(args), link, transfer.engine.close, auth
+
+def build_role(parts: RoleParts) -> DecodeRole:
+    return DecodeRole(
+        DecodeRoleConfig(parts.args.decode_headroom, parts.args.transfer_timeout),
+        link=parts.link,
+        aux=parts.transfer.aux,
+        page_size=parts.runner.config.page_size,
+        metrics=DecodeMetrics(parts.registry),
     )
 
 

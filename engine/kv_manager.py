@@ -70,6 +70,24 @@ class KVManager:
         self._write_table(req, req.kv_len, req.kv_len + new_tokens)
         return True
 
+    def reserve_decodes(self, reqs: list[Req]) -> bool:
+        """One more KV entry for each of `reqs` (a decode step's), all or nothing: False (and
+        nothing changed) if memory is short. One allocation for the step, not one per request."""
+        ps = self.page_size
+        needy = [r for r in reqs if r.kv_len >= len(r.pages) * ps]  # the last page is full
+        short = len(needy) - self.allocator.num_free
+        if short > 0 and self.radix is not None:
+            self.radix.evict(short)
+        if len(needy) > self.allocator.num_free:
+            return False
+        for req, page in zip(needy, self.allocator.allocate(len(needy)), strict=True):
+            req.pages.append(page)
+        for req in reqs:
+            assert req.slot is not None
+            start = req.kv_len
+            self._pending[(req.slot, start)] = req.pages[start // ps] * ps + start % ps
+        return True
+
     def _write_table(self, req: Req, start: int, end: int) -> None:
         assert req.slot is not None
         if end <= start:

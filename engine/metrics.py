@@ -163,6 +163,19 @@ class PrefillMetrics:
         self.active.set(active)
         self.inflight.set(inflight)
 
+    def count_room(self, req: Req, failure_kind: str | None) -> None:
+        """A room settled: done (`failure_kind` None), or failed for that reason."""
+        if failure_kind is not None:
+            self.rooms.labels("failed").inc()
+            self.failures.labels(failure_kind).inc()
+            return
+        self.rooms.labels("done").inc()
+        self.transfer_seconds.observe(req.timing.span("first_token", "transfer_done"))
+        if req.transfer is not None:
+            self.transfer_bytes.inc(req.transfer.bytes)
+            self.transfer_pages.inc(req.transfer.pages)
+            self.transfer_descriptors.inc(req.transfer.descriptors)
+
 
 class DecodeMetrics:
     """A decode node's PD queues (decode_node/decode_role.py)."""

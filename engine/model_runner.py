@@ -104,7 +104,7 @@ class ModelRunner:
         slots: list[int] = []
         slot_per_token: list[int] = []
         for req, n in zip(reqs, extend_lens, strict=True):
-            ids.extend(req.all_ids[req.kv_len : req.kv_len + n])
+            ids.extend(req.token_ids(req.kv_len, req.kv_len + n))
             positions.extend(range(req.kv_len, req.kv_len + n))
             assert req.slot is not None
             slots.append(req.slot)

@@ -61,6 +61,15 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """`all_ids[start:end]` without copying the whole sequence (a decode step needs one)."""
+        split = len(self.prompt_ids)
+        if start >= split:
+            return self.output_ids[start - split : end - split]
+        if end <= split:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - split]
+
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -6,11 +6,15 @@ Queues and states of a request on one node:
                          running (decoding: one pending token per step)  --finish-->  done
     running  --retract (KV pool exhausted)-->  front of waiting, nothing lost
     any      --abort-->  done (pages freed at once)
-    running  --first token of a `stop_after_prefill` request-->  prefilled (pages kept)
+    running  --first token of a `stop_after_prefill` request-->  parked (pages kept)
 
-`prefilled` and `parked` belong to the node role on top (prefill / decode node, see
-prefill_node/ and decode_node/): requests there keep their pages while a KV transfer is in
-flight, and count as live in the integrity check.
+Parked requests belong to the node role on top (prefill / decode node, see prefill_node/ and
+decode_node/): they keep their pages while a KV transfer is in flight, run in no batch, and
+count as live in the integrity check. The role moves them only through the hand-off methods:
+`take_prefilled` (P: the requests that just got their first token), `park` (P: a failed room's
+request leaves the queues; D: `hold_prompt` parks a request whose KV is to come), `resume` (D:
+the KV arrived, the request joins the batch) and `release` (the room is over: pages freed or
+cached).
 
 One `step()` is one forward. It carries every decoding request (one token each) plus prefill
 chunks under the `chunked_prefill_size` token budget: continuing partially prefilled requests
@@ -61,6 +65,32 @@ class StepStats:
     forward_s: float = 0.0
     step_s: float = 0.0
 
+    @classmethod
+    def of_batch(
+        cls, reqs: list[Req], lens: list[int], num_decoding: int, cached: int
+    ) -> StepStats:
+        """What a step computes, taken before the forward moves each `kv_len` on. The decoding
+        requests come first in the batch (a 1-token prefill chunk is no decode)."""
+        prefills = zip(reqs[num_decoding:], lens[num_decoding:], strict=True)
+        return cls(
+            num_prefill_reqs=len(lens) - num_decoding,
+            num_prefill_tokens=sum(lens[num_decoding:]),
+            num_decode_reqs=num_decoding,
+            decode_context=sum(r.kv_len + 1 for r in reqs[:num_decoding]),
+            prefill_chunks=tuple((n, r.kv_len) for r, n in prefills),
+            cached_tokens=cached,
+        )
+
+
+def check_prompt_fits(prompt_ids: list[int], context_length: int) -> None:
+    if not prompt_ids:
+        raise ValueError("prompt is empty: give at least one token")
+    if len(prompt_ids) >= context_length:
+        raise ValueError(
+            f"prompt has {len(prompt_ids)} tokens, the context length is {context_length}: "
+            f"shorten it to at most {context_length - 1} tokens"
+        )
+
 
 class Scheduler:
     def __init__(
@@ -73,8 +103,8 @@ class Scheduler:
         self.eos_ids = frozenset(runner.model_config.eos_token_ids)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.prefilled: list[Req] = []  # stop_after_prefill requests that got their first token
-        self.parked: list[Req] = []  # requests the node role holds pages for (transfers)
+        self._parked: dict[int, Req] = {}  # by id(): requests the node role holds pages for
+        self._prefilled: list[Req] = []  # parked since the last take_prefilled()
         self.num_retractions = 0
         self.last_stats = StepStats()
         self._admitted_cached = 0  # prefix-cache hits of the requests admitted this step
@@ -84,14 +114,7 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         """Raise ValueError if the prompt can never run here (thread-safe: reads config only)."""
-        limit = self.runner.context_length
-        if not prompt_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if len(prompt_ids) >= limit:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens, the context length is {limit}: "
-                f"shorten it to at most {limit - 1} tokens"
-            )
+        check_prompt_fits(prompt_ids, self.runner.context_length)
 
     def add_request(self, req: Req) -> None:
         self.validate_prompt(req.prompt_ids)
@@ -118,23 +141,47 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def live_requests(self) -> list[Req]:
-        return self.running + self.prefilled + self.parked
+        return self.running + list(self._parked.values())
 
     def check_integrity(self) -> None:
         self.runner.check_integrity(self.live_requests())
 
-    def detach(self, rid: str) -> Req | None:
-        """Take a request out of the queues without freeing its pages (the caller owns them)."""
-        for queue in (self.waiting, self.running, self.prefilled):
-            for req in queue:
-                if req.rid == rid:
-                    queue.remove(req)
-                    return req
-        return None
+    # ---- hand-offs with the node role ----------------------------------------------------
+    def park(self, req: Req) -> None:
+        """Take `req` out of the queues (wherever it is) and hold it, pages kept, for the role."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._parked[id(req)] = req
 
-    def admit_prefilled(self, req: Req) -> None:
-        """Decode node: a request whose prompt KV and first token arrived joins the batch."""
+    def hold_prompt(self, req: Req) -> bool:
+        """Decode node: a slot and pages for `req`'s prompt beyond its cached prefix, parked
+        while the prompt's KV comes from a prefill node; False (nothing held) if short."""
+        req.slot = self.kv.req_to_token.alloc_slot()
+        self.kv.attach_prefix(req)
+        if not self.kv.reserve(req, len(req.prompt_ids) - req.kv_len):
+            self.kv.release(req, cache=False)
+            return False
+        self.park(req)
+        return True
+
+    def resume(self, req: Req) -> None:
+        """Decode node: a parked request whose prompt KV and first token arrived joins the batch."""
+        del self._parked[id(req)]
         self.running.append(req)
+
+    def release(self, req: Req, cache: bool) -> None:
+        """The role is done with `req`: its pages go back (full pages into the prefix cache with
+        `cache`)."""
+        self._parked.pop(id(req), None)
+        self.kv.release(req, cache=cache)
+
+    def take_prefilled(self) -> list[Req]:
+        """The `stop_after_prefill` requests that got their first token since the last call
+        (parked already, pages kept)."""
+        taken, self._prefilled = self._prefilled, []
+        return taken
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -154,18 +201,7 @@ class Scheduler:
         return outputs
 
     def _composition(self, reqs: list[Req], lens: list[int]) -> StepStats:
-        """What the step computes, taken before the forward moves each `kv_len` on."""
-        # The decoding requests come first in the batch (a 1-token prefill chunk is no decode).
-        decode_n = self._num_decoding
-        prefills = zip(reqs[decode_n:], lens[decode_n:], strict=True)
-        return StepStats(
-            num_prefill_reqs=len(lens) - decode_n,
-            num_prefill_tokens=sum(lens[decode_n:]),
-            num_decode_reqs=decode_n,
-            decode_context=sum(r.kv_len + 1 for r in reqs[:decode_n]),
-            prefill_chunks=tuple((n, r.kv_len) for r, n in prefills),
-            cached_tokens=self._admitted_cached,
-        )
+        return StepStats.of_batch(reqs, lens, self._num_decoding, self._admitted_cached)
 
     def _record_stats(self, composition: StepStats, forward_s: float, start: float) -> None:
         """`last_stats` of the step of `composition` that began at `start`."""
@@ -179,7 +215,8 @@ class Scheduler:
         batch: list[Req] = list(decoding)
         lens = [1] * len(decoding)
         budget = self.config.chunked_prefill_size
-        for req in [r for r in self.running if r not in decoding]:
+        decoding_ids = {id(r) for r in decoding}
+        for req in [r for r in self.running if id(r) not in decoding_ids]:
             if budget <= 0:
                 break
             chunk = min(req.pending_len, budget)
@@ -228,6 +265,8 @@ class Scheduler:
     def _reserve_decodes(self) -> list[Req]:
         """Reserve one KV slot per decoding request, retracting requests while memory is short."""
         decoding = [r for r in self.running if r.is_decoding]
+        if self.kv.reserve_decodes(decoding):  # all at once: the common case
+            return decoding
         for req in list(decoding):
             while req in self.running and not self.kv.reserve(req, 1):
                 victim = self._retract_one()
@@ -275,8 +314,8 @@ class Scheduler:
             req.output_logprobs.append(sampled.logprobs[j])
             req.output_top_logprobs.append(sampled.top_logprobs[j])
             if req.stop_after_prefill:  # the decode node judges the first token, not us
-                self.running.remove(req)
-                self.prefilled.append(req)
+                self.park(req)
+                self._prefilled.append(req)
             else:
                 self.check_finish(req, token)
             outputs.append(StepOutput(req, [token], req.finished))

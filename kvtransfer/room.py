@@ -1,24 +1,24 @@
 """Typed room messages exchanged (through bootstrap) between a prefill and a decode node.
 
-`RoomState` is ordered so that ranks of one node can agree on a room's state by taking the
-MIN across ranks: a room is only as far along as its slowest rank.
+These are the node's one type per message; the wire types are in `proto/bootstrap.proto`, and
+`engine/node/bootstrap_link.py` converts between the two at the node's edge.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import Enum
 from typing import Protocol
 
 from kvtransfer.base import PeerInfo
 
 
-class RoomState(IntEnum):
-    FAILED = 0
-    BOOTSTRAPPING = 1  # waiting for the other side / for bootstrap to pair them
-    WAITING_FOR_DEST = 2
-    TRANSFERRING = 3
-    DONE = 4
+class RoomState(Enum):
+    """What a prefill node reports about a room (and D hears back)."""
+
+    TRANSFERRING = "transferring"  # the first pages are out: D restarts its transfer timer
+    DONE = "done"  # every write landed; the first token is in D's aux slot
+    FAILED = "failed"  # nothing more will be written (with `may_still_write`: it might)
 
 
 @dataclass(frozen=True)

@@ -11,24 +11,13 @@ from collections.abc import Callable
 
 import torch
 
-from bootstrap.security import add_internal_auth_args, internal_auth_from_args
+from bootstrap.security import add_internal_auth_args
 from engine.builder import Engine
-from engine.engine_loop import EngineLoop
-from engine.metrics import NodeMetrics, PrefillMetrics
-from engine.node.args import (
-    add_disagg_args,
-    add_node_args,
-    configure_logging,
-    loop_config,
-    node_address,
-    server_config,
-    transfer_config,
-)
-from engine.node.server import run_node_main, serve_registered
-from engine.node.service import NodeService
-from engine.node.transfer_setup import make_link, node_info, node_load, setup_transfer
+from engine.metrics import PrefillMetrics
+from engine.node.args import add_disagg_args, add_node_args, configure_logging
+from engine.node.disagg import RoleParts, serve_disaggregated
+from engine.node.server import run_node_main
 from prefill_node.prefill_role import PrefillRole, PrefillRoleConfig
-from proto import bootstrap_pb2
 
 logger = logging.getLogger("pdserve.prefill")
 
@@ -50,31 +39,22 @@ def kv_ready(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> None:
-    scheduler = engine.scheduler
-    runner = scheduler.runner
-    transfer = setup_transfer(transfer_config(args, "prefill"), runner)
-    info = node_info(bootstrap_pb2.PREFILL, node_address(args), transfer, runner, args.node_id)
-    load = lambda: node_load(scheduler, lambda: (len(role.inflight), len(role.bootstrap)))  # noqa: E731
-    auth = internal_auth_from_args(args)
-    link = make_link(args.bootstrap, info, lambda msg: role.deliver(msg), load, auth)
-    metrics = NodeMetrics("prefill")
-    role = PrefillRole(
+def build_role(parts: RoleParts) -> PrefillRole:
+    args, runner = parts.args, parts.runner
+    return PrefillRole(
         PrefillRoleConfig(args.bootstrap_timeout, args.transfer_timeout),
-        link=link,
-        engine=transfer.engine,
-        aux=transfer.aux,
-        kv=transfer.node_kv(runner),
+        link=parts.link,
+        engine=parts.transfer.engine,
+        aux=parts.transfer.aux,
+        kv=parts.transfer.node_kv(runner),
         page_size=runner.config.page_size,
-        metrics=PrefillMetrics(metrics.registry),
+        metrics=PrefillMetrics(parts.registry),
         kv_ready=kv_ready(runner.device),
     )
-    engine_loop = EngineLoop(scheduler, loop_config(args, "prefill"), role, metrics)
-    service = NodeService(engine_loop, "prefill", model_path, link)
 
-    await serve_registered(
-        engine_loop, service, server_config(args), link, transfer.engine.close, auth
-    )
+
+async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> None:
+    await serve_disaggregated(args, engine, model_path, "prefill", build_role)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -56,6 +55,7 @@ from kvtransfer.base import MemoryRegion, PeerInfo, TransferHandle, TransferRang
 from kvtransfer.head_routes import NodeKV
 from kvtransfer.room import RoomDestination, RoomState, RoomStatus
 from prefill_node.prefill_role import PrefillRole, PrefillRoleConfig
+from prefill_node.rooms import PrefillPhase
 from proto import node_pb2
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only; the servers inherit it
@@ -789,22 +789,31 @@ class FakeEngine:
 
 
 class FakeScheduler:
+    """The scheduler's hand-off API to the node role, recording what the role asked for."""
+
     def __init__(self) -> None:
         self.waiting: list[Req] = []
-        self.prefilled: list[Req] = []
+        self.prefilled: list[Req] = []  # first tokens sampled, not yet taken by the role
         self.parked: list[Req] = []
         self.released: list[tuple[Req, bool]] = []  # (request, cached) per page release
-        self.kv = SimpleNamespace(release=lambda req, cache: self.released.append((req, cache)))
 
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
 
-    def detach(self, rid: str) -> Req | None:
-        for req in self.waiting + self.prefilled:
-            if req.rid == rid:
-                (self.waiting if req in self.waiting else self.prefilled).remove(req)
-                return req
-        return None
+    def park(self, req: Req) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req not in self.parked:
+            self.parked.append(req)
+
+    def take_prefilled(self) -> list[Req]:
+        taken, self.prefilled = self.prefilled, []
+        return taken
+
+    def release(self, req: Req, cache: bool) -> None:
+        if req in self.parked:
+            self.parked.remove(req)
+        self.released.append((req, cache))
 
 
 def prefill_role_with_room() -> tuple[PrefillRole, FakeLink, FakeEngine, Any, Req]:
@@ -821,30 +830,35 @@ def prefill_role_with_room() -> tuple[PrefillRole, FakeLink, FakeEngine, Any, Re
     req = Req(rid="r", prompt_ids=list(range(64)), params=SamplingParams(), sampler=None)  # type: ignore[arg-type]
     req.room, req.peer_node_id, req.stop_after_prefill = ROOM, DEST.decode_node_id, True
     role.submit(scheduler, req)  # type: ignore[arg-type]
-    role.inbox.put(DEST)
+    role.deliver(DEST)
     role.before_step(scheduler)  # type: ignore[arg-type]
-    assert ROOM in role.active and scheduler.waiting == [req]
+    assert phase(role) is PrefillPhase.ACTIVE and scheduler.waiting == [req]
     return role, link, engine, scheduler, req
+
+
+def phase(role: PrefillRole) -> PrefillPhase | None:
+    entry = role.rooms.get(ROOM)
+    return entry.phase if entry is not None else None
 
 
 def test_prefill_role_ignores_a_replayed_destination() -> None:
     role, link, _, scheduler, req = prefill_role_with_room()
-    sender = role.active[ROOM].sender
-    role.inbox.put(DEST)  # the same destination again, after P's stream reconnected
+    sender = role.rooms.get(ROOM).sender  # type: ignore[union-attr]
+    role.deliver(DEST)  # the same destination again, after P's stream reconnected
     role.before_step(scheduler)
-    assert role.active[ROOM].sender is sender
+    assert phase(role) is PrefillPhase.ACTIVE and role.rooms.get(ROOM).sender is sender  # type: ignore[union-attr]
     assert scheduler.waiting == [req]
     assert link.final == []
 
 
 def sample_first_token(role: PrefillRole, scheduler: Any, req: Req) -> None:
     """The last chunk ran: the last pages and the aux slot go out (still in flight)."""
-    scheduler.waiting.remove(req)
     req.slot, req.pages, req.kv_len = 0, [0, 1, 2, 3], 64
     req.output_ids, req.output_logprobs, req.output_top_logprobs = [5], [None], [None]
+    scheduler.park(req)  # what the scheduler does with a first token of stop_after_prefill
     scheduler.prefilled.append(req)
     role.after_step(scheduler)
-    assert ROOM in role.inflight and scheduler.parked == [req]
+    assert phase(role) is PrefillPhase.SETTLING and scheduler.parked == [req]
 
 
 def test_prefill_role_reports_done_mid_forward_and_frees_pages_at_the_step_end() -> None:
@@ -859,7 +873,7 @@ def test_prefill_role_reports_done_mid_forward_and_frees_pages_at_the_step_end()
     assert role.during_forward(scheduler) == []  # reported once
     assert role.before_step(scheduler) == []  # the step ended: pages go, nothing re-reported
     assert scheduler.released == [(req, True)] and scheduler.parked == []
-    assert link.final == [RoomState.DONE] and not role.inflight
+    assert link.final == [RoomState.DONE] and phase(role) is None
 
 
 def test_prefill_role_leaves_a_failed_write_to_the_step_boundary() -> None:
@@ -877,7 +891,7 @@ def test_prefill_role_confirms_a_cancel_only_after_its_writes_settle() -> None:
     role, link, engine, scheduler, req = prefill_role_with_room()
     sample_first_token(role, scheduler, req)
 
-    role.inbox.put(replace(DEST, cancelled=True))  # D gave the room up
+    role.deliver(replace(DEST, cancelled=True))  # D gave the room up
     role.before_step(scheduler)
     assert link.final == [], "confirmed before the writes into D's pages settled"
     engine.settled = True

@@ -11,12 +11,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from engine.kv_manager import KVManager
 from engine.memory.allocator import IntegrityError, OutOfPagesError, PageAllocator, PageState
+from engine.memory.kv_cache import ReqToTokenPool
 from engine.memory.radix_cache import RadixCache, RadixNode
+from engine.request import Req
+from engine.sampling import SamplingParams
 
 
 def check(allocator: PageAllocator, cache: RadixCache | None = None) -> None:
@@ -492,3 +497,49 @@ def machine_for(size: int) -> type[MemoryMachine]:
 
 TestMemoryPageSize1 = machine_for(1).TestCase
 TestMemoryPageSize4 = machine_for(4).TestCase
+
+
+def decode_ready_requests(kv: KVManager, lens: list[int]) -> list[Req]:
+    """Requests whose `lens` tokens are in the KV, each about to decode one more."""
+    reqs = []
+    for i, n in enumerate(lens):
+        req = Req(rid=f"r{i}", prompt_ids=list(range(n)), params=SamplingParams(), sampler=None)  # type: ignore[arg-type]
+        req.slot = kv.req_to_token.alloc_slot()
+        assert kv.reserve(req, n)
+        req.kv_len = n
+        reqs.append(req)
+    kv.flush_table()
+    return reqs
+
+
+def test_a_decode_steps_batched_reservation_equals_one_at_a_time() -> None:
+    """`reserve_decodes` (one allocation per step) gives every request the same pages and
+    table entries as `reserve(req, 1)` request by request, and is all or nothing."""
+    lens = [4, 3, 8, 1, 7, 4]  # page size 4: full last pages need a new page
+    results = []
+    for batched in (False, True):
+        kv = KVManager(PageAllocator(16), ReqToTokenPool(8, 32, torch.device("cpu")), 4, None)
+        reqs = decode_ready_requests(kv, lens)
+        if batched:
+            assert kv.reserve_decodes(reqs)
+        else:
+            assert all(kv.reserve(req, 1) for req in reqs)
+        kv.flush_table()
+        results.append(([r.pages for r in reqs], kv.req_to_token.table.clone()))
+        kv.allocator.check_integrity()
+    assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])
+
+    kv = KVManager(PageAllocator(8), ReqToTokenPool(8, 32, torch.device("cpu")), 4, None)
+    reqs = decode_ready_requests(kv, [4, 8, 4])  # 4 pages used, 3 free; each needs one more
+    kv.allocator.allocate(1)  # 2 free for the 3 new pages the step needs
+    before = [list(r.pages) for r in reqs]
+    assert not kv.reserve_decodes(reqs)
+    assert [r.pages for r in reqs] == before and kv.allocator.num_free == 2
+
+
+def test_token_ids_is_a_slice_of_all_ids_without_the_copy() -> None:
+    req = Req(rid="r", prompt_ids=[1, 2, 3], params=SamplingParams(), sampler=None)  # type: ignore[arg-type]
+    req.output_ids = [4, 5]
+    for start in range(6):
+        for end in range(start, 6):
+            assert req.token_ids(start, end) == req.all_ids[start:end], (start, end)

@@ -60,3 +60,20 @@ def test_committed_stubs_match_the_protos(tmp_path: Path) -> None:
         f"stale gRPC stubs in proto/ (missing, orphaned or different from what grpcio-tools "
         f"{tools} generates): {stale}; run `make proto` and commit the result"
     )
+
+
+def test_room_messages_cross_the_node_edge_unchanged() -> None:
+    """The node's room dataclasses and their wire types carry the same fields both ways."""
+    from engine.node.bootstrap_link import (
+        destination_from_proto,
+        destination_to_proto,
+        status_from_proto,
+        status_to_proto,
+    )
+    from kvtransfer.room import RoomDestination, RoomState, RoomStatus
+
+    dest = RoomDestination(7, "decode-1", "prefill-1", (3, 4, 5), 16, 2, 40, ticket="t")
+    assert destination_from_proto(destination_to_proto(dest)) == dest
+    for state in RoomState:
+        status = RoomStatus(7, "prefill-1", "decode-1", state, "why", may_still_write=True)
+        assert status_from_proto(status_to_proto(status)) == status

@@ -25,7 +25,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from decode_node.decode_role import DecodeEntry, DecodeRole, DecodeRoleConfig
+from decode_node.decode_role import DecodeRole, DecodeRoleConfig
+from decode_node.rooms import DecodeEntry, DecodePhase
 from engine.request import FinishReason, Req
 from engine.sampling import SamplingParams
 from gateway.pd_client import NodeTarget, PDResult, pd_generate
@@ -298,11 +299,12 @@ def test_decode_role_fails_rooms_a_restarted_bootstrap_forgot() -> None:
     for room, epoch in ((101, 1), (102, 2)):
         req = Req(rid=f"r{room}", prompt_ids=[1] * 20, params=SamplingParams(), sampler=None)  # type: ignore[arg-type]
         req.room, req.peer_node_id = room, "prefill-1"
-        role.transfer[room] = DecodeEntry(req, epoch=epoch)
+        role.rooms.add(DecodeEntry(req, DecodePhase.TRANSFER, 0.0, epoch=epoch))
         reqs[room] = req
-    outputs = role._on_event(None, LinkReset(epoch=2))  # type: ignore[arg-type]
+    outputs = role._on_event(None, LinkReset(epoch=2), 0.0)  # type: ignore[arg-type]
     assert [o.req for o in outputs] == [reqs[101]] and outputs[0].finished
     assert reqs[101].finish_reason == FinishReason.ABORT
     detail = reqs[101].finish_detail
     assert "room 101" in detail and "bootstrap forgot" in detail, detail
-    assert list(role.quarantine) == [101] and list(role.transfer) == [102]
+    assert [e.room for e in role.rooms.in_phase(DecodePhase.QUARANTINE)] == [101]
+    assert [e.room for e in role.rooms.in_phase(DecodePhase.TRANSFER)] == [102]

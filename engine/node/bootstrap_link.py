@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import asdict, fields
 from typing import Any
 
 import grpc
@@ -30,12 +31,13 @@ from proto import bootstrap_pb2
 
 logger = logging.getLogger("pdserve.link")
 
-_STATES = {
+# Room states on the wire and inside the node (proto's unused WAITING_FOR_DEST reads as FAILED).
+_STATE_FROM_WIRE = {
     bootstrap_pb2.DONE: RoomState.DONE,
     bootstrap_pb2.FAILED: RoomState.FAILED,
     bootstrap_pb2.TRANSFERRING: RoomState.TRANSFERRING,
-    bootstrap_pb2.WAITING_FOR_DEST: RoomState.WAITING_FOR_DEST,
 }
+_STATE_TO_WIRE = {state: wire for wire, state in _STATE_FROM_WIRE.items()}
 
 
 def peer_from_proto(info: bootstrap_pb2.NodeInfo) -> PeerInfo:
@@ -54,17 +56,26 @@ def peer_from_proto(info: bootstrap_pb2.NodeInfo) -> PeerInfo:
     return PeerInfo(info.node_id, info.transfer_endpoint, regions, ranks)
 
 
+def _values(msg: Any, cls: type) -> dict[str, Any]:
+    """The fields of dataclass `cls`, read off the proto message `msg` of the same names."""
+    return {f.name: getattr(msg, f.name) for f in fields(cls)}
+
+
 def destination_from_proto(msg: bootstrap_pb2.RoomDestination) -> RoomDestination:
-    return RoomDestination(
-        room=msg.room,
-        decode_node_id=msg.decode_node_id,
-        prefill_node_id=msg.prefill_node_id,
-        page_ids=tuple(msg.page_ids),
-        cached_tokens=msg.cached_tokens,
-        aux_slot=msg.aux_slot,
-        prompt_len=msg.prompt_len,
-        cancelled=msg.cancelled,
-    )
+    return RoomDestination(**{**_values(msg, RoomDestination), "page_ids": tuple(msg.page_ids)})
+
+
+def destination_to_proto(dest: RoomDestination) -> bootstrap_pb2.RoomDestination:
+    return bootstrap_pb2.RoomDestination(**asdict(dest))
+
+
+def status_from_proto(msg: bootstrap_pb2.RoomStatus) -> RoomStatus:
+    state = _STATE_FROM_WIRE.get(msg.state, RoomState.FAILED)
+    return RoomStatus(**{**_values(msg, RoomStatus), "state": state})
+
+
+def status_to_proto(status: RoomStatus) -> bootstrap_pb2.RoomStatus:
+    return bootstrap_pb2.RoomStatus(**{**asdict(status), "state": _STATE_TO_WIRE[status.state]})
 
 
 class NodeLink:
@@ -141,16 +152,7 @@ class NodeLink:
 
     # ---- on the event loop -------------------------------------------------------------
     async def _post_destination(self, dest: RoomDestination) -> None:
-        msg = bootstrap_pb2.RoomDestination(
-            room=dest.room,
-            decode_node_id=dest.decode_node_id,
-            prefill_node_id=dest.prefill_node_id,
-            page_ids=dest.page_ids,
-            cached_tokens=dest.cached_tokens,
-            aux_slot=dest.aux_slot,
-            prompt_len=dest.prompt_len,
-            ticket=dest.ticket,
-        )
+        msg = destination_to_proto(dest)
         try:
             await self.client.post_destination(msg)
         except grpc.aio.AioRpcError as exc:
@@ -163,21 +165,13 @@ class NodeLink:
             )
 
     async def _post_status(self, status: RoomStatus) -> None:
-        state = {
-            RoomState.DONE: bootstrap_pb2.DONE,
-            RoomState.TRANSFERRING: bootstrap_pb2.TRANSFERRING,
-        }.get(status.state, bootstrap_pb2.FAILED)
-        msg = bootstrap_pb2.RoomStatus(
-            room=status.room,
-            prefill_node_id=status.prefill_node_id,
-            decode_node_id=status.decode_node_id,
-            state=state,
-            reason=status.reason,
-        )
+        msg = status_to_proto(status)
         try:
             await self.client.post_room_status(msg)
         except grpc.aio.AioRpcError as exc:
-            logger.warning("room %d: posting %s failed: %s", status.room, state, exc.details())
+            logger.warning(
+                "room %d: posting %s failed: %s", status.room, status.state.name, exc.details()
+            )
 
     async def _fail_room(self, room: int, reason: str) -> None:
         try:
@@ -204,17 +198,7 @@ class NodeLink:
 
     async def _watch_statuses(self) -> None:
         async for msg in self.client.watch_room_status(self.node_id):
-            state = _STATES.get(msg.state, RoomState.FAILED)
-            self.deliver(
-                RoomStatus(
-                    msg.room,
-                    msg.prefill_node_id,
-                    msg.decode_node_id,
-                    state,
-                    msg.reason,
-                    may_still_write=msg.may_still_write,
-                )
-            )
+            self.deliver(status_from_proto(msg))
 
     async def _reregistered(self, node_id: str) -> None:
         logger.warning("node %s re-registered: rooms bootstrap knew are gone", node_id)

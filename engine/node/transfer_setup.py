@@ -118,12 +118,12 @@ def make_link(
     return NodeLink(BootstrapClient(bootstrap_address, auth=auth), info, deliver, load)
 
 
-def node_load(
-    scheduler: Scheduler, role_queues: Callable[[], tuple[int, int]]
-) -> bootstrap_pb2.NodeLoad:
-    """Heartbeat payload; read from another thread without locks (plain ints, may be stale)."""
+def node_load(scheduler: Scheduler, role_queues: tuple[int, int]) -> bootstrap_pb2.NodeLoad:
+    """Heartbeat payload; read from another thread without locks (plain ints, may be stale).
+
+    `role_queues`: the role's (rooms in transfer, rooms waiting), see its `load_queues`."""
     alloc = scheduler.kv.allocator
-    transfer_q, bootstrap_q = role_queues()
+    transfer_q, bootstrap_q = role_queues
     return bootstrap_pb2.NodeLoad(
         running_requests=len(scheduler.running),
         queued_requests=len(scheduler.waiting),

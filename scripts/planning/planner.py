@@ -67,7 +67,7 @@ def max_rate(
     """Bisection for the highest rate with >= attainment of the requests meeting the SLOs."""
 
     def ok(rate: float) -> bool:
-        s = simulate(profile, split, dataset, _at_rate(load, rate), slo, host)
+        s = simulate(profile, split, dataset, replace(load, request_rate=rate), slo, host)
         return (s.slo_attainment or 0.0) >= attainment
 
     low = 0.0
@@ -77,17 +77,6 @@ def max_rate(
         mid = (low + high) / 2
         low, high = (mid, high) if ok(mid) else (low, mid)
     return low
-
-
-def _at_rate(load: LoadConfig, rate: float) -> LoadConfig:
-    return LoadConfig(
-        request_rate=rate,
-        burstiness=load.burstiness,
-        max_concurrency=load.max_concurrency,
-        num_sessions=load.num_sessions,
-        duration_s=load.duration_s,
-        seed=load.seed,
-    )
 
 
 def workload_from_settings(settings: dict[str, Any]) -> tuple[DatasetConfig, LoadConfig, SLO]:

@@ -1,0 +1,84 @@
+"""A prefill room's writes into its decode node's memory, apart from the room's phases.
+
+`open` connects to every TP rank of D (from every rank of this node) and plans which of our KV
+heads go to which of its ranks (`kvtransfer/head_routes.py`); `send_computed` writes the full
+pages a chunk finished; `send_rest`, once the first token is sampled, the partial last page
+and the aux slot (the first token, its logprobs and the cached-prefix length). Every call
+returns at once: the transfer engine settles the writes later, and the room polls its sender.
+"""
+
+from __future__ import annotations
+
+from engine.request import Req
+from kvtransfer.aux import AuxBuffer, FirstToken
+from kvtransfer.base import KVTransferEngine, TransferError
+from kvtransfer.head_routes import HeadRouteError, NodeKV, peer_ranks, plan_routes
+from kvtransfer.room import RoomDestination, RoomLink
+from kvtransfer.sender import KVSender
+
+
+class CannotWrite(Exception):
+    """A room's writes cannot start; `kind` is its metrics label."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+class RoomWriter:
+    def __init__(
+        self,
+        engine: KVTransferEngine,
+        aux: AuxBuffer,
+        kv: NodeKV,
+        page_size: int,
+        link: RoomLink,
+    ) -> None:
+        self.engine = engine
+        self.aux = aux
+        self.kv = kv  # this node's KV shards (one per TP rank)
+        self.page_size = page_size
+        self.link = link
+
+    def open(self, dest: RoomDestination) -> KVSender:
+        """A sender into `dest`; raises CannotWrite if D is not registered (decode_gone), the
+        two KV layouts do not fit (layout_mismatch) or D is unreachable (decode_unreachable)."""
+        peer = self.link.peer(dest.decode_node_id)
+        if peer is None or "kv" not in peer.regions:
+            raise CannotWrite("decode_gone", f"decode node {dest.decode_node_id} is not registered")
+        try:
+            ranks = peer_ranks(peer, self.kv.num_kv_heads, self.kv.head_page_bytes)
+            routes = plan_routes(self.kv.ranks, ranks)
+            for rank_peer in peer.rank_peers():
+                self.engine.connect(rank_peer)
+        except HeadRouteError as exc:
+            raise CannotWrite("layout_mismatch", str(exc)) from exc
+        except TransferError as exc:
+            raise CannotWrite("decode_unreachable", f"cannot reach decode node: {exc}") from exc
+        return KVSender(self.engine, dest, self.page_size, routes)
+
+    def send_computed(self, req: Req, sender: KVSender) -> bool:
+        """Write the full pages computed so far; True if they are the room's first pages out
+        (D restarts its transfer timer on that news). Raises TransferError."""
+        started = sender.stats.pages > 0
+        sender.send_pages(req.pages, req.kv_len // self.page_size)
+        return not started and sender.stats.pages > 0
+
+    def send_rest(self, req: Req, dest: RoomDestination, sender: KVSender) -> None:
+        """First token sampled: the prompt's remaining pages, then the aux slot. Raises
+        TransferError."""
+        assert req.slot is not None
+        first = FirstToken(
+            room=req.room,
+            token=req.output_ids[0],
+            logprob=req.output_logprobs[0],
+            top_logprobs=req.output_top_logprobs[0],
+            cached_tokens=req.cached_tokens,
+        )
+        self.aux.write(req.slot, first)
+        peer = self.link.peer(dest.decode_node_id)
+        sender.send_pages(req.pages, sender.num_prompt_pages)
+        if peer is None:
+            raise TransferError(f"decode node {dest.decode_node_id} left")
+        dst_aux = peer.regions["aux"].addr + dest.aux_slot * self.aux.slot_bytes()
+        sender.send_aux(self.aux.slot_addr(req.slot), dst_aux, self.aux.slot_bytes())
