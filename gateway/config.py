@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bootstrap.security import InternalAuth, RoomTickets
+from engine.generation_defaults import GenerationDefaults
 
 # API key scopes. A route belongs to one scope; a key may call the routes of its scopes only
 # (403 otherwise). `inference`: the OpenAI and native generation routes and /v1/models.
@@ -28,6 +29,23 @@ class APIKey:
 
 
 @dataclass(frozen=True)
+class RequestDefaults:
+    """What a request gets for the fields it leaves out (--generation-config,
+    --default-max-tokens)."""
+
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # from the model
+    chat_max_tokens: int = 1024  # a chat request without max_tokens / max_completion_tokens
+
+    def __post_init__(self) -> None:
+        if self.chat_max_tokens < 1:
+            raise ValueError(f"--default-max-tokens must be >= 1, got {self.chat_max_tokens}")
+
+    def describe(self) -> str:
+        chat = f"chat max_tokens {self.chat_max_tokens} when a request gives none"
+        return f"{self.generation.describe()}; {chat}"
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     path: str  # HF directory: the tokenizer and chat template come from here
     served_name: str  # the `model` clients must send
@@ -44,6 +62,7 @@ class LimitsConfig:
     # Empty: no authentication. Admin routes need an admin key once one is configured
     # (before that they stay open, e.g. for a Prometheus scraper without a key).
     api_keys: tuple[APIKey, ...] = ()
+    defaults: RequestDefaults = field(default_factory=RequestDefaults)
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "max_body_bytes", "max_n", "max_stop", "max_stop_chars"):

@@ -106,6 +106,12 @@ class OpenAIHandlers:
             "created": 0,
             "owned_by": "pdserve",
             "max_model_len": self.model.context_length,
+            # what a request gets for the sampling fields it leaves out (--generation-config)
+            "generation_defaults": self.limits.defaults.generation.as_dict(),
+            "default_max_tokens": {
+                "chat": self.limits.defaults.chat_max_tokens,
+                "completions": COMPLETIONS_DEFAULT_MAX_TOKENS,
+            },
         }
         return {"object": "list", "data": [card]}
 
@@ -152,7 +158,8 @@ class OpenAIHandlers:
     async def chat(self, body: dict[str, Any]) -> Payload:
         req = parse_chat(body, self.model.served_name, self.limits)
         ids = self.codec.chat_prompt(req.messages)
-        budget = token_budget(self.model, len(ids), req.sampling.max_tokens, None, "messages")
+        default = self.limits.defaults.chat_max_tokens
+        budget = token_budget(self.model, len(ids), req.sampling.max_tokens, default, "messages")
         jobs = [ChoiceJob(c, ids, req.sampling.to_proto(budget, c)) for c in range(req.n)]
         rid = "chatcmpl-" + secrets.token_hex(12)
         streams = self._run(jobs, rid)

@@ -295,6 +295,14 @@ def _sampling(
     logprobs: bool,
     top_logprobs: int,
 ) -> SamplingOptions:
+    missing = {
+        name: value
+        for name, value in limits.defaults.generation.values
+        if name in type(fields).model_fields
+        and (name not in fields.model_fields_set or getattr(fields, name) is None)
+    }
+    if missing:  # the model's own defaults (generation_config.json) for what was left out
+        fields = fields.model_copy(update=missing)
     # choice i samples with seed + i: every one must fit the node API's int64
     if fields.seed is not None and fields.seed + n - 1 > table.INT64_MAX:
         raise bad_request(

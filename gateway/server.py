@@ -19,6 +19,7 @@ from bootstrap.security import (
     room_tickets_from_args,
 )
 from bootstrap.telemetry import LogConfig, add_log_args, configure_logging
+from engine.generation_defaults import load_generation_defaults
 from gateway.config import (
     ADMIN,
     INFERENCE,
@@ -27,6 +28,7 @@ from gateway.config import (
     GatewayConfig,
     LimitsConfig,
     ModelInfo,
+    RequestDefaults,
     RoutingConfig,
 )
 from gateway.routing import POLICIES
@@ -64,6 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefix-block-tokens", type=int, default=16)
     g.add_argument("--prefix-max-blocks", type=int, default=1 << 20)
     g.add_argument("--prefix-balance-slack", type=int, default=16, help="requests")
+    g = parser.add_argument_group("defaults for what a request leaves out")
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults: `auto` (the model's generation_config.json), `none` (the "
+        "engine's), or a path to a generation_config.json or its directory",
+    )
+    g.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="a chat request's max_tokens when it gives none (default: the generation config's "
+        "max_new_tokens, else 1024); completions keep OpenAI's 16",
+    )
     g = parser.add_argument_group("admission")
     g.add_argument("--max-inflight", type=int, default=1024, help="beyond it: 429")
     g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="beyond it: 413")
@@ -125,6 +141,8 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
     if not 1 < context <= positions:
         raise ValueError(f"--context-length must be in [2, {positions}], got {context}")
     model = ModelInfo(model_path, args.served_model_name or Path(model_path).name, context)
+    generation = load_generation_defaults(args.generation_config, model_path)
+    chat_max = args.default_max_tokens or generation.get("max_new_tokens") or 1024
     limits = LimitsConfig(
         max_inflight=args.max_inflight,
         max_body_bytes=args.max_body_bytes,
@@ -132,6 +150,7 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         max_stop=args.max_stop,
         max_stop_chars=args.max_stop_chars,
         api_keys=api_keys(args),
+        defaults=RequestDefaults(generation, int(chat_max)),
     )
     routing = RoutingConfig(
         prefill_policy=args.prefill_policy,
@@ -183,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         config.routing.prefill_policy,
         config.routing.decode_policy,
     )
+    logger.info("%s", config.limits.defaults.describe())
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -46,7 +46,9 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -81,6 +83,13 @@ MOONCAKE_ENV_DEFAULTS = {
 
 
 INVALID_BATCH_IDS = (0, (1 << 64) - 1)
+# Lines the library writes to stderr on every start that read as errors but are not: glog's
+# notice that nobody initialised it, and the P2P handshake looking up this engine's own segment
+# before it is published. `initialize`'s stderr is captured; these are dropped, the rest shown.
+EXPECTED_AT_START = (
+    re.compile(r"Logging before InitGoogleLogging\(\) is written to STDERR"),
+    re.compile(r"transfer_metadata\.cpp:\d+\] Local segment descriptor not found"),
+)
 
 NVLINK_INTRA = "nvlink_intra"
 CUDA_DISTRIBUTIONS = ("mooncake-transfer-engine-cuda13", "mooncake-transfer-engine")
@@ -92,6 +101,32 @@ def cuda_build() -> str:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return f"{name}=={importlib.metadata.version(name)}"
     return ""
+
+
+@contextlib.contextmanager
+def _start_lines_filtered() -> Iterator[None]:
+    """Capture the library's stderr (fd 2) inside the block; then drop the EXPECTED_AT_START
+    lines (one INFO line says so) and pass every other line on, real errors included."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            lines = capture.read().decode(errors="replace").splitlines(keepends=True)
+    expected = [line for line in lines if any(p.search(line) for p in EXPECTED_AT_START)]
+    sys.stderr.write("".join(line for line in lines if line not in expected))
+    if expected:
+        logger.info(
+            "mooncake: %d start-up line(s) of the library left out (glog not initialised; "
+            "own segment looked up before it is published): expected, not errors",
+            len(expected),
+        )
 
 
 @contextlib.contextmanager
@@ -142,7 +177,7 @@ class MooncakeEngine(KVTransferEngine):
         from mooncake.engine import TransferEngine
 
         self._engine: TransferEngine | None = TransferEngine()
-        with _environment(transport_env):
+        with _environment(transport_env), _start_lines_filtered():
             rc = self._engine.initialize(
                 config.host, "P2PHANDSHAKE", config.protocol, config.device_names
             )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import threading
@@ -512,3 +513,55 @@ def test_concurrent_requests(client, model_name) -> None:
     for t in threads:
         t.join()
     assert len(results) == len(PROMPTS)
+
+
+# -- first contact: the README's examples and a clean start ----------------------------------
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+# glog's E/F lines and our own ERROR/CRITICAL records, as pd-cluster prefixes them
+ERROR_LINE = re.compile(r"^\[[\w-]+\] (?:[EF]\d{4} |\S+ (?:ERROR|CRITICAL) )", re.MULTILINE)
+
+
+def readme_curls() -> list[list[str]]:
+    """The README's curl commands (the block after "With curl"), as argv lists."""
+    block = README.read_text().split("With curl", 1)[1].split("```")[1]
+    commands: list[list[str]] = []
+    for word in shlex.split(block.replace("\\\n", " ")):
+        if word == "curl":
+            commands.append([])
+        commands[-1].append(word)
+    return commands
+
+
+def test_a_clean_start_logs_no_error_lines(cluster) -> None:
+    start = cluster.log().split("[pd-cluster] ready:", 1)[0]
+    assert not ERROR_LINE.findall(start), ERROR_LINE.findall(start)
+    assert "generation defaults from" in start and "temperature=0.2" in start
+
+
+def test_the_readme_curl_examples_answer_within_their_limits(cluster, model_name) -> None:
+    commands = readme_curls()
+    assert len(commands) == 2
+    for argv in commands:
+        argv = [a.replace("http://127.0.0.1:41234", cluster.url) for a in argv]
+        argv += ["-sS", "--max-time", "120", "-H", f"Authorization: Bearer {API_KEY}"]
+        body = json.loads(argv[argv.index("-d") + 1])
+        assert body["model"] == model_name and "max_tokens" not in body
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        if body.get("stream"):
+            events = [json.loads(line[6:]) for line in out.splitlines() if line[6:7] == "{"]
+            assert out.rstrip().endswith("data: [DONE]")
+            texts = [e["choices"][0]["text"] for e in events if e["choices"][0]["text"]]
+            assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+            assert 0 < len(texts) <= 16  # a token per event at most; OpenAI's default is 16
+        else:
+            answer = json.loads(out)
+            assert answer["choices"][0]["finish_reason"] in ("stop", "length"), answer
+            assert answer["usage"]["completion_tokens"] <= 1024, answer["usage"]
+
+
+def test_models_show_the_defaults_a_request_gets(client, model_name) -> None:
+    (card,) = [m.model_dump() for m in client.models.list().data]
+    assert card["id"] == model_name
+    assert card["generation_defaults"] == {"temperature": 0.2, "top_p": 0.9}
+    assert card["default_max_tokens"] == {"chat": 1024, "completions": 16}

@@ -118,7 +118,9 @@ def test_incomplete_final_dir_is_replaced(
 
     model_dir = ensure_default_model(tmp_path, progress=False)
 
-    assert sorted(p.name for p in model_dir.iterdir()) == [MARKER_NAME, "config.json"]
+    names = sorted(p.name for p in model_dir.iterdir())
+    assert names == [MARKER_NAME, "config.json", "generation_config.json"]
+    assert json.loads((model_dir / "generation_config.json").read_text())["temperature"] == 0.2
     assert _models_dir_entries(tmp_path) == [LOCK_NAME, DEFAULT_SOURCE.model_name]
 
 
