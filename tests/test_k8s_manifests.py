@@ -6,11 +6,13 @@ The exec probe script is run against in-process gRPC servers. No cluster: nothin
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import importlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -196,6 +198,41 @@ def test_the_written_schemas_refuse_typos_and_bad_values() -> None:
     bad["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "Always"
     with pytest.raises(jsonschema.ValidationError, match="Always"):
         jsonschema.validate(bad, crd_schema("leaderworkerset.schema.json"))
+
+
+def test_a_user_overlay_replaces_the_token_and_sets_the_ratio(tmp_path: Path) -> None:
+    """The recipe of docs/deploy-kubernetes.md: own token file, image and P:D replica counts."""
+    (tmp_path / "internal-token").write_text("a-real-token\n")
+    gpu = os.path.relpath(K8S / "overlays" / "gpu", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        f"""resources: [{gpu}]
+images:
+  - {{name: pdserve, newName: registry.example/pdserve, newTag: "0.1.0"}}
+secretGenerator:
+  - {{name: pdserve-internal-token, behavior: replace, files: [token=internal-token]}}
+replicas:
+  - {{name: pdserve-prefill, count: 3}}
+  - {{name: pdserve-decode, count: 2}}
+"""
+    )
+    result = subprocess.run(
+        [kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    docs = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    (secret,) = [doc for doc in docs if doc["kind"] == "Secret"]
+    assert base64.b64decode(secret["data"]["token"]) == b"a-real-token\n"
+    replicas = {
+        d["metadata"]["name"]: d["spec"]["replicas"] for d in docs if d["kind"] == "Deployment"
+    }
+    assert (replicas["pdserve-prefill"], replicas["pdserve-decode"]) == (3, 2)
+    for doc in docs:
+        for template in pod_templates(doc):
+            for container in template["spec"]["containers"]:
+                assert container["image"] == "registry.example/pdserve:0.1.0"
+            for volume in template["spec"]["volumes"]:
+                if "secret" in volume:
+                    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
 
 
 # ---- the servers' flags -------------------------------------------------------------------------
