@@ -137,15 +137,17 @@ async def choice_events(
     yield pending.take(job.index, end)
 
 
-async def merge(
+def merge(
     streams: Sequence[AsyncGenerator[ChoiceEvent, None]],
 ) -> AsyncGenerator[ChoiceEvent, None]:
-    """The events of all choices as they come; an error in one ends all of them."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as only:
-            async for event in only:
-                yield event
-        return
+    """The events of all choices as they come; an error in one ends all of them. One choice's
+    stream is returned as it is (no extra generator between it and the client)."""
+    return streams[0] if len(streams) == 1 else _merge_many(streams)
+
+
+async def _merge_many(
+    streams: Sequence[AsyncGenerator[ChoiceEvent, None]],
+) -> AsyncGenerator[ChoiceEvent, None]:
     queue: asyncio.Queue[ChoiceEvent | Exception | None] = asyncio.Queue()
 
     async def pump(stream: AsyncGenerator[ChoiceEvent, None]) -> None:

@@ -19,11 +19,11 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from engine.sampling_fields import MAX_NEW_TOKENS
-from gateway.choices import ChoiceEvent, ChoiceJob, choice_events, collect
+from gateway.choices import ChoiceJob, choice_events, collect
 from gateway.config import LimitsConfig, ModelInfo
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
-from gateway.openai_api import WHOLE_CHOICE, Payload, primed, token_budget
+from gateway.openai_api import WHOLE_CHOICE, Payload, PrimedEvents, primed, token_budget
 from gateway.protocol import parse_native
 from gateway.sse import DONE, sse
 from gateway.text import TextCodec
@@ -87,9 +87,7 @@ class NativeHandler:
                 meta["timing"] = end.timeline.as_dict()
         return {"text": text, "output_ids": list(token_ids), "meta_info": meta}
 
-    async def _stream(
-        self, events: AsyncGenerator[ChoiceEvent, None], rid: str
-    ) -> AsyncGenerator[bytes, None]:
+    async def _stream(self, events: PrimedEvents, rid: str) -> AsyncGenerator[bytes, None]:
         try:
             async with contextlib.aclosing(events):
                 async for e in events:

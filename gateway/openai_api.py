@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,21 +70,40 @@ class StreamState:
     ends: list[Any] = field(default_factory=list)
 
 
-async def primed(events: AsyncGenerator[ChoiceEvent, None]) -> AsyncGenerator[ChoiceEvent, None]:
-    """Pull the first event now (errors raise here), then yield it and the rest lazily."""
+class PrimedEvents:
+    """A choice event stream whose first event was pulled already (see `primed`).
+
+    `__anext__` hands out the underlying generator's own awaitable: no generator frame of its
+    own per event, which a streamed token would otherwise pay on top of the others.
+    """
+
+    def __init__(self, first: ChoiceEvent, events: AsyncGenerator[ChoiceEvent, None]) -> None:
+        self._first: ChoiceEvent | None = first
+        self._events = events
+
+    def __aiter__(self) -> PrimedEvents:
+        return self
+
+    def __anext__(self) -> Awaitable[ChoiceEvent]:
+        first, self._first = self._first, None
+        return _ready(first) if first is not None else self._events.__anext__()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+
+async def _ready(event: ChoiceEvent) -> ChoiceEvent:
+    return event
+
+
+async def primed(events: AsyncGenerator[ChoiceEvent, None]) -> PrimedEvents:
+    """Pull the first event now (errors raise here); the stream yields it and the rest lazily."""
     try:
         first = await anext(events)
     except BaseException:
         await events.aclose()
         raise
-
-    async def rest() -> AsyncGenerator[ChoiceEvent, None]:
-        async with contextlib.aclosing(events):
-            yield first
-            async for event in events:
-                yield event
-
-    return rest()
+    return PrimedEvents(first, events)
 
 
 class OpenAIHandlers:
@@ -193,7 +212,7 @@ class OpenAIHandlers:
 
     async def _completion_stream(
         self,
-        events: AsyncGenerator[ChoiceEvent, None],
+        events: PrimedEvents,
         rid: str,
         include_usage: bool,
         prompt_tokens: int,
@@ -234,7 +253,7 @@ class OpenAIHandlers:
 
     async def _chat_stream(
         self,
-        events: AsyncGenerator[ChoiceEvent, None],
+        events: PrimedEvents,
         rid: str,
         n: int,
         include_usage: bool,
