@@ -75,6 +75,12 @@ class BenchConfig:
 
 
 @dataclass(frozen=True)
+class TokenSource:
+    bootstrap: str  # host:port of the bootstrap-server
+    node_pids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Row:
     workers: int
     interval: int
@@ -82,6 +88,7 @@ class Row:
     requests: int
     wall_s: float
     cpu_s: float
+    node_cpu_s: float  # the fake nodes' (the token source must not be the bottleneck)
 
     @property
     def us_per_token(self) -> float:
@@ -261,9 +268,9 @@ def _wait_gateway(gateway: ServerProcess, url: str, nodes: int) -> None:
     raise RuntimeError(f"gateway-server not ready after 120 s:\n{gateway.log_tail()}")
 
 
-def measure(config: BenchConfig, bootstrap: str, workers: int, interval: int) -> Row:
+def measure(config: BenchConfig, source: TokenSource, workers: int, interval: int) -> Row:
     port = free_port()
-    command = [console_script("gateway-server"), "--bootstrap", bootstrap]
+    command = [console_script("gateway-server"), "--bootstrap", source.bootstrap]
     command += [*(["--model", config.model] if config.model else [])]
     command += ["--workers", str(workers), "--stream-interval", str(interval)]
     command += ["--max-inflight", "100000", "--log-level", "warning"]
@@ -282,7 +289,7 @@ def measure(config: BenchConfig, bootstrap: str, workers: int, interval: int) ->
         }
         request = _request_bytes(port, body)
         asyncio.run(_one_request(port, request))  # warm: channels open, tokenizer caches
-        return _load(config, gateway, port, request, workers, interval)
+        return _load(config, source, gateway, port, request, (workers, interval))
     finally:
         gateway.stop(15)
 
@@ -294,16 +301,18 @@ def _served_name(port: int) -> str:
 
 def _load(
     config: BenchConfig,
+    source: TokenSource,
     gateway: ServerProcess,
     port: int,
     request: bytes,
-    workers: int,
-    interval: int,
+    row: tuple[int, int],
 ) -> Row:
     context = multiprocessing.get_context("spawn")
     results: Queue[tuple[int, int]] = context.Queue()
     pids = session_pids(gateway.pid)
-    cpu_before, started = cpu_seconds(pids), time.monotonic()
+    nodes = list(source.node_pids)
+    cpu_before, node_before = cpu_seconds(pids), cpu_seconds(nodes)
+    started = time.monotonic()
     until = started + config.duration_s
     clients = [
         context.Process(target=_client_main, args=(port, request, config.streams, until, results))
@@ -313,10 +322,11 @@ def _load(
         client.start()
     totals = [results.get() for _ in clients]
     wall, cpu = time.monotonic() - started, cpu_seconds(pids) - cpu_before
+    node_cpu = cpu_seconds(nodes) - node_before
     for client in clients:
         client.join()
     tokens, requests = sum(t for t, _ in totals), sum(r for _, r in totals)
-    return Row(workers, interval, tokens, requests, wall, cpu)
+    return Row(*row, tokens, requests, wall, cpu, node_cpu)
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -331,7 +341,7 @@ def _token_ids(model: str | None) -> list[int]:
 
 
 @contextlib.contextmanager
-def token_source(config: BenchConfig) -> Iterator[str]:
+def token_source(config: BenchConfig) -> Iterator[TokenSource]:
     """A bootstrap-server and the fake nodes registered with it; yields the bootstrap address."""
     ids = ",".join(str(t) for t in _token_ids(config.model))
     with contextlib.ExitStack() as stack:
@@ -342,20 +352,22 @@ def token_source(config: BenchConfig) -> Iterator[str]:
         node = [sys.executable, "-m", "scripts.bench.gateway_cpu", "fake-node"]
         node += ["--bootstrap", bootstrap.address, "--token-ids", ids]
         node += ["--tokens-per-message", str(config.tokens_per_message)]
+        fakes = []
         for i in range(config.fake_nodes):
-            stack.enter_context(
+            fake = stack.enter_context(
                 running_node(node[0], node[1:], config.log_dir / f"fake-node-{i}.log",
                              probe=node_registered)
             )  # fmt: skip
-        yield bootstrap.address
+            fakes.append(fake.pid)
+        yield TokenSource(bootstrap.address, tuple(fakes))
 
 
 def table(rows: list[Row]) -> str:
     ones = {r.interval: r for r in rows if r.workers == 1}
     lines = [
         "| workers | stream interval | gateway CPU us/token | goal 25 us | tokens/s | "
-        "tokens/s per worker | vs 1 worker | goal 0.8 x N | workers busy | requests |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "tokens/s per worker | vs 1 worker | goal 0.8 x N | workers busy | node busy | requests |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         one = ones.get(r.interval)
@@ -369,7 +381,8 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.workers} | {r.interval} | {r.us_per_token:.1f} | "
             f"{GOAL_US_PER_TOKEN / r.us_per_token:.2f} | {r.tokens_s:,.0f} | {per_worker:,.0f} | "
-            f"{scale:.2f}x | {goal_rate} | {r.busy:.2f} | {r.requests} |"
+            f"{scale:.2f}x | {goal_rate} | {r.busy:.2f} | {r.node_cpu_s / r.wall_s:.2f} | "
+            f"{r.requests} |"
         )
     return "\n".join(lines)
 
@@ -420,10 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     config = build_config(argv)
     print(f"logs in {config.log_dir}; {os.cpu_count()} CPUs; {config}", flush=True)
     rows = []
-    with token_source(config) as bootstrap:
+    with token_source(config) as source:
         for interval in config.intervals:
             for workers in config.workers:
-                row = measure(config, bootstrap, workers, interval)
+                row = measure(config, source, workers, interval)
                 print(
                     f"workers {workers} interval {interval}: {row.us_per_token:.1f} us/token, "
                     f"{row.tokens_s:,.0f} tokens/s, busy {row.busy:.2f}",
