@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -33,8 +34,9 @@ from gateway.errors import APIError, bad_request
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.native_api import NativeHandler
 from gateway.nodes import ROLE_NAMES, NodeDirectory
-from gateway.openai_api import DONE, OpenAIHandlers, Payload
+from gateway.openai_api import OpenAIHandlers, Payload
 from gateway.openapi import openapi_document
+from gateway.sse import DONE
 from gateway.text import TextCodec
 from gateway.timeline import RequestTrace, current_trace
 
@@ -122,9 +124,11 @@ class EventStream(Response):
 class Gateway:
     """The gateway's state and request handling; built once by server.py."""
 
-    def __init__(self, config: GatewayConfig, codec: TextCodec) -> None:
+    def __init__(
+        self, config: GatewayConfig, codec: TextCodec, multiprocess_dir: str | None = None
+    ) -> None:
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(multiprocess_dir)
         self.directory = NodeDirectory(
             config.routing.node_cooldown_s,
             self._nodes_changed,
@@ -134,8 +138,9 @@ class Gateway:
         self.dispatcher = Dispatcher(
             self.directory, config.routing, self.metrics, config.room_tickets
         )
-        self.openai = OpenAIHandlers(codec, self.dispatcher, config.model, config.limits)
-        self.native = NativeHandler(codec, self.dispatcher, config.model, config.limits)
+        interval = config.stream_interval
+        self.openai = OpenAIHandlers(codec, self.dispatcher, config.model, config.limits, interval)
+        self.native = NativeHandler(codec, self.dispatcher, config.model, config.limits, interval)
         self.inflight = 0
 
     def _nodes_changed(self, directory: NodeDirectory) -> None:
@@ -247,7 +252,12 @@ class Gateway:
     def health(self) -> JSONResponse:
         counts = {name: self.directory.count(role) for role, name in ROLE_NAMES.items()}
         ok = counts["decode"] + counts["colocated"] > 0
-        body = {"status": "ok" if ok else "no decode node", **counts, "inflight": self.inflight}
+        body = {
+            "status": "ok" if ok else "no decode node",
+            **counts,
+            "inflight": self.inflight,  # this worker's (gateway-server --workers)
+            "pid": os.getpid(),  # the worker that answered
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -3,9 +3,11 @@
 A request with n choices (or several prompts) becomes one `ChoiceJob` each, every job its own
 `Generation` (own room, own nodes). `choice_events` turns a job's token chunks into
 `ChoiceEvent`s: incremental text (stop strings trimmed), the tokens and their logprobs, and at the
-end a `ChoiceEnd` with the finish reason and usage. Streaming responses format these events as
-they come; non-streaming ones `collect` them. Both paths run the same code, so the streamed
-pieces concatenate to exactly the non-streaming text.
+end a `ChoiceEnd` with the finish reason and usage. An event carries `interval` tokens
+(`--stream-interval`; the first token goes out alone, at once), so the per-event work (decoding
+text, encoding a frame) is paid once per batch rather than once per token. Streaming responses
+format these events as they come; non-streaming ones `collect` them (in one batch). Both paths
+run the same code, so the streamed pieces concatenate to exactly the non-streaming text.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from gateway.dispatch import Dispatcher
-from gateway.text import StopTrimmer, TextCodec
+from gateway.text import IncrementalDetokenizer, StopTrimmer, TextCodec
 from gateway.timeline import Timeline
 from proto import node_pb2
 
@@ -63,44 +65,89 @@ class ChoiceResult:
         self.end = event.end or self.end
 
 
+class PendingTokens:
+    """Tokens received but not yet sent as an event, and the text they make.
+
+    Without stop strings the text is decoded once per event (one detokenizer call for the whole
+    batch). With stop strings every node chunk is decoded and trimmed as it comes, so a stop
+    string ends the choice after exactly the chunk it appeared in, whatever the interval: the
+    token ids then equal those of interval 1 too.
+    """
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, trimmer: StopTrimmer) -> None:
+        self.detokenizer = detokenizer
+        self.trimmer = trimmer
+        self.per_chunk = bool(trimmer.stops)
+        self.token_ids: list[int] = []
+        self.logprobs: list[node_pb2.TokenLogprobs] = []
+        self.text = ""
+
+    @property
+    def stopped(self) -> bool:
+        return self.trimmer.stopped is not None
+
+    def add(self, chunk: node_pb2.TokenChunk) -> None:
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs:
+            self.logprobs.extend(chunk.logprobs)
+        if self.per_chunk:
+            self.text += self.trimmer.push(self.detokenizer.push(chunk.token_ids))
+
+    def take(self, index: int, end: ChoiceEnd | None = None) -> ChoiceEvent:
+        """An event with everything pending (at the end: the detokenizer's and trimmer's rest)."""
+        text = self.text
+        if not self.per_chunk and self.token_ids:
+            text += self.trimmer.push(self.detokenizer.push(self.token_ids))
+        if end is not None:
+            text += self.trimmer.push(self.detokenizer.flush()) + self.trimmer.flush()
+        event = ChoiceEvent(index, text, self.token_ids, self.logprobs, end)
+        self.token_ids, self.logprobs, self.text = [], [], ""
+        return event
+
+
 async def choice_events(
-    job: ChoiceJob, codec: TextCodec, dispatcher: Dispatcher, rid: str
+    job: ChoiceJob, codec: TextCodec, dispatcher: Dispatcher, rid: str, interval: int = 1
 ) -> AsyncGenerator[ChoiceEvent, None]:
+    """The choice's events: the first token at once, then one event per `interval` tokens (or
+    as soon as a stop string matched), and a last one with the rest and the `ChoiceEnd`."""
     if job.echo_text:
         yield ChoiceEvent(job.index, job.echo_text)
-    detokenizer = codec.detokenizer(job.prompt_ids)
-    trimmer = StopTrimmer(job.sampling.stop)
+    pending = PendingTokens(codec.detokenizer(job.prompt_ids), StopTrimmer(job.sampling.stop))
     generation = dispatcher.generation(job.prompt_ids, job.sampling, f"{rid}-{job.index}")
+    first = True
     async with contextlib.aclosing(aiter(generation)) as chunks:
         async for chunk in chunks:
-            if trimmer.stopped is not None:
+            if pending.stopped:
                 continue  # the text ended at a stop string; the node stops right after
-            text = trimmer.push(detokenizer.push(chunk.token_ids))
-            yield ChoiceEvent(job.index, text, chunk.token_ids, chunk.logprobs)
+            pending.add(chunk)
+            if first or pending.stopped or len(pending.token_ids) >= interval:
+                first = False
+                yield pending.take(job.index)
     finished = generation.finished
     assert finished is not None
-    tail = trimmer.push(detokenizer.flush()) + trimmer.flush()
-    stopped = trimmer.stopped is not None or finished.finish_reason == "stop"
+    stopped = pending.stopped or finished.finish_reason == "stop"
     end = ChoiceEnd(
         reason="stop" if stopped else "length",
-        matched=trimmer.stopped or finished.detail,
+        matched=pending.trimmer.stopped or finished.detail,
         prompt_tokens=len(job.prompt_ids),
         completion_tokens=finished.usage.completion_tokens,
         cached_tokens=generation.cached_tokens,
         timeline=generation.timeline,
     )
-    yield ChoiceEvent(job.index, tail, end=end)
+    yield pending.take(job.index, end)
 
 
-async def merge(
+def merge(
     streams: Sequence[AsyncGenerator[ChoiceEvent, None]],
 ) -> AsyncGenerator[ChoiceEvent, None]:
-    """The events of all choices as they come; an error in one ends all of them."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as only:
-            async for event in only:
-                yield event
-        return
+    """The events of all choices as they come; an error in one ends all of them. One choice's
+    stream is returned as it is (no extra generator between it and the client)."""
+    return streams[0] if len(streams) == 1 else _merge_many(streams)
+
+
+async def _merge_many(
+    streams: Sequence[AsyncGenerator[ChoiceEvent, None]],
+) -> AsyncGenerator[ChoiceEvent, None]:
     queue: asyncio.Queue[ChoiceEvent | Exception | None] = asyncio.Queue()
 
     async def pump(stream: AsyncGenerator[ChoiceEvent, None]) -> None:

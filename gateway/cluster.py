@@ -47,6 +47,7 @@ from bootstrap.security import (
 from bootstrap.telemetry import add_log_args
 from engine.ports import LOCALHOST as HOST
 from engine.ports import free_port
+from gateway.config import MAX_WORKERS
 from gateway.launcher import ServerProcess, console_script, loopback_transports
 
 _POLL_S = 0.25
@@ -64,6 +65,7 @@ class ClusterConfig:
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
+    gateway_workers: int = 1  # gateway-server --workers
     ready_timeout_s: float = 600.0
     stop_grace_s: float = 15.0
     log_dir: Path | None = None
@@ -108,7 +110,7 @@ class Cluster:
             args = ["--mode", "disaggregated", *common, *c.decode_args]
             self._spawn(f"decode-{i}", "decode-server", args, metrics=True)
         gateway_args = ["--bootstrap", bootstrap.address, *self._model_args(), *c.room_key_args]
-        gateway_args += c.gateway_args
+        gateway_args += ["--workers", str(c.gateway_workers), *c.gateway_args]
         gateway = self._spawn("gateway", "gateway-server", gateway_args, True, port=c.port)
         url = f"http://{gateway.address}"
         gateway.metrics_url = f"{url}/metrics"
@@ -261,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-args", default="", help="extra flags for prefill nodes")
     parser.add_argument("--decode-args", default="", help="extra flags for decode nodes")
     parser.add_argument("--gateway-args", default="", help="extra flags for the gateway")
+    parser.add_argument(
+        "--gateway-workers", type=int, default=1, help="gateway processes on its port"
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--log-dir", type=Path, default=None, help="also write <name>.log here")
     add_log_args(parser)
@@ -272,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace) -> ClusterConfig:
     if args.prefill < 0 or args.decode < 1:
         raise ValueError("--prefill must be >= 0 and --decode >= 1")
+    if not 1 <= args.gateway_workers <= MAX_WORKERS:
+        raise ValueError(
+            f"--gateway-workers must be in [1, {MAX_WORKERS}], got {args.gateway_workers}"
+        )
     auth = internal_auth_from_args(args)  # reads the files now: a bad path fails here
     room_tickets_from_args(args)
     return ClusterConfig(
@@ -285,6 +294,7 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         prefill_args=tuple(shlex.split(args.prefill_args)),
         decode_args=tuple(shlex.split(args.decode_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),
+        gateway_workers=args.gateway_workers,
         ready_timeout_s=args.ready_timeout,
         log_dir=args.log_dir,
         log_args=("--log-level", args.log_level, "--log-format", args.log_format),

@@ -13,6 +13,8 @@ from engine.generation_defaults import GenerationDefaults
 INFERENCE = "inference"
 ADMIN = "admin"
 SCOPES = (INFERENCE, ADMIN)
+MAX_STREAM_INTERVAL = 4096  # tokens per streamed chunk
+MAX_WORKERS = 256  # gateway processes on one port
 
 
 @dataclass(frozen=True)
@@ -105,3 +107,19 @@ class GatewayConfig:
     log_level: str = "info"
     internal_auth: InternalAuth = field(default_factory=InternalAuth)  # gRPC to the cluster
     room_tickets: RoomTickets | None = None  # --room-key-file: signs each room's assignment
+    # A streamed choice sends a chunk every this many tokens (its first token at once, its last
+    # chunk always): fewer frames, fewer detokenizer calls, the same text and token ids.
+    stream_interval: int = 1
+    workers: int = 1  # processes serving the port (gateway/workers.py)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(
+                f"--stream-interval must be in [1, {MAX_STREAM_INTERVAL}] tokens, got "
+                f"{self.stream_interval}: 1 sends every token as it comes"
+            )
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(
+                f"--workers must be in [1, {MAX_WORKERS}] processes, got {self.workers}: "
+                "about one per CPU core the gateway may use"
+            )

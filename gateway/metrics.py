@@ -2,12 +2,23 @@
 
 Per-node counters carry `role` and `node_id` labels, so an operator (and the routing tests) can
 see where traffic went and how much of it hit a prefill node's prefix cache.
+
+With `--workers N` every worker records into prometheus_client's multiprocess files (one mmap
+file per process and metric kind, in a directory the supervisor makes; gateway/workers.py) and
+`render` merges all of them: counters and histograms are totals over the workers (a restarted
+worker's predecessor still counts), `inflight` is the sum over the live workers and
+`live_nodes` their maximum (each worker follows discovery itself; they agree once all saw an
+event).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
+
+# What prometheus_client reads, at its import, to record into files instead of memory.
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -17,13 +28,23 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
+        """`multiprocess_dir`: this process is one of several workers sharing the directory."""
+        if multiprocess_dir is not None and values.ValueClass is values.MutexValue:
+            raise RuntimeError(
+                f"gateway worker metrics: set {MULTIPROCESS_ENV}={multiprocess_dir} before "
+                "prometheus_client is imported (the worker supervisor does)"
+            )
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
             "pdserve_gateway_requests", "HTTP requests answered", ["endpoint", "status"], registry=r
         )
-        self.inflight = Gauge("pdserve_gateway_inflight", "HTTP requests in progress", registry=r)
+        self.inflight = Gauge(
+            "pdserve_gateway_inflight", "HTTP requests in progress", registry=r,
+            multiprocess_mode="livesum",
+        )  # fmt: skip
         self.rejected = Counter(
             "pdserve_gateway_rejected", "requests refused by admission control", ["reason"],
             registry=r,
@@ -57,8 +78,9 @@ class GatewayMetrics:
             "pdserve_gateway_failures", "choices that failed after their first token", registry=r
         )
         self.live_nodes = Gauge(
-            "pdserve_gateway_live_nodes", "nodes known from bootstrap", ["role"], registry=r
-        )
+            "pdserve_gateway_live_nodes", "nodes known from bootstrap", ["role"], registry=r,
+            multiprocess_mode="livemax",
+        )  # fmt: skip
         self.ttft = Histogram(
             "pdserve_gateway_time_to_first_token_seconds", "time to first token",
             buckets=_LATENCY_BUCKETS, registry=r,
@@ -73,4 +95,8 @@ class GatewayMetrics:
         )
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self.multiprocess_dir)
+        return generate_latest(merged)

@@ -19,24 +19,31 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from engine.sampling_fields import MAX_NEW_TOKENS
-from gateway.choices import ChoiceEvent, ChoiceJob, choice_events, collect
+from gateway.choices import ChoiceJob, choice_events, collect
 from gateway.config import LimitsConfig, ModelInfo
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
-from gateway.openai_api import DONE, Payload, primed, sse, token_budget
+from gateway.openai_api import WHOLE_CHOICE, Payload, PrimedEvents, primed, token_budget
 from gateway.protocol import parse_native
+from gateway.sse import DONE, sse
 from gateway.text import TextCodec
 from proto import node_pb2
 
 
 class NativeHandler:
     def __init__(
-        self, codec: TextCodec, dispatcher: Dispatcher, model: ModelInfo, limits: LimitsConfig
+        self,
+        codec: TextCodec,
+        dispatcher: Dispatcher,
+        model: ModelInfo,
+        limits: LimitsConfig,
+        stream_interval: int = 1,
     ) -> None:
         self.codec = codec
         self.dispatcher = dispatcher
         self.model = model
         self.limits = limits
+        self.stream_interval = stream_interval  # tokens per streamed chunk (--stream-interval)
 
     async def generate(self, body: dict[str, Any]) -> Payload:
         req = parse_native(body, self.limits)
@@ -48,9 +55,11 @@ class NativeHandler:
         job = ChoiceJob(0, ids, req.sampling.to_proto(budget))
         rid = req.rid or "gen-" + secrets.token_hex(12)
         if req.stream:
-            events = await primed(choice_events(job, self.codec, self.dispatcher, rid))
+            interval = self.stream_interval
+            events = await primed(choice_events(job, self.codec, self.dispatcher, rid, interval))
             return self._stream(events, rid)
-        [result] = await collect([choice_events(job, self.codec, self.dispatcher, rid)])
+        whole = choice_events(job, self.codec, self.dispatcher, rid, WHOLE_CHOICE)
+        [result] = await collect([whole])
         return self._object(rid, result.text, result.token_ids, result.logprobs, result.end)
 
     def _object(
@@ -78,9 +87,7 @@ class NativeHandler:
                 meta["timing"] = end.timeline.as_dict()
         return {"text": text, "output_ids": list(token_ids), "meta_info": meta}
 
-    async def _stream(
-        self, events: AsyncGenerator[ChoiceEvent, None], rid: str
-    ) -> AsyncGenerator[bytes, None]:
+    async def _stream(self, events: PrimedEvents, rid: str) -> AsyncGenerator[bytes, None]:
         try:
             async with contextlib.aclosing(events):
                 async for e in events:

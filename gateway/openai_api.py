@@ -10,10 +10,9 @@ gets a proper HTTP error instead of a 200 stream that fails.
 from __future__ import annotations
 
 import contextlib
-import json
 import secrets
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,17 +29,15 @@ from gateway.config import LimitsConfig, ModelInfo
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, bad_request
 from gateway.protocol import SamplingOptions, parse_chat, parse_completion
+from gateway.sse import DONE, ChunkFrames, sse
 from gateway.text import TextCodec
 from proto import node_pb2
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-DONE = b"data: [DONE]\n\n"
+# A non-streamed choice is decoded in one go at its end (unless it has stop strings).
+WHOLE_CHOICE = 1 << 62
 
 Payload = dict[str, Any] | AsyncGenerator[bytes, None]
-
-
-def sse(obj: object) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
 def token_budget(
@@ -73,31 +70,56 @@ class StreamState:
     ends: list[Any] = field(default_factory=list)
 
 
-async def primed(events: AsyncGenerator[ChoiceEvent, None]) -> AsyncGenerator[ChoiceEvent, None]:
-    """Pull the first event now (errors raise here), then yield it and the rest lazily."""
+class PrimedEvents:
+    """A choice event stream whose first event was pulled already (see `primed`).
+
+    `__anext__` hands out the underlying generator's own awaitable: no generator frame of its
+    own per event, which a streamed token would otherwise pay on top of the others.
+    """
+
+    def __init__(self, first: ChoiceEvent, events: AsyncGenerator[ChoiceEvent, None]) -> None:
+        self._first: ChoiceEvent | None = first
+        self._events = events
+
+    def __aiter__(self) -> PrimedEvents:
+        return self
+
+    def __anext__(self) -> Awaitable[ChoiceEvent]:
+        first, self._first = self._first, None
+        return _ready(first) if first is not None else self._events.__anext__()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+
+async def _ready(event: ChoiceEvent) -> ChoiceEvent:
+    return event
+
+
+async def primed(events: AsyncGenerator[ChoiceEvent, None]) -> PrimedEvents:
+    """Pull the first event now (errors raise here); the stream yields it and the rest lazily."""
     try:
         first = await anext(events)
     except BaseException:
         await events.aclose()
         raise
-
-    async def rest() -> AsyncGenerator[ChoiceEvent, None]:
-        async with contextlib.aclosing(events):
-            yield first
-            async for event in events:
-                yield event
-
-    return rest()
+    return PrimedEvents(first, events)
 
 
 class OpenAIHandlers:
     def __init__(
-        self, codec: TextCodec, dispatcher: Dispatcher, model: ModelInfo, limits: LimitsConfig
+        self,
+        codec: TextCodec,
+        dispatcher: Dispatcher,
+        model: ModelInfo,
+        limits: LimitsConfig,
+        stream_interval: int = 1,
     ) -> None:
         self.codec = codec
         self.dispatcher = dispatcher
         self.model = model
         self.limits = limits
+        self.stream_interval = stream_interval  # tokens per streamed chunk (--stream-interval)
 
     def models(self) -> dict[str, Any]:
         card = {
@@ -136,7 +158,7 @@ class OpenAIHandlers:
                 sampling = req.sampling.to_proto(budget, c)
                 jobs.append(ChoiceJob(p_index * req.n + c, ids, sampling, echo))
         rid = "cmpl-" + secrets.token_hex(12)
-        streams = self._run(jobs, rid)
+        streams = self._run(jobs, rid, req.stream)
         if req.stream:
             events = await primed(merge(streams))
             return self._completion_stream(events, rid, req.include_usage, prompt_tokens)
@@ -162,7 +184,7 @@ class OpenAIHandlers:
         budget = token_budget(self.model, len(ids), req.sampling.max_tokens, default, "messages")
         jobs = [ChoiceJob(c, ids, req.sampling.to_proto(budget, c)) for c in range(req.n)]
         rid = "chatcmpl-" + secrets.token_hex(12)
-        streams = self._run(jobs, rid)
+        streams = self._run(jobs, rid, req.stream)
         if req.stream:
             events = await primed(merge(streams))
             return self._chat_stream(events, rid, req.n, req.include_usage, len(ids))
@@ -181,8 +203,11 @@ class OpenAIHandlers:
             "usage": usage([r.end for r in results if r.end], len(ids)),
         }
 
-    def _run(self, jobs: Sequence[ChoiceJob], rid: str) -> list[AsyncGenerator[ChoiceEvent, None]]:
-        return [choice_events(job, self.codec, self.dispatcher, rid) for job in jobs]
+    def _run(
+        self, jobs: Sequence[ChoiceJob], rid: str, stream: bool
+    ) -> list[AsyncGenerator[ChoiceEvent, None]]:
+        interval = self.stream_interval if stream else WHOLE_CHOICE
+        return [choice_events(job, self.codec, self.dispatcher, rid, interval) for job in jobs]
 
     def _header(self, rid: str, kind: str) -> dict[str, Any]:
         return {
@@ -194,12 +219,13 @@ class OpenAIHandlers:
 
     async def _completion_stream(
         self,
-        events: AsyncGenerator[ChoiceEvent, None],
+        events: PrimedEvents,
         rid: str,
         include_usage: bool,
         prompt_tokens: int,
     ) -> AsyncGenerator[bytes, None]:
         header = self._header(rid, "text_completion")
+        frames = ChunkFrames.for_header(header)
         state = StreamState()
         try:
             async with contextlib.aclosing(events):
@@ -217,13 +243,14 @@ class OpenAIHandlers:
                         state.offsets[event.index] = offset + sum(
                             len(t) for t in logprobs["tokens"]
                         )
-                    choice = {
-                        "index": event.index,
-                        "text": event.text,
-                        "logprobs": logprobs,
-                        "finish_reason": event.end.reason if event.end else None,
-                    }
-                    yield sse({**header, "choices": [choice]})
+                    yield frames.choice(
+                        {
+                            "index": event.index,
+                            "text": event.text,
+                            "logprobs": logprobs,
+                            "finish_reason": event.end.reason if event.end else None,
+                        }
+                    )
         except APIError as exc:
             yield sse(exc.body())
             return
@@ -233,7 +260,7 @@ class OpenAIHandlers:
 
     async def _chat_stream(
         self,
-        events: AsyncGenerator[ChoiceEvent, None],
+        events: PrimedEvents,
         rid: str,
         n: int,
         include_usage: bool,
@@ -242,11 +269,13 @@ class OpenAIHandlers:
         header = self._header(rid, "chat.completion.chunk")
         if include_usage:
             header["usage"] = None
+        frames = ChunkFrames.for_header(header)
         ends = []
         for index in range(n):
             delta = {"role": "assistant", "content": ""}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-            yield sse({**header, "choices": [choice]})
+            yield frames.choice(
+                {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            )
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -257,13 +286,14 @@ class OpenAIHandlers:
                     logprobs = None
                     if event.logprobs:
                         logprobs = {"content": self._chat_entries(event.token_ids, event.logprobs)}
-                    choice = {
-                        "index": event.index,
-                        "delta": {"content": event.text} if event.text else {},
-                        "logprobs": logprobs,
-                        "finish_reason": event.end.reason if event.end else None,
-                    }
-                    yield sse({**header, "choices": [choice]})
+                    yield frames.choice(
+                        {
+                            "index": event.index,
+                            "delta": {"content": event.text} if event.text else {},
+                            "logprobs": logprobs,
+                            "finish_reason": event.end.reason if event.end else None,
+                        }
+                    )
         except APIError as exc:
             yield sse(exc.body())
             return

@@ -3,14 +3,18 @@
 Flags -> frozen `GatewayConfig` -> tokenizer -> Starlette app on uvicorn (uvloop, httptools).
 Nodes are not configured here: they are discovered from the bootstrap (`--bootstrap`). SIGINT /
 SIGTERM: uvicorn stops accepting, lets open requests finish, then the app closes its channels.
+`--workers N` (N > 1) runs N such processes on one port under a supervisor (gateway/workers.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bootstrap.security import (
     add_internal_auth_args,
@@ -33,6 +37,9 @@ from gateway.config import (
 )
 from gateway.routing import POLICIES
 
+if TYPE_CHECKING:
+    from gateway.text import TextCodec
+
 logger = logging.getLogger("pdserve.gateway")
 
 
@@ -44,6 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
     parser.add_argument("--served-model-name", default=None, help="default: the directory name")
     parser.add_argument("--context-length", type=int, default=None, help="default: the model's")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes serving the port (SO_REUSEPORT), each following discovery itself; "
+        "/metrics sums them; --max-inflight applies per worker",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per streamed chunk (the first token at once, the last chunk always); "
+        "the text and token ids are the same for any value",
+    )
     add_log_args(parser)
     g = parser.add_argument_group("routing")
     g.add_argument("--prefill-policy", default="prefix_aware", choices=sorted(POLICIES))
@@ -173,37 +194,42 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         args.log_level,
         internal_auth_from_args(args),
         room_tickets_from_args(args),
+        stream_interval=args.stream_interval,
+        workers=args.workers,
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging(LogConfig(args.log_level, args.log_format))
-    try:
-        from engine.model_fetch import resolve_model
-        from gateway.text import TextCodec
-
-        model_path = resolve_model(args.model)
-        config = build_config(args, model_path)
-        codec = TextCodec.load(model_path)
-    except (ValueError, FileNotFoundError) as exc:
-        logger.error("gateway-server cannot start: %s", exc)
-        return 2
+def serve(
+    config: GatewayConfig,
+    codec: TextCodec,
+    sock: socket.socket | None = None,
+    multiprocess_dir: str | None = None,
+    on_started: Callable[[], None] | None = None,
+) -> bool:
+    """Serve until SIGINT/SIGTERM, on `sock` (a worker's) or on config.host:port; whether the
+    server started at all."""
     import uvicorn
 
     from gateway.app import Gateway, build_app
 
-    app = build_app(Gateway(config, codec))
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and on_started is not None:
+                on_started()
+
+    app = build_app(Gateway(config, codec, multiprocess_dir))
     logger.info(
-        "gateway for %r on http://%s:%d (prefill policy %s, decode policy %s)",
+        "gateway for %r on http://%s:%d (prefill policy %s, decode policy %s, stream interval %d)",
         config.model.served_name,
         config.host,
         config.port,
         config.routing.prefill_policy,
         config.routing.decode_policy,
+        config.stream_interval,
     )
     logger.info("%s", config.limits.defaults.describe())
-    server = uvicorn.Server(
+    server = Server(
         uvicorn.Config(
             app,
             host=config.host,
@@ -216,8 +242,33 @@ def main(argv: list[str] | None = None) -> int:
             timeout_graceful_shutdown=5,
         )
     )
-    server.run()
-    return 0 if server.started else 1
+    server.run(sockets=[sock] if sock is not None else None)
+    return bool(server.started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = LogConfig(args.log_level, args.log_format)
+    configure_logging(log)
+    try:
+        from engine.model_fetch import resolve_model
+
+        model_path = resolve_model(args.model)
+        config = build_config(args, model_path)
+        if config.workers > 1:
+            from gateway.workers import Supervisor
+
+            return Supervisor(config, log).run()
+        from gateway.text import TextCodec
+
+        codec = TextCodec.load(model_path)
+    except (ValueError, FileNotFoundError) as exc:
+        logger.error("gateway-server cannot start: %s", exc)
+        return 2
+    except OSError as exc:  # the supervisor could not bind the address
+        logger.error("gateway-server cannot start: %s", exc)
+        return 1
+    return 0 if serve(config, codec) else 1
 
 
 if __name__ == "__main__":

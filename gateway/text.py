@@ -13,7 +13,7 @@ part of a stop string that is later removed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.errors import bad_request
@@ -31,6 +31,7 @@ class TextCodec:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._token_text: dict[int, str] = {}
+        self._backend_decode = _backend_decoder(tokenizer)
 
     @classmethod
     def load(cls, model_dir: str) -> TextCodec:
@@ -75,6 +76,8 @@ class TextCodec:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(list(ids), skip_special_tokens=True)
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def token_text(self, token_id: int) -> str:
@@ -87,6 +90,18 @@ class TextCodec:
 
     def detokenizer(self, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids[-_CONTEXT_TOKENS:])
+
+
+def _backend_decoder(tokenizer: Any) -> Callable[..., str] | None:
+    """The Rust tokenizer's `decode` where transformers' `decode` would only call it (a fast
+    tokenizer without the clean-up pass): the same text, without transformers' Python around
+    each call (type conversions, keyword handling), which the streaming detokenizer pays twice
+    per streamed chunk."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    decode: Callable[..., str] = backend.decode
+    return decode
 
 
 class IncrementalDetokenizer:

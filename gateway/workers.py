@@ -1,0 +1,217 @@
+"""`gateway-server --workers N`: N gateway processes serving one port.
+
+Why SO_REUSEPORT rather than one listening socket shared by the workers: each worker binds its
+own listener on the same address and the kernel spreads new connections over them by a hash
+of the connection, so no worker can starve the others by winning every wake-up on a shared
+accept queue (the epoll imbalance of pre-forked servers), and no descriptor has to be passed
+to a spawned process. The kernel admits only processes of the same user into the group. The
+supervisor binds the address first and keeps it bound without listening (a bound socket takes
+no connection): a port taken by another program fails at once with a clear error, and
+`--port 0` resolves to one port that every worker then joins. The cost: connections waiting in
+the accept queue of a worker that crashes are reset, and the spread is per connection, not per
+request (a client that keeps one connection stays on one worker).
+
+Every worker is a whole gateway (app.py): it loads the tokenizer, follows the bootstrap's node
+events itself (so its routing table is always the one discovery describes, with no state shared
+between processes) and keeps its own per-node in-flight counts, prefix table and
+`--max-inflight` budget (the limits are per worker). A later feed such as the nodes' KV-cache
+events for a prefix index belongs in the same place as the discovery watch, the app's lifespan:
+each worker subscribes on its own and holds a full index, exactly as it holds the full node
+table now. Metrics are merged over the workers (gateway/metrics.py).
+
+The supervisor starts the workers with the `spawn` start method (a fresh interpreter: no forked
+gRPC or event-loop state), waits until every one serves, and then watches them: a worker that
+crashes after it served is reported and started again; one that dies before it ever served
+(bad model directory, address unusable) stops the whole gateway with exit code 1. SIGTERM or
+SIGINT stops the workers gracefully (uvicorn lets open requests finish), then kills what is
+left. Workers ask the kernel for SIGTERM when the supervisor dies, however it dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from multiprocessing.connection import wait
+from multiprocessing.context import SpawnProcess
+from multiprocessing.synchronize import Event
+from types import FrameType
+
+from bootstrap.telemetry import LogConfig, configure_logging
+from gateway.config import GatewayConfig
+from gateway.metrics import MULTIPROCESS_ENV
+
+logger = logging.getLogger("pdserve.gateway.workers")
+
+_PR_SET_PDEATHSIG = 1
+_POLL_S = 0.5
+_STOP_GRACE_S = 10.0
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port with SO_REUSEPORT (not listening yet)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            f"cannot listen on {host}:{port}: {exc.strerror}; the port is in use by another "
+            "program or the host is not local: choose another --port"
+        ) from None
+    return sock
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process is started with (pickled to the spawned interpreter)."""
+
+    config: GatewayConfig
+    log: LogConfig
+    index: int
+    metrics_dir: str
+    supervisor_pid: int
+
+
+def worker_main(spec: WorkerSpec, ready: Event) -> None:
+    """A worker's whole life (in the spawned process): serve until SIGTERM."""
+    _die_with_supervisor(spec.supervisor_pid)
+    configure_logging(spec.log)
+    from gateway.server import serve
+    from gateway.text import TextCodec
+
+    config = spec.config
+    codec = TextCodec.load(config.model.path)
+    sock = reuse_port_socket(config.host, config.port)
+    logger.info("gateway worker %d (pid %d) starting", spec.index, os.getpid())
+    serve(config, codec, sock, spec.metrics_dir, on_started=ready.set)
+
+
+def _die_with_supervisor(supervisor_pid: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != supervisor_pid:  # it died before the request took effect
+        os._exit(1)
+
+
+@dataclass
+class Worker:
+    index: int
+    process: SpawnProcess
+    ready: Event
+    served: bool = False  # it signalled readiness at least once
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid or 0
+
+
+class Supervisor:
+    """Starts, watches and stops the workers (see the module docstring)."""
+
+    def __init__(self, config: GatewayConfig, log: LogConfig) -> None:
+        self.config = config
+        self.log = log
+        self.context = multiprocessing.get_context("spawn")
+        self.workers: list[Worker] = []
+        self.metrics_dir = ""
+        self.stopping = False
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (0) or until a worker cannot start (1)."""
+        holder = reuse_port_socket(self.config.host, self.config.port)
+        self.config = replace(self.config, port=holder.getsockname()[1])
+        self.metrics_dir = tempfile.mkdtemp(prefix="pdserve-gateway-metrics-")
+        os.environ[MULTIPROCESS_ENV] = self.metrics_dir  # the spawned workers inherit it
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._stop_signal)
+        try:
+            self.workers = [self._start(index) for index in range(self.config.workers)]
+            code = self._watch()
+        finally:
+            self._stop_all()
+            holder.close()
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        return code
+
+    def _stop_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stopping = True
+
+    def _start(self, index: int) -> Worker:
+        ready = self.context.Event()
+        spec = WorkerSpec(self.config, self.log, index, self.metrics_dir, os.getpid())
+        process = self.context.Process(
+            target=worker_main, args=(spec, ready), name=f"gateway-worker-{index}", daemon=True
+        )
+        process.start()
+        return Worker(index, process, ready)
+
+    def _watch(self) -> int:
+        announced = False
+        while not self.stopping:
+            wait([w.process.sentinel for w in self.workers], timeout=_POLL_S)
+            for worker in self.workers:
+                if not worker.served and worker.ready.is_set():
+                    worker.served = True
+            if not announced and all(w.served for w in self.workers):
+                announced = True
+                logger.info(
+                    "gateway on http://%s:%d: %d workers serving (SO_REUSEPORT)",
+                    self.config.host,
+                    self.config.port,
+                    len(self.workers),
+                )
+            for position, worker in enumerate(self.workers):
+                if worker.process.is_alive() or self.stopping:
+                    continue
+                if not self._replace(position, worker):
+                    return 1
+        return 0
+
+    def _replace(self, position: int, worker: Worker) -> bool:
+        """Report a dead worker and start another in its place (False: give up)."""
+        from prometheus_client import multiprocess
+
+        code = worker.process.exitcode
+        multiprocess.mark_process_dead(worker.pid, self.metrics_dir)  # its live gauges go
+        if not worker.served:
+            logger.error(
+                "gateway worker %d (pid %d) exited with code %s before it served: stopping "
+                "the gateway (see the worker's error above)",
+                worker.index,
+                worker.pid,
+                code,
+            )
+            return False
+        logger.error(
+            "gateway worker %d (pid %d) exited with code %s: starting another",
+            worker.index,
+            worker.pid,
+            code,
+        )
+        self.workers[position] = self._start(worker.index)
+        return True
+
+    def _stop_all(self) -> None:
+        for worker in self.workers:
+            if worker.process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for worker in self.workers:
+            worker.process.join(max(deadline - time.monotonic(), 0.1))
+            if worker.process.is_alive():
+                logger.warning("gateway worker %d did not stop: killing it", worker.index)
+                worker.process.kill()
+                worker.process.join()

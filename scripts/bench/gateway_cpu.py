@@ -1,0 +1,451 @@
+"""Gateway CPU per streamed token and tokens/s per worker, with the gateway as the bottleneck.
+
+The token source is a fake node (`fake-node` below): a process that speaks the real node gRPC
+protocol (`Node.Generate` streams one `TokenChunk` per token, then `Finished`; `Health`,
+`GetLoad`, `Abort`) and registers with a real bootstrap-server, so the gateway discovers it as
+it discovers any node. It runs no model: its responses are serialized once at start and sent
+as they are, one token per message (what a decode node sends per step), as fast as the stream
+takes them. Several client processes (raw HTTP/1.1 over asyncio streams, no JSON parsing: they
+only look for the usage object at the end) keep many streams open: `POST /v1/completions`,
+`stream: true`, `ignore_eos`, a fixed number of tokens per request.
+
+For each (workers, stream interval) a fresh `gateway-server --workers W --stream-interval K`
+serves the load for `--duration` seconds (each stream then finishes its request). The gateway's
+CPU is read from /proc (utime + stime of every process of its session: the supervisor and its
+workers, all threads) before and after; tokens are the completion tokens of the finished
+requests. Printed per row: gateway CPU us per streamed token, tokens/s in all and per worker,
+how busy the workers were (CPU s per wall s per worker: near 1.0 means the gateway was the
+bottleneck), and the ratios to the goals: <= 25 us per token, >= 40k tokens/s for one worker,
+N workers >= 0.8 * N times one.
+
+    python -m scripts.bench.gateway_cpu [--workers 1,2] [--intervals 1,8] [--duration 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.queues import Queue
+from pathlib import Path
+from typing import Any
+
+from engine.ports import LOCALHOST, free_port
+from gateway.launcher import (
+    ServerProcess,
+    bootstrap_ready,
+    console_script,
+    node_registered,
+    running_node,
+    session_pids,
+)
+
+GOAL_US_PER_TOKEN = 25.0
+GOAL_ONE_WORKER_TOKENS_S = 40_000.0
+GOAL_SCALING = 0.8
+_TEXT = (
+    "The gateway of a serving system turns token ids into text and frames, one chunk after "
+    "another, for every stream it holds open; it should never be the slowest part. "
+)
+_USAGE = re.compile(rb'"completion_tokens":(\d+)')
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    workers: tuple[int, ...]
+    intervals: tuple[int, ...]
+    duration_s: float
+    clients: int  # client processes
+    streams: int  # open streams per client process
+    tokens: int  # per request
+    tokens_per_message: int  # of the fake node (a decode node sends 1 per step)
+    fake_nodes: int
+    model: str | None
+    log_dir: Path
+
+
+@dataclass(frozen=True)
+class TokenSource:
+    bootstrap: str  # host:port of the bootstrap-server
+    node_pids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Row:
+    workers: int
+    interval: int
+    tokens: int
+    requests: int
+    wall_s: float
+    cpu_s: float
+    node_cpu_s: float  # the fake nodes' (the token source must not be the bottleneck)
+
+    @property
+    def us_per_token(self) -> float:
+        return self.cpu_s / self.tokens * 1e6
+
+    @property
+    def tokens_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def busy(self) -> float:
+        """Gateway CPU seconds per wall second per worker."""
+        return self.cpu_s / self.wall_s / self.workers
+
+
+# ---- the fake node ----------------------------------------------------------------------------
+def fake_node_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="gateway_cpu fake-node")
+    parser.add_argument("--bootstrap", required=True)
+    parser.add_argument("--token-ids", required=True, help="comma-separated ids to cycle through")
+    parser.add_argument("--host", default=LOCALHOST)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--tokens-per-message", type=int, default=1)
+    args = parser.parse_args(argv)
+    ids = [int(t) for t in args.token_ids.split(",")]
+    address = f"{args.host}:{args.port}"
+    asyncio.run(_serve_fake_node(args.bootstrap, address, ids, args.tokens_per_message))
+    return 0
+
+
+async def _serve_fake_node(
+    bootstrap: str, address: str, token_ids: list[int], per_message: int
+) -> None:
+    import grpc
+
+    from bootstrap.client import BootstrapClient, NodeSession
+    from proto import bootstrap_pb2, node_pb2
+
+    def message(start: int, count: int) -> bytes:
+        ids = [token_ids[(start + j) % len(token_ids)] for j in range(count)]
+        return node_pb2.GenerateResponse(
+            chunk=node_pb2.TokenChunk(token_ids=ids)
+        ).SerializeToString()
+
+    full = [message(start, per_message) for start in range(len(token_ids))]  # by first token
+    running = 0
+    session: NodeSession | None = None
+
+    async def generate(request: node_pb2.GenerateRequest, context: object) -> object:
+        nonlocal running
+        wanted = request.sampling.max_new_tokens
+        running += 1
+        try:
+            for sent in range(0, wanted - per_message + 1, per_message):
+                yield full[sent % len(token_ids)]
+            if rest := wanted % per_message:
+                yield message(wanted - rest, rest)
+            usage = node_pb2.Usage(prompt_tokens=len(request.input_ids), completion_tokens=wanted)
+            finished = node_pb2.Finished(finish_reason="length", usage=usage)
+            yield node_pb2.GenerateResponse(finished=finished).SerializeToString()
+        finally:
+            running -= 1
+
+    async def health(request: node_pb2.HealthRequest, context: object) -> node_pb2.HealthResponse:
+        node_id = session.node_id if session is not None else ""
+        return node_pb2.HealthResponse(ok=True, role="colocated", model="fake", node_id=node_id)
+
+    async def load(request: node_pb2.GetLoadRequest, context: object) -> node_pb2.LoadResponse:
+        return node_pb2.LoadResponse(running_requests=running)
+
+    async def abort(request: node_pb2.AbortRequest, context: object) -> node_pb2.AbortResponse:
+        return node_pb2.AbortResponse(found=False)
+
+    def unary(behaviour: object, request_type: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            behaviour,
+            request_deserializer=request_type.FromString,
+            response_serializer=lambda m: m.SerializeToString(),
+        )
+
+    handlers = {
+        # Responses of Generate are bytes already: no serializer.
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            generate, request_deserializer=node_pb2.GenerateRequest.FromString
+        ),
+        "Health": unary(health, node_pb2.HealthRequest),
+        "GetLoad": unary(load, node_pb2.GetLoadRequest),
+        "Abort": unary(abort, node_pb2.AbortRequest),
+    }
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("pdserve.node.Node", handlers)]
+    )
+    server.add_insecure_port(address)
+    await server.start()
+    info = bootstrap_pb2.NodeInfo(
+        role=bootstrap_pb2.COLOCATED, grpc_address=address, transfer_backend="mooncake"
+    )
+    client = BootstrapClient(bootstrap)
+    session = NodeSession(
+        client, info, load=lambda: bootstrap_pb2.NodeLoad(running_requests=running)
+    )
+    await session.start()
+    await server.wait_for_termination()
+
+
+# ---- the clients ------------------------------------------------------------------------------
+def _request_bytes(port: int, body: dict[str, object]) -> bytes:
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {LOCALHOST}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + payload
+
+
+async def _one_request(port: int, request: bytes) -> int:
+    """Send one streaming request; its completion tokens (from the usage chunk)."""
+    reader, writer = await asyncio.open_connection(LOCALHOST, port)
+    try:
+        writer.write(request)
+        head = tail = await reader.read(1 << 16)
+        while piece := await reader.read(1 << 16):
+            tail = (tail + piece)[-4096:]
+    finally:
+        writer.close()
+    if not head.startswith(b"HTTP/1.1 200") or b"data: [DONE]" not in tail:
+        raise RuntimeError(f"a stream failed: {head[:300]!r} ... {tail[-300:]!r}")
+    found = _USAGE.findall(tail)
+    return int(found[-1]) if found else 0
+
+
+async def _client(port: int, request: bytes, streams: int, until: float) -> tuple[int, int]:
+    tokens = requests = 0
+
+    async def stream() -> None:
+        nonlocal tokens, requests
+        while time.monotonic() < until:
+            got = await _one_request(port, request)  # not `tokens += await`: it reads first
+            tokens += got
+            requests += 1
+
+    await asyncio.gather(*(stream() for _ in range(streams)))
+    return tokens, requests
+
+
+def _client_main(
+    port: int, request: bytes, streams: int, until: float, results: Queue[tuple[int, int]]
+) -> None:
+    results.put(asyncio.run(_client(port, request, streams, until)))
+
+
+# ---- one measurement --------------------------------------------------------------------------
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of these processes (all their threads), from /proc."""
+    ticks = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_gateway(gateway: ServerProcess, url: str, nodes: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if not gateway.alive:
+            raise RuntimeError(f"gateway-server exited:\n{gateway.log_tail()}")
+        with (
+            contextlib.suppress(OSError, ValueError),
+            urllib.request.urlopen(url + "/health", timeout=5) as answer,
+        ):
+            if json.loads(answer.read()).get("colocated") == nodes:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"gateway-server not ready after 120 s:\n{gateway.log_tail()}")
+
+
+def measure(config: BenchConfig, source: TokenSource, workers: int, interval: int) -> Row:
+    port = free_port()
+    command = [console_script("gateway-server"), "--bootstrap", source.bootstrap]
+    command += [*(["--model", config.model] if config.model else [])]
+    command += ["--workers", str(workers), "--stream-interval", str(interval)]
+    command += ["--max-inflight", "100000", "--log-level", "warning"]
+    command += ["--host", LOCALHOST, "--port", str(port)]
+    log = config.log_dir / f"gateway-w{workers}-k{interval}.log"
+    gateway = ServerProcess.start("gateway", command, address=f"{LOCALHOST}:{port}", log_path=log)
+    try:
+        _wait_gateway(gateway, f"http://{LOCALHOST}:{port}", config.fake_nodes)
+        body = {
+            "model": _served_name(port),
+            "prompt": list(range(1000, 1016)),
+            "max_tokens": config.tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        request = _request_bytes(port, body)
+        asyncio.run(_one_request(port, request))  # warm: channels open, tokenizer caches
+        return _load(config, source, gateway, port, request, (workers, interval))
+    finally:
+        gateway.stop(15)
+
+
+def _served_name(port: int) -> str:
+    with urllib.request.urlopen(f"http://{LOCALHOST}:{port}/v1/models", timeout=10) as answer:
+        return str(json.loads(answer.read())["data"][0]["id"])
+
+
+def _load(
+    config: BenchConfig,
+    source: TokenSource,
+    gateway: ServerProcess,
+    port: int,
+    request: bytes,
+    row: tuple[int, int],
+) -> Row:
+    context = multiprocessing.get_context("spawn")
+    results: Queue[tuple[int, int]] = context.Queue()
+    pids = session_pids(gateway.pid)
+    nodes = list(source.node_pids)
+    cpu_before, node_before = cpu_seconds(pids), cpu_seconds(nodes)
+    started = time.monotonic()
+    until = started + config.duration_s
+    clients = [
+        context.Process(target=_client_main, args=(port, request, config.streams, until, results))
+        for _ in range(config.clients)
+    ]
+    for client in clients:
+        client.start()
+    totals = [results.get() for _ in clients]
+    wall, cpu = time.monotonic() - started, cpu_seconds(pids) - cpu_before
+    node_cpu = cpu_seconds(nodes) - node_before
+    for client in clients:
+        client.join()
+    tokens, requests = sum(t for t, _ in totals), sum(r for _, r in totals)
+    return Row(*row, tokens, requests, wall, cpu, node_cpu)
+
+
+# ---- the run ----------------------------------------------------------------------------------
+def _token_ids(model: str | None) -> list[int]:
+    from engine.model_fetch import resolve_model
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model(model))
+    if tokenizer is None:
+        raise SystemExit(f"{model}: no tokenizer in the model directory (--model)")
+    return list(tokenizer.encode(_TEXT, add_special_tokens=False))
+
+
+@contextlib.contextmanager
+def token_source(config: BenchConfig) -> Iterator[TokenSource]:
+    """A bootstrap-server and the fake nodes registered with it; yields the bootstrap address."""
+    ids = ",".join(str(t) for t in _token_ids(config.model))
+    with contextlib.ExitStack() as stack:
+        bootstrap = stack.enter_context(
+            running_node("bootstrap-server", [], config.log_dir / "bootstrap.log",
+                         probe=bootstrap_ready)
+        )  # fmt: skip
+        node = [sys.executable, "-m", "scripts.bench.gateway_cpu", "fake-node"]
+        node += ["--bootstrap", bootstrap.address, "--token-ids", ids]
+        node += ["--tokens-per-message", str(config.tokens_per_message)]
+        fakes = []
+        for i in range(config.fake_nodes):
+            fake = stack.enter_context(
+                running_node(node[0], node[1:], config.log_dir / f"fake-node-{i}.log",
+                             probe=node_registered)
+            )  # fmt: skip
+            fakes.append(fake.pid)
+        yield TokenSource(bootstrap.address, tuple(fakes))
+
+
+def table(rows: list[Row]) -> str:
+    ones = {r.interval: r for r in rows if r.workers == 1}
+    lines = [
+        "| workers | stream interval | gateway CPU us/token | goal 25 us | tokens/s | "
+        "tokens/s per worker | vs 1 worker | goal 0.8 x N | workers busy | node busy | requests |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        one = ones.get(r.interval)
+        scale = r.tokens_s / one.tokens_s if one else float("nan")
+        per_worker = r.tokens_s / r.workers
+        goal_rate = (
+            f"{per_worker / GOAL_ONE_WORKER_TOKENS_S:.2f} of 40k"
+            if r.workers == 1
+            else f"{scale / (GOAL_SCALING * r.workers):.2f}"
+        )
+        lines.append(
+            f"| {r.workers} | {r.interval} | {r.us_per_token:.1f} | "
+            f"{GOAL_US_PER_TOKEN / r.us_per_token:.2f} | {r.tokens_s:,.0f} | {per_worker:,.0f} | "
+            f"{scale:.2f}x | {goal_rate} | {r.busy:.2f} | {r.node_cpu_s / r.wall_s:.2f} | "
+            f"{r.requests} |"
+        )
+    return "\n".join(lines)
+
+
+def build_config(argv: list[str] | None) -> BenchConfig:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", default="1,2", help="gateway workers to measure")
+    parser.add_argument("--intervals", default="1,8", help="--stream-interval values")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds of load per row")
+    parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument("--streams", type=int, default=32, help="open streams per client")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per request")
+    parser.add_argument("--fake-nodes", type=int, default=1, help="token source processes")
+    parser.add_argument(
+        "--tokens-per-message",
+        type=int,
+        default=1,
+        help="tokens per Generate message of the fake node (a decode node sends 1 per step)",
+    )
+    parser.add_argument("--model", default=None, help="tokenizer directory (default model)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="default: a temporary one")
+    args = parser.parse_args(argv)
+    numbers = [int(v) for v in f"{args.workers},{args.intervals}".split(",")]
+    numbers += [args.clients, args.streams, args.tokens, args.tokens_per_message, args.fake_nodes]
+    if min(numbers) < 1:
+        raise SystemExit(
+            "--workers, --intervals, --clients, --streams, --tokens, --tokens-per-message and "
+            "--fake-nodes must be >= 1"
+        )
+    return BenchConfig(
+        workers=tuple(int(v) for v in args.workers.split(",")),
+        intervals=tuple(int(v) for v in args.intervals.split(",")),
+        duration_s=args.duration,
+        clients=args.clients,
+        streams=args.streams,
+        tokens=args.tokens,
+        tokens_per_message=args.tokens_per_message,
+        fake_nodes=args.fake_nodes,
+        model=args.model,
+        log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-gateway-cpu-")),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["fake-node"]:
+        return fake_node_main(argv[1:])
+    config = build_config(argv)
+    print(f"logs in {config.log_dir}; {os.cpu_count()} CPUs; {config}", flush=True)
+    rows = []
+    with token_source(config) as source:
+        for interval in config.intervals:
+            for workers in config.workers:
+                row = measure(config, source, workers, interval)
+                print(
+                    f"workers {workers} interval {interval}: {row.us_per_token:.1f} us/token, "
+                    f"{row.tokens_s:,.0f} tokens/s, busy {row.busy:.2f}",
+                    flush=True,
+                )
+                rows.append(row)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The streaming side of the gateway without processes: token batching (`--stream-interval`) and
+the SSE frames.
+
+`choice_events` runs over a fake generation that replays node chunks (random token ids of the
+default model's tokenizer, one or several per chunk, as a decode node sends them); for every
+interval the events must carry the same text, token ids, finish reason and matched stop string
+as interval 1, with the first token alone in the first event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncGenerator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from gateway.choices import ChoiceEvent, ChoiceJob, choice_events
+from gateway.sse import ChunkFrames, sse
+from gateway.text import TextCodec
+from proto import node_pb2
+
+INTERVALS = (1, 2, 3, 5, 8, 64)
+
+
+class ReplayGeneration:
+    """What `Dispatcher.generation` returns, replaying fixed chunks."""
+
+    def __init__(self, chunks: list[list[int]]) -> None:
+        self.chunks = chunks
+        self.finished: node_pb2.Finished | None = None
+        self.cached_tokens = 0
+        self.timeline = None
+
+    def __aiter__(self) -> AsyncGenerator[node_pb2.TokenChunk, None]:
+        return self._replay()
+
+    async def _replay(self) -> AsyncGenerator[node_pb2.TokenChunk, None]:
+        for ids in self.chunks:
+            yield node_pb2.TokenChunk(token_ids=ids)
+        count = sum(len(ids) for ids in self.chunks)
+        usage = node_pb2.Usage(completion_tokens=count)
+        self.finished = node_pb2.Finished(finish_reason="length", usage=usage)
+
+
+class ReplayDispatcher:
+    def __init__(self, chunks: list[list[int]]) -> None:
+        self.chunks = chunks
+
+    def generation(self, prompt_ids: list[int], sampling: object, rid: str) -> ReplayGeneration:
+        return ReplayGeneration(self.chunks)
+
+
+@pytest.fixture(scope="module")
+def codec(default_model_dir: Path) -> TextCodec:
+    return TextCodec.load(str(default_model_dir))
+
+
+def _events(
+    codec: TextCodec, chunks: list[list[int]], stops: list[str], interval: int
+) -> list[ChoiceEvent]:
+    job = ChoiceJob(0, [1, 2, 3], node_pb2.SamplingParams(stop=stops))
+    dispatcher = ReplayDispatcher(chunks)
+
+    async def run() -> list[ChoiceEvent]:
+        events = choice_events(job, codec, dispatcher, "r", interval)  # type: ignore[arg-type]
+        return [event async for event in events]
+
+    return asyncio.run(run())
+
+
+def _random_chunks(rng: random.Random, vocab: int) -> list[list[int]]:
+    # Mostly common ids (text), some anywhere in the vocabulary (byte pieces, specials).
+    def token() -> int:
+        return rng.randrange(200, 5000) if rng.random() < 0.8 else rng.randrange(vocab)
+
+    return [
+        [token() for _ in range(rng.choice((1, 1, 1, 2, 4)))] for _ in range(rng.randrange(1, 40))
+    ]
+
+
+@pytest.mark.parametrize("stops", [[], ["e"], ["the", "\n"]], ids=["none", "e", "the-newline"])
+def test_every_interval_streams_what_interval_one_streams(codec: TextCodec, stops) -> None:
+    rng = random.Random(7)
+    for _ in range(60):
+        chunks = _random_chunks(rng, codec.vocab_size)
+        each = _events(codec, chunks, stops, 1)
+        expected = (
+            "".join(e.text for e in each),
+            [t for e in each for t in e.token_ids],
+            (each[-1].end.reason, each[-1].end.matched) if each[-1].end else None,
+        )
+        for interval in INTERVALS[1:]:
+            batched = _events(codec, chunks, stops, interval)
+            got = (
+                "".join(e.text for e in batched),
+                [t for e in batched for t in e.token_ids],
+                (batched[-1].end.reason, batched[-1].end.matched) if batched[-1].end else None,
+            )
+            assert got == expected, (chunks, stops, interval)
+            assert list(batched[0].token_ids) == chunks[0]  # the first chunk goes out at once
+            assert len(batched) <= len(each)
+            middle = batched[1:-1]
+            if not stops:  # a middle event waits for `interval` tokens
+                assert all(len(e.token_ids) >= interval for e in middle), interval
+
+
+def test_chunk_frames_equal_whole_objects() -> None:
+    header = {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m\u00e9"}
+    choice = {"index": 0, "text": 'caf\u00e9 \u2713 "q"', "logprobs": None, "finish_reason": None}
+    frame = ChunkFrames.for_header(header).choice(choice)
+    assert frame == sse({**header, "choices": [choice]})
+    assert orjson.loads(frame[len(b"data: ") : -2]) == {**header, "choices": [choice]}
+    with pytest.raises(ValueError, match="without `choices`"):
+        ChunkFrames.for_header({"choices": []})

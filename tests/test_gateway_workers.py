@@ -1,0 +1,287 @@
+"""`gateway-server --workers N` and `--stream-interval K` on a real `pd-cluster` (tiny random-weight
+llama with the default model's tokenizer, 1 prefill + 1 decode node, Mooncake over loopback).
+
+- `pd-cluster --gateway-workers 2`: both workers answer on the one port (each request on a
+  fresh connection lands on either), both serve completions through the bootstrap-discovered
+  nodes, and /metrics from either worker reports the totals over both;
+- `--stream-interval 5` (the cluster's gateway) against a second gateway-server on the same
+  bootstrap with interval 1: the streamed text, token ids, finish reasons and stop-string
+  trimming are the same, in fewer chunks;
+- a worker killed with SIGKILL is reported and replaced; killing the supervisor takes its
+  workers down;
+- bad `--workers`, `--stream-interval` and `--gateway-workers` values exit with code 2 and a
+  message that names the flag and its range.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.ports import free_port
+from gateway.launcher import console_script, session_pids
+from scripts.tiny_models import save_tiny_text_model
+from tests.test_gateway import RunningCluster, launched_cluster
+
+INTERVAL = 5
+GATEWAY_ARGS = ["--local-prefill-max-tokens", "0"]
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "def main():"]
+MAX_TOKENS = 23  # not a multiple of INTERVAL: the last chunk is a partial one
+WAIT_S = 120.0  # bound of every poll below (a failure, never a timing assertion)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_text_model(default_model_dir, tmp_path_factory.mktemp("tiny-llama-text"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
+    """pd-cluster whose gateway runs two workers and streams every INTERVAL tokens."""
+    log = tmp_path_factory.mktemp("gateway-workers") / "pd-cluster.log"
+    port = free_port()
+    command = [console_script("pd-cluster"), "--model", str(tiny_model), "--port", str(port)]
+    command += ["--max-total-tokens", "8192", "--gateway-workers", "2"]
+    args = [*GATEWAY_ARGS, "--stream-interval", str(INTERVAL)]
+    command += ["--gateway-args", " ".join(args)]
+    with launched_cluster(command, port, log) as running:
+        yield running
+
+
+def _gateway(cluster: RunningCluster, model: Path, log: Path, *args: str) -> RunningCluster:
+    """A gateway-server on the cluster's bootstrap, ready to route (both nodes discovered)."""
+    port = free_port()
+    command = [console_script("gateway-server"), "--bootstrap", cluster.node_address("bootstrap")]
+    command += ["--model", str(model), "--port", str(port), *GATEWAY_ARGS, *args]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    gateway = RunningCluster(process, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + WAIT_S
+    while _health(gateway.url).get("prefill") != 1 or _health(gateway.url).get("decode") != 1:
+        assert process.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    return gateway
+
+
+def _stop(gateway: RunningCluster) -> None:
+    gateway.process.send_signal(signal.SIGTERM)
+    gateway.process.wait(60)
+    assert not session_pids(gateway.process.pid), gateway.log()
+
+
+@pytest.fixture(scope="module")
+def reference(
+    cluster: RunningCluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningCluster]:
+    """One worker, interval 1: what every other configuration must stream."""
+    log = tmp_path_factory.mktemp("gateway-reference") / "gateway.log"
+    gateway = _gateway(cluster, tiny_model, log)
+    yield gateway
+    _stop(gateway)
+
+
+def _health(url: str) -> dict[str, object]:
+    try:
+        body = httpx.get(url + "/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _worker_pids(url: str, want: int) -> set[int]:
+    """Worker pids seen answering /health, each on a fresh connection, until `want` are seen."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + WAIT_S
+    while len(seen) < want:
+        assert time.monotonic() < deadline, f"only workers {seen} answered"
+        pid = _health(url).get("pid")
+        if isinstance(pid, int):
+            seen.add(pid)
+    return seen
+
+
+def _model_name(url: str) -> str:
+    return str(httpx.get(url + "/v1/models").json()["data"][0]["id"])
+
+
+def _events(url: str, path: str, body: dict[str, object]) -> list[dict[str, object]]:
+    """The JSON objects of one SSE answer, up to [DONE]."""
+    events = []
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as answer:
+        assert answer.status_code == 200, answer.read()
+        for line in answer.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return events
+            events.append(json.loads(line[len("data: ") :]))
+    raise AssertionError("the stream ended without [DONE]")
+
+
+def test_two_workers_serve_one_port_and_metrics_sum(cluster: RunningCluster) -> None:
+    model = _model_name(cluster.url)
+    served: dict[int, int] = {}
+    deadline = time.monotonic() + WAIT_S
+    while len(served) < 2 or sum(served.values()) < 6:
+        assert time.monotonic() < deadline, f"completions served per worker: {served}"
+        with httpx.Client(base_url=cluster.url, timeout=120) as client:  # one connection
+            pid = client.get("/health").json()["pid"]
+            answer = client.post(
+                "/v1/completions",
+                json={"model": model, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0},
+            )
+            assert answer.status_code == 200, answer.text
+            served[pid] = served.get(pid, 0) + 1
+    total = sum(served.values())
+    for pid in served:  # each worker's /metrics, on a connection that reached it
+        text = ""
+        while not text:
+            with httpx.Client(base_url=cluster.url, timeout=30) as client:
+                if client.get("/health").json()["pid"] == pid:
+                    text = client.get("/metrics").text
+        requests = _sample(text, "pdserve_gateway_requests_total", 'endpoint="completions"')
+        assert requests == total, (pid, served, text)
+        assert _sample(text, "pdserve_gateway_completion_tokens_total") == 4 * total
+        assert _sample(text, "pdserve_gateway_live_nodes", 'role="decode"') == 1
+        assert _sample(text, "pdserve_gateway_time_to_first_token_seconds_count") == total
+
+
+def _sample(text: str, name: str, *labels: str) -> float:
+    """Sum of a metric's samples that carry every label."""
+    total = 0.0
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.split("{")[0] == name and all(label in series for label in labels):
+            total += float(value)
+    return total
+
+
+def _stream_text(url: str, path: str, body: dict[str, object]) -> tuple[list[str], str, int]:
+    """(text pieces, finish reason, chunks) of a streamed completion or chat answer."""
+    pieces, reason, chunks = [], "", 0
+    for event in _events(url, path, body):
+        for choice in event.get("choices", []):  # type: ignore[attr-defined]
+            chunks += 1
+            piece = choice.get("text", choice.get("delta", {}).get("content"))
+            pieces.append(piece or "")
+            reason = choice.get("finish_reason") or reason
+    return pieces, reason, chunks
+
+
+@pytest.mark.parametrize("stop", [None, ["e"]], ids=["no-stop", "stop-string"])
+def test_stream_interval_streams_what_interval_one_streams(
+    cluster: RunningCluster, reference: RunningCluster, stop: list[str] | None
+) -> None:
+    model = _model_name(cluster.url)
+    for prompt in PROMPTS:
+        body: dict[str, object] = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS}
+        body.update(temperature=0, stop=stop, stream_options={"include_usage": True})
+        batched = _stream_text(cluster.url, "/v1/completions", body)
+        each = _stream_text(reference.url, "/v1/completions", body)
+        assert "".join(batched[0]) == "".join(each[0]), (prompt, batched, each)
+        assert batched[1] == each[1]
+        if stop is None:  # every token is a chunk at interval 1; first + 4 of 5 + the last
+            assert each[2] == MAX_TOKENS + 1
+            assert batched[2] <= 1 + -(-(MAX_TOKENS - 1) // INTERVAL) + 1, batched
+        chat = {"model": model, "messages": [{"role": "user", "content": prompt}]}
+        chat.update(max_tokens=MAX_TOKENS, temperature=0, stop=stop)
+        batched = _stream_text(cluster.url, "/v1/chat/completions", chat)
+        each = _stream_text(reference.url, "/v1/chat/completions", chat)
+        assert "".join(batched[0]) == "".join(each[0]), (prompt, batched, each)
+        assert batched[1] == each[1]
+
+
+def test_stream_interval_keeps_the_token_ids(
+    cluster: RunningCluster, reference: RunningCluster
+) -> None:
+    for prompt in PROMPTS:
+        for stop in ([], ["e"]):
+            params = {"max_new_tokens": MAX_TOKENS, "temperature": 0, "stop": stop}
+            body = {"text": prompt, "sampling_params": params}
+            results = []
+            for url in (cluster.url, reference.url):
+                events = _events(url, "/generate", body)
+                ids = [i for e in events for i in e["output_ids"]]  # type: ignore[attr-defined]
+                text = "".join(str(e["text"]) for e in events)
+                end = events[-1]["meta_info"]
+                results.append((ids, text, end["finish_reason"], end["matched"], len(events)))  # type: ignore[index]
+                whole = httpx.post(url + "/generate", json=body, timeout=120).json()
+                assert (whole["output_ids"], whole["text"]) == (ids, text)
+            (ids, text, reason, matched, chunks), reference_result = results
+            assert (ids, text, reason, matched) == reference_result[:4], (prompt, stop)
+            assert chunks <= reference_result[4]
+
+
+def test_a_killed_worker_is_replaced_and_workers_die_with_the_supervisor(
+    cluster: RunningCluster, tiny_model: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "gateway.log"
+    gateway = _gateway(cluster, tiny_model, log, "--workers", "2")
+    try:
+        first = _worker_pids(gateway.url, 2)
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + WAIT_S
+        while f"pid {victim}) exited with code -9: starting another" not in gateway.log():
+            assert time.monotonic() < deadline, gateway.log()
+            time.sleep(0.2)
+        after = _worker_pids(gateway.url, 2)
+        assert victim not in after and len(after & first) == 1, (first, after)
+        gateway.process.send_signal(signal.SIGKILL)  # no chance to stop them itself
+        gateway.process.wait(60)
+        while any(Path(f"/proc/{pid}").exists() for pid in session_pids(gateway.process.pid)):
+            assert time.monotonic() < deadline + WAIT_S, session_pids(gateway.process.pid)
+            time.sleep(0.2)
+    finally:
+        if gateway.process.poll() is None:
+            _stop(gateway)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--workers", "0", "--workers must be in [1, 256] processes, got 0"),
+        ("--workers", "100000", "--workers must be in [1, 256] processes, got 100000"),
+        ("--stream-interval", "0", "--stream-interval must be in [1, 4096] tokens, got 0"),
+        ("--stream-interval", "-3", "--stream-interval must be in [1, 4096] tokens, got -3"),
+    ],
+)
+def test_bad_gateway_flags_name_the_flag_and_range(
+    tiny_model: Path, flag: str, value: str, message: str
+) -> None:
+    command = [console_script("gateway-server"), "--bootstrap", "127.0.0.1:1"]
+    command += ["--model", str(tiny_model), flag, value]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_bad_gateway_workers_flag_of_pd_cluster() -> None:
+    command = [console_script("pd-cluster"), "--gateway-workers", "0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "--gateway-workers must be in [1, 256], got 0" in result.stderr
+
+
+def test_a_taken_port_fails_the_supervisor_at_once(tiny_model: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [console_script("gateway-server"), "--bootstrap", "127.0.0.1:1"]
+        command += ["--model", str(tiny_model), "--workers", "2", "--port", str(port)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr, result.stderr
