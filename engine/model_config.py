@@ -55,6 +55,19 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def num_parameters(self) -> int:
+        """Weights of the decoder (embeddings, attention, MLP, norms; the LM head unless tied)."""
+        h = self.hidden_size
+        attention = 2 * h * self.q_size + 2 * h * self.kv_size
+        if self.attention_bias:
+            attention += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attention += 2 * self.head_dim
+        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        heads = 1 if self.tie_word_embeddings else 2
+        return heads * self.vocab_size * h + self.num_layers * layer + h
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any], model_path: str = "") -> ModelConfig:
         archs = raw.get("architectures") or []

@@ -44,7 +44,8 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         "--mem-fraction",
         type=float,
         default=None,
-        help="size the KV pool to this fraction of device memory left after the weights",
+        help="weights and KV pool together take this fraction of device memory (as SGLang's "
+        "--mem-fraction-static): the pool gets what the weights leave of it",
     )
     g.add_argument("--context-length", type=int, default=None)
     g.add_argument(
@@ -94,10 +95,10 @@ def configure_logging(args: argparse.Namespace) -> None:
     _configure_logging(LogConfig(args.log_level, args.log_format))
 
 
-def engine_config(args: argparse.Namespace, model_path: str, weight_bytes: int) -> EngineConfig:
+def engine_config(args: argparse.Namespace, model_path: str) -> EngineConfig:
     max_tokens = args.max_total_tokens
     if max_tokens is None and args.mem_fraction is not None:
-        max_tokens = _tokens_for_fraction(args, model_path, weight_bytes)
+        max_tokens = _tokens_for_fraction(args, model_path)
     return EngineConfig(
         model_path=model_path,
         load_format=args.load_format,
@@ -117,7 +118,9 @@ def engine_config(args: argparse.Namespace, model_path: str, weight_bytes: int) 
     )
 
 
-def _tokens_for_fraction(args: argparse.Namespace, model_path: str, weight_bytes: int) -> int:
+def _tokens_for_fraction(args: argparse.Namespace, model_path: str) -> int:
+    """KV tokens that fit in `--mem-fraction` of the device's memory beside this rank's share
+    of the weights (a TP rank holds 1/tp of them)."""
     from engine.model_config import ModelConfig
 
     if not 0 < args.mem_fraction < 1:
@@ -130,7 +133,8 @@ def _tokens_for_fraction(args: argparse.Namespace, model_path: str, weight_bytes
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     mc = ModelConfig.from_dir(model_path)
     elem = 2 if args.dtype != "float32" else 4
-    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem
+    weight_bytes = mc.num_parameters * elem // args.tp_size
+    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem // args.tp_size
     budget = total * args.mem_fraction - weight_bytes
     if budget < per_token * args.page_size:
         raise ValueError(

@@ -138,7 +138,7 @@ def run_node_main(
     try:
         model_path = resolve_model(args.model)
         # A TP node's other ranks run its KV transfers too (engine/node/tp_transfer.py).
-        engine = build_engine(engine_config(args, model_path, weight_bytes=0), RankTransferAgent)
+        engine = build_engine(engine_config(args, model_path), RankTransferAgent)
     except (ValueError, FileNotFoundError, ModelConfigError) as exc:
         logger.error("%s cannot start: %s", name, exc)
         return 2
