@@ -20,31 +20,21 @@ from typing import Any
 
 from engine.sampling_fields import MAX_NEW_TOKENS
 from gateway.choices import ChoiceJob, choice_events, collect
-from gateway.config import LimitsConfig, ModelInfo
-from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
-from gateway.openai_api import WHOLE_CHOICE, Payload, PrimedEvents, primed, token_budget
+from gateway.openai_api import (
+    WHOLE_CHOICE,
+    APIHandlers,
+    Payload,
+    PrimedEvents,
+    primed,
+    token_budget,
+)
 from gateway.protocol import parse_native
 from gateway.sse import DONE, sse
-from gateway.text import TextCodec
 from proto import node_pb2
 
 
-class NativeHandler:
-    def __init__(
-        self,
-        codec: TextCodec,
-        dispatcher: Dispatcher,
-        model: ModelInfo,
-        limits: LimitsConfig,
-        stream_interval: int = 1,
-    ) -> None:
-        self.codec = codec
-        self.dispatcher = dispatcher
-        self.model = model
-        self.limits = limits
-        self.stream_interval = stream_interval  # tokens per streamed chunk (--stream-interval)
-
+class NativeHandler(APIHandlers):
     async def generate(self, body: dict[str, Any]) -> Payload:
         req = parse_native(body, self.limits)
         param = "text" if isinstance(req.prompt, str) else "input_ids"

@@ -106,7 +106,9 @@ async def primed(events: AsyncGenerator[ChoiceEvent, None]) -> PrimedEvents:
     return PrimedEvents(first, events)
 
 
-class OpenAIHandlers:
+class APIHandlers:
+    """What the handlers of every API serve with."""
+
     def __init__(
         self,
         codec: TextCodec,
@@ -121,6 +123,8 @@ class OpenAIHandlers:
         self.limits = limits
         self.stream_interval = stream_interval  # tokens per streamed chunk (--stream-interval)
 
+
+class OpenAIHandlers(APIHandlers):
     def models(self) -> dict[str, Any]:
         card = {
             "id": self.model.served_name,
