@@ -18,6 +18,7 @@ import grpc
 from bootstrap.telemetry import current_room
 from engine.engine_loop import EngineLoop, RequestFinish
 from engine.node.bootstrap_link import NodeLink
+from engine.node.multiplex import RequestError, serve_stream
 from engine.node.streams import OutputReceiver, OutputRouter, RequestOutput, timing_to_proto
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
@@ -47,14 +48,6 @@ def sampling_to_proto(params: SamplingParams) -> node_pb2.SamplingParams:
         elif value is not None:
             setattr(msg, name, value)
     return msg
-
-
-class RequestError(Exception):
-    """A request that must be refused with `code`; the message says why."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class NodeService(node_pb2_grpc.NodeServicer):
@@ -115,6 +108,14 @@ class NodeService(node_pb2_grpc.NodeServicer):
         request: node_pb2.GenerateRequest | node_pb2.PrefillRequest,
         context: grpc.aio.ServicerContext,
     ) -> Req:
+        try:
+            return await self.accept(request)
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+            raise  # not reached: abort raises
+
+    async def accept(self, request: node_pb2.GenerateRequest | node_pb2.PrefillRequest) -> Req:
+        """The request as the engine takes it; RequestError says why it is refused."""
         prefill = isinstance(request, node_pb2.PrefillRequest)
         current_room.set(request.bootstrap_room)  # this handler's log lines name the room
         try:
@@ -131,13 +132,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 req.peer_node_id = request.prefill_node_id
                 req.room_ticket = request.room_ticket
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except RequestError as exc:
-            await context.abort(exc.code, str(exc))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         req.room = request.bootstrap_room
         req.stop_after_prefill = prefill
         if req.rid in self._live:
-            await context.abort(
+            raise RequestError(
                 grpc.StatusCode.ALREADY_EXISTS, f"request id {req.rid!r} is already running"
             )
         return req
@@ -151,12 +150,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
             )
         req = await self._admit(request, context)
         output = RequestOutput()
-        self._open(req, output)
+        self.open(req, output)
         finish: RequestFinish | None = None
         try:
             finish = await output.wait_finish()
         finally:
-            self._close(req, aborted=finish is None)
+            self.close(req, aborted=finish is None)
         if finish.reason != "prefilled":
             await context.abort(grpc.StatusCode.ABORTED, finish.detail or finish.reason)
         t = finish.transfer
@@ -180,7 +179,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
     async def _run(self, req: Req) -> AsyncIterator[node_pb2.GenerateResponse]:
         """Submit `req` and yield its messages; aborts it if the caller goes away first."""
         output = RequestOutput()
-        self._open(req, output)
+        self.open(req, output)
         finished = False
         try:
             while not finished:
@@ -188,16 +187,28 @@ class NodeService(node_pb2_grpc.NodeServicer):
                     finished = message.HasField("finished")
                     yield message
         finally:
-            self._close(req, aborted=not finished)
+            self.close(req, aborted=not finished)
 
-    def _open(self, req: Req, receiver: OutputReceiver) -> None:
+    async def GenerateStream(
+        self,
+        request_iterator: AsyncIterator[node_pb2.StreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[node_pb2.StreamBatch]:
+        try:
+            async for batch in serve_stream(self, request_iterator):
+                yield batch
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+
+    def open(self, req: Req, receiver: OutputReceiver) -> None:
+        """Submit an accepted request whose output goes to `receiver`."""
         self._live.add(req.rid)
         if req.room:
             self._rooms.add(req.room)
         self.router.register(req.rid, receiver)
         self.engine.submit(req)
 
-    def _close(self, req: Req, aborted: bool) -> None:
+    def close(self, req: Req, aborted: bool) -> None:
         """`aborted`: the client cancelled or the server is shutting down before the end."""
         self._live.discard(req.rid)
         self._rooms.discard(req.room)

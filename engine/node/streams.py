@@ -2,8 +2,8 @@
 
 The engine thread hands each batch over with one `call_soon_threadsafe` (`OutputRouter.on_output`);
 on the event loop, `deliver` fans it out to the receiver of each request: a `RequestOutput`
-buffer that its `Generate` or `Prefill` handler drains. A handler that falls behind the engine
-finds several steps' tokens waiting and sends them as one message, so a slow reader costs
+buffer that its `Generate` or `Prefill` handler drains (one chunk per step, as ever), or the
+`StreamConnection` of a `GenerateStream` call (multiplex.py). A reader that falls behind costs
 memory for its tokens only, never a wait on the engine thread.
 """
 
@@ -32,15 +32,12 @@ class OutputReceiver(Protocol):
 class RequestOutput:
     """One request's output that its handler has not sent yet."""
 
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    steps: list[tuple[list[int], TokenLogprobs | None]] = field(default_factory=list)
     finish: RequestFinish | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def add_tokens(self, rid: str, token_ids: list[int], logprobs: TokenLogprobs | None) -> None:
-        self.token_ids.extend(token_ids)
-        if logprobs is not None:
-            self.logprobs.append(logprobs)
+        self.steps.append((token_ids, logprobs))
         self.ready.set()
 
     def end(self, finish: RequestFinish) -> None:
@@ -55,14 +52,14 @@ class RequestOutput:
         return self.finish
 
     async def next_messages(self) -> list[node_pb2.GenerateResponse]:
-        """Wait for output, then take all of it: a chunk and/or the Finished (always last)."""
+        """Wait for output, then take all of it: a chunk per step, then the Finished if any."""
         await self.ready.wait()
         self.ready.clear()
-        messages = []
-        if self.token_ids:
-            chunk = chunk_to_proto(self.token_ids, self.logprobs)
-            messages.append(node_pb2.GenerateResponse(chunk=chunk))
-            self.token_ids, self.logprobs = [], []
+        messages = [
+            node_pb2.GenerateResponse(chunk=chunk_to_proto(ids, [lp] if lp else []))
+            for ids, lp in self.steps
+        ]
+        self.steps = []
         if self.finish is not None:
             messages.append(node_pb2.GenerateResponse(finished=finished_to_proto(self.finish)))
         return messages
