@@ -277,6 +277,13 @@ class MuxedCall:
         return self._responses()
 
     async def _responses(self) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
+        try:
+            async for response in self._receive():
+                yield response
+        finally:
+            self.cancel()  # the consumer left before the end (a no-op after it)
+
+    async def _receive(self) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
         if self._inbox is None:
             async for response in self._generate():
                 yield response
