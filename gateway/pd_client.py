@@ -16,6 +16,12 @@ destination that a restarted bootstrap forgot, must not hold the request past D'
 `pd_generate` runs one request to completion. Leaving a `PDStream` early (the consumer stops
 iterating or is cancelled, e.g. because the HTTP client went away) cancels both calls, which
 aborts the request on both nodes.
+
+The decode side does not open a gRPC call per request: all requests of this process to one node
+share one `GenerateStream` call (`GenerateMux`, one per stub), which the node answers with one
+batch per engine step for all of them (engine/node/multiplex.py). Cancelling a request sends
+`cancel_rid` on that call. A node without `GenerateStream` (UNIMPLEMENTED) is served with one
+`Generate` call per request instead.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncGenerator
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from typing import ClassVar, TypeAlias
 
 import grpc
 
@@ -118,7 +126,7 @@ class PDStream:
     async def _responses(self) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
         result = self.result
         result.sent_at = time.monotonic()
-        call = self.decode.stub.Generate(self._generate)
+        call = GenerateMux.for_stub(self.decode.stub).open(self._generate)
         prefill_task = None
         if self.prefill is not None and self._prefill_request is not None:
             prefill_task = asyncio.create_task(self._run_prefill(self.prefill, call))
@@ -156,6 +164,171 @@ class PDStream:
             if cancel is not None and result.finished is None and not result.token_ids:
                 self._cancelled_decode = True
                 cancel()
+
+
+class _Cancelled:
+    """Queued to a `MuxedCall` by its own `cancel`."""
+
+
+_Item: TypeAlias = "node_pb2.RequestDelta | grpc.aio.AioRpcError | _Cancelled"
+
+
+class GenerateMux:
+    """All of this process's `Generate` requests to one node, over one `GenerateStream` call.
+
+    The call opens with the first request and stays open; when it fails (node gone, connection
+    cut) every request on it fails with the call's error, and the next request opens a new one.
+    """
+
+    _by_stub: ClassVar[weakref.WeakKeyDictionary[node_pb2_grpc.NodeStub, GenerateMux]] = (
+        weakref.WeakKeyDictionary()
+    )
+
+    def __init__(self, stub: node_pb2_grpc.NodeStub) -> None:
+        self.stub = stub
+        self.supported = True  # False once the node answered UNIMPLEMENTED
+        self._loop = asyncio.get_running_loop()
+        self._outbox: asyncio.Queue[node_pb2.StreamRequest] | None = None
+        self._requests: dict[str, asyncio.Queue[_Item]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    @classmethod
+    def for_stub(cls, stub: node_pb2_grpc.NodeStub) -> GenerateMux:
+        mux = cls._by_stub.get(stub)
+        if mux is None or mux._loop is not asyncio.get_running_loop():
+            mux = cls._by_stub[stub] = cls(stub)
+        return mux
+
+    def open(self, request: node_pb2.GenerateRequest) -> MuxedCall:
+        """Start `request` (its rid must be unique on this node); iterate the answer for its
+        responses, as a `Generate` call's."""
+        if not self.supported:
+            return MuxedCall(self, request, None)
+        inbox: asyncio.Queue[_Item] = asyncio.Queue()
+        self._requests[request.rid] = inbox
+        self._send(node_pb2.StreamRequest(open=request))
+        return MuxedCall(self, request, inbox)
+
+    def cancel(self, rid: str) -> None:
+        if self._requests.pop(rid, None) is not None:
+            self._send(node_pb2.StreamRequest(cancel_rid=rid))
+
+    def _send(self, message: node_pb2.StreamRequest) -> None:
+        if self._outbox is None:
+            self._outbox = asyncio.Queue()
+            call = self.stub.GenerateStream(_drain(self._outbox))
+            self._reader = asyncio.create_task(self._read(call, self._outbox))
+        self._outbox.put_nowait(message)
+
+    async def _read(
+        self,
+        call: AsyncIterator[node_pb2.StreamBatch],
+        outbox: asyncio.Queue[node_pb2.StreamRequest],
+    ) -> None:
+        error: grpc.aio.AioRpcError
+        try:
+            async for batch in call:
+                for delta in batch.deltas:
+                    inbox = self._requests.get(delta.rid)
+                    if inbox is None:
+                        continue  # cancelled meanwhile
+                    if delta.HasField("finished") or delta.HasField("error"):
+                        del self._requests[delta.rid]
+                    inbox.put_nowait(delta)
+            error = _rpc_error(
+                grpc.StatusCode.UNAVAILABLE, "the node ended the GenerateStream call"
+            )
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        if self._outbox is outbox:
+            self._outbox = None
+        self.supported = error.code() != grpc.StatusCode.UNIMPLEMENTED
+        failed, self._requests = self._requests, {}
+        for inbox in failed.values():
+            inbox.put_nowait(error)
+
+
+class MuxedCall:
+    """One request on a `GenerateMux`: iterate for its `GenerateResponse`s; `cancel` aborts it."""
+
+    def __init__(
+        self,
+        mux: GenerateMux,
+        request: node_pb2.GenerateRequest,
+        inbox: asyncio.Queue[_Item] | None,
+    ) -> None:
+        self.mux = mux
+        self.request = request
+        self._inbox = inbox
+        self._fallback: grpc.aio.UnaryStreamCall | None = None
+        self._done = False
+
+    def cancel(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._fallback is not None:
+            self._fallback.cancel()
+        elif self._inbox is not None:
+            self.mux.cancel(self.request.rid)
+            self._inbox.put_nowait(_Cancelled())
+
+    def __aiter__(self) -> AsyncIterator[node_pb2.GenerateResponse]:
+        return self._responses()
+
+    async def _responses(self) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
+        try:
+            async for response in self._receive():
+                yield response
+        finally:
+            self.cancel()  # the consumer left before the end (a no-op after it)
+
+    async def _receive(self) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
+        if self._inbox is None:
+            async for response in self._generate():
+                yield response
+            return
+        while True:
+            item = await self._inbox.get()
+            if isinstance(item, _Cancelled):
+                raise asyncio.CancelledError
+            if isinstance(item, grpc.aio.AioRpcError):
+                if item.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older node: no mux
+                    async for response in self._generate():
+                        yield response
+                    return
+                self._done = True
+                raise item
+            if item.HasField("error"):
+                self._done = True
+                raise _rpc_error(grpc.StatusCode(_STATUS[item.error.code]), item.error.message)
+            if item.HasField("chunk"):
+                yield node_pb2.GenerateResponse(chunk=item.chunk)
+            if item.HasField("finished"):
+                self._done = True
+                yield node_pb2.GenerateResponse(finished=item.finished)
+                return
+
+    async def _generate(self) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
+        self._fallback = self.mux.stub.Generate(self.request)
+        async for response in self._fallback:
+            yield response
+        self._done = True
+
+
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+async def _drain(
+    outbox: asyncio.Queue[node_pb2.StreamRequest],
+) -> AsyncGenerator[node_pb2.StreamRequest, None]:
+    while True:
+        yield await outbox.get()
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a `Generate` call would have raised."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 async def _prefill_answer(task: asyncio.Task[None], grace_s: float | None) -> None:

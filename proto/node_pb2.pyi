@@ -164,6 +164,40 @@ class GenerateResponse(_message.Message):
     finished: Finished
     def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
+class StreamRequest(_message.Message):
+    __slots__ = ("open", "cancel_rid")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_RID_FIELD_NUMBER: _ClassVar[int]
+    open: GenerateRequest
+    cancel_rid: str
+    def __init__(self, open: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel_rid: _Optional[str] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RequestDelta(_message.Message):
+    __slots__ = ("rid", "chunk", "finished", "error")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    chunk: TokenChunk
+    finished: Finished
+    error: RequestError
+    def __init__(self, rid: _Optional[str] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+
+class StreamBatch(_message.Message):
+    __slots__ = ("deltas",)
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[RequestDelta]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("rid",)
     RID_FIELD_NUMBER: _ClassVar[int]

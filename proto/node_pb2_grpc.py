@@ -39,6 +39,11 @@ class NodeStub:
                 request_serializer=proto_dot_node__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_node__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/pdserve.node.Node/GenerateStream',
+                request_serializer=proto_dot_node__pb2.StreamRequest.SerializeToString,
+                response_deserializer=proto_dot_node__pb2.StreamBatch.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/pdserve.node.Node/Prefill',
                 request_serializer=proto_dot_node__pb2.PrefillRequest.SerializeToString,
@@ -76,6 +81,18 @@ class NodeServicer:
 
     def Generate(self, request, context):
         """Server stream: TokenChunk messages as tokens are produced, then exactly one Finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many requests over one call, the way a gateway talks to a node: one such stream per
+        (gateway, node) connection. The client opens requests and cancels them (StreamRequest); the
+        node answers with one StreamBatch per engine step carrying every new token and end of this
+        call's requests. Per request the deltas carry what Generate streams: chunks, then exactly
+        one Finished; or one `error` if the request is refused before it starts. A cancelled
+        request gets nothing more. The call ending (client gone) aborts every request on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,6 +144,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_node__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_node__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=proto_dot_node__pb2.StreamRequest.FromString,
+                    response_serializer=proto_dot_node__pb2.StreamBatch.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
@@ -186,6 +208,33 @@ class Node:
             '/pdserve.node.Node/Generate',
             proto_dot_node__pb2.GenerateRequest.SerializeToString,
             proto_dot_node__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.node.Node/GenerateStream',
+            proto_dot_node__pb2.StreamRequest.SerializeToString,
+            proto_dot_node__pb2.StreamBatch.FromString,
             options,
             channel_credentials,
             insecure,

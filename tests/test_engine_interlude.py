@@ -8,17 +8,17 @@ own from inside a forward.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.engine_loop import EngineLoop, FinishEvent, LoopConfig, RequestEvent, TokenEvent
+from engine.engine_loop import EngineLoop, LoopConfig
 from engine.request import FinishReason, Req
 from engine.sampling import RequestSampler, SamplingParams
 from engine.scheduler import Scheduler, StepOutput
+from tests.loop_output import LoopOutput
 
 
 class InterludeRole:
@@ -78,34 +78,21 @@ def test_a_role_finishes_a_request_from_inside_a_forward(tiny_model_dir) -> None
     role = InterludeRole()
     loop = EngineLoop(engine.scheduler, LoopConfig(interlude_s=0.0), role=role)
     role.loop = loop
-    events: list[tuple[str, str]] = []
-    done = threading.Event()
-
-    def sink(rid: str) -> Callable[[RequestEvent], None]:
-        def put(event: RequestEvent) -> None:
-            events.append((rid, type(event).__name__))
-            if rid == "computed" and isinstance(event, FinishEvent):
-                done.set()
-
-        return put
-
+    output = LoopOutput(loop)
     # Both are queued before the loop starts: the first step computes one and holds the other.
-    loop.submit(_req("held", 8), sink("held"))
-    loop.submit(_req("computed", 40), sink("computed"))
+    loop.submit(_req("held", 8))
+    loop.submit(_req("computed", 40))
     loop.start()
     try:
-        assert done.wait(60)
+        assert output.wait_finished(["computed"])
     finally:
         loop.stop()
     layers = engine.scheduler.runner.model_config.num_layers
     assert len(role.calls_in_step) == layers  # once per layer of the one forward, interval 0
     assert all(role.calls_in_step)
     # The held request finished before the step that ran during its answer produced a token.
-    assert events == [
-        ("held", FinishEvent.__name__),
-        ("computed", TokenEvent.__name__),
-        ("computed", FinishEvent.__name__),
-    ]
+    assert output.events == [("finish", "held"), ("tokens", "computed"), ("finish", "computed")]
+    assert len(output.batches) == 2  # the interlude's hand-off, then the step's output
 
 
 def test_a_role_is_called_at_most_every_interlude_interval(tiny_model_dir) -> None:
@@ -113,11 +100,11 @@ def test_a_role_is_called_at_most_every_interlude_interval(tiny_model_dir) -> No
     role = InterludeRole()
     loop = EngineLoop(engine.scheduler, LoopConfig(interlude_s=3600.0), role=role)
     role.loop = loop
-    done = threading.Event()
-    loop.submit(_req("computed", 40), lambda e: done.set() if isinstance(e, FinishEvent) else None)
+    output = LoopOutput(loop)
+    loop.submit(_req("computed", 40))
     loop.start()
     try:
-        assert done.wait(60)
+        assert output.wait_finished(["computed"])
     finally:
         loop.stop()
     assert len(role.calls_in_step) == 1  # the first layer; the rest fall inside the hour

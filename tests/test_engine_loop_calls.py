@@ -18,9 +18,10 @@ import pytest
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.engine_loop import EngineLoop, FinishEvent, LoopConfig, RequestEvent
+from engine.engine_loop import EngineLoop, LoopConfig
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
+from tests.loop_output import LoopOutput
 
 
 @pytest.fixture
@@ -75,20 +76,13 @@ def test_a_request_queued_behind_a_long_step_counts_its_wait(loop: EngineLoop) -
     time it waited for a step to end is queueing (timelines showed it as transfer time)."""
     release = threading.Event()
     loop.call(lambda s: release.wait(10))  # the engine thread is in a long step
-    events: list[RequestEvent] = []
-    done = threading.Event()
-
-    def sink(event: RequestEvent) -> None:
-        events.append(event)
-        if isinstance(event, FinishEvent):
-            done.set()
-
+    output = LoopOutput(loop)
     params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
     prompt = list(range(5, 25))
-    loop.submit(Req("r", prompt, params, RequestSampler(params, prompt, 256, "cpu")), sink)
+    loop.submit(Req("r", prompt, params, RequestSampler(params, prompt, 256, "cpu")))
     time.sleep(0.3)
     release.set()
-    assert done.wait(30)
-    finish = events[-1]
-    assert isinstance(finish, FinishEvent) and finish.timing is not None
+    assert output.wait_finished(["r"], 30)
+    finish = output.finishes["r"]
+    assert finish.timing is not None
     assert finish.timing.span("arrived", "scheduled") >= 0.3

@@ -196,43 +196,36 @@ def _stream_through_loop(model_dir, overlap: bool, prompts, params, abort_rid: s
 
     from engine.builder import build_engine
     from engine.config import EngineConfig
-    from engine.engine_loop import EngineLoop, FinishEvent, LoopConfig, TokenEvent
+    from engine.engine_loop import EngineLoop, LoopConfig
     from engine.sampling import RequestSampler
+    from tests.loop_output import LoopOutput
 
     engine = build_engine(EngineConfig(str(model_dir), overlap_schedule=overlap))
     assert isinstance(engine.scheduler, OverlapScheduler) == overlap
     loop = EngineLoop(engine.scheduler, LoopConfig())
-    loop.start()
-    events: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
-    done = threading.Semaphore(0)
     third_token = threading.Event()
 
-    def sink_for(rid: str):
-        def sink(event) -> None:
-            events[rid].append(event)
-            if isinstance(event, FinishEvent):
-                done.release()
-            elif rid == abort_rid and sum(len(e.token_ids) for e in events[rid]) >= 3:
-                third_token.set()
+    def watch(out: LoopOutput) -> None:
+        if len(out.tokens[abort_rid]) >= 3:
+            third_token.set()
 
-        return sink
-
-    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+    output = LoopOutput(loop, watch)
+    loop.start()
+    rids = [f"r{i}" for i in range(len(prompts))]
+    for rid, prompt, sp in zip(rids, prompts, params, strict=True):
         sampler = RequestSampler(sp, prompt, 256, "cpu")
-        req = Req(rid=f"r{i}", prompt_ids=prompt, params=sp, sampler=sampler)
-        loop.submit(req, sink_for(req.rid))
+        loop.submit(Req(rid=rid, prompt_ids=prompt, params=sp, sampler=sampler))
     assert third_token.wait(60)
     assert loop.abort(abort_rid).result(10) is True
-    for _ in prompts:
-        assert done.acquire(timeout=60)
+    assert output.wait_finished(rids)
     assert loop.call(lambda s: s.check_integrity()).result(10) is None
     loop.stop()
     streams = {}
-    for rid, evs in events.items():
-        tokens = [t for e in evs if isinstance(e, TokenEvent) for t in e.token_ids]
-        finish = evs[-1]
-        assert isinstance(finish, FinishEvent) and finish.completion_tokens == len(tokens)
-        assert sum(isinstance(e, FinishEvent) for e in evs) == 1
+    for rid in rids:
+        tokens, finish = output.tokens[rid], output.finishes[rid]
+        assert finish.completion_tokens == len(tokens)
+        order = [kind for kind, r in output.events if r == rid]
+        assert order[-1] == "finish" and order.count("finish") == 1
         streams[rid] = (tokens, finish.reason)
     return streams
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 from pathlib import Path
 
 import pytest
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.engine_loop import EngineLoop, FinishEvent, LoopConfig, RequestEvent
+from engine.engine_loop import EngineLoop, LoopConfig
 from engine.node.args import add_node_args, loop_config
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
@@ -31,22 +30,18 @@ from scripts.planning.step_report import (
     report,
     summarize_steps,
 )
+from tests.loop_output import LoopOutput
 
 
 def _serve_one(model_dir: Path, trace: Path, prompt_len: int, new_tokens: int) -> None:
     config = EngineConfig(str(model_dir), chunked_prefill_size=24, max_total_tokens=1024)
     loop = EngineLoop(build_engine(config).scheduler, LoopConfig(step_trace=trace))
+    output = LoopOutput(loop)
     loop.start()
-    done = threading.Event()
-
-    def sink(event: RequestEvent) -> None:
-        if isinstance(event, FinishEvent):
-            done.set()
-
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     prompt = list(range(5, 5 + prompt_len))
-    loop.submit(Req("r0", prompt, params, RequestSampler(params, prompt, 256, "cpu")), sink)
-    assert done.wait(60)
+    loop.submit(Req("r0", prompt, params, RequestSampler(params, prompt, 256, "cpu")))
+    assert output.wait_finished(["r0"])
     loop.stop()
 
 

@@ -1,7 +1,8 @@
 """The node gRPC API (`proto/node.proto`) over an `EngineLoop`: served by every node kind.
 
 Runs on the grpc.aio event loop; the engine runs on its own thread (see `engine_loop.py`), so
-this module only validates, converts between protobuf and engine types, and relays events.
+this module only validates, converts between protobuf and engine types, and relays the engine's
+per-step output batches to the request streams (`streams.py`).
 A client that goes away mid-stream has its request aborted, which frees its pages at once.
 """
 
@@ -15,12 +16,13 @@ from dataclasses import fields
 import grpc
 
 from bootstrap.telemetry import current_room
-from engine.engine_loop import EngineLoop, FinishEvent, RequestEvent, TokenEvent
+from engine.engine_loop import EngineLoop, RequestFinish
 from engine.node.bootstrap_link import NodeLink
+from engine.node.multiplex import RequestError, serve_stream
+from engine.node.streams import OutputReceiver, OutputRouter, RequestOutput, timing_to_proto
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
 from engine.scheduler import Scheduler
-from engine.timing import RequestTiming
 from proto import node_pb2, node_pb2_grpc
 
 _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
@@ -48,59 +50,6 @@ def sampling_to_proto(params: SamplingParams) -> node_pb2.SamplingParams:
     return msg
 
 
-def timing_to_proto(t: RequestTiming | None) -> node_pb2.NodeTiming:
-    """The spans between a request's marks on this node (engine/timing.py)."""
-    if t is None:
-        return node_pb2.NodeTiming()
-    prefill_node = bool(t.transfer_done)
-    decode_start = "admitted" if t.admitted else "first_token"
-    decode_first_end = "second_token" if t.second_token else "finished"
-    return node_pb2.NodeTiming(
-        bootstrap_wait_s=t.span("arrived", "destination"),
-        queue_s=t.span("destination" if t.destination else "arrived", "scheduled"),
-        prefill_s=t.span("scheduled", "first_token"),
-        transfer_s=t.span("first_token", "transfer_done"),
-        prealloc_s=t.span("arrived", "published"),
-        kv_wait_s=t.span("published", "kv_arrived"),
-        admit_s=t.span("kv_arrived", "admitted"),
-        first_decode_s=0.0 if prefill_node else t.span(decode_start, decode_first_end),
-        decode_s=0.0 if prefill_node else t.span("second_token", "finished"),
-        total_s=t.span("arrived", "finished"),
-    )
-
-
-def _event_to_proto(event: RequestEvent) -> node_pb2.GenerateResponse:
-    if isinstance(event, TokenEvent):
-        chunk = node_pb2.TokenChunk(token_ids=event.token_ids)
-        for lp, top in zip(event.logprobs, event.top_logprobs, strict=True):
-            if lp is None:
-                continue
-            entry = chunk.logprobs.add(logprob=lp)
-            for tid, tlp in top or []:
-                entry.top.add(token_id=tid, logprob=tlp)
-        return node_pb2.GenerateResponse(chunk=chunk)
-    usage = node_pb2.Usage(
-        prompt_tokens=event.prompt_tokens,
-        completion_tokens=event.completion_tokens,
-        cached_tokens=event.cached_tokens,
-    )
-    finished = node_pb2.Finished(
-        finish_reason=event.reason,
-        detail=event.detail,
-        usage=usage,
-        timing=timing_to_proto(event.timing),
-    )
-    return node_pb2.GenerateResponse(finished=finished)
-
-
-class RequestError(Exception):
-    """A request that must be refused with `code`; the message says why."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 class NodeService(node_pb2_grpc.NodeServicer):
     def __init__(
         self, engine: EngineLoop, role: str, model_name: str, link: NodeLink | None = None
@@ -111,6 +60,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.link = link
         self._live: set[str] = set()
         self._rooms: set[int] = set()
+        self.router = OutputRouter()
+        engine.bind_output(self.router.on_output)
 
     def _build_req(self, request: node_pb2.GenerateRequest | node_pb2.PrefillRequest) -> Req:
         """Validate on the gRPC side so a bad request gets INVALID_ARGUMENT, not a stream."""
@@ -157,6 +108,14 @@ class NodeService(node_pb2_grpc.NodeServicer):
         request: node_pb2.GenerateRequest | node_pb2.PrefillRequest,
         context: grpc.aio.ServicerContext,
     ) -> Req:
+        try:
+            return await self.accept(request)
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+            raise  # not reached: abort raises
+
+    async def accept(self, request: node_pb2.GenerateRequest | node_pb2.PrefillRequest) -> Req:
+        """The request as the engine takes it; RequestError says why it is refused."""
         prefill = isinstance(request, node_pb2.PrefillRequest)
         current_room.set(request.bootstrap_room)  # this handler's log lines name the room
         try:
@@ -173,13 +132,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 req.peer_node_id = request.prefill_node_id
                 req.room_ticket = request.room_ticket
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except RequestError as exc:
-            await context.abort(exc.code, str(exc))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         req.room = request.bootstrap_room
         req.stop_after_prefill = prefill
         if req.rid in self._live:
-            await context.abort(
+            raise RequestError(
                 grpc.StatusCode.ALREADY_EXISTS, f"request id {req.rid!r} is already running"
             )
         return req
@@ -192,11 +149,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, f"this is a {self.role} node, not prefill"
             )
         req = await self._admit(request, context)
-        finish = None
-        async for event in self._run(req):
-            if isinstance(event, FinishEvent):
-                finish = event
-        assert finish is not None
+        output = RequestOutput()
+        self.open(req, output)
+        finish: RequestFinish | None = None
+        try:
+            finish = await output.wait_finish()
+        finally:
+            self.close(req, aborted=finish is None)
         if finish.reason != "prefilled":
             await context.abort(grpc.StatusCode.ABORTED, finish.detail or finish.reason)
         t = finish.transfer
@@ -214,32 +173,48 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self, request: node_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[node_pb2.GenerateResponse]:
         req = await self._admit(request, context)
-        async for event in self._run(req):
-            yield _event_to_proto(event)
+        async for message in self._run(req):
+            yield message
 
-    async def _run(self, req: Req) -> AsyncIterator[RequestEvent]:
-        """Submit `req` and yield its events; aborts it if the caller goes away first."""
-        events: asyncio.Queue[RequestEvent] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        self._live.add(req.rid)
-        if req.room:
-            self._rooms.add(req.room)
-
-        def sink(event: RequestEvent) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-        self.engine.submit(req, sink)
+    async def _run(self, req: Req) -> AsyncIterator[node_pb2.GenerateResponse]:
+        """Submit `req` and yield its messages; aborts it if the caller goes away first."""
+        output = RequestOutput()
+        self.open(req, output)
         finished = False
         try:
             while not finished:
-                event = await events.get()
-                finished = isinstance(event, FinishEvent)
-                yield event
+                for message in await output.next_messages():
+                    finished = message.HasField("finished")
+                    yield message
         finally:
-            self._live.discard(req.rid)
-            self._rooms.discard(req.room)
-            if not finished:  # the client cancelled or the server is shutting down
-                self.engine.abort(req.rid)
+            self.close(req, aborted=not finished)
+
+    async def GenerateStream(
+        self,
+        request_iterator: AsyncIterator[node_pb2.StreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[node_pb2.StreamBatch]:
+        try:
+            async for batch in serve_stream(self, request_iterator):
+                yield batch
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+
+    def open(self, req: Req, receiver: OutputReceiver) -> None:
+        """Submit an accepted request whose output goes to `receiver`."""
+        self._live.add(req.rid)
+        if req.room:
+            self._rooms.add(req.room)
+        self.router.register(req.rid, receiver)
+        self.engine.submit(req)
+
+    def close(self, req: Req, aborted: bool) -> None:
+        """`aborted`: the client cancelled or the server is shutting down before the end."""
+        self._live.discard(req.rid)
+        self._rooms.discard(req.room)
+        self.router.unregister(req.rid)
+        if aborted:
+            self.engine.abort(req.rid)
 
     def abort_all(self, reason: str) -> int:
         """Abort every request still streaming (shutdown); each ends with Finished(abort)."""

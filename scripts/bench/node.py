@@ -1,10 +1,13 @@
 """Serving benchmark of one node over its gRPC API, plus the scheduler's CPU overhead per step.
 
 Part 1, over gRPC: starts a `decode-server` on 127.0.0.1 (or uses `--target HOST:PORT`) and,
-for each concurrency N, runs a closed loop: N client workers each send `Generate` requests back
-to back until `--num-requests` have completed. Prompts are random token ids in [100, 20000)
-(no special tokens), different per request so the prefix cache never helps; decoding is greedy
-with `ignore_eos`, so every request generates exactly `--output-len` tokens. Per level:
+for each concurrency N, runs a closed loop: N client workers each send requests back to back
+until `--num-requests` have completed. `--client stream` (the default) sends them as the gateway
+does, all on one `GenerateStream` call (`GenerateMux`, gateway/pd_client.py); `--client generate`
+opens one `Generate` call per request (the only way before 2026-11-25). Prompts are random
+token ids in [100, 20000) (no special tokens), different per request so the prefix cache never
+helps; decoding is greedy with `ignore_eos`, so every request generates exactly `--output-len`
+tokens. Per level:
 
 - throughput: completed requests / wall time of the level, output tokens / wall time;
 - TTFT: send -> first TokenChunk; ITL: every gap between consecutive TokenChunk arrivals of a
@@ -40,7 +43,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,6 +53,7 @@ import grpc
 import numpy as np
 
 from gateway.launcher import running_node
+from gateway.pd_client import GenerateMux
 from proto import node_pb2, node_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # engine paths in the profile are shown from here
@@ -84,6 +88,9 @@ class BenchConfig:
     overhead_steps: int
     profile: bool  # profile the decode step even when the overhead is under the target
     output_json: Path | None
+    client: str = (
+        "stream"  # "stream": one GenerateStream call (GenerateMux); "generate": per request
+    )
 
     def requests_for(self, concurrency: int) -> int:
         return self.num_requests or max(2 * concurrency, 8)
@@ -204,20 +211,30 @@ def generate_request(rid: str, prompt: list[int], output_len: int) -> node_pb2.G
     return node_pb2.GenerateRequest(rid=rid, input_ids=prompt, sampling=sampling)
 
 
+# Opens one request and returns its responses, as a `Generate` call's.
+CallOpener = Callable[[node_pb2.GenerateRequest], AsyncIterable[node_pb2.GenerateResponse]]
+
+
+def call_opener(stub: node_pb2_grpc.NodeStub, client: str) -> CallOpener:
+    if client == "generate":
+        return lambda request: stub.Generate(request)  # type: ignore[no-any-return]
+    return GenerateMux.for_stub(stub).open
+
+
 async def timed_request(
-    stub: node_pb2_grpc.NodeStub, rid: str, prompt: list[int], output_len: int, timeout_s: float
+    open_call: CallOpener, rid: str, prompt: list[int], output_len: int, timeout_s: float
 ) -> RequestTiming:
     arrivals: list[float] = []
     tokens = 0
     finished: node_pb2.Finished | None = None
     sent = time.perf_counter()
-    call = stub.Generate(generate_request(rid, prompt, output_len), timeout=timeout_s)
-    async for resp in call:
-        if resp.HasField("chunk"):
-            arrivals.append(time.perf_counter())
-            tokens += len(resp.chunk.token_ids)
-        else:
-            finished = resp.finished
+    async with asyncio.timeout(timeout_s):
+        async for resp in open_call(generate_request(rid, prompt, output_len)):
+            if resp.HasField("chunk"):
+                arrivals.append(time.perf_counter())
+                tokens += len(resp.chunk.token_ids)
+            else:
+                finished = resp.finished
     end = time.perf_counter()
     if finished is None or finished.finish_reason != "length" or tokens != output_len:
         reason = f"{finished.finish_reason} {finished.detail!r}" if finished else "no Finished"
@@ -229,7 +246,7 @@ async def timed_request(
 
 
 async def closed_loop(
-    stub: node_pb2_grpc.NodeStub,
+    open_call: CallOpener,
     prompts: list[list[int]],
     concurrency: int,
     output_len: int,
@@ -244,12 +261,14 @@ async def closed_loop(
     async def worker() -> None:
         for i, prompt in pending:  # one shared iterator: each prompt is sent once
             try:
-                timing = await timed_request(stub, f"{tag}-{i}", prompt, output_len, timeout_s)
+                timing = await timed_request(open_call, f"{tag}-{i}", prompt, output_len, timeout_s)
                 timings.append(timing)
             except grpc.aio.AioRpcError as exc:
                 errors.append(f"{exc.code().name}: {exc.details()}")
             except RuntimeError as exc:
                 errors.append(str(exc))
+            except TimeoutError:
+                errors.append(f"request {tag}-{i}: no end within {timeout_s} s")
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -295,7 +314,7 @@ async def run_level(
     log(f"concurrency {concurrency}: {len(prompts)} requests")
     log_start = log_path.stat().st_size if log_path else 0
     timings, errors, duration = await closed_loop(
-        stub, prompts, concurrency, cfg.output_len, cfg.request_timeout_s
+        call_opener(stub, cfg.client), prompts, concurrency, cfg.output_len, cfg.request_timeout_s
     )
     result = summarize(concurrency, timings, errors, duration)
     log_end = log_path.stat().st_size if log_path else 0
@@ -310,7 +329,11 @@ async def run_levels(cfg: BenchConfig, address: str, log_path: Path | None) -> l
         stub = node_pb2_grpc.NodeStub(channel)
         warm = make_prompts(WARMUP_REQUESTS, cfg.input_len, cfg.seed, "warmup")
         _, errors, _ = await closed_loop(
-            stub, warm, WARMUP_REQUESTS, WARMUP_OUTPUT_LEN, cfg.request_timeout_s
+            call_opener(stub, cfg.client),
+            warm,
+            WARMUP_REQUESTS,
+            WARMUP_OUTPUT_LEN,
+            cfg.request_timeout_s,
         )
         if errors:
             raise RuntimeError(f"warm-up request failed: {errors[0]}")
@@ -572,6 +595,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overhead-steps", type=int, default=30)
     p.add_argument("--profile", action="store_true", help="profile the decode step even under 10%%")
     p.add_argument("--output-json", type=Path, default=None)
+    p.add_argument(
+        "--client",
+        choices=["stream", "generate"],
+        default="stream",
+        help="stream: every request on one GenerateStream call, as the gateway sends them; "
+        "generate: one Generate call per request",
+    )
     return p
 
 
@@ -605,6 +635,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         overhead_steps=args.overhead_steps,
         profile=args.profile,
         output_json=args.output_json,
+        client=args.client,
     )
 
 
