@@ -139,7 +139,13 @@ def engine_phase(args: argparse.Namespace, figures: Figures) -> None:
     command = [sys.executable, "-m", "scripts.gpu.engine_step", "--batches", str(args.concurrency)]
     command += ["--context", str(ENGINE_CONTEXT), "--out", str(args.out / "engine_step.md")]
     log(f"engine: {shlex.join(command)}")
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=args.engine_timeout
+        )
+    except subprocess.TimeoutExpired:
+        figures.errors.append(f"engine_step ran past --engine-timeout {args.engine_timeout:g} s")
+        return
     print(done.stdout[-4000:], done.stderr[-2000:], flush=True)
     for name, _batch, ms in _MEDIAN.findall(done.stdout):
         mode = "on" if name == "OverlapScheduler" else "off"
@@ -365,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cluster-args", default="", help="extra pd-cluster flags (quoted)")
     r.add_argument("--skip-engine", action="store_true", help="no engine_step (CPU dry run)")
     r.add_argument("--phase-timeout", type=float, default=300.0, help="seconds per load run")
+    r.add_argument("--engine-timeout", type=float, default=600.0, help="seconds for engine_step")
     return parser
 
 
