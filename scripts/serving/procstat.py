@@ -111,17 +111,26 @@ def listening_pids(port: int) -> list[int]:
     inodes = {f"socket:[{i}]" for i in _listening_inodes(port)}
     if not inodes:
         return []
-    pids = []
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
+    return sorted(
+        int(entry.name)
+        for entry in PROC.iterdir()
+        if entry.name.isdigit() and _fd_links(entry) & inodes
+    )
+
+
+def _fd_links(process: Path) -> set[str]:
+    """What a process's file descriptors point at (one may close while we read: skipped)."""
+    links = set()
+    try:
+        fds = list((process / "fd").iterdir())
+    except OSError:  # gone, or another user's
+        return links
+    for fd in fds:
         try:
-            links = {os.readlink(fd) for fd in (entry / "fd").iterdir()}
+            links.add(os.readlink(fd))
         except OSError:
             continue
-        if links & inodes:
-            pids.append(int(entry.name))
-    return sorted(pids)
+    return links
 
 
 @dataclass
