@@ -120,7 +120,7 @@ def listening_pids(port: int) -> list[int]:
 
 def _fd_links(process: Path) -> set[str]:
     """What a process's file descriptors point at (one may close while we read: skipped)."""
-    links = set()
+    links: set[str] = set()
     try:
         fds = list((process / "fd").iterdir())
     except OSError:  # gone, or another user's

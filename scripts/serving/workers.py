@@ -21,6 +21,9 @@ import queue
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event
+from typing import Any
 
 from .client import ClientConfig
 from .datasets import Session
@@ -74,7 +77,8 @@ def deal(times: Sequence[float], workers: int, max_concurrency: int | None) -> l
     return slices
 
 
-def _worker(job: WorkerJob, ready: mp.Queue, go: mp.Event, zero: mp.Value, out: mp.Queue) -> None:
+def _worker(job: WorkerJob, ready: mp.Queue, go: Event, zero: Any, out: mp.Queue) -> None:
+    """One client process: report ready, wait for the common zero, send its slice."""
     import os
 
     ready.put(job.number)
@@ -137,7 +141,7 @@ def run_load_in_workers(
     return result, usage
 
 
-def _collect(procs: list[mp.process.BaseProcess], out: mp.Queue) -> list[WorkerOutcome]:
+def _collect(procs: Sequence[BaseProcess], out: mp.Queue) -> list[WorkerOutcome]:
     outcomes: list[WorkerOutcome] = []
     while len(outcomes) < len(procs):
         try:
