@@ -67,6 +67,7 @@ class Figures:
     """What each phase measured; None where a phase was skipped or failed."""
 
     engine_ms: dict[str, float] = field(default_factory=dict)  # mode -> decode step ms
+    offline_tok_s: float | None = None  # LLM.generate over the same requests (--offline)
     node: dict[str, object] | None = None
     node_client_cpu_s: float = 0.0
     node_cpu: list[dict[str, object]] = field(default_factory=list)
@@ -152,6 +153,34 @@ def engine_phase(args: argparse.Namespace, figures: Figures) -> None:
         figures.engine_ms[mode] = float(ms)
     if done.returncode != 0 or "on" not in figures.engine_ms:
         figures.errors.append(f"engine_step exited {done.returncode}: {done.stderr[-300:]}")
+
+
+def offline_phase(args: argparse.Namespace, model: Path, figures: Figures) -> None:
+    """The offline engine (engine/llm.py) over the same requests, whole run: prefill, waves and
+    drain included, as the node and served figures are (engine_step times decode steps only)."""
+    import torch
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model), load_format="dummy", device=args.device,
+              dtype="bfloat16" if args.device == "cuda" else "float32",
+              max_total_tokens=args.concurrency * (args.input_len + args.output_len + 64),
+              max_running_requests=args.concurrency, chunked_prefill_size=16384,
+              enable_prefix_cache=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1000, 10000, (args.input_len,), generator=gen).tolist()
+               for _ in range(args.num_requests)]  # fmt: skip
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+    # Waves of `concurrency`, as the load runs go (equal requests start and end together): one
+    # generate() of every request would admit more than the KV pool holds and retract.
+    start, tokens = time.perf_counter(), 0
+    for first in range(0, len(prompts), args.concurrency):
+        outputs = llm.generate(prompts[first : first + args.concurrency], params)
+        tokens += sum(len(o.token_ids) for o in outputs)
+    seconds = time.perf_counter() - start
+    figures.offline_tok_s = tokens / seconds
+    log(f"offline engine: {figures.offline_tok_s:.1f} tok/s over {seconds:.1f} s")
 
 
 def node_args(args: argparse.Namespace) -> list[str]:
@@ -267,9 +296,17 @@ def throughput_rows(args: argparse.Namespace, figures: Figures) -> list[str]:
     node_tps = float(node["output_throughput"]) if node else None  # type: ignore[arg-type]
     served_tps = float(served["output_token_throughput"]) if served else None  # type: ignore[index]
     pct = lambda d, k: d[k] if d else None  # noqa: E731
+    offline = figures.offline_tok_s
+    rows = []
+    if offline is not None:
+        rows = [
+            f"| offline engine (LLM.generate, whole run) tok/s | {_f(offline)} "
+            f"| {_ratio(node_tps, offline)} of it | {_ratio(served_tps, offline)} of it |"
+        ]
     return [
         "| figure | engine (engine_step) | node direct (gRPC) | served (gateway, HTTP) |",
         "|---|---|---|---|",
+        *rows,
         f"| output tok/s | {_f(engine)} | {_f(node_tps)} | {_f(served_tps)} |",
         f"| / engine | 1 | {_ratio(node_tps, engine)} | {_ratio(served_tps, engine)} |",
         f"| / node direct | | 1 | {_ratio(served_tps, node_tps)} |",
@@ -370,6 +407,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--workers", type=int, default=4, help="bench_serving client processes")
     r.add_argument("--cluster-args", default="", help="extra pd-cluster flags (quoted)")
     r.add_argument("--skip-engine", action="store_true", help="no engine_step (CPU dry run)")
+    r.add_argument(
+        "--offline",
+        action="store_true",
+        help="also LLM.generate over the same requests in this process (any device)",
+    )
     r.add_argument("--phase-timeout", type=float, default=300.0, help="seconds per load run")
     r.add_argument("--engine-timeout", type=float, default=600.0, help="seconds for engine_step")
     return parser
@@ -390,7 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     figures = Figures()
     if not args.skip_engine:
         engine_phase(args, figures)
-    cluster_phases(args, model_dir(args.shape), figures)
+    model = model_dir(args.shape)
+    if args.offline:
+        offline_phase(args, model, figures)
+    cluster_phases(args, model, figures)
     table = report(args, figures, args.shape)
     print(table, flush=True)
     (args.out / "serve_vs_engine.md").write_text(table)
