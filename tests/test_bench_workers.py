@@ -105,6 +105,28 @@ def test_saturation_warning_names_the_process() -> None:
     (line,) = saturation_warnings([idle, busy])
     assert "client-1 used 95% of a core" in line and "--workers" in line
     assert busy.us_per_token(1000) == pytest.approx(9500.0)
+    late = ProcessCpu("client", [3], cpu_s=1.0, wall_s=10.0, loop_lag_p99_ms=120.0)
+    (line,) = saturation_warnings([late])
+    assert "client's event loop ran 120 ms late" in line
+
+
+def test_lag_probe_sees_a_blocked_loop() -> None:
+    import asyncio
+    import time
+
+    from scripts.serving.load import LagProbe
+
+    async def block_once() -> LagProbe:
+        probe = LagProbe(period_s=0.01)
+        task = asyncio.create_task(probe.run())
+        await asyncio.sleep(0.05)
+        time.sleep(0.3)  # the loop cannot run the probe's timer meanwhile
+        await asyncio.sleep(0.05)
+        task.cancel()
+        return probe
+
+    probe = asyncio.run(block_once())
+    assert max(probe.lags_s) >= 0.2  # a lower bound: the block itself
 
 
 # -- the node's /metrics ---------------------------------------------------------------------

@@ -56,7 +56,7 @@ def run_benchmark(
         cpu0, wall0 = time.process_time(), time.perf_counter()
         result = asyncio.run(run_load(sessions, config.client, config.load, progress))
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-        clients = [ProcessCpu("client", [os.getpid()], cpu, wall)]
+        clients = [ProcessCpu("client", [os.getpid()], cpu, wall, "", result.loop_lag_p99_ms)]
     summary = summarize(result.traces, result.duration_s, config.slo)
     return BenchmarkRun(config, result, summary, clients)
 

@@ -13,7 +13,7 @@ import asyncio
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from .client import ClientConfig, send
 from .datasets import Session
-from .metrics import RequestTrace
+from .metrics import RequestTrace, percentile
 
 
 class LoadError(ValueError):
@@ -84,6 +84,27 @@ class LoadResult:
     traces: list[RequestTrace]
     duration_s: float  # first arrival -> last completion
     sessions_started: int
+    loop_lag_p99_ms: float = 0.0  # how late the client's event loop woke (LagProbe)
+
+
+@dataclass
+class LagProbe:
+    """How late this process's event loop runs a timer: a client that cannot keep up (CPU
+    saturated, or waiting for a CPU on a busy host, which its CPU time does not show) wakes
+    late and stamps late times on what it receives."""
+
+    period_s: float = 0.05
+    lags_s: list[float] = field(default_factory=list)
+
+    async def run(self) -> None:
+        while True:
+            due = time.perf_counter() + self.period_s
+            await asyncio.sleep(self.period_s)
+            self.lags_s.append(max(0.0, time.perf_counter() - due))
+
+    @property
+    def p99_ms(self) -> float:
+        return percentile(self.lags_s, 99) * 1e3 if self.lags_s else 0.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +150,8 @@ async def run_slice(
     async with httpx.AsyncClient(
         base_url=client.base_url, timeout=client.timeout_s, limits=limits, headers=headers
     ) as http:
+        probe = LagProbe()
+        probing = asyncio.create_task(probe.run())
         tasks = []
         for index, at in zip(part.indices, part.times, strict=True):
             delay = at - (time.perf_counter() - zero)
@@ -140,8 +163,9 @@ async def run_slice(
         for task in tasks:
             traces.extend(await task)
         duration = time.perf_counter() - zero
+        probing.cancel()
     bar.close()
-    return LoadResult(traces, duration, len(part.indices))
+    return LoadResult(traces, duration, len(part.indices), probe.p99_ms)
 
 
 async def _session(

@@ -21,6 +21,7 @@ from pathlib import Path
 PROC = Path("/proc")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 SATURATED = 0.85  # fraction of one core above which a process is the likely bottleneck
+LATE_LOOP_MS = 50.0  # a client event loop this late (p99) stamps its own delay on the figures
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 
 
@@ -142,6 +143,7 @@ class ProcessCpu:
     cpu_s: float
     wall_s: float
     note: str = ""
+    loop_lag_p99_ms: float | None = None  # client processes: their event loop's lateness
 
     @property
     def core_fraction(self) -> float:
@@ -188,10 +190,18 @@ class CpuWatch:
 
 
 def saturation_warnings(usages: Sequence[ProcessCpu]) -> list[str]:
-    """One line per process above SATURATED of a core (its figures may be its own limit)."""
-    return [
-        f"warning: {u.name} used {u.core_fraction:.0%} of a core: it may be the bottleneck "
-        "(for a client process: raise --workers)"
-        for u in usages
-        if u.core_fraction > SATURATED
-    ]
+    """One line per client process that may have set the figures itself: above SATURATED of a
+    core, or with an event loop late by more than LATE_LOOP_MS (p99)."""
+    lines = []
+    for u in usages:
+        if u.core_fraction > SATURATED:
+            lines.append(
+                f"warning: {u.name} used {u.core_fraction:.0%} of a core: it may be the "
+                "bottleneck (for a client process: raise --workers)"
+            )
+        if u.loop_lag_p99_ms is not None and u.loop_lag_p99_ms > LATE_LOOP_MS:
+            lines.append(
+                f"warning: {u.name}'s event loop ran {u.loop_lag_p99_ms:.0f} ms late (p99): "
+                "its timestamps carry its own delay (busy host or too few --workers)"
+            )
+    return lines

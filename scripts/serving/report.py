@@ -156,17 +156,20 @@ def _save(fig: Any, path: Path, plt: Any) -> Path:
 
 
 def cpu_table(usages: Sequence[ProcessCpu], output_tokens: int) -> str:
-    """Per process: CPU seconds, % of one core over the run, CPU-us per streamed token."""
+    """Per process: CPU seconds, % of one core over the run, CPU-us per streamed token of the
+    whole run, and for a client its event loop's lateness."""
     lines = [
-        "| process | pids | CPU s | % of a core | CPU-us / streamed token | note |",
-        "|---|---|---|---|---|---|",
+        "| process | pids | CPU s | % of a core | CPU-us / streamed token "
+        "| event-loop lag p99 ms | note |",
+        "|---|---|---|---|---|---|---|",
     ]
     for u in usages:
         per_token = u.us_per_token(output_tokens)
+        lag = "-" if u.loop_lag_p99_ms is None else f"{u.loop_lag_p99_ms:.1f}"
         lines.append(
             f"| {u.name} | {' '.join(map(str, u.pids))} | {u.cpu_s:.2f} "
             f"| {u.core_fraction:.0%} | {'-' if per_token is None else f'{per_token:.1f}'} "
-            f"| {u.note} |"
+            f"| {lag} | {u.note} |"
         )
     return "\n".join(lines)
 

@@ -55,6 +55,7 @@ class WorkerOutcome:
     duration_s: float
     cpu_s: float
     wall_s: float
+    loop_lag_p99_ms: float = 0.0
     error: str = ""
 
 
@@ -86,11 +87,11 @@ def _worker(job: WorkerJob, ready: mp.Queue, go: Event, zero: Any, out: mp.Queue
     cpu0, wall0 = time.process_time(), time.perf_counter()
     try:
         result = asyncio.run(run_slice(job.sessions, job.client, job.part, zero.value))
-        traces, duration, error = result.traces, result.duration_s, ""
+        traces, duration, lag, error = result.traces, result.duration_s, result.loop_lag_p99_ms, ""
     except Exception as exc:  # reported by the parent with the worker's number
-        traces, duration, error = [], 0.0, f"{type(exc).__name__}: {exc}"
+        traces, duration, lag, error = [], 0.0, 0.0, f"{type(exc).__name__}: {exc}"
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    out.put(WorkerOutcome(job.number, os.getpid(), traces, duration, cpu, wall, error))
+    out.put(WorkerOutcome(job.number, os.getpid(), traces, duration, cpu, wall, lag, error))
 
 
 def run_load_in_workers(
@@ -134,10 +135,13 @@ def run_load_in_workers(
     if failed:
         raise WorkerError(f"client process {failed[0].number} failed: {failed[0].error}")
     traces = sorted((t for o in outcomes for t in o.traces), key=lambda t: (t.sent, t.session))
-    result = LoadResult(
-        traces, max(o.duration_s for o in outcomes), sum(len(s.indices) for s in slices)
-    )
-    usage = [ProcessCpu(f"client-{o.number}", [o.pid], o.cpu_s, o.wall_s) for o in outcomes]
+    duration = max(o.duration_s for o in outcomes)
+    lag = max(o.loop_lag_p99_ms for o in outcomes)
+    result = LoadResult(traces, duration, sum(len(s.indices) for s in slices), lag)
+    usage = [
+        ProcessCpu(f"client-{o.number}", [o.pid], o.cpu_s, o.wall_s, "", o.loop_lag_p99_ms)
+        for o in outcomes
+    ]
     return result, usage
 
 
