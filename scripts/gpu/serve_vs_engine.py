@@ -26,6 +26,10 @@ shape: where the tokens per second go between the engine and the client.
    (random dataset, ignore-eos, max concurrency C), watching the gateway's and the node's CPU
    and the node's step metrics.
 
+`--offline` adds the offline engine (`LLM.generate` in this process, in waves of C) over the
+same requests, for hosts where engine_step cannot run (it is CUDA-only): `--device cpu
+--skip-engine --offline`.
+
 Both sides use the same shape: `--shape 8b` is scripts/tiny_models.py's LLAMA3_8B (vocab
 128,256), and the served model directory gets a generated word-level tokenizer of exactly that
 vocabulary (`t0` ... `t128255`, one word per id): the gateway detokenises every id, but a real

@@ -1,7 +1,9 @@
 """Several client processes share one load: `bench_serving --workers N`.
 
-One Python process streams maybe 10-20k tokens/s before its own event loop is the bottleneck;
-N processes lift that ceiling. The schedule (scripts/serving/load.py, `arrival_times`) is drawn
+A client process spends ~50 CPU-us per streamed token (49 measured on the H100 host:
+benchmarks/gpu-2026-11-25-serve-vs-engine-before-h100.md), so one tops out near 17k tokens/s
+at 85% of a core, less on a busy host; 50k tokens/s needs `--workers 4` or more. N processes
+lift that ceiling. The schedule (scripts/serving/load.py, `arrival_times`) is drawn
 once, here, and dealt round robin: worker k sends sessions k, k+N, k+2N... at their arrival
 times. `--max-concurrency C` is split as evenly as it goes (C // N, the first C % N workers one
 more), so the total in flight never exceeds C; with equal requests it is reached as with one
