@@ -272,7 +272,10 @@ def cluster_phases(args: argparse.Namespace, model: Path, figures: Figures) -> N
             by_name = {c.name: c for c in cluster.children}
             decode, gateway = by_name["decode-0"], by_name["gateway"]
             node_phase(args, decode.address, decode.pid, decode.metrics_url, figures)
-            watch = [f"--watch-pid=gateway={gateway.pid}", f"--watch-pid=decode-0={decode.pid}"]
+            # The gateway by its port: every process listening there (workers too) and their
+            # children; the node by its pid.
+            port = gateway.address.rsplit(":", 1)[1]
+            watch = [f"--watch-port=gateway={port}", f"--watch-pid=decode-0={decode.pid}"]
             watch += [f"--watch-metrics=decode-0={decode.metrics_url}"]
             served_phase(args, url, watch, figures)
         except Exception as exc:  # the table still shows what was measured
@@ -346,8 +349,10 @@ def cpu_rows(figures: Figures) -> list[str]:
     if figures.served:
         tokens = float(figures.served["summary"]["output_tokens"])  # type: ignore[index]
         for u in figures.served["cpu"]:  # type: ignore[attr-defined]
-            rows.append(f"| served | {u['name']} | {u['cpu_s']:.1f} | {u['core_fraction']:.0%} "
-                        f"| {u['cpu_s'] * 1e6 / tokens:.1f} |")  # fmt: skip
+            lag = u.get("loop_lag_p99_ms")
+            late = "" if lag is None else f", event loop {lag:.0f} ms late (p99)"
+            rows.append(f"| served | {u['name']} | {u['cpu_s']:.1f} | {u['core_fraction']:.0%}"
+                        f"{late} | {u['cpu_s'] * 1e6 / tokens:.1f} |")  # fmt: skip
         for s in figures.served.get("node_steps", []):  # type: ignore[attr-defined]
             d = s["delta"]
             per_step = d["forward_s"] * 1e3 / d["steps"] if d["steps"] else 0.0

@@ -168,15 +168,21 @@ class CpuWatch:
         self._started_at = now
 
     def stop(self, now: float) -> list[ProcessCpu]:
+        """One row per watched name; where several of its processes used CPU (a gateway's
+        workers), one row per process after it, named `NAME pid PID`."""
         wall = now - self._started_at
         usages = []
         for name, roots in self._roots.items():
             end = self._read(roots)
             before = self._start[name]
             gone = sorted(set(before) - set(end))
-            cpu = sum(end[p] - before.get(p, 0.0) for p in end)
+            per_pid = {pid: end[pid] - before.get(pid, 0.0) for pid in sorted(end)}
             note = f"exited during the run: {gone}" if gone else ""
-            usages.append(ProcessCpu(name, sorted(set(before) | set(end)), cpu, wall, note))
+            pids = sorted(set(before) | set(end))
+            usages.append(ProcessCpu(name, pids, sum(per_pid.values()), wall, note))
+            busy = {pid: cpu for pid, cpu in per_pid.items() if cpu > 0}
+            if len(busy) > 1:
+                usages += [ProcessCpu(f"{name} pid {p}", [p], c, wall) for p, c in busy.items()]
         return usages
 
     @staticmethod
