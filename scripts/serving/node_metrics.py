@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prometheus_client.parser import text_string_to_metric_families
+from .probes import metric_values
 
 FORWARD = "pdserve_node_forward_seconds"
 COUNTERS = {
@@ -53,12 +53,7 @@ class NodeReading:
 
 
 def parse_reading(text: str) -> NodeReading:
-    samples = {
-        s.name: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if not s.labels or (set(s.labels) == {"le"} and s.labels["le"] == "+Inf")
-    }
+    samples = {name: sum(v for _, v in values) for name, values in metric_values(text).items()}
     return NodeReading(
         steps=samples.get(f"{FORWARD}_count", 0.0),
         forward_s=samples.get(f"{FORWARD}_sum", 0.0),
