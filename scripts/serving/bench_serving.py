@@ -7,10 +7,22 @@ a summary table; `--output-file` writes every setting, figure and per-request tr
 `--plot DIR` writes PNGs (latency CDFs, TTFT/TPOT over time, throughput over time). Metric
 definitions: scripts/serving/metrics.py.
 
+`--workers N` sends the load from N client processes sharing one schedule
+(scripts/serving/workers.py); every client's CPU is reported, with a warning when one used more
+than 85% of a core (the client, not the server, may then set the figures). `--watch-port
+NAME=PORT` / `--watch-pid NAME=PID` add server processes (gateway, nodes) to that CPU table
+(scripts/serving/procstat.py), and `--watch-metrics NAME=URL` a node's step split from its
+/metrics (scripts/serving/node_metrics.py).
+
     .venv/bin/python -m scripts.serving.bench_serving --base-url http://127.0.0.1:8000 \\
         --dataset random --random-input-len 256 --random-output-len 32 --num-prompts 50 \\
         --request-rate 1 --ignore-eos --slo-ttft-ms 2000 --slo-tpot-ms 200 \\
         --output-file out.json --plot plots/
+    # a served run at tens of thousands of tokens/s, with the server's CPU:
+    .venv/bin/python -m scripts.serving.bench_serving --base-url http://127.0.0.1:8000 \
+        --random-input-len 16 --random-output-len 512 --ignore-eos --num-prompts 768 \
+        --max-concurrency 256 --workers 4 --watch-port gateway=8000 \
+        --watch-port decode-0=30001 --watch-metrics decode-0=http://127.0.0.1:30002/metrics
 
 Exit codes: 0 done (even with failed requests: see the error counts), 2 bad options or data,
 3 the server does not answer.
@@ -21,6 +33,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from scripts.serving.benchmark import BenchmarkConfig, run_benchmark
@@ -33,7 +47,18 @@ from scripts.serving.client import (
 from scripts.serving.datasets import GENERATORS, DatasetConfig, build_sessions
 from scripts.serving.load import LoadConfig
 from scripts.serving.metrics import SLO
-from scripts.serving.report import document, plot, pyplot, table, write_json
+from scripts.serving.node_metrics import MetricsError, MetricsWatch, StepSplit, parse_target
+from scripts.serving.procstat import CpuWatch, ProcessCpu, WatchSpec, saturation_warnings
+from scripts.serving.report import (
+    cpu_table,
+    document,
+    plot,
+    pyplot,
+    step_table,
+    table,
+    write_json,
+)
+from scripts.serving.workers import WorkerError, deal
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -122,7 +147,48 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write PNGs here")
     g.add_argument("--label", default="", help="title of the table and prefix of the PNGs")
     g.add_argument("--no-progress", action="store_true")
+    g = parser.add_argument_group("client processes and server CPU")
+    g.add_argument("--workers", type=int, default=1, help="client processes sharing the load")
+    g.add_argument(
+        "--watch-pid",
+        action="append",
+        default=[],
+        metavar="NAME=PID",
+        help="report this process's CPU (and its children's); repeatable",
+    )
+    g.add_argument(
+        "--watch-port",
+        action="append",
+        default=[],
+        metavar="NAME=PORT",
+        help="report the CPU of the processes listening on this TCP port",
+    )
+    g.add_argument("--watch-metrics", action="append", default=[], metavar="NAME=URL",
+                   help="a node's /metrics: its step split over the run")  # fmt: skip
     return parser
+
+
+@dataclass(frozen=True)
+class Watches:
+    """What the run observes besides its own requests (flags checked before any load)."""
+
+    cpu: CpuWatch
+    metrics: MetricsWatch
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Watches:
+        specs = [WatchSpec.parse(t, "pid") for t in args.watch_pid]
+        specs += [WatchSpec.parse(t, "port") for t in args.watch_port]
+        return cls(CpuWatch(specs), MetricsWatch([parse_target(t) for t in args.watch_metrics]))
+
+    def start(self) -> None:
+        now = time.perf_counter()
+        self.cpu.start(now)
+        self.metrics.start(now)
+
+    def stop(self) -> tuple[list[ProcessCpu], list[StepSplit]]:
+        now = time.perf_counter()
+        return self.cpu.stop(now), self.metrics.stop(now)
 
 
 def build_config(args: argparse.Namespace) -> BenchmarkConfig:
@@ -133,6 +199,7 @@ def build_config(args: argparse.Namespace) -> BenchmarkConfig:
     slo = slo_config(args)
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    deal([], args.workers, load.max_concurrency)  # --workers against --max-concurrency
     base_url = normalize_base_url(args.base_url)
     client = ClientConfig(
         base_url, args.model or "", args.ignore_eos, args.temperature, args.timeout, args.api_key
@@ -154,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             served_model(config.client.base_url)  # fail fast if nothing answers
-        run = run_benchmark(config, sessions, progress=not args.no_progress)
-    except ServerUnreachable as exc:
+        watches = Watches.from_args(args)
+        watches.start()
+        run = run_benchmark(config, sessions, not args.no_progress, args.workers)
+        servers, steps = watches.stop()
+    except (ServerUnreachable, MetricsError) as exc:
         print(f"bench_serving: error: {exc}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
@@ -164,9 +234,21 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError) as exc:
         print(f"bench_serving: error: {exc}", file=sys.stderr)
         return 2
+    except WorkerError as exc:
+        print(f"bench_serving: error: {exc}", file=sys.stderr)
+        return 1
     print(table(run.summary, args.label or f"{config.dataset.name} @ {args.request_rate} req/s"))
+    usages = [*run.clients, *servers]
+    print(cpu_table(usages, run.summary.output_tokens))
+    if steps:
+        print(step_table(steps))
+    for line in saturation_warnings(run.clients):
+        print(line, file=sys.stderr)
     if args.output_file is not None:
-        write_json(args.output_file, document(run.summary, run.load.traces, config.settings()))
+        doc = document(run.summary, run.load.traces, {**config.settings(), "workers": args.workers})
+        doc["cpu"] = [{**asdict(u), "core_fraction": u.core_fraction} for u in usages]
+        doc["node_steps"] = [asdict(s) for s in steps]
+        write_json(args.output_file, doc)
         print(f"wrote {args.output_file}")
     if args.plot is not None:
         prefix = f"{args.label}_" if args.label else ""

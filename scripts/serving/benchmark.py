@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict, dataclass, replace
+import os
+import time
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .client import ClientConfig
 from .datasets import DatasetConfig, Session, build_sessions
 from .load import LoadConfig, LoadResult, run_load
 from .metrics import SLO, Summary, summarize
+from .procstat import ProcessCpu
+from .workers import run_load_in_workers
 
 
 @dataclass(frozen=True)
@@ -33,16 +37,28 @@ class BenchmarkRun:
     config: BenchmarkConfig
     load: LoadResult
     summary: Summary
+    clients: list[ProcessCpu] = field(default_factory=list)  # CPU of each client process
 
 
 def run_benchmark(
-    config: BenchmarkConfig, sessions: list[Session] | None = None, progress: bool = True
+    config: BenchmarkConfig,
+    sessions: list[Session] | None = None,
+    progress: bool = True,
+    workers: int = 1,
 ) -> BenchmarkRun:
-    """Run the workload (built from config.dataset unless given) against config.client."""
+    """Run the workload (built from config.dataset unless given) against config.client, from
+    this process or from `workers` client processes (scripts/serving/workers.py)."""
     if sessions is None:
         sessions = build_sessions(config.dataset)
-    result = asyncio.run(run_load(sessions, config.client, config.load, progress))
-    return BenchmarkRun(config, result, summarize(result.traces, result.duration_s, config.slo))
+    if workers > 1:
+        result, clients = run_load_in_workers(sessions, config.client, config.load, workers)
+    else:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        result = asyncio.run(run_load(sessions, config.client, config.load, progress))
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        clients = [ProcessCpu("client", [os.getpid()], cpu, wall, "", result.loop_lag_p99_ms)]
+    summary = summarize(result.traces, result.duration_s, config.slo)
+    return BenchmarkRun(config, result, summary, clients)
 
 
 def warm(bench: BenchmarkConfig, count: int) -> None:

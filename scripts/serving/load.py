@@ -13,7 +13,7 @@ import asyncio
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from .client import ClientConfig, send
 from .datasets import Session
-from .metrics import RequestTrace
+from .metrics import RequestTrace, percentile
 
 
 class LoadError(ValueError):
@@ -63,11 +63,61 @@ def arrival_gaps(rate: float, burstiness: float, rng: np.random.Generator) -> It
             yield float(rng.gamma(burstiness, 1.0 / (rate * burstiness)))
 
 
+def arrival_times(load: LoadConfig) -> list[float]:
+    """Seconds after the start at which each session arrives: the whole schedule, drawn once
+    (so that several client processes can share it, scripts/serving/workers.py)."""
+    if load.duration_s is not None and math.isinf(load.request_rate):
+        raise LoadError("--duration needs a finite --request-rate (inf sends everything at once)")
+    gaps = arrival_gaps(load.request_rate, load.burstiness, np.random.default_rng(load.seed))
+    times: list[float] = []
+    at = 0.0
+    while load.num_sessions is None or len(times) < load.num_sessions:
+        at += next(gaps)
+        if load.duration_s is not None and at >= load.duration_s:
+            break
+        times.append(at)
+    return times
+
+
 @dataclass
 class LoadResult:
     traces: list[RequestTrace]
     duration_s: float  # first arrival -> last completion
     sessions_started: int
+    loop_lag_p99_ms: float = 0.0  # how late the client's event loop woke (LagProbe)
+
+
+@dataclass
+class LagProbe:
+    """How late this process's event loop runs a timer: a client that cannot keep up (CPU
+    saturated, or waiting for a CPU on a busy host, which its CPU time does not show) wakes
+    late and stamps late times on what it receives."""
+
+    period_s: float = 0.05
+    lags_s: list[float] = field(default_factory=list)
+
+    async def run(self) -> None:
+        while True:
+            due = time.perf_counter() + self.period_s
+            await asyncio.sleep(self.period_s)
+            self.lags_s.append(max(0.0, time.perf_counter() - due))
+
+    @property
+    def p99_ms(self) -> float:
+        return percentile(self.lags_s, 99) * 1e3 if self.lags_s else 0.0
+
+
+@dataclass(frozen=True)
+class Slice:
+    """The part of a schedule one client process sends: session numbers and their arrivals."""
+
+    indices: tuple[int, ...]
+    times: tuple[float, ...]
+    max_concurrency: int | None
+
+    @classmethod
+    def whole(cls, times: Sequence[float], max_concurrency: int | None) -> Slice:
+        return cls(tuple(range(len(times))), tuple(times), max_concurrency)
 
 
 async def run_load(
@@ -78,10 +128,21 @@ async def run_load(
 ) -> LoadResult:
     if not sessions:
         raise LoadError("the workload has no sessions")
-    rng = np.random.default_rng(load.seed)
-    gaps = arrival_gaps(load.request_rate, load.burstiness, rng)
-    slots = asyncio.Semaphore(load.max_concurrency or 1 << 30)
-    total = None if load.num_sessions is None else sum(len(s.turns) for s in sessions)
+    part = Slice.whole(arrival_times(load), load.max_concurrency)
+    return await run_slice(sessions, client, part, time.perf_counter(), progress)
+
+
+async def run_slice(
+    sessions: Sequence[Session],
+    client: ClientConfig,
+    part: Slice,
+    zero: float,
+    progress: bool = False,
+) -> LoadResult:
+    """Send the sessions of `part` at their arrival times after `zero` (a perf_counter value:
+    CLOCK_MONOTONIC, the same in every process of the host)."""
+    slots = asyncio.Semaphore(part.max_concurrency or 1 << 30)
+    total = sum(len(sessions[i % len(sessions)].turns) for i in part.indices)
     bar = tqdm(total=total, disable=not progress, desc="requests", unit="req", leave=False)
     traces: list[RequestTrace] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -89,26 +150,22 @@ async def run_load(
     async with httpx.AsyncClient(
         base_url=client.base_url, timeout=client.timeout_s, limits=limits, headers=headers
     ) as http:
-        zero = time.perf_counter()
+        probe = LagProbe()
+        probing = asyncio.create_task(probe.run())
         tasks = []
-        index = 0
-        next_at = 0.0
-        while load.num_sessions is None or index < load.num_sessions:
-            next_at += next(gaps)
-            if load.duration_s is not None and next_at >= load.duration_s:
-                break
-            delay = next_at - (time.perf_counter() - zero)
+        for index, at in zip(part.indices, part.times, strict=True):
+            delay = at - (time.perf_counter() - zero)
             if delay > 0:
                 await asyncio.sleep(delay)
             session = sessions[index % len(sessions)]
             tasks.append(asyncio.create_task(_session(http, client, session, index, zero, slots)))
             tasks[-1].add_done_callback(lambda t: bar.update(len(t.result())))
-            index += 1
         for task in tasks:
             traces.extend(await task)
         duration = time.perf_counter() - zero
+        probing.cancel()
     bar.close()
-    return LoadResult(traces, duration, index)
+    return LoadResult(traces, duration, len(part.indices), probe.p99_ms)
 
 
 async def _session(

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from .metrics import RequestTrace, Summary
+from .node_metrics import MISSING, StepSplit
+from .procstat import ProcessCpu
 
 
 def table(summary: Summary, title: str) -> str:
@@ -151,3 +153,39 @@ def _save(fig: Any, path: Path, plt: Any) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def cpu_table(usages: Sequence[ProcessCpu], output_tokens: int) -> str:
+    """Per process: CPU seconds, % of one core over the run, CPU-us per streamed token of the
+    whole run, and for a client its event loop's lateness."""
+    lines = [
+        "| process | pids | CPU s | % of a core | CPU-us / streamed token "
+        "| event-loop lag p99 ms | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for u in usages:
+        per_token = u.us_per_token(output_tokens)
+        lag = "-" if u.loop_lag_p99_ms is None else f"{u.loop_lag_p99_ms:.1f}"
+        lines.append(
+            f"| {u.name} | {' '.join(map(str, u.pids))} | {u.cpu_s:.2f} "
+            f"| {u.core_fraction:.0%} | {'-' if per_token is None else f'{per_token:.1f}'} "
+            f"| {lag} | {u.note} |"
+        )
+    return "\n".join(lines)
+
+
+def step_table(splits: Sequence[StepSplit]) -> str:
+    """Per node: the step split its /metrics allow, and what it does not export."""
+    lines = [
+        "| node | steps | decode tok | decode tok / step | forward ms / step "
+        "| forward s | forward / wall |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in splits:
+        d = s.delta
+        lines.append(
+            f"| {s.name} | {d.steps:.0f} | {d.decode_tokens:.0f} | {s.decode_tokens_per_step:.1f} "
+            f"| {s.forward_ms_per_step:.2f} | {d.forward_s:.2f} | {s.forward_share:.0%} |"
+        )
+    lines.append(f"\nnot exported by the node (so not split here): {'; '.join(MISSING)}")
+    return "\n".join(lines)
