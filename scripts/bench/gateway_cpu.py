@@ -1,13 +1,15 @@
 """Gateway CPU per streamed token and tokens/s per worker, with the gateway as the bottleneck.
 
 The token source is a fake node (`fake-node` below): a process that speaks the real node gRPC
-protocol (`Node.Generate` streams one `TokenChunk` per token, then `Finished`; `Health`,
-`GetLoad`, `Abort`) and registers with a real bootstrap-server, so the gateway discovers it as
-it discovers any node. It runs no model: its responses are serialized once at start and sent
-as they are, one token per message (what a decode node sends per step), as fast as the stream
-takes them. Several client processes (raw HTTP/1.1 over asyncio streams, no JSON parsing: they
-only look for the usage object at the end) keep many streams open: `POST /v1/completions`,
-`stream: true`, `ignore_eos`, a fixed number of tokens per request.
+protocol and registers with a real bootstrap-server, so the gateway discovers it as it
+discovers any node. It runs no model. On `Node.GenerateStream` (what the gateway uses) it
+answers as a decode node does: one `StreamBatch` per "step" with one token for every request
+open on the call, as fast as the stream takes them; with `--per-request-streams` it offers only
+`Node.Generate` (one `TokenChunk` message per token per request, serialized once at start), as
+nodes did before the per-step stream. Several client processes (raw HTTP/1.1 over asyncio
+streams, no JSON parsing: they only look for the usage object at the end) keep many streams
+open: `POST /v1/completions`, `stream: true`, `ignore_eos`, a fixed number of tokens per
+request.
 
 For each (workers, stream interval) a fresh `gateway-server --workers W --stream-interval K`
 serves the load for `--duration` seconds (each stream then finishes its request). The gateway's
@@ -69,6 +71,7 @@ class BenchConfig:
     streams: int  # open streams per client process
     tokens: int  # per request
     tokens_per_message: int  # of the fake node (a decode node sends 1 per step)
+    per_request_streams: bool  # the fake node offers Generate only (no per-step stream)
     fake_nodes: int
     model: str | None
     log_dir: Path
@@ -112,15 +115,17 @@ def fake_node_main(argv: list[str]) -> int:
     parser.add_argument("--host", default=LOCALHOST)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--tokens-per-message", type=int, default=1)
+    parser.add_argument("--per-request-streams", action="store_true")
     args = parser.parse_args(argv)
     ids = [int(t) for t in args.token_ids.split(",")]
     address = f"{args.host}:{args.port}"
-    asyncio.run(_serve_fake_node(args.bootstrap, address, ids, args.tokens_per_message))
+    batched = not args.per_request_streams
+    asyncio.run(_serve_fake_node(args.bootstrap, address, ids, args.tokens_per_message, batched))
     return 0
 
 
 async def _serve_fake_node(
-    bootstrap: str, address: str, token_ids: list[int], per_message: int
+    bootstrap: str, address: str, token_ids: list[int], per_message: int, batched: bool
 ) -> None:
     import grpc
 
@@ -152,6 +157,47 @@ async def _serve_fake_node(
         finally:
             running -= 1
 
+    async def generate_stream(requests: Any, context: object) -> object:
+        """One StreamBatch per step: a token (or `per_message`) for every open request."""
+        nonlocal running
+        open_: dict[str, list[int]] = {}  # rid -> [tokens wanted, sent, prompt tokens]
+        done = asyncio.Event()
+
+        async def read() -> None:
+            async for msg in requests:
+                if msg.HasField("open"):
+                    req = msg.open
+                    open_[req.rid] = [req.sampling.max_new_tokens, 0, len(req.input_ids)]
+                else:
+                    open_.pop(msg.cancel_rid, None)
+            done.set()
+
+        reader = asyncio.create_task(read())
+        try:
+            while not (done.is_set() and not open_):
+                if not open_:
+                    await asyncio.sleep(0.001)
+                    continue
+                running = len(open_)
+                deltas = []
+                for rid, state in list(open_.items()):
+                    wanted, sent, prompt = state
+                    count = min(per_message, wanted - sent)
+                    ids = [token_ids[(sent + j) % len(token_ids)] for j in range(count)]
+                    delta = node_pb2.RequestDelta(rid=rid, chunk=node_pb2.TokenChunk(token_ids=ids))
+                    state[1] += count
+                    if state[1] >= wanted:
+                        usage = node_pb2.Usage(prompt_tokens=prompt, completion_tokens=wanted)
+                        delta.finished.CopyFrom(
+                            node_pb2.Finished(finish_reason="length", usage=usage)
+                        )
+                        del open_[rid]
+                    deltas.append(delta)
+                yield node_pb2.StreamBatch(deltas=deltas).SerializeToString()
+        finally:
+            reader.cancel()
+            running = 0
+
     async def health(request: node_pb2.HealthRequest, context: object) -> node_pb2.HealthResponse:
         node_id = session.node_id if session is not None else ""
         return node_pb2.HealthResponse(ok=True, role="colocated", model="fake", node_id=node_id)
@@ -173,6 +219,15 @@ async def _serve_fake_node(
         # Responses of Generate are bytes already: no serializer.
         "Generate": grpc.unary_stream_rpc_method_handler(
             generate, request_deserializer=node_pb2.GenerateRequest.FromString
+        ),
+        **(
+            {
+                "GenerateStream": grpc.stream_stream_rpc_method_handler(
+                    generate_stream, request_deserializer=node_pb2.StreamRequest.FromString
+                )
+            }
+            if batched
+            else {}
         ),
         "Health": unary(health, node_pb2.HealthRequest),
         "GetLoad": unary(load, node_pb2.GetLoadRequest),
@@ -352,6 +407,7 @@ def token_source(config: BenchConfig) -> Iterator[TokenSource]:
         node = [sys.executable, "-m", "scripts.bench.gateway_cpu", "fake-node"]
         node += ["--bootstrap", bootstrap.address, "--token-ids", ids]
         node += ["--tokens-per-message", str(config.tokens_per_message)]
+        node += ["--per-request-streams"] if config.per_request_streams else []
         fakes = []
         for i in range(config.fake_nodes):
             fake = stack.enter_context(
@@ -400,7 +456,12 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         "--tokens-per-message",
         type=int,
         default=1,
-        help="tokens per Generate message of the fake node (a decode node sends 1 per step)",
+        help="tokens per request per message of the fake node (a decode node sends 1 per step)",
+    )
+    parser.add_argument(
+        "--per-request-streams",
+        action="store_true",
+        help="the fake node offers only Generate, one gRPC stream per request (no GenerateStream)",
     )
     parser.add_argument("--model", default=None, help="tokenizer directory (default model)")
     parser.add_argument("--log-dir", type=Path, default=None, help="default: a temporary one")
@@ -420,6 +481,7 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         streams=args.streams,
         tokens=args.tokens,
         tokens_per_message=args.tokens_per_message,
+        per_request_streams=args.per_request_streams,
         fake_nodes=args.fake_nodes,
         model=args.model,
         log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-gateway-cpu-")),
