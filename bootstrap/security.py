@@ -30,7 +30,7 @@ import hmac
 import inspect
 import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,10 +282,20 @@ class MalformedRequestGuard(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
         method = details.method
         deserializer = _tolerant(handler.request_deserializer)
+        if handler.request_streaming:
+            if not handler.response_streaming or not inspect.isasyncgenfunction(
+                handler.stream_stream
+            ):
+                return handler
+            return grpc.stream_stream_rpc_method_handler(
+                _guarded_bidi(handler.stream_stream, method),
+                deserializer,
+                handler.response_serializer,
+            )
         if handler.response_streaming:
             behavior = _guarded_stream(handler.unary_stream, method)
             return grpc.unary_stream_rpc_method_handler(
@@ -335,6 +345,34 @@ def _guarded_stream(behavior: Callable[..., Any], method: str) -> Callable[..., 
 
         return guarded_gen
     return _guarded_unary(behavior, method)  # a handler that returns an iterator
+
+
+class _MalformedItem(Exception):
+    def __init__(self, request: _Malformed) -> None:
+        super().__init__(request.error)
+        self.request = request
+
+
+async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for item in requests:
+        if isinstance(item, _Malformed):
+            raise _MalformedItem(item)
+        yield item
+
+
+def _guarded_bidi(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    """A bidirectional handler (an async generator) whose request stream holds undecodable
+    bytes ends with INVALID_ARGUMENT, once the handler's reading has surfaced them."""
+
+    @functools.wraps(behavior)
+    async def guarded(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        try:
+            async for response in behavior(_checked(requests), context):
+                yield response
+        except _MalformedItem as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _refusal(method, exc.request))
+
+    return guarded
 
 
 # ---- room tickets -----------------------------------------------------------------------------
