@@ -230,6 +230,9 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         async def refuse(request: object, context: grpc.aio.ServicerContext) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
+        handler = await continuation(details)
+        if handler is not None and handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse)  # a bidi call: refused alike
         return grpc.unary_unary_rpc_method_handler(refuse)
 
 
@@ -249,8 +252,18 @@ class _TokenUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(_with_token(details, self.token), request)
 
 
+class _TokenStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    async def intercept_stream_stream(
+        self, continuation: Any, details: Any, request_iterator: Any
+    ) -> Any:
+        return await continuation(_with_token(details, self.token), request_iterator)
+
+
 def _token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
-    return [_TokenUnaryUnary(token), _TokenUnaryStream(token)]
+    return [_TokenUnaryUnary(token), _TokenUnaryStream(token), _TokenStreamStream(token)]
 
 
 def _with_token(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:

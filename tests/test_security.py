@@ -143,6 +143,11 @@ def test_internal_grpc_needs_token_and_client_cert(
                 node_pb2_grpc.NodeStub(channel).Health(node_pb2.HealthRequest(), timeout=WAIT_S)
             except grpc.RpcError as exc:
                 assert "internal token" in (exc.details() or "")
+            if not bootstrap:  # the per-step stream too (a bidirectional call)
+                opens = iter([node_pb2.StreamRequest(cancel_rid="nothing")])
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(node_pb2_grpc.NodeStub(channel).GenerateStream(opens, timeout=WAIT_S))
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
         # Right token, but no client certificate, a rogue one, or no TLS: no connection.
         with _channel(address, certs, client_cert=False) as channel:
             assert _probe(channel, bootstrap, TOKEN) == grpc.StatusCode.UNAVAILABLE, name
