@@ -251,6 +251,7 @@ def serve(
     import uvicorn
 
     from gateway.app import Gateway, build_app
+    from gateway.connections import guarded_protocol
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -275,7 +276,7 @@ def serve(
             host=config.host,
             port=config.port,
             loop="uvloop",
-            http="httptools",
+            http=guarded_protocol(config.connections),  # httptools with timeouts and caps
             log_level=config.log_level,
             log_config=None,  # uvicorn's loggers go through ours (one format everywhere)
             access_log=False,

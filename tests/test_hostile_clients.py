@@ -19,6 +19,7 @@ Timings belong to `scripts/serving/hostile_probe.py`, not here.
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,12 @@ from scripts.tiny_models import tiny_chat_model
 from tests.hardening import assert_openai_error, cluster_process
 from tests.test_gateway import RunningCluster, node_stub, wait_idle
 
-CONTEXT = 64
+CONTEXT = 1024  # a stalled stream needs room to outgrow the socket buffers
+HEADER_TIMEOUT_S = 3
+BODY_TIMEOUT_S = 5
+STALL_TIMEOUT_S = 2
+MAX_INFLIGHT = 8
+PER_CLIENT = 24
 ROUTES = {
     "/v1/completions": {"model": "model", "max_tokens": 2},
     "/v1/chat/completions": {"model": "model", "max_tokens": 2},
@@ -46,7 +52,10 @@ TEXT_FIELD = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "
 def cluster(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     tmp = tmp_path_factory.mktemp("hostile-clients")
     model = tiny_chat_model(default_model_dir, tmp / "model")
-    gateway_args = ["--context-length", str(CONTEXT), "--max-inflight", "8"]
+    gateway_args = ["--context-length", str(CONTEXT), "--max-inflight", str(MAX_INFLIGHT)]
+    gateway_args += ["--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout"]
+    gateway_args += [str(BODY_TIMEOUT_S), "--stream-stall-timeout", str(STALL_TIMEOUT_S)]
+    gateway_args += ["--max-connections-per-client", str(PER_CLIENT)]
     with cluster_process(tmp / "pd-cluster.log", model, gateway_args=gateway_args) as running:
         yield running
 
@@ -148,6 +157,109 @@ def test_token_ids_beyond_the_context_are_rejected(cluster: RunningCluster, rout
     param = "input_ids" if route == "/generate" else "prompt"
     error = _assert_400(response, param, "500000 tokens", "context length")
     assert error["code"] == "context_length_exceeded"
+    _still_serves(cluster)
+
+
+# -- 3. slow connections ---------------------------------------------------------------------
+
+
+def _connect(cluster: RunningCluster, rcvbuf: int | None = None) -> socket.socket:
+    host, port = cluster.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket()
+    if rcvbuf is not None:  # before connect: the window the server sees stays small
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(60)
+    sock.connect((host, int(port)))
+    return sock
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Everything until the server closes (EOF or reset); a timeout fails the test."""
+    data = b""
+    while True:
+        try:
+            piece = sock.recv(65536)
+        except ConnectionResetError:
+            return data
+        if not piece:
+            return data
+        data += piece
+
+
+def _head(path: str, length: int) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def _inflight(cluster: RunningCluster) -> int:
+    return int(httpx.get(cluster.url + "/health", timeout=30).json()["inflight"])
+
+
+def test_headers_that_never_finish_get_408(cluster: RunningCluster) -> None:
+    with _connect(cluster) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\n")
+        answer = _read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"--header-timeout" in answer
+    with _connect(cluster) as sock:  # a connection that sends nothing at all
+        assert _read_all(sock).startswith(b"HTTP/1.1 408")
+
+
+def test_body_that_never_finishes_gets_408_and_is_not_in_flight(cluster: RunningCluster) -> None:
+    socks = [_connect(cluster) for _ in range(MAX_INFLIGHT + 2)]
+    try:
+        for sock in socks:
+            sock.sendall(_head("/v1/completions", 100) + b"{")
+        body = {"model": "model", "prompt": "Tell me a story", "max_tokens": 2}
+        response = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text  # the slow ones hold no place
+        assert _inflight(cluster) == 0
+        answers = [_read_all(sock) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    for answer in answers:
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"--body-timeout" in answer
+    _still_serves(cluster)
+
+
+def test_connections_per_client_are_capped(cluster: RunningCluster) -> None:
+    socks = [_connect(cluster) for _ in range(PER_CLIENT)]
+    try:
+        with _connect(cluster) as extra:
+            answer = _read_all(extra)
+        assert answer.startswith(b"HTTP/1.1 429"), answer[:200]
+        assert b"--max-connections-per-client" in answer
+    finally:
+        for sock in socks:
+            sock.close()
+    _still_serves(cluster)
+
+
+def test_a_stream_nobody_reads_is_cut_and_aborted(cluster: RunningCluster) -> None:
+    body = {
+        "model": "model",
+        "messages": [{"role": "user", "content": "Tell me a very long story"}],
+        "max_tokens": CONTEXT - 64,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 20,  # big frames: the socket buffers fill early
+    }
+    content = json.dumps(body).encode()
+    with _connect(cluster, rcvbuf=4096) as sock:
+        sock.sendall(_head("/v1/chat/completions", len(content)) + content)
+        first = sock.recv(4096)
+        assert first.startswith(b"HTTP/1.1 200"), first[:200]
+        for name in ("prefill-0", "decode-0"):  # while the client reads nothing more
+            check = wait_idle(node_stub(cluster.node_address(name)))
+            assert check.ok and check.used_pages == 0, (name, check)
+        rest = _read_all(sock)  # the gateway closed it: the stream never completes
+    assert b"data: [DONE]" not in rest
+    assert _inflight(cluster) == 0
     _still_serves(cluster)
 
 
