@@ -49,6 +49,7 @@ CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
 # header when not streamed; a stream's headers leave before any timing exists, so it ends with
 # the same value in an SSE comment line before `data: [DONE]` (clients skip comment lines).
 TIMING_HEADER = "Server-Timing"
+TRIM_BODY_BYTES = 1 << 20  # after a body this large, return freed memory to the system
 
 
 class ClientGone(Exception):
@@ -246,6 +247,8 @@ class Gateway:
             data += piece
             if len(data) > limit:
                 raise too_large
+        if len(data) >= TRIM_BODY_BYTES:  # its copies are garbage once this task step ends
+            asyncio.get_running_loop().call_soon(self.encoder.trim_soon)
         return parse_body(bytes(data))
 
     def health(self) -> JSONResponse:

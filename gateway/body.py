@@ -9,8 +9,12 @@ Client bytes must never reach code that can fail with a 5xx:
   key, answers 400 naming the field (`messages[0].content`). Bytes that are no UTF-8 answer 400
   before parsing.
 
-Both walks over the parsed body are skipped by cheap scans of the raw bytes (C-speed `count` and
-`re.search`) unless the body could need them, so a 4 MB prompt costs no Python loop.
+Cost: orjson parses first (several times faster than the stdlib on a 4 MB prompt, and strict:
+it rejects invalid UTF-8, lone surrogates, NaN and integers beyond 64 bits, and stops at 1,024
+levels). Only a body orjson refuses goes through the stdlib parser, which accepts what JSON
+allows and orjson does not, and whose result is checked for text as above, or answers the
+precise error. The depth walk runs only when a C-speed count of brackets allows too deep a
+body, so a long prompt costs no Python loop.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+import orjson
 
 from gateway.errors import bad_request
 
@@ -37,6 +43,19 @@ def _too_deep() -> Exception:
 def parse_body(data: bytes) -> dict[str, Any]:
     """The JSON object of a request body; APIError(400) for anything else."""
     try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        body = _parse_leniently(data)
+    if not isinstance(body, dict):
+        raise bad_request(None, "the request body must be a JSON object")
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _depth(body) > MAX_JSON_DEPTH:
+        raise _too_deep()
+    return body
+
+
+def _parse_leniently(data: bytes) -> Any:
+    """The stdlib's parse of what orjson refused: a precise 400, or a value to check."""
+    try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise bad_request(
@@ -48,11 +67,7 @@ def parse_body(data: bytes) -> dict[str, Any]:
         raise _too_deep() from None
     except ValueError as exc:
         raise bad_request(None, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request(None, "the request body must be a JSON object")
-    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _depth(body) > MAX_JSON_DEPTH:
-        raise _too_deep()
-    if _SURROGATE_ESCAPE.search(data):
+    if isinstance(body, dict) and _SURROGATE_ESCAPE.search(data):
         _check_text(body)
     return body
 

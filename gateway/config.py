@@ -132,7 +132,7 @@ class GatewayConfig:
     stream_interval: int = 1
     workers: int = 1  # processes serving the port (gateway/workers.py)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
-    tokenizer_workers: int = 2  # threads tokenizing long prompts (gateway/tokenize.py)
+    tokenizer_workers: int = 1  # threads tokenizing long prompts (gateway/tokenize.py)
 
     def __post_init__(self) -> None:
         if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:

@@ -15,10 +15,11 @@ with four guards, all per connection (`ConnectionLimits`):
 - stream stall: a response that cannot be written because the client does not read makes the
   transport pause writing (its buffer is full); when that lasts `stream_stall_timeout_s` the
   connection is aborted. The app then sees a disconnect, which cancels the stream and aborts
-  the request on its nodes (their pages are freed). The kernel's send buffer of a connection
-  is capped at `SEND_BUFFER_BYTES` (Linux doubles it): otherwise it grows to megabytes for a
-  client that does not read, pinning memory and hiding the stall for minutes of tokens. Token
-  streams and JSON answers need far less.
+  the request on its nodes (their pages are freed). A connection's kernel send buffer is
+  capped at `SEND_BUFFER_BYTES` (Linux doubles it) and its transport buffer at the same:
+  otherwise they grow to megabytes for a client that does not read, pinning memory and hiding
+  the stall behind minutes of tokens. Token streams need far less; the cost is a throughput
+  cap of about 64 KiB per round trip for one large non-streamed answer on a long-RTT link.
 
 Why a protocol subclass and not ASGI middleware: an ASGI app is called only once the headers are
 complete, never sees connections that send nothing, and cannot see write back-pressure (its
@@ -39,7 +40,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.config import ConnectionLimits
 from gateway.errors import APIError
 
-SEND_BUFFER_BYTES = 128 << 10
+SEND_BUFFER_BYTES = 32 << 10
 
 
 def _raw_error(exc: APIError) -> bytes:
@@ -87,6 +88,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
                 return
             open_per_client[peer] += 1
             self._peer = peer
+            transport.set_write_buffer_limits(high=SEND_BUFFER_BYTES)
             sock = transport.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -108,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--tokenizer-workers",
         type=int,
-        default=2,
-        help="threads that tokenize long prompts off the event loop",
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="threads that tokenize long prompts off the event loop (default: half the CPUs, "
+        "so the event loop keeps a core)",
     )
     g.add_argument("--max-n", type=int, default=16, help="choices per request")
     g.add_argument("--max-stop", type=int, default=4, help="stop strings per request")

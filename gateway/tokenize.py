@@ -11,12 +11,16 @@ loop it would delay every other client's stream. Two defences:
 2. The tokenizing itself runs in a bounded thread pool (`--tokenizer-workers`) off the event
    loop (the Rust tokenizer releases the GIL while it works); prompts of at most
    `INLINE_CHARS` characters are tokenized in place, so a one-token request never queues
-   behind someone else's long prompt.
+   behind someone else's long prompt. After a long prompt the worker hands the allocator's
+   freed memory back to the system (glibc `malloc_trim`): the tokenizer's transient gigabyte
+   would otherwise stay in the process's arenas for good.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -26,7 +30,20 @@ from gateway.protocol import ChatMessage, Prompt
 from gateway.text import TextCodec
 
 INLINE_CHARS = 2048  # tokenized on the event loop: well under a millisecond
+TRIM_CHARS = 1 << 16  # after tokenizing this much, return freed memory to the system
 T = TypeVar("T")
+
+
+def _malloc_trim() -> Callable[[], object]:
+    """glibc's `malloc_trim(0)`, or a no-op elsewhere (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is None:
+        return lambda: None
+    return lambda: trim(0)
+
+
+_TRIM = _malloc_trim()
 
 
 def prompt_too_long(param: str, tokens: int, context_length: int, bound: str = "") -> APIError:
@@ -47,6 +64,10 @@ class PromptEncoder:
         self.codec = codec
         self.context_length = context_length
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
+
+    def trim_soon(self) -> None:
+        """Return freed memory to the system once the pool is free (after a large body)."""
+        self._pool.submit(_TRIM)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -75,4 +96,12 @@ class PromptEncoder:
     async def _run(self, size: int, work: Callable[[], T]) -> T:
         if size <= INLINE_CHARS:
             return work()
-        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, _trimmed, size, work)
+
+
+def _trimmed(size: int, work: Callable[[], T]) -> T:
+    try:
+        return work()
+    finally:
+        if size >= TRIM_CHARS:
+            _TRIM()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,20 @@ def test_token_ids_beyond_the_context_are_rejected(cluster: RunningCluster, rout
     error = _assert_400(response, param, "500000 tokens", "context length")
     assert error["code"] == "context_length_exceeded"
     _still_serves(cluster)
+
+
+def test_a_burst_of_long_prompts_leaves_others_served(cluster: RunningCluster) -> None:
+    """8 prompts just under the character bound are tokenized (in the pool) and rejected while
+    a one-token request is served; the probe script measures how long it took."""
+    prompt = ("hello world, " * 7000)[:80_000]  # < 1023 x the longest token: tokenized
+    body = {"model": "model", "prompt": prompt, "max_tokens": 1}
+    with ThreadPoolExecutor(8) as pool:
+        burst = [pool.submit(httpx.post, cluster.url + "/v1/completions", json=body, timeout=120)
+                 for _ in range(8)]  # fmt: skip
+        _still_serves(cluster)
+        answers = [f.result() for f in burst]
+    for answer in answers:
+        _assert_400(answer, "prompt", "context length")
 
 
 # -- 3. slow connections ---------------------------------------------------------------------
