@@ -47,6 +47,8 @@ def _raw_error(exc: APIError) -> bytes:
     body = json.dumps(exc.body()).encode()
     reason = {408: b"Request Timeout", 429: b"Too Many Requests"}.get(exc.status, b"Error")
     head = b"HTTP/1.1 %d %s\r\n" % (exc.status, reason)
+    for name, value in exc.headers.items():
+        head += f"{name}: {value}\r\n".encode()
     head += b"content-type: application/json\r\nconnection: close\r\n"
     head += b"content-length: %d\r\n\r\n" % len(body)
     return head + body
@@ -70,6 +72,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             "(--max-connections-per-client): reuse them, or close some first",
             type_="rate_limit_error",
             code="too_many_connections",
+            headers={"Retry-After": "1"},
         )
     )
     header_late = _timeout_error("header", limits.header_timeout_s, "--header-timeout")

@@ -248,6 +248,7 @@ def test_connections_per_client_are_capped(cluster: RunningCluster) -> None:
             answer = _read_all(extra)
         assert answer.startswith(b"HTTP/1.1 429"), answer[:200]
         assert b"--max-connections-per-client" in answer
+        assert b"retry-after: 1" in answer.lower()
     finally:
         for sock in socks:
             sock.close()
