@@ -30,7 +30,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from gateway.body import MAX_JSON_DEPTH
+from gateway.body import MAX_JSON_DEPTH, parse_body
+from gateway.errors import APIError
 from scripts.tiny_models import tiny_chat_model
 from tests.hardening import assert_openai_error, cluster_process
 from tests.test_gateway import RunningCluster, node_stub, wait_idle
@@ -95,6 +96,30 @@ def _still_serves(cluster: RunningCluster) -> None:
 
 
 # -- 1. no 5xx from client bytes ---------------------------------------------------------------
+
+
+def _parse_error(data: bytes) -> APIError:
+    with pytest.raises(APIError) as caught:
+        parse_body(data)
+    assert caught.value.status == 400
+    return caught.value
+
+
+def test_parse_body_units() -> None:
+    assert parse_body(b'{"prompt": "caf\\u00e9 \\ud83d\\ude00"}') == {"prompt": "café 😀"}
+    assert parse_body(b'{"t": NaN}')["t"] != 0  # what orjson refuses, the stdlib may accept
+    assert parse_body(b'{"x": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}")
+    many = b'{"x": [' + b"[],{}," * 10_000 + b"1]}"  # many brackets, shallow: accepted
+    assert len(parse_body(many)["x"]) == 20_001
+    for deep in (MAX_JSON_DEPTH, 2_000, 200_000):
+        error = _parse_error(b'{"x": ' + b"[" * deep + b"]" * deep + b"}")
+        assert error.code == "body_too_deep" and str(MAX_JSON_DEPTH) in error.message
+    error = _parse_error(b'{"messages": [{"role": "user", "content": "a\\udbff"}]}')
+    assert error.param == "messages[0].content" and error.code == "invalid_text"
+    assert _parse_error(b'{"a": {"\\udc00": 1}}').param == "a"
+    assert "UTF-8" in _parse_error(b'{"prompt": "\xc3\x28"}').message
+    assert "JSON object" in _parse_error(b"[1]").message
+    assert "not valid JSON" in _parse_error(b'{"prompt": ').message
 
 
 @pytest.mark.parametrize("route", sorted(ROUTES))
