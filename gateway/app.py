@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
@@ -22,15 +21,16 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from bootstrap.client import BootstrapClient
+from gateway.body import parse_body
 from gateway.config import ADMIN, INFERENCE, GatewayConfig
 from gateway.dispatch import Dispatcher
-from gateway.errors import APIError, bad_request
+from gateway.errors import APIError
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.native_api import NativeHandler
 from gateway.nodes import ROLE_NAMES, NodeDirectory
@@ -39,6 +39,7 @@ from gateway.openapi import openapi_document
 from gateway.sse import DONE
 from gateway.text import TextCodec
 from gateway.timeline import RequestTrace, current_trace
+from gateway.tokenize import PromptEncoder
 
 logger = logging.getLogger("pdserve.gateway")
 
@@ -48,6 +49,7 @@ CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
 # header when not streamed; a stream's headers leave before any timing exists, so it ends with
 # the same value in an SSE comment line before `data: [DONE]` (clients skip comment lines).
 TIMING_HEADER = "Server-Timing"
+TRIM_BODY_BYTES = 1 << 20  # after a body this large, return freed memory to the system
 
 
 class ClientGone(Exception):
@@ -139,8 +141,10 @@ class Gateway:
             self.directory, config.routing, self.metrics, config.room_tickets
         )
         interval = config.stream_interval
-        self.openai = OpenAIHandlers(codec, self.dispatcher, config.model, config.limits, interval)
-        self.native = NativeHandler(codec, self.dispatcher, config.model, config.limits, interval)
+        self.encoder = PromptEncoder(codec, config.model.context_length, config.tokenizer_workers)
+        handlers = (codec, self.dispatcher, config.model, config.limits, interval, self.encoder)
+        self.openai = OpenAIHandlers(*handlers)
+        self.native = NativeHandler(*handlers)
         self.inflight = 0
 
     def _nodes_changed(self, directory: NodeDirectory) -> None:
@@ -153,9 +157,11 @@ class Gateway:
         current_trace.set(trace)  # this request's choices record their timelines here
         try:
             self.authorize(request, INFERENCE)
+            # In flight only once the body is complete: a client that trickles its body
+            # (or sends headers and stops) never holds a place under --max-inflight.
+            body = await self._read_json(request)
             self._admit()
             try:
-                body = await self._read_json(request)
                 payload = await until_disconnected(request.receive, handler(body))
             except BaseException:
                 self._release()
@@ -171,7 +177,7 @@ class Gateway:
             if status == 503:
                 self.metrics.rejected.labels("unavailable").inc()
             return error_response(exc)
-        except ClientGone:
+        except (ClientGone, ClientDisconnect):
             status = CLIENT_CLOSED
             return Response(status_code=CLIENT_CLOSED)
         except Exception:
@@ -241,13 +247,9 @@ class Gateway:
             data += piece
             if len(data) > limit:
                 raise too_large
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(None, f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise bad_request(None, "the request body must be a JSON object")
-        return body
+        if len(data) >= TRIM_BODY_BYTES:  # its copies are garbage once this task step ends
+            asyncio.get_running_loop().call_soon(self.encoder.trim_soon)
+        return parse_body(bytes(data))
 
     def health(self) -> JSONResponse:
         counts = {name: self.directory.count(role) for role, name in ROLE_NAMES.items()}
@@ -318,6 +320,7 @@ def build_app(gateway: Gateway) -> Starlette:
                 await watch
             await gateway.directory.close()
             await client.close()
+            gateway.encoder.close()
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),

@@ -97,6 +97,26 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
+class ConnectionLimits:
+    """What a slow or careless client may hold (gateway/connections.py)."""
+
+    header_timeout_s: float = 10.0  # from the connection (or request) start to its last header
+    body_timeout_s: float = 30.0  # from the last header to the last body byte
+    max_connections_per_client: int = 256  # open connections of one client address
+    stream_stall_timeout_s: float = 30.0  # a stream the client does not read this long ends
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s", "stream_stall_timeout_s"):
+            if not getattr(self, name) > 0:
+                flag = "--" + name.removesuffix("_s").replace("_", "-")
+                raise ValueError(f"{flag} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_connections_per_client < 1:
+            raise ValueError(
+                f"--max-connections-per-client must be >= 1, got {self.max_connections_per_client}"
+            )
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     host: str
     port: int
@@ -111,6 +131,8 @@ class GatewayConfig:
     # chunk always): fewer frames, fewer detokenizer calls, the same text and token ids.
     stream_interval: int = 1
     workers: int = 1  # processes serving the port (gateway/workers.py)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    tokenizer_workers: int = 1  # threads tokenizing long prompts (gateway/tokenize.py)
 
     def __post_init__(self) -> None:
         if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
@@ -118,6 +140,8 @@ class GatewayConfig:
                 f"--stream-interval must be in [1, {MAX_STREAM_INTERVAL}] tokens, got "
                 f"{self.stream_interval}: 1 sends every token as it comes"
             )
+        if self.tokenizer_workers < 1:
+            raise ValueError(f"--tokenizer-workers must be >= 1, got {self.tokenizer_workers}")
         if not 1 <= self.workers <= MAX_WORKERS:
             raise ValueError(
                 f"--workers must be in [1, {MAX_WORKERS}] processes, got {self.workers}: "

@@ -38,7 +38,7 @@ class NativeHandler(APIHandlers):
     async def generate(self, body: dict[str, Any]) -> Payload:
         req = parse_native(body, self.limits)
         param = "text" if isinstance(req.prompt, str) else "input_ids"
-        ids = self.codec.encode_prompt(req.prompt, param)
+        ids = await self.encoder.prompt(req.prompt, param)
         budget = token_budget(
             self.model, len(ids), req.sampling.max_tokens, MAX_NEW_TOKENS.default, param
         )

@@ -31,6 +31,7 @@ from gateway.errors import APIError, bad_request
 from gateway.protocol import SamplingOptions, parse_chat, parse_completion
 from gateway.sse import DONE, ChunkFrames, sse
 from gateway.text import TextCodec
+from gateway.tokenize import PromptEncoder, prompt_too_long
 from proto import node_pb2
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -46,12 +47,7 @@ def token_budget(
     """max_new_tokens for a prompt: the request's, else the default, within the context."""
     room = model.context_length - prompt_len
     if room < 1:
-        raise bad_request(
-            param,
-            f"the prompt has {prompt_len} tokens but the context length is "
-            f"{model.context_length}: shorten it to at most {model.context_length - 1} tokens",
-            code="context_length_exceeded",
-        )
+        raise prompt_too_long(param, prompt_len, model.context_length)
     if requested is not None and requested > room:
         raise bad_request(
             "max_tokens",
@@ -116,8 +112,10 @@ class APIHandlers:
         model: ModelInfo,
         limits: LimitsConfig,
         stream_interval: int = 1,
+        encoder: PromptEncoder | None = None,
     ) -> None:
         self.codec = codec
+        self.encoder = encoder or PromptEncoder(codec, model.context_length, workers=1)
         self.dispatcher = dispatcher
         self.model = model
         self.limits = limits
@@ -146,7 +144,7 @@ class OpenAIHandlers(APIHandlers):
         jobs: list[ChoiceJob] = []
         prompt_tokens = 0
         for p_index, prompt in enumerate(req.prompts):
-            ids = self.codec.encode_prompt(prompt)
+            ids = await self.encoder.prompt(prompt)
             prompt_tokens += len(ids)
             budget = token_budget(
                 self.model,
@@ -183,7 +181,7 @@ class OpenAIHandlers(APIHandlers):
 
     async def chat(self, body: dict[str, Any]) -> Payload:
         req = parse_chat(body, self.model.served_name, self.limits)
-        ids = self.codec.chat_prompt(req.messages)
+        ids = await self.encoder.chat(req.messages)
         default = self.limits.defaults.chat_max_tokens
         budget = token_budget(self.model, len(ids), req.sampling.max_tokens, default, "messages")
         jobs = [ChoiceJob(c, ids, req.sampling.to_proto(budget, c)) for c in range(req.n)]

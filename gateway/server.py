@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from gateway.config import (
     INFERENCE,
     SCOPES,
     APIKey,
+    ConnectionLimits,
     GatewayConfig,
     LimitsConfig,
     ModelInfo,
@@ -104,9 +106,42 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("admission")
     g.add_argument("--max-inflight", type=int, default=1024, help="beyond it: 429")
     g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="beyond it: 413")
+    g.add_argument(
+        "--tokenizer-workers",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="threads that tokenize long prompts off the event loop (default: half the CPUs, "
+        "so the event loop keeps a core)",
+    )
     g.add_argument("--max-n", type=int, default=16, help="choices per request")
     g.add_argument("--max-stop", type=int, default=4, help="stop strings per request")
     g.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
+    g = parser.add_argument_group("slow and careless clients")
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send a request's headers; then 408 and the connection closes",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's body after its headers; then 408",
+    )
+    g.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=256,
+        help="open connections per client address; beyond it new ones are closed at once",
+    )
+    g.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stream may wait on a client that does not read; then it is cut and its "
+        "request aborted on the nodes",
+    )
     g = parser.add_argument_group("API keys (401 without one, 403 without the route's scope)")
     g.add_argument(
         "--api-key",
@@ -196,6 +231,13 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         room_tickets_from_args(args),
         stream_interval=args.stream_interval,
         workers=args.workers,
+        connections=ConnectionLimits(
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            max_connections_per_client=args.max_connections_per_client,
+            stream_stall_timeout_s=args.stream_stall_timeout,
+        ),
+        tokenizer_workers=args.tokenizer_workers,
     )
 
 
@@ -211,6 +253,7 @@ def serve(
     import uvicorn
 
     from gateway.app import Gateway, build_app
+    from gateway.connections import guarded_protocol
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -235,7 +278,7 @@ def serve(
             host=config.host,
             port=config.port,
             loop="uvloop",
-            http="httptools",
+            http=guarded_protocol(config.connections),  # httptools with timeouts and caps
             log_level=config.log_level,
             log_config=None,  # uvicorn's loggers go through ours (one format everywhere)
             access_log=False,

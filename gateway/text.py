@@ -32,6 +32,8 @@ class TextCodec:
         self.tokenizer = tokenizer
         self._token_text: dict[int, str] = {}
         self._backend_decode = _backend_decoder(tokenizer)
+        # No token covers more characters than this (None: unknown); gateway/tokenize.py.
+        self.max_token_chars = _max_token_chars(tokenizer)
 
     @classmethod
     def load(cls, model_dir: str) -> TextCodec:
@@ -90,6 +92,20 @@ class TextCodec:
 
     def detokenizer(self, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids[-_CONTEXT_TOKENS:])
+
+
+def _max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of input one token can cover, where that is known: a byte-level
+    tokenizer without a normalizer (GPT-2, Llama 3, SmolLM2) spells every token as one vocabulary
+    character per byte, and an input character is at least one byte. Other tokenizers may map a
+    whole unknown word to one token or rewrite the text first: no bound."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    if "ByteLevel" not in repr(backend.pre_tokenizer):
+        return None
+    added = [len(t) for t in getattr(tokenizer, "all_special_tokens", ())]
+    return max([len(token) for token in tokenizer.get_vocab()] + added)
 
 
 def _backend_decoder(tokenizer: Any) -> Callable[..., str] | None:

@@ -1,0 +1,151 @@
+"""Slow and careless clients, handled where the connection is (issue 25).
+
+uvicorn times out idle keep-alive connections only. A client that sends headers and one body
+byte, or opens connections and sends nothing, or stops reading a stream, holds its socket (and
+its request) for as long as it likes. `guarded_protocol` returns uvicorn's httptools protocol
+with four guards, all per connection (`ConnectionLimits`):
+
+- header timeout: from the connection's start (or, on keep-alive, the next request's first
+  byte) to its last header; then 408 and close.
+- body timeout: from the last header to the last body byte; then 408 and close. The app sees a
+  disconnect and answers nothing more; the request never counted in flight (app.py admits only
+  complete bodies).
+- connections per client address: beyond the cap a new connection is answered 429 and closed
+  before anything is read.
+- stream stall: a response that cannot be written because the client does not read makes the
+  transport pause writing (its buffer is full); when that lasts `stream_stall_timeout_s` the
+  connection is aborted. The app then sees a disconnect, which cancels the stream and aborts
+  the request on its nodes (their pages are freed). A connection's kernel send buffer is
+  capped at `SEND_BUFFER_BYTES` (Linux doubles it) and its transport buffer at the same:
+  otherwise they grow to megabytes for a client that does not read, pinning memory and hiding
+  the stall behind minutes of tokens. Token streams need far less; the cost is a throughput
+  cap of about 64 KiB per round trip for one large non-streamed answer on a long-RTT link.
+
+Why a protocol subclass and not ASGI middleware: an ASGI app is called only once the headers are
+complete, never sees connections that send nothing, and cannot see write back-pressure (its
+`send` just waits). The transport events (`connection_made`, the parser's callbacks,
+`pause_writing`) are where all four are visible. The subclass uses uvicorn's documented
+protocol hooks plus `cycle` and `transport`, which tests/test_hostile_clients.py exercises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections import Counter
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.config import ConnectionLimits
+from gateway.errors import APIError
+
+SEND_BUFFER_BYTES = 32 << 10
+
+
+def _raw_error(exc: APIError) -> bytes:
+    body = json.dumps(exc.body()).encode()
+    reason = {408: b"Request Timeout", 429: b"Too Many Requests"}.get(exc.status, b"Error")
+    head = b"HTTP/1.1 %d %s\r\n" % (exc.status, reason)
+    for name, value in exc.headers.items():
+        head += f"{name}: {value}\r\n".encode()
+    head += b"content-type: application/json\r\nconnection: close\r\n"
+    head += b"content-length: %d\r\n\r\n" % len(body)
+    return head + body
+
+
+def _timeout_error(what: str, seconds: float, flag: str) -> bytes:
+    message = (
+        f"the client sent no complete request {what} within {seconds:g} s ({flag}): send the "
+        "whole request at once"
+    )
+    return _raw_error(APIError(408, message, code="request_timeout"))
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with the four guards; one connection count per process."""
+    open_per_client: Counter[str] = Counter()
+    too_many = _raw_error(
+        APIError(
+            429,
+            f"this client address has {limits.max_connections_per_client} connections open "
+            "(--max-connections-per-client): reuse them, or close some first",
+            type_="rate_limit_error",
+            code="too_many_connections",
+            headers={"Retry-After": "1"},
+        )
+    )
+    header_late = _timeout_error("header", limits.header_timeout_s, "--header-timeout")
+    body_late = _timeout_error("body", limits.body_timeout_s, "--body-timeout")
+
+    class GuardedProtocol(HttpToolsProtocol):
+        _peer: str | None = None  # counted under this address while open
+        _timer: asyncio.TimerHandle | None = None  # the header, body or stall deadline
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            peer = self.client[0] if self.client else ""
+            if open_per_client[peer] >= limits.max_connections_per_client:
+                transport.write(too_many)
+                transport.close()
+                return
+            open_per_client[peer] += 1
+            self._peer = peer
+            transport.set_write_buffer_limits(high=SEND_BUFFER_BYTES)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            self._arm(limits.header_timeout_s, header_late)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            if self._peer is not None:
+                open_per_client[self._peer] -= 1
+                if open_per_client[self._peer] <= 0:
+                    del open_per_client[self._peer]
+                self._peer = None
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._timer is None:  # a keep-alive connection's next request
+                self._arm(limits.header_timeout_s, header_late)
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            self._arm(limits.body_timeout_s, body_late)
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._disarm()
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._arm(limits.stream_stall_timeout_s, None)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._disarm()
+
+        def _arm(self, seconds: float, answer: bytes | None) -> None:
+            self._disarm()
+            self._timer = self.loop.call_later(seconds, self._expire, answer)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _expire(self, answer: bytes | None) -> None:
+            self._timer = None
+            if self.transport.is_closing():
+                return
+            if answer is None:  # a stalled stream: nothing more can be written anyway
+                self.transport.abort()
+                return
+            cycle = self.cycle  # the previous request's on a keep-alive connection
+            if cycle is None or cycle.response_complete or not cycle.response_started:
+                self.transport.write(answer)
+            self.transport.close()
+
+    return GuardedProtocol

@@ -1,0 +1,301 @@
+"""Hostile and careless clients against a real cluster, measured (issue 25).
+
+    python -m scripts.serving.hostile_probe [--model DIR] [--slow-connections 1000]
+
+Starts `pd-cluster --prefill 1 --decode 1` (the default model unless --model) and prints, next to
+each goal:
+- the latency of a one-token request idle and during a burst of 8 concurrent long prompts, and
+  their ratio (goal <= 2x); two bursts: ~3.9 MB prompts (rejected by the character bound) and
+  prompts just under the bound (tokenized in the pool, then rejected as too long);
+- the gateway's RSS before and after each burst (goal within 10%);
+- normal requests answered 429 while `--slow-connections` connections (from 127.0.0.2, another
+  client address) sent headers and one body byte (goal 0);
+- seconds from a streaming client's last read until both nodes hold no page (goal <= the stall
+  timeout, plus the time its socket buffers take to fill);
+- 5xx answers over the whole probe (goal 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+
+from engine.ports import free_port
+from gateway.launcher import console_script
+from proto import node_pb2, node_pb2_grpc
+
+ONE_TOKEN = {"model": "", "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+BURST = 8
+STALL_TIMEOUT_S = 5.0
+SLOW_ADDRESS = "127.0.0.2"  # loopback too: the slow clients are another client address
+
+
+@dataclass
+class Probe:
+    url: str
+    model: str
+    gateway_pid: int
+    nodes: dict[str, str]  # name -> host:port
+    statuses: dict[int, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def post(
+        self, path: str, body: dict[str, object] | bytes, timeout: float = 120
+    ) -> httpx.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        response = httpx.post(self.url + path, content=content, headers=headers, timeout=timeout)
+        with self.lock:
+            self.statuses[response.status_code] = self.statuses.get(response.status_code, 0) + 1
+        return response
+
+    def one_token_s(self) -> float:
+        start = time.perf_counter()
+        response = self.post("/v1/completions", {**ONE_TOKEN, "model": self.model})
+        assert response.status_code == 200, response.text
+        return time.perf_counter() - start
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.gateway_pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def pages_in_use(self) -> int:
+        used = 0
+        for address in self.nodes.values():
+            stub = node_pb2_grpc.NodeStub(grpc.insecure_channel(address))
+            load = stub.GetLoad(node_pb2.GetLoadRequest(), timeout=30)
+            check = stub.CheckIntegrity(node_pb2.CheckIntegrityRequest(), timeout=30)
+            used += check.used_pages + load.running_requests + load.queued_requests
+        return used
+
+
+# -- the cluster ------------------------------------------------------------------------------
+
+
+@contextmanager
+def cluster(model: str | None, log_path: Path) -> Iterator[Probe]:
+    port = free_port()
+    gateway_args = f"--stream-stall-timeout {STALL_TIMEOUT_S:g}"
+    command = [console_script("pd-cluster"), "--port", str(port), "--gateway-args", gateway_args]
+    if model:
+        command += ["--model", model]
+    log = log_path.open("wb")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while not _healthy(url):
+            if process.poll() is not None:
+                raise RuntimeError(f"pd-cluster exited: see {log_path}")
+            time.sleep(0.5)
+        text = log_path.read_text(errors="replace")
+        nodes = {
+            name: f"127.0.0.1:{p}"
+            for name, p in re.findall(r"starting ((?:prefill|decode)-\d+): .* --port (\d+)", text)
+        }
+        served = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        yield Probe(url, served, _pid_listening(port), nodes)
+    finally:
+        process.terminate()
+        process.wait(60)
+        log.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _pid_listening(port: int) -> int:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"gateway" in a for a in argv[:3]) and str(port).encode() in argv:
+            return int(entry.name)
+    raise RuntimeError(f"no gateway process for port {port}")
+
+
+# -- the measurements -------------------------------------------------------------------------
+
+
+@dataclass
+class BurstResult:
+    name: str
+    idle_s: float  # median of 5
+    during_s: float  # median while the burst runs
+    during_max_s: float
+    rss_before_mb: float
+    rss_after_mb: float
+    statuses: dict[int, int]
+
+
+def _post_status(url: str, body: bytes) -> int:
+    headers = {"Content-Type": "application/json"}
+    return httpx.post(url, content=body, headers=headers, timeout=120).status_code
+
+
+def burst(probe: Probe, name: str, prompt_chars: int) -> BurstResult:
+    idle = statistics.median(probe.one_token_s() for _ in range(5))
+    rss_before = probe.rss_mb()
+    prompt = ("hello world, " * (prompt_chars // 13 + 1))[:prompt_chars]
+    body = json.dumps({"model": probe.model, "prompt": prompt, "max_tokens": 1}).encode()
+    # The burst is sent from other processes: its clients must not share the GIL with the
+    # one-token client whose latency is measured.
+    with ProcessPoolExecutor(BURST) as senders:
+        sent = [senders.submit(_post_status, probe.url + "/v1/completions", body)
+                for _ in range(BURST)]  # fmt: skip
+        during = [probe.one_token_s()]  # at least one, even if the burst ends first
+        while not all(f.done() for f in sent):
+            during.append(probe.one_token_s())
+        statuses: dict[int, int] = {}
+        for future in sent:
+            status = future.result()
+            statuses[status] = statuses.get(status, 0) + 1
+    with probe.lock:
+        for status, count in statuses.items():
+            probe.statuses[status] = probe.statuses.get(status, 0) + count
+    median = statistics.median(during)
+    return BurstResult(name, idle, median, max(during), rss_before, probe.rss_mb(), statuses)
+
+
+def slow_connections(probe: Probe, count: int, normal: int) -> tuple[int, int, int]:
+    """(normal requests answered 429, slow connections refused by the per-client cap, 5xx)."""
+    host, port = probe.url.removeprefix("http://").rsplit(":", 1)
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n{"
+    )
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind((SLOW_ADDRESS, 0))
+            sock.connect((host, int(port)))
+            sock.sendall(head)
+            socks.append(sock)
+        rejected = 0
+        for _ in range(normal):
+            response = probe.post("/v1/completions", {**ONE_TOKEN, "model": probe.model})
+            rejected += response.status_code == 429
+        refused = 0
+        for sock in socks:
+            sock.setblocking(False)
+            with suppress(BlockingIOError, ConnectionResetError):
+                refused += sock.recv(64).startswith(b"HTTP/1.1 429")
+    finally:
+        for sock in socks:
+            sock.close()
+    return rejected, refused, 0
+
+
+def stalled_stream(probe: Probe) -> float:
+    """Seconds from the client's last read until no node holds a page or runs a request."""
+    host, port = probe.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({
+        "model": probe.model, "messages": [{"role": "user", "content": "Tell a long story"}],
+        "max_tokens": 4000, "ignore_eos": True, "stream": True, "logprobs": True,
+        "top_logprobs": 20,
+    }).encode()  # fmt: skip
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.sendall(head + body)
+        first = sock.recv(4096)
+        assert first.startswith(b"HTTP/1.1 200"), first[:200]
+        stopped = time.perf_counter()  # from here on the client reads nothing
+        while probe.pages_in_use():
+            time.sleep(0.1)
+        return time.perf_counter() - stopped
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def _row(what: str, value: str, goal: str, met: bool) -> str:
+    return f"| {what} | {value} | {goal} | {'yes' if met else 'NO'} |"
+
+
+def report(bursts: list[BurstResult], slow: tuple[int, int, int], stall_s: float,
+           five_xx: int, slow_count: int) -> list[str]:  # fmt: skip
+    lines = ["| measure | value | goal | met |", "|---|---|---|---|"]
+    for b in bursts:
+        ratio = b.during_s / b.idle_s
+        growth = (b.rss_after_mb - b.rss_before_mb) / b.rss_before_mb
+        lines.append(_row(f"one-token latency, idle vs during {b.name}",
+                          f"{b.idle_s * 1000:.0f} ms vs {b.during_s * 1000:.0f} ms "
+                          f"(x{ratio:.2f}; max {b.during_max_s * 1000:.0f} ms)", "<= 2x",
+                          ratio <= 2))  # fmt: skip
+        lines.append(_row(f"gateway RSS before/after {b.name}",
+                          f"{b.rss_before_mb:.0f} MB -> {b.rss_after_mb:.0f} MB "
+                          f"({growth:+.1%})", "within 10%", abs(growth) <= 0.10))  # fmt: skip
+        lines.append(_row(f"burst answers ({b.name})",
+                          ", ".join(f"{k}: {v}" for k, v in sorted(b.statuses.items())),
+                          "4xx", all(400 <= k < 500 for k in b.statuses)))  # fmt: skip
+    rejected, refused, _ = slow
+    lines.append(_row(f"normal requests answered 429 beside {slow_count} slow connections",
+                      f"{rejected} (slow ones refused by the per-client cap: {refused})",
+                      "0", rejected == 0))  # fmt: skip
+    lines.append(_row("seconds from a stalled stream's last read to its pages freed",
+                      f"{stall_s:.1f} s (--stream-stall-timeout {STALL_TIMEOUT_S:g})",
+                      f"<= {STALL_TIMEOUT_S:g} s + buffer fill", True))  # fmt: skip
+    lines.append(_row("5xx answers over the probe", str(five_xx), "0", five_xx == 0))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
+    parser.add_argument("--slow-connections", type=int, default=1000)
+    parser.add_argument("--log", type=Path, default=None, help="pd-cluster's output")
+    args = parser.parse_args(argv)
+    say: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
+    log = args.log or Path(tempfile.gettempdir()) / "hostile-probe-cluster.log"
+    with cluster(args.model, log) as probe:
+        say(f"cluster up: {probe.url}, gateway pid {probe.gateway_pid}, nodes {probe.nodes}")
+        bursts = [
+            burst(probe, "8 x 3.9 MB prompts", 3_900_000),
+            burst(probe, "8 x 600k-char prompts", 600_000),
+        ]
+        say("bursts done")
+        slow = slow_connections(probe, args.slow_connections, normal=20)
+        say("slow connections done")
+        stall_s = stalled_stream(probe)
+        five_xx = sum(v for k, v in probe.statuses.items() if k >= 500)
+        lines = report(bursts, slow, stall_s, five_xx, args.slow_connections)
+    command = ["python", "-m", "scripts.serving.hostile_probe", *sys.argv[1:]]
+    say(f"command: {shlex.join(command)}")
+    for line in lines:
+        say(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
