@@ -54,7 +54,8 @@ class PhaseTable(Generic[P, E]):
 
     def add(self, entry: E) -> None:
         if entry.room in self._entries:
-            raise IllegalMove(f"room {entry.room} is already held ({self._entries[entry.room]})")
+            held = self._entries[entry.room].phase.name
+            raise IllegalMove(f"room {entry.room} is already held (in {held})")
         entry.since = self.clock()
         self._entries[entry.room] = entry
 
