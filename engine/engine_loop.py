@@ -281,7 +281,8 @@ class EngineLoop:
         self._live.add(cmd.req.rid)
 
     def _step(self) -> None:
-        self._step_started = time.monotonic()
+        self._step_started = started = time.monotonic()
+        stepped = False
         # Role outputs (a decode node's first token from P, failures) go out before this
         # step's forward, not one decode step late.
         if self.role is not None:
@@ -294,6 +295,7 @@ class EngineLoop:
                 self._counted_stats = stats
                 self._log.record(self.scheduler, self.role.queue_summary() if self.role else "")
                 self.metrics.observe_step(self.scheduler, stats)
+                stepped = True
                 if self._trace is not None:
                     self._trace.write(self.scheduler)
         if self.role is not None:
@@ -301,6 +303,8 @@ class EngineLoop:
         self.metrics.observe_queues(self.scheduler)
         self._step_started = None
         self._send(self._batch(outputs))
+        if stepped:
+            self.metrics.loop_seconds.observe(time.monotonic() - started)
 
     def _interlude(self) -> None:
         now = time.monotonic()

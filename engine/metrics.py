@@ -80,6 +80,16 @@ class NodeMetrics:
             "pdserve_node_forward_seconds", "model forward time per step", buckets=WAIT_BUCKETS,
             registry=r,
         )  # fmt: skip
+        # The step split: step - forward is scheduling, batch building and sampling; loop - step
+        # is the node role's hooks and turning the step's outputs into one batch for the streams.
+        self.step_seconds = Histogram(
+            "pdserve_node_step_seconds", "scheduler step time (schedule, forward, sample)",
+            buckets=WAIT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.loop_seconds = Histogram(
+            "pdserve_node_loop_seconds", "engine loop iteration with a step (role hooks, step, "
+            "output batch)", buckets=WAIT_BUCKETS, registry=r,
+        )  # fmt: skip
         self.prefill_throughput = Throughput(
             Gauge("pdserve_node_prefill_throughput", "prefill tokens/s", registry=r)
         )
@@ -96,6 +106,7 @@ class NodeMetrics:
         self.prefill_chunks.inc(stats.num_prefill_reqs)
         self.decode_tokens.inc(stats.num_decode_reqs)
         self.forward_seconds.observe(stats.forward_s)
+        self.step_seconds.observe(stats.step_s)
         self.prefill_throughput.add(stats.num_prefill_tokens, now)
         self.decode_throughput.add(stats.num_decode_reqs, now)
         self.retractions.inc(scheduler.num_retractions - self._retractions_seen)

@@ -13,12 +13,13 @@ import math
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from scripts.serving.load import LoadConfig, LoadError, arrival_times
-from scripts.serving.node_metrics import parse_reading, parse_target
+from scripts.serving.node_metrics import StepSplit, parse_reading, parse_target
 from scripts.serving.procstat import (
     CpuWatch,
     ProcessCpu,
@@ -143,10 +144,17 @@ def test_step_split_from_a_real_node_registry() -> None:
     before = parse_reading(generate_latest(metrics.registry).decode())
     for _ in range(4):
         metrics.forward_seconds.observe(0.25)
+        metrics.step_seconds.observe(0.375)
+        metrics.loop_seconds.observe(0.5)
     metrics.decode_tokens.inc(32)
     after = parse_reading(generate_latest(metrics.registry).decode())
     delta = after - before
     assert (delta.steps, delta.forward_s, delta.decode_tokens) == (4, 1.0, 32)
+    split = StepSplit("decode-0", delta, wall_s=4.0)
+    assert (split.forward_ms_per_step, split.schedule_ms_per_step) == (250.0, 125.0)
+    assert (split.output_ms_per_step, split.busy_share) == (125.0, 0.5)
+    old = StepSplit("old", replace(delta, step_s=0.0, loop_s=0.0), wall_s=4.0)
+    assert old.schedule_ms_per_step is None and old.output_ms_per_step is None
 
 
 # -- one real run through two client processes -----------------------------------------------
@@ -197,4 +205,7 @@ def test_two_workers_against_a_real_cluster(tmp_path: Path, default_model_dir: P
     assert all(u["cpu_s"] >= 0 for u in doc["cpu"])
     (steps,) = doc["node_steps"]
     assert steps["delta"]["decode_tokens"] >= 7 * 4  # the first token of each comes from prefill
+    delta = steps["delta"]  # the node exports its whole step split: forward < step < loop
+    assert 0 < delta["forward_s"] <= delta["step_s"] <= delta["loop_s"]
     assert "CPU-us / streamed token" in result.stdout and "forward ms / step" in result.stdout
+    assert "role + output ms / step" in result.stdout

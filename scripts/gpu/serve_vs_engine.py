@@ -365,8 +365,6 @@ def cpu_rows(figures: Figures) -> list[str]:
 
 
 def report(args: argparse.Namespace, figures: Figures, shape: str) -> str:
-    from scripts.serving.node_metrics import MISSING
-
     gpu = _gpu_name()
     lines = [
         f"# serve vs engine, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {gpu}",
@@ -378,8 +376,6 @@ def report(args: argparse.Namespace, figures: Figures, shape: str) -> str:
         *throughput_rows(args, figures),
         "",
         *cpu_rows(figures),
-        "",
-        f"Not exported by the node, so not split: {'; '.join(MISSING)}.",
     ]
     if figures.errors:
         lines += ["", "Errors:", *(f"- {e}" for e in figures.errors)]

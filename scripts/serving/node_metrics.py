@@ -2,14 +2,15 @@
 
 `--watch-metrics NAME=URL` names a node's /metrics (pd-cluster prints one
 `[pd-cluster] metrics <name> <url>` line per process). It is read before and after the run;
-the report shows the deltas: steps, decode and prefill tokens, and model-forward seconds
-(engine/metrics.py: `pdserve_node_forward_seconds`, observed once per step with the step's
-forward time). Over the run's wall time that gives the forward's share of the node's time.
-
-What the node does not export (so the report lists it as missing instead of guessing): the time
-per step spent scheduling and building the batch, the time spent turning the step's output into
-streamed chunks (and the gRPC send), and the whole step's time, of which the forward is a part
-(StepStats.step_s exists in engine/scheduler.py but no metric carries it).
+the report shows the deltas and the step split (engine/metrics.py, each observed once per
+step): the model forward (`pdserve_node_forward_seconds`), the rest of the scheduler's step,
+i.e. scheduling, batch building and sampling (`pdserve_node_step_seconds` minus the forward),
+and the rest of the engine loop's iteration, i.e. the role's hooks and turning the step's
+outputs into one batch for the streams (`pdserve_node_loop_seconds` minus the step). Over the
+run's wall time the three give the engine thread's busy share; the gRPC and HTTP side runs on
+other threads (their CPU is in the per-process rows). With the overlap scheduler the "forward"
+is the launch, and waiting for the previous step's tokens counts in the scheduler's rest.
+A node of an older build exports the forward only: the other columns then read "-".
 """
 
 from __future__ import annotations
@@ -25,11 +26,8 @@ COUNTERS = {
     "decode_tokens": "pdserve_node_decode_tokens_total",
     "prefill_tokens": "pdserve_node_prefill_tokens_total",
 }
-MISSING = (
-    "scheduling + batch building per step",
-    "output processing + streaming per step",
-    "whole step time (StepStats.step_s is not exported)",
-)
+STEP = "pdserve_node_step_seconds"
+LOOP = "pdserve_node_loop_seconds"
 
 
 class MetricsError(RuntimeError):
@@ -42,6 +40,8 @@ class NodeReading:
     forward_s: float
     decode_tokens: float
     prefill_tokens: float
+    step_s: float = 0.0  # whole scheduler steps (0: not exported)
+    loop_s: float = 0.0  # whole engine-loop iterations with a step (0: not exported)
 
     def __sub__(self, other: NodeReading) -> NodeReading:
         return NodeReading(
@@ -49,6 +49,8 @@ class NodeReading:
             self.forward_s - other.forward_s,
             self.decode_tokens - other.decode_tokens,
             self.prefill_tokens - other.prefill_tokens,
+            self.step_s - other.step_s,
+            self.loop_s - other.loop_s,
         )
 
 
@@ -59,6 +61,8 @@ def parse_reading(text: str) -> NodeReading:
         forward_s=samples.get(f"{FORWARD}_sum", 0.0),
         decode_tokens=samples.get(COUNTERS["decode_tokens"], 0.0),
         prefill_tokens=samples.get(COUNTERS["prefill_tokens"], 0.0),
+        step_s=samples.get(f"{STEP}_sum", 0.0),
+        loop_s=samples.get(f"{LOOP}_sum", 0.0),
     )
 
 
@@ -86,6 +90,27 @@ class StepSplit:
     def forward_share(self) -> float:
         """Forward seconds / wall seconds: the rest is scheduling, output, idle and waiting."""
         return self.delta.forward_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def schedule_ms_per_step(self) -> float | None:
+        """Scheduling, batch building and sampling: the step without its forward."""
+        if not self.delta.steps or not self.delta.step_s:
+            return None
+        return (self.delta.step_s - self.delta.forward_s) * 1e3 / self.delta.steps
+
+    @property
+    def output_ms_per_step(self) -> float | None:
+        """The role's hooks and the step's output batch: the loop iteration without the step."""
+        if not self.delta.steps or not self.delta.loop_s:
+            return None
+        return (self.delta.loop_s - self.delta.step_s) * 1e3 / self.delta.steps
+
+    @property
+    def busy_share(self) -> float | None:
+        """Engine-loop seconds with a step / wall seconds."""
+        if not self.delta.loop_s or self.wall_s <= 0:
+            return None
+        return self.delta.loop_s / self.wall_s
 
     @property
     def decode_tokens_per_step(self) -> float:

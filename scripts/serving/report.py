@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .metrics import RequestTrace, Summary
-from .node_metrics import MISSING, StepSplit
+from .node_metrics import StepSplit
 from .procstat import ProcessCpu
 
 
@@ -175,17 +175,23 @@ def cpu_table(usages: Sequence[ProcessCpu], output_tokens: int) -> str:
 
 
 def step_table(splits: Sequence[StepSplit]) -> str:
-    """Per node: the step split its /metrics allow, and what it does not export."""
+    """Per node: its engine thread's step split (model forward, scheduling and sampling, role
+    hooks and output) from its /metrics."""
     lines = [
-        "| node | steps | decode tok | decode tok / step | forward ms / step "
-        "| forward s | forward / wall |",
-        "|---|---|---|---|---|---|---|",
+        "| node | steps | decode tok / step | forward ms / step | schedule + sample ms / step "
+        "| role + output ms / step | forward / wall | engine loop / wall |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
     for s in splits:
-        d = s.delta
+        d, busy = s.delta, s.busy_share
         lines.append(
-            f"| {s.name} | {d.steps:.0f} | {d.decode_tokens:.0f} | {s.decode_tokens_per_step:.1f} "
-            f"| {s.forward_ms_per_step:.2f} | {d.forward_s:.2f} | {s.forward_share:.0%} |"
+            f"| {s.name} | {d.steps:.0f} | {s.decode_tokens_per_step:.1f} "
+            f"| {s.forward_ms_per_step:.2f} | {ms(s.schedule_ms_per_step)} "
+            f"| {ms(s.output_ms_per_step)} | {s.forward_share:.0%} "
+            f"| {'-' if busy is None else f'{busy:.0%}'} |"
         )
-    lines.append(f"\nnot exported by the node (so not split here): {'; '.join(MISSING)}")
     return "\n".join(lines)
