@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from pathlib import Path
@@ -51,6 +51,7 @@ from gateway.launcher import (
     running_node,
     session_pids,
 )
+from scripts.serving.procstat import cpu_seconds as process_cpu_seconds
 
 GOAL_US_PER_TOKEN = 25.0
 GOAL_ONE_WORKER_TOKENS_S = 40_000.0
@@ -298,14 +299,9 @@ def _client_main(
 
 
 # ---- one measurement --------------------------------------------------------------------------
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of these processes (all their threads), from /proc."""
-    ticks = 0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """utime + stime of these processes (all their threads); gone ones count 0."""
+    return sum(process_cpu_seconds(pid) or 0.0 for pid in pids)
 
 
 def _wait_gateway(gateway: ServerProcess, url: str, nodes: int) -> None:
