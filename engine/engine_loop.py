@@ -216,6 +216,7 @@ class EngineLoop:
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self.scheduler.runner.bind_thread()
             while not self._stop.is_set():
                 # A role waiting only for messages (a decode node's rooms before P's DONE)
                 # sleeps until `wake`: a 1 ms poll there took ~8% of a core from the prefill

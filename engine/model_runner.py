@@ -43,6 +43,7 @@ class ModelRunner:
         self.group = group or TPGroup.single()
         self.shard = plan_tp(model_config, config.tp_size)[self.group.rank]
         self.device = torch.device(config.device)
+        self.bind_thread()
         self.context_length = config.context_length or model_config.max_position_embeddings
         if self.context_length > model_config.max_position_embeddings:
             raise ValueError(
@@ -86,6 +87,13 @@ class ModelRunner:
         if graphs_ok and hasattr(self.attn_backend, "init_graph_metadata"):
             # Padding rows read one key through slot 0 (reads only) and write to location 0.
             self.graph_runner = DecodeGraphRunner(self.model, self.context_length, pad_slot=0)
+
+    def bind_thread(self) -> None:
+        """Make this runner's GPU the calling thread's current device. Streams, events, CUDA
+        graphs and Triton launches use the current device, which CUDA keeps per thread: a node
+        on `--device cuda:1` calls this where it is built and in its engine loop's thread."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
 
     def build_batch(
         self,

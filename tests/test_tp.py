@@ -11,6 +11,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.model_config import ModelConfig
 from engine.tp.partition import TPConfigError, plan_tp
+from engine.tp.workers import _rank_device
 from scripts.tiny_models import hf_greedy
 from tests.test_engine_correctness import chat_prompts
 
@@ -30,6 +31,12 @@ def _config(num_heads: int, num_kv_heads: int) -> ModelConfig:
             "num_key_value_heads": num_kv_heads,
         }
     )
+
+
+def test_rank_devices_start_at_the_node_device() -> None:
+    assert [_rank_device("cuda", r) for r in (0, 1)] == ["cuda:0", "cuda:1"]
+    assert [_rank_device("cuda:2", r) for r in (0, 1)] == ["cuda:2", "cuda:3"]
+    assert _rank_device("cpu", 1) == "cpu"
 
 
 def test_kv_head_groups_split_unevenly_then_replicated() -> None:

@@ -220,6 +220,11 @@ class RankTransferAgent:
 
     def _write(self, handle_id: int, writes: dict[str, list[TransferRange]]) -> None:
         assert self.engine is not None, "TRANSFER_SETUP comes first"
+        if self.runner.device.type == "cuda":
+            # This rank's KV wait: rank 0 synchronized its own GPU before sending the plan, but
+            # this rank's kernels of the step may still be queued (the transfer engines copy on
+            # streams of their own).
+            torch.cuda.synchronize(self.runner.device)
         handles = self._handles.setdefault(handle_id, [])
         for peer_id, ranges in writes.items():
             try:

@@ -73,7 +73,11 @@ class TPWorkers:
 
 
 def _rank_device(device: str, rank: int) -> str:
-    return f"cuda:{rank}" if device.startswith("cuda") else device
+    """Rank r of a node on `cuda:b` runs on `cuda:b+r` (`cuda` is `cuda:0`): a node started
+    with `--device cuda:2 --tp-size 2` holds GPUs 2 and 3."""
+    if not device.startswith("cuda"):
+        return device
+    return f"cuda:{(torch.device(device).index or 0) + rank}"
 
 
 def start_runner(
