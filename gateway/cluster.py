@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -73,6 +74,7 @@ class ClusterConfig:
     auth_args: tuple[str, ...] = ()  # internal token file and TLS flags for every child
     internal_token: str = field(default="", repr=False)  # by value: to the children's env
     room_key_args: tuple[str, ...] = ()  # --room-key-file for the bootstrap and the gateway
+    devices: tuple[str, ...] = ()  # `--device` of each node in turn, prefill nodes first
 
 
 @dataclass
@@ -103,11 +105,12 @@ class Cluster:
         common = ["--bootstrap", bootstrap.address, "--transfer-backend", c.backend]
         common += ["--max-total-tokens", str(c.max_total_tokens), *self._model_args()]
         common += list(c.node_args)
+        devices = node_devices(c)
         for i in range(c.prefill):
-            args = [*common, *c.prefill_args]
+            args = [*common, *c.prefill_args, *devices[i]]
             self._spawn(f"prefill-{i}", "prefill-server", args, metrics=True)
         for i in range(c.decode):
-            args = ["--mode", "disaggregated", *common, *c.decode_args]
+            args = ["--mode", "disaggregated", *common, *c.decode_args, *devices[c.prefill + i]]
             self._spawn(f"decode-{i}", "decode-server", args, metrics=True)
         gateway_args = ["--bootstrap", bootstrap.address, *self._model_args(), *c.room_key_args]
         gateway_args += ["--workers", str(c.gateway_workers), *c.gateway_args]
@@ -217,6 +220,15 @@ class Cluster:
                 child.kill()  # the whole session, grandchildren included
 
 
+def node_devices(config: ClusterConfig) -> list[list[str]]:
+    """Each node's `--device` flag (prefill nodes, then decode nodes), the devices taken in
+    turn; none without `--devices`. Appended after the other node flags, so it wins."""
+    nodes = config.prefill + config.decode
+    if not config.devices:
+        return [[] for _ in range(nodes)]
+    return [["--device", config.devices[i % len(config.devices)]] for i in range(nodes)]
+
+
 class ClusterError(RuntimeError):
     """The cluster could not start; the message names the process or the wait that failed."""
 
@@ -266,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--gateway-workers", type=int, default=1, help="gateway processes on its port"
     )
+    parser.add_argument(
+        "--devices",
+        default="",
+        help="comma-separated devices given to the nodes in turn, prefill nodes first "
+        "(e.g. cuda:0,cuda:1: one GPU a node); a TP node on cuda:b takes b..b+tp-1",
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--log-dir", type=Path, default=None, help="also write <name>.log here")
     add_log_args(parser)
@@ -301,7 +319,16 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         auth_args=tuple(internal_auth_argv(args)),
         internal_token="" if args.internal_token_file else auth.token,
         room_key_args=("--room-key-file", args.room_key_file) if args.room_key_file else (),
+        devices=parse_devices(args.devices),
     )
+
+
+def parse_devices(text: str) -> tuple[str, ...]:
+    devices = tuple(d.strip() for d in text.split(",") if d.strip())
+    bad = [d for d in devices if d != "cpu" and not re.fullmatch(r"cuda(:\d+)?", d)]
+    if bad:
+        raise ValueError(f"--devices: {bad[0]!r} is not cpu, cuda or cuda:N")
+    return devices
 
 
 def _served_name(config: ClusterConfig, url: str) -> str:

@@ -77,6 +77,8 @@ class RatePoint:
     rate: float
     summary: Summary
     seed: int = 0  # the dataset seed of this rate's prompts
+    # (TTFT ms, TPOT ms) of each completed request, to score the run under other SLOs later
+    requests: list[tuple[float | None, float | None]] = field(default_factory=list)
 
     @property
     def attainment(self) -> float:
@@ -108,7 +110,13 @@ class SplitResult:
             "error": self.error,
             "max_rate": self.max_rate(attainment),
             "points": [
-                {"rate": p.rate, "seed": p.seed, "summary": asdict(p.summary)} for p in self.points
+                {
+                    "rate": p.rate,
+                    "seed": p.seed,
+                    "summary": asdict(p.summary),
+                    "requests_ttft_tpot_ms": p.requests,
+                }
+                for p in self.points
             ],
         }
 

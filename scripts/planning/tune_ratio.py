@@ -12,7 +12,8 @@ Disaggregated splits send every prompt through a prefill node (the gateway's
 Reported per split: goodput and SLO attainment at each rate, and the highest rate at which at
 least `--slo-attainment` of the requests met every SLO; the best split is the one with the
 highest such rate. Writes `tune_ratio.json` (every summary) and `goodput_vs_rate.png` under
-`--output-dir`. The same command works on a GPU host (pass `--node-args "--device cuda ..."`).
+`--output-dir`. The same command works on a GPU host (pass `--node-args "--device cuda ..."`,
+and `--devices cuda:0,cuda:1` to give each node a GPU of its own).
 
     .venv/bin/python -m scripts.planning.tune_ratio --budget 2 --splits 1:1,colocated \\
         --rates 0.2,0.4 \\
@@ -33,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gateway.cluster import Cluster, ClusterConfig, ClusterError
+from gateway.cluster import Cluster, ClusterConfig, ClusterError, parse_devices
 from scripts.planning.sweep import (
     RatePoint,
     Split,
@@ -54,6 +55,7 @@ from scripts.serving.bench_serving import (
 from scripts.serving.benchmark import BenchmarkConfig, run_benchmark, warm
 from scripts.serving.client import ClientConfig, served_model
 from scripts.serving.datasets import build_sessions
+from scripts.serving.metrics import RequestTrace
 from scripts.serving.report import pyplot
 
 
@@ -88,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-total-tokens", type=int, default=16384, help="KV tokens per node")
     g.add_argument("--node-args", default="", help="extra flags for every node (quoted)")
     g.add_argument("--gateway-args", default="", help="extra flags for the gateway")
+    g.add_argument(
+        "--devices", default="", help="devices given to the nodes in turn (as pd-cluster)"
+    )
     g.add_argument(
         "--pd-local-prefill-max-tokens",
         type=int,
@@ -126,6 +131,7 @@ def build_config(args: argparse.Namespace) -> TuneConfig:
         max_total_tokens=args.max_total_tokens,
         node_args=tuple(shlex.split(args.node_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),
+        devices=parse_devices(args.devices),
     )
     pd_args = ("--local-prefill-max-tokens", str(args.pd_local_prefill_max_tokens))
     return TuneConfig(
@@ -179,8 +185,16 @@ def sweep_split(config: TuneConfig, split: Split) -> SplitResult:
                     ),
                     progress=config.progress,
                 )
-                point = RatePoint(rate, run.summary, seed)
+                point = RatePoint(rate, run.summary, seed, per_request(run.load.traces))
                 result.points.append(point)
+                dead = cluster.dead_children()
+                if dead:  # the other nodes served this rate: its figures are not the split's
+                    names = ", ".join(c.name for c in dead)
+                    result.error = (
+                        f"{names} died at rate {rate:g} (logs in {cluster_config.log_dir})"
+                    )
+                    print(f"[{split.name}] {result.error}", flush=True)
+                    break
                 print(
                     f"[{split.name}] rate {rate:g}: goodput {point.goodput:.3f} req/s, "
                     f"SLO met {point.attainment:.0%}, failed {run.summary.failed}",
@@ -191,6 +205,15 @@ def sweep_split(config: TuneConfig, split: Split) -> SplitResult:
         finally:
             cluster.stop()
     return result
+
+
+def per_request(traces: list[RequestTrace]) -> list[tuple[float | None, float | None]]:
+    """(TTFT ms, TPOT ms) of each completed request."""
+    return [(_ms(t.ttft), _ms(t.tpot)) for t in traces if t.ok]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
 
 
 def rate_seed(seed: int, index: int) -> int:
