@@ -182,7 +182,7 @@ def _engine(variant: Variant, name: str):
                                         protocol=variant.protocol))  # fmt: skip
 
 
-def _receiver(variant: Variant, pool: Pool, parent, sender) -> None:
+def _receiver(variant: Variant, pool: Pool, parent, sender) -> None:  # `pool`: the receiver's
     """Decode side: owns a pool, poisons it and checks what arrived when the sender asks."""
     cache = pool.cache()
     pages = pool.page_bytes(cache)
@@ -277,7 +277,7 @@ def _sender(variant: Variant, pool: Pool, endpoint: bytes, remote: MemoryRegion,
 
 
 def run_variant(variant: Variant, pool: Pool, shape_list: list[Shape], repeats: int,
-                timeout_s: float) -> list[Row]:  # fmt: skip
+                timeout_s: float, receiver_pool: Pool | None = None) -> list[Row]:  # fmt: skip
     ctx = mp.get_context("spawn")
     from_receiver, to_parent_r = ctx.Pipe()
     from_sender, to_parent_s = ctx.Pipe()
@@ -285,7 +285,9 @@ def run_variant(variant: Variant, pool: Pool, shape_list: list[Shape], repeats: 
     saved = {key: os.environ.get(key) for key in variant.env}
     os.environ.update(variant.env)  # children inherit the environment at start
     receiver = ctx.Process(
-        target=_receiver, args=(variant, pool, to_parent_r, receiver_end), daemon=True
+        target=_receiver,
+        args=(variant, receiver_pool or pool, to_parent_r, receiver_end),
+        daemon=True,
     )
     receiver.start()
     rows: list[Row] = []
@@ -330,9 +332,11 @@ def run_variant(variant: Variant, pool: Pool, shape_list: list[Shape], repeats: 
     return rows
 
 
-def _device_ms(fn, repeats: int, pool: Pool) -> float:
+def _device_ms(fn, repeats: int, pool: Pool, other: Pool | None = None) -> float:
     if not pool.device.startswith("cuda"):
         return _wall_ms(fn, repeats)
+    if other is not None and other.device != pool.device:  # a peer copy: both GPUs' clocks
+        return _wall_ms(lambda: (fn(), pool.sync(), other.sync()), repeats)
     times = []
     for i in range(repeats + 2):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -355,7 +359,7 @@ def _wall_ms(fn, repeats: int) -> float:
 
 
 def _torch_row(pool: Pool, src: torch.Tensor, dst: torch.Tensor, shape: Shape,
-               repeats: int) -> TorchRow:  # fmt: skip
+               repeats: int, other: Pool) -> TorchRow:  # fmt: skip
     n, page = len(shape.src_pages), LAYOUT.page_bytes
     ranges = coalesce_pages(shape.src_pages, shape.dst_pages, page, 0, 0)
     flat_src, flat_dst = src.view(-1), dst.view(-1)
@@ -366,25 +370,29 @@ def _torch_row(pool: Pool, src: torch.Tensor, dst: torch.Tensor, shape: Shape,
                 flat_src[r.src_addr : r.src_addr + r.length]
             )
 
-    contiguous = _device_ms(lambda: dst[:n].copy_(src[:n]), repeats, pool)
-    ranged = _device_ms(per_range, repeats, pool)
+    contiguous = _device_ms(lambda: dst[:n].copy_(src[:n]), repeats, pool, other)
+    ranged = _device_ms(per_range, repeats, pool, other)
     dst.fill_(POISON)
     per_range()
     src_idx = torch.tensor(shape.src_pages, device=src.device)
-    dst_idx = torch.tensor(shape.dst_pages, device=src.device)
-    if not torch.equal(dst[dst_idx], src[src_idx]):
+    dst_idx = torch.tensor(shape.dst_pages, device=dst.device)
+    if not torch.equal(dst[dst_idx].to(src.device), src[src_idx]):
         raise RuntimeError("the torch reference copy is wrong")
     nbytes = n * page
     return TorchRow(shape.tokens, shape.layout, len(ranges), contiguous,
                     nbytes / contiguous / 1e6, ranged, nbytes / ranged / 1e6)  # fmt: skip
 
 
-def torch_reference(pool: Pool, shape_list: list[Shape], repeats: int) -> list[TorchRow]:
-    """torch's copy of the same bytes inside GPU 0: one contiguous copy, then one `copy_` per
-    coalesced range between two pools (the launch-per-descriptor floor)."""
-    src, dst = pool.page_bytes(pool.cache()), pool.page_bytes(pool.cache())
+def torch_reference(pool: Pool, shape_list: list[Shape], repeats: int,
+                    receiver_pool: Pool | None = None) -> list[TorchRow]:  # fmt: skip
+    """torch's copy of the same bytes from the sender's pool to the receiver's (inside GPU 0,
+    or GPU 0 -> GPU 1: the peer copy): one contiguous copy, then one `copy_` per coalesced range
+    between two pools (the launch-per-descriptor floor)."""
+    other = receiver_pool or pool
+    dst = other.page_bytes(other.cache())
+    src = pool.page_bytes(pool.cache())  # last: the sender's GPU stays the current one
     src.copy_(pool.source_bytes())
-    rows = [_torch_row(pool, src, dst, shape, repeats) for shape in shape_list]
+    rows = [_torch_row(pool, src, dst, shape, repeats, other) for shape in shape_list]
     del src, dst
     if pool.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -447,21 +455,22 @@ def markdown(info: dict[str, str], torch_rows: list[TorchRow], rows: list[Row]) 
     lines = [
         "| transport | prompt | pages as | descriptors | MiB | ms (median) | min-max | GB/s "
         "| ms, poll yields | library sync ms | torch copy GB/s (1 copy / per range) "
-        "| % of per-range copy | byte-exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| % of one copy | % of per-range copy | byte-exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.error and not r.ms:
-            lines.append(f"| {r.variant} | {r.tokens} | {r.layout} | | | | | | | | | | failed: "
+            lines.append(f"| {r.variant} | {r.tokens} | {r.layout} | | | | | | | | | | | failed: "
                          f"{r.error.replace('|', '/')} |")  # fmt: skip
             continue
         t = ceiling.get((r.tokens, r.layout))
         ref = f"{t.contiguous_gbps:.0f} / {t.per_range_gbps:.0f}" if t else ""
         pct = f"{100 * r.gbps / t.per_range_gbps:.1f}%" if t else ""
+        pct_one = f"{100 * r.gbps / t.contiguous_gbps:.1f}%" if t else ""
         lib = f"{r.library_sync_ms:.2f}" if r.library_sync_ms else ""
         lines.append(f"| {r.variant} | {r.tokens} | {r.layout} | {r.descriptors} | {r.mib:.0f} "
                      f"| {r.ms:.2f} | {r.ms_spread} | {r.gbps:.1f} | {r.yielding_ms:.2f} | {lib} "
-                     f"| {ref} | {pct} "
+                     f"| {ref} | {pct_one} | {pct} "
                      f"| {'yes' if r.checked else 'NO'} |")  # fmt: skip
     head = [f"- {k}: {v}" for k, v in info.items()]
     return "\n".join([*head, "", *lines]) + "\n"
@@ -476,6 +485,9 @@ def main() -> None:
     parser.add_argument("--variant-timeout", type=float, default=150.0)
     parser.add_argument("--only", nargs="*", help="variant labels to run (default: all)")
     parser.add_argument("--device", default="cuda:0", help="cpu: a dry run of the flow")
+    parser.add_argument(
+        "--receiver-device", default=None, help="the decode process's GPU (default: --device)"
+    )
     parser.add_argument("--pool-pages", type=int, default=POOL_PAGES)
     add_site_arg(parser)
     args = parser.parse_args()
@@ -488,8 +500,10 @@ def main() -> None:
         info.update(probe_transports())
     print(json.dumps(info, indent=1), flush=True)
     pool = Pool(args.device, args.pool_pages)
+    receiver_pool = Pool(args.receiver_device or args.device, args.pool_pages)
+    info["sender -> receiver"] = f"{pool.device} -> {receiver_pool.device}"
     shape_list = shapes(tuple(args.tokens), pool.pages)
-    torch_rows = torch_reference(pool, shape_list, args.repeats)
+    torch_rows = torch_reference(pool, shape_list, args.repeats, receiver_pool)
     for t in torch_rows:
         print(t, flush=True)
     rows: list[Row] = []
@@ -500,7 +514,9 @@ def main() -> None:
             continue
         if variant.protocol == "nvlink_intra" and pool.device == "cpu":
             continue
-        rows += run_variant(variant, pool, shape_list, args.repeats, args.variant_timeout)
+        rows += run_variant(
+            variant, pool, shape_list, args.repeats, args.variant_timeout, receiver_pool
+        )
     table = markdown(info, torch_rows, rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mooncake_gpu.md").write_text(table)

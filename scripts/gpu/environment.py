@@ -11,8 +11,8 @@ The GPU hosts have no package index and the project only as a checkout (no conso
   PYTHONPATH for the processes it starts, with any other variables the installed wheels need;
 - `console_wrappers` writes `bootstrap-server`, `prefill-server` and `decode-server` scripts
   that run `python -m <module>` with this interpreter;
-- `gpu_defaults` sets what every GPU process of ours expects unless told otherwise: NCCL without
-  NVLink multicast (NCCL_NVLS_ENABLE=0: the lent machines do not allow it).
+- `gpu_defaults` sets what every GPU process of ours expects unless told otherwise: no NVLink
+  multicast in NCCL, PyTorch or NVSHMEM (the lent machines do not allow it).
 
 Standard library only: a script calls these before anything imports grpc or the stubs, which the
 site may replace.
@@ -34,7 +34,13 @@ SERVER_MODULES = {
     "prefill-server": "prefill_node.server",
     "decode-server": "decode_node.server",
 }
-GPU_DEFAULTS = {"NCCL_NVLS_ENABLE": "0"}
+# NVLink multicast off everywhere (NCCL, PyTorch's symmetric memory, NVSHMEM): the lent
+# multi-GPU hosts are shared, and a program using multicast can take their GPUs out of service.
+GPU_DEFAULTS = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 def add_site_arg(parser: argparse.ArgumentParser) -> None:

@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="measure this machine's node")
     p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=1, help="torch threads, as each node uses")
+    p.add_argument("--device", default="cpu", help="cuda: the GPU points (profiler.GPU_POINTS)")
+    p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
+    p.add_argument("--attention-backend", default=None, help="default: triton on GPU")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per prefill point")
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--transfer-gbps", type=float, default=0.9, help="KV transfer GB/s")
@@ -203,12 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_profile(args: argparse.Namespace) -> int:
     from scripts.planning.profiler import ProfilePlan, fit_decode, measure
 
+    gpu = args.device.startswith("cuda")
     plan = ProfilePlan(
         model=args.model,
         threads=args.threads,
         repeats=args.repeats,
         max_total_tokens=args.max_total_tokens,
+        device=args.device,
+        dtype=args.dtype or ("bfloat16" if gpu else "float32"),
+        load_format=args.load_format,
+        attention_backend=args.attention_backend or ("triton" if gpu else "torch_native"),
     )
+    if gpu:
+        plan = plan.for_gpu()
     measured = measure(plan)
     profile = NodeProfile(
         prefill_coef=fit_prefill(measured.prefill),
@@ -224,6 +235,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         meta={
             "model": measured.model,
             "threads": args.threads,
+            "device": plan.device,
+            "dtype": plan.dtype,
+            "attention_backend": plan.attention_backend,
             "prefill_points": measured.prefill,
             "decode_points": measured.decode,
         },

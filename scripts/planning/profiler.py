@@ -1,5 +1,12 @@
 """Measures a `NodeProfile` on this machine: the engine in-process, one scheduler step at a time.
 
+On a GPU (`device` cuda) the engine runs as a node does (CUDA graphs for decode, the given
+dtype and attention backend, dummy weights of the model's shapes if asked) except for the
+overlap scheduler, which is off so that each step's time is its own (a node's overlap hides
+part of the host's batch building: the profile's decode steps are that much pessimistic); each
+timed step ends with a device synchronize. `GPU_POINTS` are prompt and batch sizes of an
+8B-class model on one GPU.
+
 Prefill: K fresh requests of T tokens each (max_new_tokens=1) are one prefill step, for single
 prompts (K=1) of every T and batches of shorter ones; the median step time of `repeats` runs
 per point, after one unmeasured run (a new shape's first run is slow); `fit_prefill`
@@ -14,7 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -23,6 +30,10 @@ import numpy as np
 class ProfilePlan:
     model: str | None
     threads: int
+    device: str = "cpu"
+    dtype: str = "float32"
+    load_format: str = "safetensors"
+    attention_backend: str = "torch_native"
     prefill_tokens: tuple[int, ...] = (16, 64, 128, 256, 512, 1024, 2048)
     prefill_batches: tuple[tuple[int, int], ...] = (  # (requests, tokens each) in one step
         (16, 16), (8, 64), (4, 128), (8, 128), (2, 256), (4, 256), (2, 512), (4, 512)
@@ -32,6 +43,20 @@ class ProfilePlan:
     repeats: int = 2
     decode_steps: int = 6
     max_total_tokens: int = 16384
+
+    def for_gpu(self) -> ProfilePlan:
+        """The GPU points: prompts up to 4k tokens, decode batches up to 96 at 1k-3k context."""
+        return replace(self, **GPU_POINTS)  # type: ignore[arg-type]
+
+
+GPU_POINTS = {
+    "prefill_tokens": (128, 512, 1024, 2048, 4096),
+    "prefill_batches": ((8, 128), (4, 512), (8, 512), (2, 2048)),
+    "decode_batches": (1, 16, 48, 96),
+    "decode_contexts": (1024, 3072),
+    "decode_steps": 12,
+    "max_total_tokens": 320_000,
+}
 
 
 @dataclass
@@ -55,7 +80,14 @@ def measure(plan: ProfilePlan, log: bool = True) -> Measured:
         chunked_prefill_size=max(count * tokens for count, tokens in shapes),
         max_total_tokens=plan.max_total_tokens,
         enable_prefix_cache=False,
+        device=plan.device,
+        dtype=plan.dtype,
+        load_format=plan.load_format,
+        attention_backend=plan.attention_backend,
+        overlap_schedule=False,
+        max_running_requests=max(256, *plan.decode_batches),
     )
+    sync = torch.cuda.synchronize if plan.device.startswith("cuda") else lambda: None
     rng = np.random.default_rng(0)
 
     def ids(n: int) -> list[int]:
@@ -72,8 +104,10 @@ def measure(plan: ProfilePlan, log: bool = True) -> Measured:
             reqs = [llm._make_req(ids(tokens), params) for _ in range(count)]
             for req in reqs:
                 sched.add_request(req)
+            sync()
             start = time.perf_counter()
             sched.step()  # all of them: the budget is at least count * tokens
+            sync()
             times.append(time.perf_counter() - start)
             if not all(r.finished for r in reqs):
                 raise RuntimeError(f"{count} x {tokens} tokens did not fit one prefill step")
@@ -83,7 +117,7 @@ def measure(plan: ProfilePlan, log: bool = True) -> Measured:
     decode = []
     for context in plan.decode_contexts:
         for batch in plan.decode_batches:
-            decode.append(_decode_point(llm, ids, batch, context, plan.decode_steps))
+            decode.append(_decode_point(llm, ids, batch, context, plan.decode_steps, sync))
             _say(
                 log, f"decode batch {batch:3d} context {context:4d}: {decode[-1][2] * 1000:7.1f} ms"
             )
@@ -92,7 +126,7 @@ def measure(plan: ProfilePlan, log: bool = True) -> Measured:
     return Measured(prefill, decode, per_token, llm.config.model_path)
 
 
-def _decode_point(llm, ids, batch: int, context: int, steps: int) -> tuple[int, float, float]:  # type: ignore[no-untyped-def]
+def _decode_point(llm, ids, batch: int, context: int, steps: int, sync) -> tuple[int, float, float]:  # type: ignore[no-untyped-def]
     from engine.sampling import SamplingParams
 
     sched = llm.scheduler
@@ -104,8 +138,10 @@ def _decode_point(llm, ids, batch: int, context: int, steps: int) -> tuple[int, 
         sched.step()
     times = []
     for _ in range(steps):
+        sync()
         start = time.perf_counter()
         sched.step()
+        sync()
         times.append(time.perf_counter() - start)
     mean_context = statistics.fmean(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
     for req in reqs:
