@@ -207,6 +207,23 @@ def test_host_work_per_streamed_token_slows_steps_on_a_shared_host() -> None:
     assert busy.itls == pytest.approx([D0, D0 * 1.5])
 
 
+def test_a_cached_prefix_is_not_computed_again() -> None:
+    """60 of 100 tokens cached: the prefill computes 40 (their attention over the prefix is
+    free in this profile, whose pair cost is 0); 1P1D still sends all 100 tokens' KV."""
+    (t,) = Simulation(profile(), 0, 1).run([Arrival(0.0, 100, 2, cached_len=60)])
+    assert t.ttft == pytest.approx(0.05 + 0.0015 * 40)
+    (t,) = Simulation(profile(), 1, 1).run([Arrival(0.0, 100, 2, cached_len=60)])
+    assert t.ttft == pytest.approx(0.01 + 0.05 + 0.0015 * 40 + 0.1 + 0.01)
+
+
+def test_prefix_groups_are_cached_after_their_first_request() -> None:
+    dataset = DatasetConfig("prefix", 6, input_len=16, output_len=4, prefix_len=64,
+                            prefix_group_size=3, seed=1)  # fmt: skip
+    out = arrivals(dataset, LoadConfig(request_rate=1.0, num_sessions=6, seed=1))
+    assert sorted(a.cached_len for a in out) == [0, 0, 64, 64, 64, 64]  # 2 groups of 3
+    assert all(a.prompt_len == 64 + 16 for a in out)
+
+
 def test_arrivals_match_the_benchmark_schedule() -> None:
     dataset = DatasetConfig("random", 5, input_len=64, output_len=8, range_ratio=0.5, seed=3)
     load = LoadConfig(request_rate=2.0, num_sessions=5, seed=3)

@@ -29,13 +29,19 @@ def arrivals(dataset: DatasetConfig, load: LoadConfig) -> list[Arrival]:
         raise PlanError("the simulator models single-turn requests: not --dataset multiturn")
     gaps = arrival_gaps(load.request_rate, load.burstiness, np.random.default_rng(load.seed))
     out: list[Arrival] = []
+    seen: set[int] = set()  # prefix groups already prefilled once
     at = 0.0
     while load.num_sessions is None or len(out) < load.num_sessions:
         at += next(gaps)
         if load.duration_s is not None and at >= load.duration_s:
             break
-        spec = sessions[len(out) % len(sessions)].turns[0]
-        out.append(Arrival(at, spec.prompt_len, spec.output_len))
+        session = sessions[len(out) % len(sessions)]
+        spec = session.turns[0]
+        cached = 0
+        if dataset.name == "prefix":  # the group's shared prefix, cached after its first use
+            cached = dataset.prefix_len if session.group in seen else 0
+            seen.add(session.group)
+        out.append(Arrival(at, spec.prompt_len, spec.output_len, cached))
     return out
 
 

@@ -30,7 +30,11 @@ prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from 
   `co_runner` per other step in flight (shared memory bandwidth and caches, which sharing the
   cores does not show); slowdown scales every step.
 
-Not modelled: prefix cache hits, retraction, multi-turn sessions, network jitter.
+Prefix cache hits: an arrival's `cached_len` leading tokens are not computed by whichever node
+prefills it (their attention is: each chunk's pairs count its prefix), as if routing always
+found the node holding them (`kv_aware`); their KV is still counted whole in each request's
+pages and sent whole from a prefill node. Not modelled: retraction, multi-turn sessions,
+network jitter.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class Arrival:
     at: float
     prompt_len: int
     output_len: int
+    cached_len: int = 0  # leading prompt tokens whose KV the prefilling node already holds
 
 
 @dataclass
@@ -179,7 +184,7 @@ class Node:
             self.waiting.popleft()
             self.kv_used += need
             self.running.append(req)
-            plan.append((req, min(req.arrival.prompt_len, budget)))
+            plan.append((req, min(req.arrival.prompt_len - req.prefilled, budget)))
             budget -= plan[-1][1]
         return plan
 
@@ -327,7 +332,7 @@ class Simulation:
         return per_token * len(self.streamed) / HOST_WINDOW_S
 
     def run(self, arrivals: Sequence[Arrival]) -> list[RequestTrace]:
-        requests = [SimRequest(i, a) for i, a in enumerate(arrivals)]
+        requests = [SimRequest(i, a, prefilled=a.cached_len) for i, a in enumerate(arrivals)]
         for req in requests:
             self.at(req.arrival.at, functools.partial(self._arrive, req))
         while self._events:
