@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 from engine.ports import free_port
+from scripts.serving.client import parse_server_timing
 from scripts.serving.datasets import DatasetConfig, DatasetError, build_sessions, load_sharegpt
 from scripts.serving.load import LoadConfig, LoadError, arrival_gaps
 from scripts.serving.metrics import SLO, RequestTrace, SLOError, percentile, summarize
-from scripts.serving.report import document, table, throughput_series
+from scripts.serving.report import document, table, throughput_series, timing_table
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ("-m", "scripts.serving.bench_serving")  # run from ROOT
@@ -362,3 +363,24 @@ def test_cli_against_a_real_colocated_cluster(tmp_path: Path, default_model_dir:
     assert [r["output_tokens"] for r in doc["requests"]] == [4, 4, 4]
     assert [r["prompt_tokens"] for r in doc["requests"]] == [24, 24, 24]
     assert all(len(r["chunks"]) >= 1 and r["ttft"] > 0 for r in doc["requests"])
+    # The gateway's breakdown of each request arrives and is printed per segment.
+    assert all(r["timing_ms"]["e2e"] > 0 and "decode_first" in r["timing_ms"]
+               for r in doc["requests"])  # fmt: skip
+    assert "Server-side breakdown of 3 requests" in result.stdout
+    assert "| prefill_queue |" in result.stdout
+
+
+def test_server_timing_parsed_and_tabled() -> None:
+    parsed = parse_server_timing("gateway_queue;dur=1.5, prefill;dur=30, odd, bad;dur=x")
+    assert parsed == {"gateway_queue": 1.5, "prefill": 30.0}
+    traces = [
+        RequestTrace(sent=0.0, chunks=[0.1], done=0.2,
+                     timing_ms={"gateway_queue": 10.0, "prefill": 30.0, "e2e": 200.0}),
+        RequestTrace(sent=0.0, chunks=[0.1], done=0.2,
+                     timing_ms={"gateway_queue": 30.0, "prefill": 30.0, "e2e": 220.0}),
+    ]  # fmt: skip
+    text = timing_table(traces)
+    assert "| gateway_queue | 20.0 | 30.0 | 30.0 | 40% |" in text  # 40 of the 100 ms before TTFT
+    assert "| prefill | 30.0 | 30.0 | 30.0 | 60% |" in text
+    assert "| e2e | 210.0 |" in text
+    assert timing_table([RequestTrace(sent=0.0, chunks=[0.1], done=0.2)]) == ""

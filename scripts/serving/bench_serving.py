@@ -56,6 +56,7 @@ from scripts.serving.report import (
     pyplot,
     step_table,
     table,
+    timing_table,
     write_json,
 )
 from scripts.serving.workers import WorkerError, deal
@@ -242,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     print(cpu_table(usages, run.summary.output_tokens))
     if steps:
         print(step_table(steps))
+    breakdown = timing_table(run.load.traces)
+    if breakdown:
+        print(breakdown)
     for line in saturation_warnings(run.clients):
         print(line, file=sys.stderr)
     if args.output_file is not None:

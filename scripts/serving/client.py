@@ -9,6 +9,7 @@ timeout, stream_error, read_error, no_output) and a one-line detail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -98,6 +99,9 @@ async def send(
                 detail = (await response.aread()).decode(errors="replace")[:200]
                 return _failed(trace, clock_zero, f"http_{response.status_code}", detail), ""
             async for line in response.aiter_lines():
+                if line.startswith(TIMING_COMMENT):  # the stream's last comment
+                    trace.timing_ms = parse_server_timing(line[len(TIMING_COMMENT) :])
+                    continue
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])
@@ -124,6 +128,23 @@ async def send(
     if not trace.chunks:
         trace.error, trace.error_detail = "no_output", "the stream ended without any text"
     return trace, "".join(pieces)
+
+
+TIMING_COMMENT = ": Server-Timing: "  # how the gateway ends a stream (gateway/app.py)
+
+
+def parse_server_timing(value: str) -> dict[str, float]:
+    """`name;dur=12.5, other;dur=3` -> {"name": 12.5, "other": 3.0} (ms); entries without a
+    duration are skipped."""
+    found = {}
+    for entry in value.split(","):
+        name, _, params = entry.strip().partition(";")
+        for param in params.split(";"):
+            key, _, number = param.strip().partition("=")
+            if key == "dur" and name:
+                with contextlib.suppress(ValueError):
+                    found[name] = float(number)
+    return found
 
 
 def _chunk_text(event: dict[str, Any]) -> str:

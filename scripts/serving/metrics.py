@@ -58,6 +58,9 @@ class RequestTrace:
     error_detail: str = ""
     session: int = 0
     turn: int = 0
+    # The gateway's breakdown of this request (its `Server-Timing`, ms per segment; see
+    # gateway/timeline.py); empty where the server sent none.
+    timing_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -174,6 +174,43 @@ def cpu_table(usages: Sequence[ProcessCpu], output_tokens: int) -> str:
     return "\n".join(lines)
 
 
+# The gateway's segments up to the first token, then the rest (gateway/timeline.py's order).
+TTFT_SEGMENTS = (
+    "gateway_queue", "prefill_bootstrap_wait", "prefill_queue", "prefill", "transfer",
+    "decode_queue", "decode_first",
+)  # fmt: skip
+LATER_SEGMENTS = ("decode", "rpc", "e2e", "transfer_kv")
+
+
+def timing_table(traces: Sequence[RequestTrace]) -> str:
+    """Where the time went, from the gateway's own breakdown of each completed request
+    (`Server-Timing`): mean, p50 and p99 ms per segment, and each TTFT segment's share of their
+    sum; "" when no request carried one."""
+    timed = [t.timing_ms for t in traces if t.ok and t.timing_ms]
+    if not timed:
+        return ""
+    ttft_total = sum(sum(t.get(n, 0.0) for n in TTFT_SEGMENTS) for t in timed)
+    lines = [
+        f"Server-side breakdown of {len(timed)} requests (ms; TTFT segments first):",
+        "| segment | mean | p50 | p99 | share of TTFT |",
+        "|---|---|---|---|---|",
+    ]
+    for name in (*TTFT_SEGMENTS, *LATER_SEGMENTS):
+        values = sorted(t[name] for t in timed if name in t)
+        if not values:
+            continue
+        share = sum(values) / ttft_total if name in TTFT_SEGMENTS and ttft_total > 0 else None
+        lines.append(
+            f"| {name} | {sum(values) / len(values):.1f} | {_pct(values, 0.5):.1f} "
+            f"| {_pct(values, 0.99):.1f} | {'' if share is None else f'{share:.0%}'} |"
+        )
+    return "\n".join(lines)
+
+
+def _pct(ordered: Sequence[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def step_table(splits: Sequence[StepSplit]) -> str:
     """Per node: its engine thread's step split (model forward, scheduling and sampling, role
     hooks and output) from its /metrics."""
