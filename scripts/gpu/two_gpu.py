@@ -135,7 +135,7 @@ def goodput(args: argparse.Namespace, work: Path, sections: list[str]) -> None:
                  "--max-running-requests", "128"]  # fmt: skip
     sweep = work / "sweep"
     command = [PY, "-m", "scripts.planning.tune_ratio", "--budget", "2",
-               "--splits", "1:1,colocated", "--rates", args.rates, "--devices", "cuda:0,cuda:1",
+               "--splits", args.splits, "--rates", args.rates, "--devices", "cuda:0,cuda:1",
                "--model", str(model_dir(work)), "--transfer-backend", args.backend,
                "--max-total-tokens", str(NODE_KV_TOKENS), "--node-args", shlex.join(node_args),
                "--duration", str(args.duration), "--random-input-len", str(INPUT_LEN),
@@ -143,6 +143,7 @@ def goodput(args: argparse.Namespace, work: Path, sections: list[str]) -> None:
                "--ignore-eos", "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms",
                str(SLO_TPOT_MS), "--warmup", "4", "--no-progress",
                "--output-dir", str(sweep)]  # fmt: skip
+    command += ["--breakdown"] if args.breakdown else []
     name = "goodput: 1 prefill + 1 decode against 2 colocated"
     step(name, command, args.sweep_timeout, sections, tail_lines=60)
     if (sweep / "tune_ratio.json").exists():
@@ -235,6 +236,8 @@ def main() -> int:
     parser.add_argument("--profile-timeout", type=float, default=150.0)
     parser.add_argument("--backend", default="nixl", choices=["nixl", "mooncake"])
     parser.add_argument("--rates", default="4,8,12,16", help="requests/s of the sweep")
+    parser.add_argument("--splits", default="1:1,colocated", help="as tune_ratio.py's")
+    parser.add_argument("--breakdown", action="store_true", help="each rate's TTFT breakdown")
     parser.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals a rate")
     parser.add_argument("--sweep-timeout", type=float, default=480.0)
     args = parser.parse_args()

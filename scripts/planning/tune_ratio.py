@@ -56,7 +56,7 @@ from scripts.serving.benchmark import BenchmarkConfig, run_benchmark, warm
 from scripts.serving.client import ClientConfig, served_model
 from scripts.serving.datasets import build_sessions
 from scripts.serving.metrics import RequestTrace
-from scripts.serving.report import pyplot
+from scripts.serving.report import pyplot, timing_table
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ class TuneConfig:
     pd_gateway_args: tuple[str, ...]  # extra gateway flags of disaggregated splits
     output_dir: Path
     progress: bool = True
+    breakdown: bool = False  # print the gateway's per-segment breakdown after each rate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=2, help="unmeasured requests per cluster")
     g.add_argument("--output-dir", type=Path, required=True)
     g.add_argument("--no-progress", action="store_true")
+    g.add_argument(
+        "--breakdown", action="store_true", help="print each rate's server-side time breakdown"
+    )
     g = parser.add_argument_group("cluster (as pd-cluster)")
     g.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
     g.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "nixl"])
@@ -144,6 +148,7 @@ def build_config(args: argparse.Namespace) -> TuneConfig:
         pd_gateway_args=pd_args,
         output_dir=args.output_dir,
         progress=not args.no_progress,
+        breakdown=args.breakdown,
     )
 
 
@@ -187,6 +192,8 @@ def sweep_split(config: TuneConfig, split: Split) -> SplitResult:
                 )
                 point = RatePoint(rate, run.summary, seed, per_request(run.load.traces))
                 result.points.append(point)
+                if config.breakdown:
+                    print(timing_table(run.load.traces), flush=True)
                 dead = cluster.dead_children()
                 if dead:  # the other nodes served this rate: its figures are not the split's
                     names = ", ".join(c.name for c in dead)
