@@ -1,0 +1,411 @@
+"""pd-planner: every `--interval` seconds, read the gateway's metrics, estimate the last window's
+workload, ask the simulator which P:D split of the node budget best meets the SLO, correct the
+simulator with what was measured, and act with hysteresis and a cool-down.
+
+    python -m scripts.planning.pd_planner --gateway-metrics http://GW/metrics \\
+        --profile profile.json --budget 3 --slo-ttft-ms 1000 --slo-tpot-ms 50 --dry-run
+    python -m scripts.planning.pd_planner ... --actuator kubernetes --namespace pdserve
+    python -m scripts.planning.pd_planner ... --record scrapes.jsonl      # keep what it read
+    python -m scripts.planning.pd_planner ... --replay scrapes.jsonl      # decide on a record
+
+One window is the difference of two scrapes of the gateway's /metrics: the requests answered
+(200s), prompt, completion and prefix-cached tokens, the TTFT and inter-token latency
+histograms' sums and counts, and the live prefill and decode nodes (the current split). From it:
+the arrival rate, mean input and output lengths, the cached fraction of the prompts, and the
+measured mean TTFT and TPOT.
+
+A decision: the simulator (scripts/planning/simulator.py, the node profile scaled by the online
+correction) runs every split of `--budget` (every P:D and colocated) at the window's rate times
+`--headroom`, for `--sim-seconds` of arrivals of the window's lengths (its cached fraction as a
+shared prefix); the split with the highest predicted SLO attainment is the target. The planner
+switches only when the target beats the current split by at least `--hysteresis` (attainment,
+absolute) and the last action is at least `--cooldown` seconds old; otherwise it holds and says
+why. The correction: after each window the ratio of the measured mean TPOT to the one predicted
+for the current split at the measured rate moves the profile's speed (an exponential average,
+`--correction-weight`), so a profile taken on other hardware or another day converges.
+
+Each decision is one JSON line on stdout: its inputs (the window), the predicted attainment of
+every split, the current and target split, the action, the reason, the correction, and whether
+it acted. Actuators: `--dry-run` (decide only) and `kubernetes`, which sets the replica counts
+of the prefill and decode Deployments (deploy/k8s) through the official client's scale
+subresource. Not done yet: live role switching inside a node and a local actuator that starts
+and stops server processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from scripts.planning.planner import simulate
+from scripts.planning.profile import NodeProfile
+from scripts.planning.simulator import HostConfig
+from scripts.planning.sweep import Split, parse_splits
+from scripts.serving.datasets import DatasetConfig
+from scripts.serving.load import LoadConfig
+from scripts.serving.metrics import SLO
+
+
+class PlannerError(ValueError):
+    """Planner input that cannot be used; the message names the flag or the metric."""
+
+
+# -- what the gateway's /metrics say ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """The gateway's cumulative counters at one moment (seconds on the planner's clock)."""
+
+    at: float
+    requests: float = 0.0  # answered with 200 on the generation endpoints
+    prompt_tokens: float = 0.0
+    completion_tokens: float = 0.0
+    cached_tokens: float = 0.0
+    ttft_sum: float = 0.0
+    ttft_count: float = 0.0
+    itl_sum: float = 0.0
+    itl_count: float = 0.0
+    prefill_nodes: int = 0
+    decode_nodes: int = 0
+
+
+GENERATION_ENDPOINTS = ("completions", "chat", "generate")  # the gateway's endpoint labels
+
+
+def parse_scrape(text: str, at: float) -> Scrape:
+    """One /metrics text (Prometheus exposition format) as a `Scrape`."""
+    values: dict[str, float] = {}
+    nodes = {"prefill": 0, "decode": 0, "colocated": 0}
+
+    def add(key: str, value: float) -> None:
+        values[key] = values.get(key, 0.0) + value
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, sample.value
+            if name == "pdserve_gateway_requests_total":
+                if labels.get("status") == "200" and labels.get("endpoint") in GENERATION_ENDPOINTS:
+                    add("requests", value)
+            elif name == "pdserve_gateway_prompt_tokens_total":
+                add("prompt_tokens", value)
+            elif name == "pdserve_gateway_completion_tokens_total":
+                add("completion_tokens", value)
+            elif name == "pdserve_gateway_node_cached_tokens_total":
+                add("cached_tokens", value)
+            elif name == "pdserve_gateway_time_to_first_token_seconds_sum":
+                add("ttft_sum", value)
+            elif name == "pdserve_gateway_time_to_first_token_seconds_count":
+                add("ttft_count", value)
+            elif name == "pdserve_gateway_inter_token_latency_seconds_sum":
+                add("itl_sum", value)
+            elif name == "pdserve_gateway_inter_token_latency_seconds_count":
+                add("itl_count", value)
+            elif name == "pdserve_gateway_live_nodes" and labels.get("role") in nodes:
+                nodes[labels["role"]] = int(value)
+    decode = nodes["decode"] + nodes["colocated"]  # a colocated node decodes (and prefills)
+    return Scrape(at, **values, prefill_nodes=nodes["prefill"], decode_nodes=decode)
+
+
+@dataclass(frozen=True)
+class Window:
+    """The workload and latencies between two scrapes."""
+
+    seconds: float
+    rate: float  # requests answered per second
+    input_len: float  # mean prompt tokens
+    output_len: float  # mean completion tokens
+    cached_fraction: float  # of the prompt tokens, served from a prefix cache
+    ttft_s: float | None  # mean, measured
+    tpot_s: float | None  # mean inter-token latency, measured
+    split: Split  # live nodes at the window's end
+
+    @classmethod
+    def between(cls, a: Scrape, b: Scrape) -> Window | None:
+        """None when no request was answered in between (nothing to plan for)."""
+        seconds, requests = b.at - a.at, b.requests - a.requests
+        if seconds <= 0 or requests <= 0:
+            return None
+        prompt = b.prompt_tokens - a.prompt_tokens
+
+        def mean(s: float, c: float) -> float | None:
+            return s / c if c > 0 else None
+
+        return cls(
+            seconds=seconds,
+            rate=requests / seconds,
+            input_len=prompt / requests,
+            output_len=(b.completion_tokens - a.completion_tokens) / requests,
+            cached_fraction=(b.cached_tokens - a.cached_tokens) / prompt if prompt > 0 else 0.0,
+            ttft_s=mean(b.ttft_sum - a.ttft_sum, b.ttft_count - a.ttft_count),
+            tpot_s=mean(b.itl_sum - a.itl_sum, b.itl_count - a.itl_count),
+            split=Split(b.prefill_nodes, b.decode_nodes),
+        )
+
+
+# -- deciding --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    budget: int  # nodes (GPUs) to split
+    slo: SLO
+    attainment: float = 0.9  # reported beside each split; the target maximises attainment
+    hysteresis: float = 0.05  # the target must beat the current split by this much attainment
+    cooldown_s: float = 120.0  # no action sooner than this after the last one
+    headroom: float = 1.1  # plan for this much more traffic than the window saw
+    sim_seconds: float = 60.0  # arrivals simulated per split
+    correction_weight: float = 0.5  # of each new measured/predicted ratio in the correction
+    host: HostConfig = field(default_factory=HostConfig)
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise PlannerError(f"--budget must be >= 1 node, got {self.budget}")
+        if not self.slo.given:
+            raise PlannerError("give at least one of --slo-ttft-ms, --slo-tpot-ms, --slo-e2e-ms")
+        if not 0 <= self.hysteresis < 1:
+            raise PlannerError(f"--hysteresis must be in [0, 1), got {self.hysteresis}")
+        if not 0 < self.correction_weight <= 1:
+            raise PlannerError(
+                f"--correction-weight must be in (0, 1], got {self.correction_weight}"
+            )
+
+
+@dataclass
+class Decision:
+    at: float
+    window: dict[str, Any]
+    current: str
+    target: str
+    action: str  # "hold" | "switch"
+    reason: str
+    predicted: dict[str, float]  # split name -> predicted SLO attainment
+    correction: float  # the step-time factor the predictions used
+    acted: bool = False
+    actuator: str = ""  # what the actuator did
+
+    def json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+class Planner:
+    def __init__(self, profile: NodeProfile, config: PlannerConfig) -> None:
+        self.profile = profile
+        self.config = config
+        self.splits = {s.name: s for s in parse_splits("all", config.budget)}
+        self.correction = 1.0
+        self.last_action_at = -math.inf
+
+    def decide(self, window: Window, now: float) -> Decision:
+        c = self.config
+        self._correct(window)
+        rate = window.rate * c.headroom
+        predicted = {name: self._attainment(s, window, rate) for name, s in self.splits.items()}
+        current = window.split.name
+        # Highest attainment; among equals the one with the fewest prefill nodes (stable).
+        target = max(predicted, key=lambda n: (round(predicted[n], 6), -self.splits[n].prefill))
+        gain = predicted[target] - predicted.get(current, 0.0)
+        if target == current:
+            action, reason = "hold", f"{current} is the best split ({predicted[current]:.0%})"
+        elif current in predicted and gain < c.hysteresis:
+            action, reason = "hold", f"{target} would gain {gain:.1%}, under the hysteresis"
+        elif now - self.last_action_at < c.cooldown_s:
+            wait = c.cooldown_s - (now - self.last_action_at)
+            action, reason = "hold", f"{target} is better by {gain:.1%}; cooling down {wait:.0f} s"
+        else:
+            action, reason = "switch", f"{target} meets the SLO for {predicted[target]:.0%} "
+            reason += f"of requests against {predicted.get(current, 0.0):.0%} for {current}"
+        window_doc = {**asdict(window), "split": current}
+        return Decision(now, window_doc, current, target, action, reason, predicted,
+                        round(self.correction, 4))  # fmt: skip
+
+    def acted(self, now: float) -> None:
+        self.last_action_at = now
+
+    def _workload(self, window: Window) -> DatasetConfig:
+        prompt, out = max(1, round(window.input_len)), max(1, round(window.output_len))
+        cached = min(prompt - 1, round(prompt * window.cached_fraction))
+        if cached > 0:  # the cached part as a prefix shared by groups of requests
+            return DatasetConfig("prefix", 1000, input_len=prompt - cached, output_len=out,
+                                 prefix_len=cached, prefix_group_size=16)  # fmt: skip
+        return DatasetConfig("random", 1000, input_len=prompt, output_len=out)
+
+    def _run(self, split: Split, window: Window, rate: float) -> Any:
+        load = LoadConfig(request_rate=rate, num_sessions=None, duration_s=self.config.sim_seconds)
+        host = replace(self.config.host, slowdown=self.config.host.slowdown * self.correction)
+        return simulate(self.profile, split, self._workload(window), load, self.config.slo, host)
+
+    def _attainment(self, split: Split, window: Window, rate: float) -> float:
+        return float(self._run(split, window, rate).slo_attainment or 0.0)
+
+    def _correct(self, window: Window) -> None:
+        """Move the correction by the measured/predicted TPOT of the current split."""
+        if window.tpot_s is None or window.split.decode < 1:
+            return
+        predicted = self._run(window.split, window, window.rate).tpot_ms.mean / 1000
+        if predicted <= 0:
+            return
+        ratio = window.tpot_s / predicted
+        w = self.config.correction_weight
+        self.correction = min(4.0, max(0.25, self.correction * ratio**w))
+
+
+# -- acting ----------------------------------------------------------------------------------
+
+
+class Actuator(Protocol):
+    def apply(self, target: Split) -> str: ...
+
+
+@dataclass
+class KubernetesActuator:
+    """Sets the replicas of the prefill and decode Deployments (colocated: no prefill pods, the
+    decode pods prefill themselves). `api` is the official client's AppsV1Api."""
+
+    api: Any
+    namespace: str
+    prefill_deployment: str = "pdserve-prefill"
+    decode_deployment: str = "pdserve-decode"
+
+    def apply(self, target: Split) -> str:
+        done = []
+        for name, replicas in ((self.prefill_deployment, target.prefill),
+                               (self.decode_deployment, target.decode)):  # fmt: skip
+            body = {"spec": {"replicas": replicas}}
+            self.api.patch_namespaced_deployment_scale(name, self.namespace, body)
+            done.append(f"{self.namespace}/{name} replicas={replicas}")
+        return "; ".join(done)
+
+
+def kubernetes_actuator(args: argparse.Namespace) -> KubernetesActuator:
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return KubernetesActuator(client.AppsV1Api(), args.namespace, args.prefill_deployment,
+                              args.decode_deployment)  # fmt: skip
+
+
+# -- the loop --------------------------------------------------------------------------------
+
+
+def scrapes_live(url: str, interval_s: float, record: Path | None) -> Iterator[Scrape]:
+    while True:
+        at = time.monotonic()
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        if record is not None:
+            with record.open("a") as f:
+                f.write(json.dumps({"at": at, "metrics": text}) + "\n")
+        yield parse_scrape(text, at)
+        time.sleep(max(0.0, interval_s - (time.monotonic() - at)))
+
+
+def scrapes_recorded(path: Path) -> Iterator[Scrape]:
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            doc = json.loads(line)
+            yield parse_scrape(doc["metrics"], float(doc["at"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PlannerError(
+                f"--replay {path}: line {n} is not a recorded scrape ({exc})"
+            ) from None
+
+
+def run(planner: Planner, scrapes: Iterator[Scrape], actuator: Actuator | None,
+        out: Any = None) -> list[Decision]:  # fmt: skip
+    """Decide on every window (consecutive scrapes); act where a decision says switch. Without
+    an actuator (a dry run) a switch still starts the cool-down, so the decisions printed are
+    the ones a planner that acts would make."""
+    out = out or sys.stdout
+    decisions = []
+    previous = None
+    for scrape in scrapes:
+        window = Window.between(previous, scrape) if previous is not None else None
+        previous = scrape
+        if window is None:
+            continue
+        decision = planner.decide(window, scrape.at)
+        if decision.action == "switch":
+            if actuator is not None:
+                decision.actuator = actuator.apply(planner.splits[decision.target])
+                decision.acted = True
+            planner.acted(scrape.at)
+        out.write(decision.json() + "\n")
+        out.flush()
+        decisions.append(decision)
+    return decisions
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pd-planner", description=__doc__.splitlines()[0])
+    parser.add_argument("--gateway-metrics", default=None, help="the gateway's /metrics URL")
+    parser.add_argument("--replay", type=Path, default=None, help="decide on --record's file")
+    parser.add_argument("--record", type=Path, default=None, help="append each scrape here")
+    parser.add_argument("--profile", type=Path, required=True, help="plan_capacity profile")
+    parser.add_argument("--budget", type=int, required=True, help="nodes (GPUs) to split")
+    parser.add_argument("--interval", type=float, default=30.0, help="seconds per window")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None)
+    parser.add_argument("--slo-tpot-ms", type=float, default=None)
+    parser.add_argument("--slo-attainment", type=float, default=0.9)
+    parser.add_argument("--hysteresis", type=float, default=0.05)
+    parser.add_argument("--cooldown", type=float, default=120.0, help="seconds between actions")
+    parser.add_argument("--headroom", type=float, default=1.1, help="plan for rate x this")
+    parser.add_argument("--sim-seconds", type=float, default=60.0)
+    parser.add_argument("--correction-weight", type=float, default=0.5)
+    parser.add_argument("--host-cores", type=int, default=0, help="0: a device per node (GPU)")
+    parser.add_argument("--threads-per-node", type=int, default=1)
+    parser.add_argument("--dry-run", action="store_true", help="decide, never act")
+    parser.add_argument("--actuator", choices=["kubernetes"], default=None)
+    parser.add_argument("--namespace", default="pdserve")
+    parser.add_argument("--prefill-deployment", default="pdserve-prefill")
+    parser.add_argument("--decode-deployment", default="pdserve-decode")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if (args.gateway_metrics is None) == (args.replay is None):
+            raise PlannerError("give one of --gateway-metrics URL and --replay FILE")
+        if not args.dry_run and args.actuator is None and args.replay is None:
+            raise PlannerError("give --actuator kubernetes, or --dry-run to decide only")
+        config = PlannerConfig(
+            budget=args.budget,
+            slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
+            attainment=args.slo_attainment,
+            hysteresis=args.hysteresis,
+            cooldown_s=args.cooldown,
+            headroom=args.headroom,
+            sim_seconds=args.sim_seconds,
+            correction_weight=args.correction_weight,
+            host=HostConfig(host_cores=args.host_cores, threads_per_node=args.threads_per_node),
+        )
+        planner = Planner(NodeProfile.load(args.profile), config)
+        actuator = None if args.dry_run or args.actuator is None else kubernetes_actuator(args)
+        if args.replay is not None:
+            run(planner, scrapes_recorded(args.replay), actuator)
+        else:
+            run(planner, scrapes_live(args.gateway_metrics, args.interval, args.record), actuator)
+    except (PlannerError, ValueError) as exc:
+        print(f"pd-planner: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

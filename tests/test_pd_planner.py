@@ -1,0 +1,197 @@
+"""pd-planner (scripts/planning/pd_planner.py): windows from the gateway's real metrics, decisions
+on recorded windows (deterministic), hysteresis and cool-down, the online correction, and what
+the Kubernetes actuator sends (there is no cluster here: a fake AppsV1Api records the calls)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from gateway.metrics import GatewayMetrics
+from scripts.planning.pd_planner import (
+    KubernetesActuator,
+    Planner,
+    PlannerConfig,
+    PlannerError,
+    Scrape,
+    Window,
+    main,
+    parse_scrape,
+    run,
+    scrapes_recorded,
+)
+from scripts.planning.profile import NodeProfile
+from scripts.planning.sweep import Split
+from scripts.serving.metrics import SLO
+
+SLO_ = SLO(ttft_ms=3000.0, tpot_ms=100.0)
+
+
+def profile() -> NodeProfile:
+    """A 100-token chunk takes 0.2 s (0.05 + 1.5 ms a token); a decode step 0.03 s."""
+    return NodeProfile(
+        prefill_coef=(0.05, 0.0015, 0.0),
+        decode_coef=(0.03, 0.0, 0.0),
+        kv_bytes_per_token=1000,
+        transfer_bytes_per_s=1e9,
+        handoff_s=0.01,
+        gateway_s=0.0,
+        chunked_prefill_size=100,
+    )
+
+
+def metrics_text(requests: int, prompt: int, completion: int, itl_s: float, itls: int,
+                 prefill: int, decode: int, cached: int = 0) -> str:  # fmt: skip
+    """What a gateway that answered this much would publish (its own metric objects)."""
+    m = GatewayMetrics()
+    m.requests.labels("chat", "200").inc(requests)
+    m.requests.labels("chat", "429").inc(7)  # refused: not counted
+    m.prompt_tokens.inc(prompt)
+    m.completion_tokens.inc(completion)
+    if cached:
+        m.node_cached_tokens.labels("decode", "d0").inc(cached)
+    for _ in range(requests):
+        m.ttft.observe(0.5)
+    for _ in range(itls):
+        m.itl.observe(itl_s)
+    m.live_nodes.labels("prefill").set(prefill)
+    m.live_nodes.labels("decode").set(decode)
+    return m.render().decode()
+
+
+def test_a_window_from_two_scrapes_of_the_gateways_metrics() -> None:
+    a = parse_scrape(metrics_text(10, 4000, 40, 0.03, 30, 1, 2), at=100.0)
+    b = parse_scrape(metrics_text(40, 16000, 160, 0.03, 120, 1, 2, cached=6000), at=110.0)
+    assert (a.requests, a.prompt_tokens, a.prefill_nodes, a.decode_nodes) == (10, 4000, 1, 2)
+    w = Window.between(a, b)
+    assert w is not None
+    assert w.rate == pytest.approx(3.0) and w.input_len == pytest.approx(400.0)
+    assert w.output_len == pytest.approx(4.0) and w.cached_fraction == pytest.approx(0.5)
+    assert w.ttft_s == pytest.approx(0.5) and w.tpot_s == pytest.approx(0.03)
+    assert w.split == Split(1, 2)
+    assert Window.between(b, b) is None  # nothing answered: no window
+
+
+def _record(path: Path, windows: list[tuple[float, str]]) -> Path:
+    path.write_text("".join(json.dumps({"at": at, "metrics": text}) + "\n" for at, text in windows))
+    return path
+
+
+def _prefill_heavy(path: Path) -> Path:
+    """1P2D serving 400-token prompts at 2 req/s: three windows 10 s apart."""
+    return _record(path, [(10.0 * i, metrics_text(20 * i, 8000 * i, 80 * i, 0.03, 60 * i, 1, 2))
+                          for i in range(1, 5)])  # fmt: skip
+
+
+def test_prefill_heavy_windows_switch_to_more_prefill_then_cool_down(tmp_path: Path) -> None:
+    planner = Planner(profile(), PlannerConfig(3, SLO_, cooldown_s=60.0, sim_seconds=20.0))
+    calls: list[tuple[str, str, dict[str, object]]] = []
+
+    class Apps:  # the official client's AppsV1Api, recording what would be sent
+        def patch_namespaced_deployment_scale(self, name: str, ns: str, body: dict) -> None:
+            calls.append((name, ns, body))
+
+    actuator = KubernetesActuator(Apps(), "pdserve")
+    out = io.StringIO()
+
+    decisions = run(
+        planner, scrapes_recorded(_prefill_heavy(tmp_path / "rec.jsonl")), actuator, out
+    )
+    first, second, third = decisions
+    # One prefill node prefills ~1.25 prompts/s of 400 tokens (4 chunks of 0.2 s), short of the
+    # 2.2 req/s planned for (2 x 1.1 headroom): 1P2D misses TTFT; colocated nodes interleave
+    # 0.2 s chunks with decode steps and miss TPOT; 2P1D meets both.
+    assert first.current == "1P2D" and first.target == "2P1D" and first.action == "switch"
+    assert first.predicted["1P2D"] < 0.5 <= first.predicted["2P1D"]
+    assert first.acted and calls == [
+        ("pdserve-prefill", "pdserve", {"spec": {"replicas": 2}}),
+        ("pdserve-decode", "pdserve", {"spec": {"replicas": 1}}),
+    ]
+    # The metrics still show 1P2D (the pods are starting): within the cool-down, hold.
+    assert second.action == "hold" and "cooling down" in second.reason and not second.acted
+    assert len(calls) == 2
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [d["action"] for d in lines] == ["switch", "hold", "hold"]
+    assert lines[0]["window"]["rate"] == pytest.approx(2.0) and "2P1D" in lines[0]["reason"]
+    assert third.correction == pytest.approx(second.correction, rel=0.2)
+
+
+def test_decisions_on_a_record_are_deterministic(tmp_path: Path, capsys) -> None:
+    record = _prefill_heavy(tmp_path / "rec.jsonl")
+    argv = ["--replay", str(record), "--profile", str(_profile_file(tmp_path)), "--budget", "3",
+            "--slo-ttft-ms", "3000", "--slo-tpot-ms", "100", "--sim-seconds", "20",
+            "--dry-run"]  # fmt: skip
+    assert main(argv) == 0
+    once = capsys.readouterr().out
+    assert main(argv) == 0
+    assert capsys.readouterr().out == once and len(once.splitlines()) == 3
+    decisions = [json.loads(line) for line in once.splitlines()]
+    assert [d["action"] for d in decisions] == ["switch", "hold", "hold"]  # as if it had acted
+    assert not any(d["acted"] for d in decisions)  # a dry run
+
+
+def _profile_file(tmp_path: Path) -> Path:
+    path = tmp_path / "profile.json"
+    profile().save(path)
+    return path
+
+
+def test_hysteresis_holds_a_small_gain() -> None:
+    planner = Planner(profile(), PlannerConfig(3, SLO_, hysteresis=0.99, sim_seconds=20.0))
+    a, b = (Scrape(at, requests=2 * at, prompt_tokens=800 * at,
+                   completion_tokens=8 * at, prefill_nodes=1, decode_nodes=2)
+            for at in (10.0, 20.0))  # fmt: skip
+    window = Window.between(a, b)
+    assert window is not None
+    decision = planner.decide(window, 20.0)
+    assert decision.action == "hold" and "under the hysteresis" in decision.reason
+
+
+def test_the_correction_follows_measured_tpot() -> None:
+    """Decode steps measured 2x the profile's: the correction moves toward 2."""
+    planner = Planner(profile(), PlannerConfig(3, SLO_, sim_seconds=20.0, correction_weight=1.0))
+    a = parse_scrape(metrics_text(10, 500, 1000, 0.06, 990, 1, 2), at=0.0)
+    b = parse_scrape(metrics_text(20, 1000, 2000, 0.06, 1980, 1, 2), at=10.0)
+    window = Window.between(a, b)
+    assert window is not None and window.tpot_s == pytest.approx(0.06)
+    planner.decide(window, 10.0)
+    assert planner.correction == pytest.approx(2.0, rel=0.1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--budget", "3", "--slo-ttft-ms", "1", "--dry-run"], "give one of --gateway-metrics"),
+        (["--budget", "3", "--gateway-metrics", "http://x/metrics", "--slo-ttft-ms", "1"],
+         "give --actuator kubernetes, or --dry-run"),
+        (["--budget", "0", "--gateway-metrics", "u", "--slo-ttft-ms", "1", "--dry-run"],
+         "--budget must be >= 1 node"),
+        (["--budget", "2", "--gateway-metrics", "u", "--dry-run"], "give at least one of --slo"),
+    ],
+)  # fmt: skip
+def test_bad_flags_exit_2_naming_the_flag(tmp_path: Path, capsys, argv, message) -> None:
+    assert main([*argv, "--profile", str(_profile_file(tmp_path))]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_actuator_calls_the_official_clients_scale_method() -> None:
+    """The fake above stands for `kubernetes.client.AppsV1Api`: same method, same arguments."""
+    import inspect
+
+    from kubernetes import client
+
+    params = inspect.signature(client.AppsV1Api.patch_namespaced_deployment_scale).parameters
+    assert list(params)[:4] == ["self", "name", "namespace", "body"]
+
+
+def test_a_record_that_is_not_one_is_refused(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    argv = ["--replay", str(bad), "--profile", str(_profile_file(tmp_path)), "--budget", "2",
+            "--slo-ttft-ms", "1000"]  # fmt: skip
+    assert main(argv) == 2
+    assert "line 1 is not a recorded scrape" in capsys.readouterr().err
+    assert PlannerError.__doc__
