@@ -89,6 +89,7 @@ class Cluster:
     config: ClusterConfig
     out: IO[str] = field(default_factory=lambda: sys.stdout)
     children: list[Child] = field(default_factory=list)
+    _role_args: dict[str, list[str]] = field(default_factory=dict)  # a node's flags, by role
     _print_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def say(self, line: str) -> None:
@@ -105,12 +106,16 @@ class Cluster:
         common = ["--bootstrap", bootstrap.address, "--transfer-backend", c.backend]
         common += ["--max-total-tokens", str(c.max_total_tokens), *self._model_args()]
         common += list(c.node_args)
+        self._role_args = {
+            "prefill": [*common, *c.prefill_args],
+            "decode": ["--mode", "disaggregated", *common, *c.decode_args],
+        }
         devices = node_devices(c)
         for i in range(c.prefill):
-            args = [*common, *c.prefill_args, *devices[i]]
+            args = [*self._role_args["prefill"], *devices[i]]
             self._spawn(f"prefill-{i}", "prefill-server", args, metrics=True)
         for i in range(c.decode):
-            args = ["--mode", "disaggregated", *common, *c.decode_args, *devices[c.prefill + i]]
+            args = [*self._role_args["decode"], *devices[c.prefill + i]]
             self._spawn(f"decode-{i}", "decode-server", args, metrics=True)
         gateway_args = ["--bootstrap", bootstrap.address, *self._model_args(), *c.room_key_args]
         gateway_args += ["--workers", str(c.gateway_workers), *c.gateway_args]
@@ -119,6 +124,30 @@ class Cluster:
         gateway.metrics_url = f"{url}/metrics"
         self._wait_healthy(url, stop)
         return url
+
+    def live_nodes(self, role: str) -> list[Child]:
+        """The running nodes of `role` ("prefill" or "decode"), oldest first."""
+        return [c for c in self.children if c.name.startswith(f"{role}-") and c.alive]
+
+    def add_node(self, role: str) -> Child:
+        """Start one more node of `role` with the flags its peers got (after `start`); it
+        registers with the bootstrap and the gateway routes to it once it is up."""
+        index = sum(1 for c in self.children if c.name.startswith(f"{role}-"))
+        return self._spawn(f"{role}-{index}", f"{role}-server", self._role_args[role], metrics=True)
+
+    def remove_node(self, role: str) -> Child | None:
+        """Stop the newest running node of `role`: SIGTERM (it finishes its in-flight work and
+        deregisters), then a kill after the stop grace. None when there is none."""
+        nodes = self.live_nodes(role)
+        if not nodes:
+            return None
+        child = nodes[-1]
+        child.reported_exit = True  # a planned stop: `watch` does not report it as a death
+        child.terminate()
+        if not child.wait(self.config.stop_grace_s):
+            self.say(f"[pd-cluster] {child.name} did not stop: killing it")
+        child.kill()
+        return child
 
     def metrics_lines(self) -> list[str]:
         return [f"[pd-cluster] metrics {c.name} {c.metrics_url}" for c in self.children]

@@ -166,7 +166,7 @@ def test_the_correction_follows_measured_tpot() -> None:
     [
         (["--budget", "3", "--slo-ttft-ms", "1", "--dry-run"], "give one of --gateway-metrics"),
         (["--budget", "3", "--gateway-metrics", "http://x/metrics", "--slo-ttft-ms", "1"],
-         "give --actuator kubernetes, or --dry-run"),
+         "give --actuator kubernetes|local, or --dry-run"),
         (["--budget", "0", "--gateway-metrics", "u", "--slo-ttft-ms", "1", "--dry-run"],
          "--budget must be >= 1 node"),
         (["--budget", "2", "--gateway-metrics", "u", "--dry-run"], "give at least one of --slo"),
@@ -195,3 +195,97 @@ def test_a_record_that_is_not_one_is_refused(tmp_path: Path, capsys) -> None:
     assert main(argv) == 2
     assert "line 1 is not a recorded scrape" in capsys.readouterr().err
     assert PlannerError.__doc__
+
+
+# ---- a real local cluster -----------------------------------------------------------------
+
+
+def _stream(url: str, model: str, results: list[tuple[int, str]]) -> None:
+    """One streamed completion through the gateway: (HTTP status, the whole SSE body)."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": model, "prompt": "The planner moves capacity", "max_tokens": 24,
+                       "stream": True, "ignore_eos": True, "temperature": 0}).encode()  # fmt: skip
+    request = urllib.request.Request(f"{url}/v1/completions", body,
+                                     {"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            results.append((response.status, response.read().decode()))
+    except urllib.error.HTTPError as exc:
+        results.append((exc.code, exc.read().decode(errors="replace")))
+
+
+def test_local_actuator_switches_a_running_cluster_with_nothing_lost(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    """1P1D under streamed load; the profile makes KV transfers hopeless, so the planner
+    switches to colocated x2: the prefill node is stopped (it finishes its work), a second
+    decode node started; every request answers in full, the gateway routes to the new split,
+    and no node holds a page afterwards."""
+    import itertools
+    import threading
+    import time
+    import urllib.request
+
+    from gateway.cluster import Cluster, build_config
+    from gateway.cluster import build_parser as cluster_parser
+    from scripts.planning.pd_planner import LocalActuator, scrapes_live
+    from scripts.tiny_models import save_tiny_text_model
+
+    model = save_tiny_text_model(default_model_dir, tmp_path / "model")
+    argv = ["--prefill", "1", "--decode", "1", "--model", str(model), "--max-total-tokens",
+            "4096", "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    cluster = Cluster(build_config(cluster_parser().parse_args(argv)), out=io.StringIO())
+    slow_transfer = replace_profile(transfer_bytes_per_s=100.0)  # a prompt's KV: minutes
+    planner = Planner(slow_transfer, PlannerConfig(2, SLO_, sim_seconds=10.0, cooldown_s=600))
+    try:
+        url = cluster.start(threading.Event())
+        served = json.loads(urllib.request.urlopen(f"{url}/v1/models").read())["data"][0]["id"]
+        results: list[tuple[int, str]] = []
+
+        def load(n: int) -> list[threading.Thread]:
+            threads = [threading.Thread(target=_stream, args=(url, served, results))
+                       for _ in range(n)]  # fmt: skip
+            for t in threads:
+                t.start()
+                time.sleep(0.05)
+            return threads
+
+        scrapes = scrapes_live(f"{url}/metrics", 2.0, None)
+        first = next(scrapes)
+        for t in load(6):  # requests answered inside the window
+            t.join()
+        busy = load(6)  # in flight while the planner acts
+        decisions = run(planner, itertools.chain([first], itertools.islice(scrapes, 1)),
+                        LocalActuator(cluster), io.StringIO())  # fmt: skip
+        for t in busy:
+            t.join()
+        (decision,) = decisions
+        assert decision.current == "1P1D" and decision.target == "colocated x2"
+        assert decision.acted and decision.actuator == "stopped prefill-0; started decode-1"
+        assert len(results) == 12
+        assert all(status == 200 and body.rstrip().endswith("data: [DONE]")
+                   and '"error"' not in body and '"finish_reason":"length"' in body
+                   for status, body in results), results  # fmt: skip
+        deadline = time.monotonic() + 120
+        while True:  # the new node registers; the gateway routes to the new split
+            health = json.loads(urllib.request.urlopen(f"{url}/health").read())
+            if health.get("prefill") == 0 and health.get("decode") == 2:
+                break
+            assert time.monotonic() < deadline, health
+            time.sleep(0.5)
+        after: list[tuple[int, str]] = []
+        _stream(url, served, after)
+        assert after[0][0] == 200 and after[0][1].rstrip().endswith("data: [DONE]")
+        for node in cluster.live_nodes("decode"):
+            report = node.wait_idle()
+            assert report.ok and report.used_pages == 0
+    finally:
+        cluster.stop()
+
+
+def replace_profile(**changes: object) -> NodeProfile:
+    from dataclasses import replace
+
+    return replace(profile(), **changes)  # type: ignore[arg-type]

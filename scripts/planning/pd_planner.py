@@ -26,10 +26,11 @@ for the current split at the measured rate moves the profile's speed (an exponen
 
 Each decision is one JSON line on stdout: its inputs (the window), the predicted attainment of
 every split, the current and target split, the action, the reason, the correction, and whether
-it acted. Actuators: `--dry-run` (decide only) and `kubernetes`, which sets the replica counts
-of the prefill and decode Deployments (deploy/k8s) through the official client's scale
-subresource. Not done yet: live role switching inside a node and a local actuator that starts
-and stops server processes.
+it acted. Actuators: `--dry-run` (decide only); `kubernetes`, which sets the replica counts of
+the prefill and decode Deployments (deploy/k8s) through the official client's scale
+subresource; `local`, which starts the cluster itself (`--cluster-args`, pd-cluster's flags)
+and stops and starts its node processes (a switched node is a new process: it loads its weights
+again). Not done yet: live role switching inside a node (keeping its weights and KV pool).
 """
 
 from __future__ import annotations
@@ -287,6 +288,27 @@ class KubernetesActuator:
         return "; ".join(done)
 
 
+@dataclass
+class LocalActuator:
+    """The nodes of a local cluster (gateway/cluster.py's `Cluster`, which this process started):
+    first stops the nodes of a role the target has too many of (each gets SIGTERM and finishes
+    its in-flight work), then starts the missing ones with their peers' flags. Stopping first
+    keeps the node count within the budget (a GPU freed before it is taken again)."""
+
+    cluster: Any  # gateway.cluster.Cluster
+
+    def apply(self, target: Split) -> str:
+        want = {"prefill": target.prefill, "decode": target.decode}
+        done = []
+        for role, count in want.items():
+            while len(self.cluster.live_nodes(role)) > count:
+                done.append(f"stopped {self.cluster.remove_node(role).name}")
+        for role, count in want.items():
+            while len(self.cluster.live_nodes(role)) < count:
+                done.append(f"started {self.cluster.add_node(role).name}")
+        return "; ".join(done) or "nothing to change"
+
+
 def kubernetes_actuator(args: argparse.Namespace) -> KubernetesActuator:
     from kubernetes import client, config
 
@@ -355,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replay", type=Path, default=None, help="decide on --record's file")
     parser.add_argument("--record", type=Path, default=None, help="append each scrape here")
     parser.add_argument("--profile", type=Path, required=True, help="plan_capacity profile")
-    parser.add_argument("--budget", type=int, required=True, help="nodes (GPUs) to split")
+    parser.add_argument("--budget", type=int, default=None, help="nodes (GPUs) to split")
     parser.add_argument("--interval", type=float, default=30.0, help="seconds per window")
     parser.add_argument("--slo-ttft-ms", type=float, default=None)
     parser.add_argument("--slo-tpot-ms", type=float, default=None)
@@ -368,7 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host-cores", type=int, default=0, help="0: a device per node (GPU)")
     parser.add_argument("--threads-per-node", type=int, default=1)
     parser.add_argument("--dry-run", action="store_true", help="decide, never act")
-    parser.add_argument("--actuator", choices=["kubernetes"], default=None)
+    parser.add_argument("--actuator", choices=["kubernetes", "local"], default=None)
+    parser.add_argument(
+        "--cluster-args",
+        default="",
+        help="local: start this pd-cluster (its flags, quoted) and plan for it; the budget "
+        "defaults to its --prefill + --decode",
+    )
     parser.add_argument("--namespace", default="pdserve")
     parser.add_argument("--prefill-deployment", default="pdserve-prefill")
     parser.add_argument("--decode-deployment", default="pdserve-decode")
@@ -377,11 +405,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    cluster = None
     try:
+        if args.actuator == "local":
+            cluster = start_local_cluster(args)
+            args.gateway_metrics = f"{cluster.url}/metrics"
         if (args.gateway_metrics is None) == (args.replay is None):
             raise PlannerError("give one of --gateway-metrics URL and --replay FILE")
         if not args.dry_run and args.actuator is None and args.replay is None:
-            raise PlannerError("give --actuator kubernetes, or --dry-run to decide only")
+            raise PlannerError("give --actuator kubernetes|local, or --dry-run to decide only")
+        if args.budget is None:
+            raise PlannerError("give --budget N (nodes to split)")
         config = PlannerConfig(
             budget=args.budget,
             slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
@@ -394,7 +428,11 @@ def main(argv: list[str] | None = None) -> int:
             host=HostConfig(host_cores=args.host_cores, threads_per_node=args.threads_per_node),
         )
         planner = Planner(NodeProfile.load(args.profile), config)
-        actuator = None if args.dry_run or args.actuator is None else kubernetes_actuator(args)
+        actuator: Actuator | None = None
+        if not args.dry_run and args.actuator == "kubernetes":
+            actuator = kubernetes_actuator(args)
+        elif not args.dry_run and cluster is not None:
+            actuator = LocalActuator(cluster.cluster)
         if args.replay is not None:
             run(planner, scrapes_recorded(args.replay), actuator)
         else:
@@ -404,7 +442,37 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 0
+    finally:
+        if cluster is not None:
+            cluster.cluster.stop()
     return 0
+
+
+@dataclass
+class LocalCluster:
+    cluster: Any  # gateway.cluster.Cluster
+    url: str
+
+
+def start_local_cluster(args: argparse.Namespace) -> LocalCluster:
+    """`--cluster-args` as pd-cluster would run them; the budget defaults to its node count."""
+    import shlex
+    import threading
+
+    from gateway.cluster import Cluster, ClusterError, build_config
+    from gateway.cluster import build_parser as cluster_parser
+
+    config = build_config(cluster_parser().parse_args(shlex.split(args.cluster_args)))
+    if args.budget is None:
+        args.budget = config.prefill + config.decode
+    cluster = Cluster(config, out=sys.stderr)
+    try:
+        url = cluster.start(threading.Event())
+    except ClusterError as exc:
+        cluster.stop()
+        raise PlannerError(f"--cluster-args: the cluster did not start: {exc}") from None
+    print(f"[pd-planner] cluster ready: {url}", file=sys.stderr, flush=True)
+    return LocalCluster(cluster, url)
 
 
 if __name__ == "__main__":
