@@ -90,6 +90,8 @@ class Cluster:
     out: IO[str] = field(default_factory=lambda: sys.stdout)
     children: list[Child] = field(default_factory=list)
     _role_args: dict[str, list[str]] = field(default_factory=dict)  # a node's flags, by role
+    _devices: dict[str, list[str]] = field(default_factory=dict)  # node name -> its --device
+    _freed_devices: list[list[str]] = field(default_factory=list)  # of stopped nodes, for new
     _print_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def say(self, line: str) -> None:
@@ -112,9 +114,11 @@ class Cluster:
         }
         devices = node_devices(c)
         for i in range(c.prefill):
+            self._devices[f"prefill-{i}"] = devices[i]
             args = [*self._role_args["prefill"], *devices[i]]
             self._spawn(f"prefill-{i}", "prefill-server", args, metrics=True)
         for i in range(c.decode):
+            self._devices[f"decode-{i}"] = devices[c.prefill + i]
             args = [*self._role_args["decode"], *devices[c.prefill + i]]
             self._spawn(f"decode-{i}", "decode-server", args, metrics=True)
         gateway_args = ["--bootstrap", bootstrap.address, *self._model_args(), *c.room_key_args]
@@ -130,10 +134,14 @@ class Cluster:
         return [c for c in self.children if c.name.startswith(f"{role}-") and c.alive]
 
     def add_node(self, role: str) -> Child:
-        """Start one more node of `role` with the flags its peers got (after `start`); it
-        registers with the bootstrap and the gateway routes to it once it is up."""
+        """Start one more node of `role` with the flags its peers got (after `start`), on the
+        device of a node stopped before if any; it registers with the bootstrap and the
+        gateway routes to it once it is up."""
         index = sum(1 for c in self.children if c.name.startswith(f"{role}-"))
-        return self._spawn(f"{role}-{index}", f"{role}-server", self._role_args[role], metrics=True)
+        name = f"{role}-{index}"
+        self._devices[name] = self._freed_devices.pop(0) if self._freed_devices else []
+        args = [*self._role_args[role], *self._devices[name]]
+        return self._spawn(name, f"{role}-server", args, metrics=True)
 
     def remove_node(self, role: str) -> Child | None:
         """Stop the newest running node of `role`: SIGTERM (it finishes its in-flight work and
@@ -147,6 +155,8 @@ class Cluster:
         if not child.wait(self.config.stop_grace_s):
             self.say(f"[pd-cluster] {child.name} did not stop: killing it")
         child.kill()
+        if self._devices.get(child.name):
+            self._freed_devices.append(self._devices[child.name])
         return child
 
     def metrics_lines(self) -> list[str]:

@@ -28,3 +28,20 @@ def test_without_devices_the_nodes_keep_their_own_flags() -> None:
 def test_a_bad_device_is_named() -> None:
     with pytest.raises(ValueError, match="--devices: 'gpu1' is not cpu, cuda or cuda:N"):
         _config("--devices", "cuda:0,gpu1")
+
+
+def test_a_node_started_later_takes_the_device_of_one_stopped_before() -> None:
+    from gateway.cluster import Cluster
+
+    started: list[tuple[str, list[str]]] = []
+
+    class Recording(Cluster):
+        def _spawn(self, name, script, args, essential=False, port=0, metrics=False):  # type: ignore[no-untyped-def,override]
+            started.append((name, list(args)))
+
+    cluster = Recording(_config("--prefill", "1", "--decode", "1", "--devices", "cuda:0,cuda:1"))
+    cluster._role_args = {"prefill": ["--p"], "decode": ["--d"]}
+    cluster._devices = {"prefill-0": ["--device", "cuda:0"], "decode-0": ["--device", "cuda:1"]}
+    cluster._freed_devices.append(cluster._devices["prefill-0"])  # as remove_node does
+    cluster.add_node("decode")
+    assert started == [("decode-0", ["--d", "--device", "cuda:0"])]  # no child recorded here
