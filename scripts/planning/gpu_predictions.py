@@ -7,9 +7,9 @@ from a node profile measured on a GPU (`plan_capacity profile --device cuda`).
 Workloads (random token prompts, lengths +- 20%, Poisson arrivals for `--duration` seconds):
 - chat: 512 tokens in, 256 out;
 - rag: 4,096 in, 256 out;
-- agent: 8,192 in (6,554 of them a prefix shared by the 16 requests of a session group: 80%
-  reuse), 128 out. The simulator computes a group's prefix once and then only each request's
-  own 1,638 tokens, as `kv_aware` routing would (scripts/planning/simulator.py).
+- agent: 8,192 in (6,554 of them the prefix of one of 16 agent sessions: 80% reuse), 128 out.
+  The simulator computes a session's prefix once and then only each request's own 1,638
+  tokens, as `kv_aware` routing would (scripts/planning/simulator.py).
 SLO: TTFT <= 1 s (agent: 2 s) and TPOT <= 20 ms, met by >= 90% of the requests. Each split of
 the GPU budget (every P:D, and colocated) is bisected for its highest such rate; the table gives
 colocated's, the best disaggregated split's and their ratio. Nodes have one GPU each (no
@@ -45,6 +45,9 @@ class Workload:
         return f"{prompt} in / {d.output_len} out{reuse}"
 
 
+AGENT_SESSIONS = 16  # concurrent agent sessions, each its own shared prefix
+
+
 def workloads(sessions: int) -> list[Workload]:
     slo = SLO(ttft_ms=1000.0, tpot_ms=20.0)
     return [
@@ -66,7 +69,7 @@ def workloads(sessions: int) -> list[Workload]:
                 input_len=1638,
                 output_len=128,
                 prefix_len=6554,
-                prefix_group_size=16,
+                prefix_group_size=sessions // AGENT_SESSIONS,
                 range_ratio=0.2,
             ),
             SLO(ttft_ms=2000.0, tpot_ms=20.0),
@@ -92,6 +95,7 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
     parser.add_argument("--slo-attainment", type=float, default=0.9)
+    parser.add_argument("--workloads", nargs="+", default=["chat", "rag", "agent"])
     args = parser.parse_args()
     profile = NodeProfile.load(args.profile)
     lines = [
@@ -99,7 +103,7 @@ def main() -> int:
         "| every split (req/s) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for workload in workloads(sessions=4096):
+    for workload in (w for w in workloads(sessions=4096) if w.name in args.workloads):
         for gpus in args.gpus:
             started = time.monotonic()
             rates = predict(profile, workload, gpus, args.duration, args.slo_attainment)
