@@ -86,10 +86,15 @@ class RoutingConfig:
     # HTTP/2 pings on the node channels while calls are open (0: off): a node that stops
     # answering (link cut, host down, process frozen) fails its calls within about twice this.
     node_keepalive_s: float = 10.0
+    # Times a choice may move to another decode node after its first token was streamed (its
+    # node died or gave it up): prompt + streamed tokens are re-issued elsewhere (0: never).
+    migration_limit: int = 3
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError("--max-attempts must be >= 1")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.node_keepalive_s < 0:
             raise ValueError(f"--node-keepalive must be >= 0 s, got {self.node_keepalive_s}")
         if self.prefix_block_tokens < 1:

@@ -74,6 +74,11 @@ class GatewayMetrics:
             "pdserve_gateway_retries", "choices moved to another node before their first token",
             ["reason"], registry=r,
         )  # fmt: skip
+        self.migrations = Counter(
+            "pdserve_gateway_migrations",
+            "streaming choices moved to another node after their first token",
+            ["reason"], registry=r,
+        )  # fmt: skip
         self.failures = Counter(
             "pdserve_gateway_failures", "choices that failed after their first token", registry=r
         )

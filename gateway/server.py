@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-attempts", type=int, default=3, help="nodes tried before the first token")
     g.add_argument("--node-cooldown", type=float, default=5.0, help="seconds to skip a failed node")
     g.add_argument(
+        "--migration-limit",
+        type=int,
+        default=3,
+        help="times a streaming choice may move to another decode node when its node dies or "
+        "gives it up mid-stream (prompt + streamed tokens re-issued; 0: never)",
+    )
+    g.add_argument(
         "--node-keepalive",
         type=float,
         default=10.0,
@@ -214,6 +221,7 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         max_attempts=args.max_attempts,
         node_cooldown_s=args.node_cooldown,
+        migration_limit=args.migration_limit,
         node_keepalive_s=args.node_keepalive,
         prefix_block_tokens=args.prefix_block_tokens,
         prefix_max_blocks=args.prefix_max_blocks,

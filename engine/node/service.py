@@ -74,7 +74,15 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if bad:
             raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         scheduler.validate_prompt(ids)
-        sampler = RequestSampler(params, ids, vocab, scheduler.runner.device)
+        resumed = request.resumed_tokens
+        if resumed >= len(ids):
+            raise ValueError(
+                f"resumed_tokens {resumed} must be less than the {len(ids)} input_ids: they are "
+                "the generated tokens that end the prompt of a migrated request"
+            )
+        split = len(ids) - resumed
+        sampler = RequestSampler(params, ids[:split], vocab, scheduler.runner.device)
+        sampler.resume(ids[split:])  # a migrated request continues its own stream
         rid = request.rid or uuid.uuid4().hex
         return Req(rid=rid, prompt_ids=ids, params=params, sampler=sampler)
 
