@@ -71,6 +71,7 @@ class BootstrapClient:
         self.policy = policy or RetryPolicy()
         # The node credential (see `identify`); sent with every call about a node or room.
         self._identity: tuple[tuple[str, str], ...] = ()
+        self._last_refusal = ""  # why the bootstrap last refused a Register we retry
         backoff_ms = int(self.policy.initial_backoff_s * 1000)
         self.channel = (auth or InternalAuth()).channel(
             address,
@@ -103,9 +104,10 @@ class BootstrapClient:
         try:
             return await asyncio.wait_for(self._register_until_answered(request), give_up_after_s)
         except asyncio.TimeoutError:
+            why = self._last_refusal or "is bootstrap-server up?"
             raise BootstrapUnreachable(
                 f"bootstrap at {self.address} did not accept the registration of node "
-                f"{node.node_id or '(new)'} within {give_up_after_s} s: is bootstrap-server up?"
+                f"{node.node_id or '(new)'} within {give_up_after_s} s: {why}"
             ) from None
 
     async def _register_until_answered(
@@ -114,13 +116,23 @@ class BootstrapClient:
         delay = 0.0
         while True:
             try:
-                return await self.stub.Register(request, timeout=self.policy.rpc_timeout_s)
+                return await self.stub.Register(
+                    request, timeout=self.policy.rpc_timeout_s, metadata=self._identity
+                )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _FINAL_CODES:
                     raise RegistrationRefused(exc.details()) from exc
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    self._last_refusal = exc.details() or ""
                 delay = self.policy.next_backoff(delay)
+                # ALREADY_EXISTS: our id is still live (e.g. our previous process not yet
+                # declared dead); it frees up within the heartbeat timeout.
                 logger.warning(
-                    "register at %s: %s; retrying in %.1f s", self.address, exc.code(), delay
+                    "register at %s: %s %s; retrying in %.1f s",
+                    self.address,
+                    exc.code(),
+                    exc.details() if exc.code() == grpc.StatusCode.ALREADY_EXISTS else "",
+                    delay,
                 )
             await asyncio.sleep(delay)
 
