@@ -248,6 +248,7 @@ class NodeSession:
         # Send time of the last heartbeat (or registration) bootstrap acknowledged: bootstrap
         # saw us alive no earlier than this.
         self.last_ack = 0.0
+        self.draining = False  # sent with every heartbeat from `drain` on
         self._heartbeats: asyncio.Task[None] | None = None
 
     @property
@@ -294,12 +295,26 @@ class NodeSession:
             "node %s registered with the bootstrap at %s", self.node_id, self.client.address
         )
 
+    async def drain(self) -> None:
+        """Tell the bootstrap now (and with every heartbeat) that this node is draining: the
+        gateways stop sending it new requests."""
+        self.draining = True
+        try:
+            await self.client.heartbeat(self.node_id, self._load())
+        except grpc.aio.AioRpcError as exc:  # the next heartbeat says it again
+            logger.warning("draining heartbeat of node %s failed: %s", self.node_id, exc.code())
+
+    def _load(self) -> bootstrap_pb2.NodeLoad:
+        load = self.load()
+        load.draining = self.draining
+        return load
+
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             sent = time.monotonic()
             try:
-                await self.client.heartbeat(self.node_id, self.load())
+                await self.client.heartbeat(self.node_id, self._load())
                 self.last_ack = sent
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:

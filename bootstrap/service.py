@@ -137,8 +137,11 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         self.metrics.heartbeats.inc()
         self.registry.require(request.node_id)  # NOT_FOUND first: the node re-registers
         self._verify_caller(context, request.node_id, f"Heartbeat of node {request.node_id}")
+        was_draining = self.registry.require(request.node_id).load.draining
         if self.registry.heartbeat(request.node_id, request.load, self.clock()):
             status = self.registry.require(request.node_id).status()
+            if request.load.draining and not was_draining:
+                logger.info("%s is draining: gateways stop routing to it", status.node.node_id)
             self.node_events.publish(NodeEvent(kind=NodeEvent.LOAD, status=status))
         return bootstrap_pb2.HeartbeatResponse()
 

@@ -199,6 +199,12 @@ class FaultCluster:
         os.kill(proc.server.pid, signal.SIGKILL)
         proc.server.process.wait(30)
 
+    def terminate(self, name: str, timeout: float = 120.0) -> int:
+        """SIGTERM a process (a node drains, a gateway finishes its streams); its exit code."""
+        proc = self.procs[name]
+        os.kill(proc.server.pid, signal.SIGTERM)
+        return proc.server.process.wait(timeout)
+
     def forget(self, name: str) -> None:
         """Stop (if needed) and drop a process, leftovers of its session included."""
         proc = self.procs.pop(name, None)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,8 +48,8 @@ SAMPLING: list[dict[str, Any]] = [
 ]
 NODES: dict[str, tuple[str, list[str]]] = {
     "prefill-0": ("prefill-server", []),
-    "decode-0": ("decode-server", []),
-    "decode-1": ("decode-server", []),
+    "decode-0": ("decode-server", ["--drain-timeout", "60"]),  # SIGTERM: streams end here
+    "decode-1": ("decode-server", ["--drain-timeout", "0.5"]),  # SIGTERM: streams move
 }
 DECODES = ["decode-0", "decode-1"]
 GATEWAY_ARGS = (
@@ -104,9 +106,12 @@ def stream(cluster: FaultCluster, index: int, result: StreamResult) -> None:
         result.started.set()
 
 
-def run_streams(cluster: FaultCluster, kill: bool) -> tuple[list[StreamResult], dict[str, int]]:
-    """All requests at once; with `kill`, SIGKILL the decode node with the most of them once
-    every stream is under way. Returns the results and how many requests each node held."""
+def run_streams(
+    cluster: FaultCluster, kill: bool | str, stop: Callable[[str], object] | None = None
+) -> tuple[list[StreamResult], dict[str, int]]:
+    """All requests at once; with `kill`, `stop` (default: SIGKILL) the decode node with the
+    most of them (or decode-0 / decode-1 when `kill` names it) once every stream is under way.
+    Returns the results and how many requests each node held."""
     results = [StreamResult() for _ in PROMPTS]
     threads = [
         threading.Thread(target=stream, args=(cluster, i, r), daemon=True)
@@ -121,7 +126,8 @@ def run_streams(cluster: FaultCluster, kill: bool) -> tuple[list[StreamResult], 
         for name in DECODES:
             load = cluster[name].stub.GetLoad(node_pb2.GetLoadRequest(), timeout=10)
             held[name] = load.running_requests + load.queued_requests
-        cluster.kill(max(held, key=lambda name: held[name]))
+        victim = kill if isinstance(kill, str) else max(held, key=lambda name: held[name])
+        (stop or cluster.kill)(victim)
     for thread in threads:
         thread.join(120)
         assert not thread.is_alive(), "a stream did not end"
@@ -190,3 +196,53 @@ def test_without_migrations_the_stream_ends_with_an_error_naming_the_node(
         cluster.gateway_args = GATEWAY_ARGS
         cluster.forget("gateway")
         cluster.ensure()
+
+
+@pytest.mark.parametrize(("victim", "moves"), [("decode-0", False), ("decode-1", True)])
+def test_sigterm_drains_the_decode_node(
+    cluster: FaultCluster, reference: list[StreamResult], victim: str, moves: bool
+) -> None:
+    """SIGTERM a decode node mid-stream: it takes no new requests (a request sent during the
+    drain succeeds elsewhere), finishes its streams (decode-0, a long --drain-timeout) or, its
+    timeout run out, aborts them and the gateway moves them (decode-1), and exits 0 with no
+    page in use. Either way every client gets the reference text."""
+    cluster.ensure()
+    moved_before = cluster.gateway_metric("pdserve_gateway_migrations_total")
+    exit_codes: list[int] = []
+    late: list[str] = []
+
+    def drain(name: str) -> None:
+        with ThreadPoolExecutor(1) as pool:
+            exited = pool.submit(cluster.terminate, name)
+            _wait_for_log(cluster, "bootstrap", f"{cluster.node_id(name)} is draining")
+            late.append(complete(cluster, 0))  # routed around the draining node
+            exit_codes.append(exited.result(timeout=120))
+
+    results, held = run_streams(cluster, victim, drain)
+    assert exit_codes == [0]
+    assert held[victim] >= 1
+    for got, want in zip(results, reference, strict=True):
+        assert not got.error and got.text == want.text
+        assert got.usage["completion_tokens"] == MAX_TOKENS
+    assert late == [reference[0].text]
+    moved = cluster.gateway_metric("pdserve_gateway_migrations_total") - moved_before
+    assert moved == (held[victim] if moves else 0)
+    log = cluster[victim].log_text()
+    assert "drained: no request in flight, no page in use" in log
+    assert ("aborted" in log) == moves
+
+
+def complete(cluster: FaultCluster, index: int) -> str:
+    """Request `index`, not streamed: its text."""
+    payload = {"model": cluster.model_name, **body(index), "stream": False}
+    payload.pop("stream_options")
+    response = httpx.post(cluster.url + "/v1/completions", json=payload, timeout=120)
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["text"])
+
+
+def _wait_for_log(cluster: FaultCluster, name: str, text: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in cluster[name].log_text():
+        assert time.monotonic() < deadline, f"{name}'s log never said {text!r}"
+        time.sleep(0.1)
