@@ -138,6 +138,8 @@ class GatewayConfig:
     workers: int = 1  # processes serving the port (gateway/workers.py)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     tokenizer_workers: int = 1  # threads tokenizing long prompts (gateway/tokenize.py)
+    # SIGTERM: /health fails and new requests get 503 at once; in-flight ones get this long.
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
@@ -145,6 +147,8 @@ class GatewayConfig:
                 f"--stream-interval must be in [1, {MAX_STREAM_INTERVAL}] tokens, got "
                 f"{self.stream_interval}: 1 sends every token as it comes"
             )
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout must be >= 0 s, got {self.drain_timeout_s}")
         if self.tokenizer_workers < 1:
             raise ValueError(f"--tokenizer-workers must be >= 1, got {self.tokenizer_workers}")
         if not 1 <= self.workers <= MAX_WORKERS:

@@ -246,3 +246,34 @@ def _wait_for_log(cluster: FaultCluster, name: str, text: str, timeout: float = 
     while text not in cluster[name].log_text():
         assert time.monotonic() < deadline, f"{name}'s log never said {text!r}"
         time.sleep(0.1)
+
+
+def test_sigterm_on_the_gateway_finishes_its_streams(
+    cluster: FaultCluster, reference: list[StreamResult]
+) -> None:
+    """SIGTERM the gateway mid-stream: /health fails and a new request gets 503 with
+    Retry-After at once, the streams in flight finish with the reference text, and the
+    gateway exits 0."""
+    cluster.ensure()
+    seen: dict[str, object] = {}
+
+    def stop_gateway(_victim: str) -> None:
+        with ThreadPoolExecutor(1) as pool:
+            exited = pool.submit(cluster.terminate, "gateway")
+            deadline = time.monotonic() + 30
+            while httpx.get(cluster.url + "/health", timeout=10).status_code != 503:
+                assert time.monotonic() < deadline, "/health still answers 200"
+                time.sleep(0.05)
+            payload = {"model": cluster.model_name, **body(0), "stream": False}
+            payload.pop("stream_options")
+            refused = httpx.post(cluster.url + "/v1/completions", json=payload, timeout=30)
+            seen["refused"] = (refused.status_code, refused.headers.get("retry-after"))
+            seen["exit"] = exited.result(timeout=120)
+
+    try:
+        results, _ = run_streams(cluster, "decode-0", stop_gateway)
+    finally:
+        cluster.ensure()  # the next user finds a gateway
+    assert seen == {"refused": (503, "1"), "exit": 0}
+    for got, want in zip(results, reference, strict=True):
+        assert not got.error and got.text == want.text
