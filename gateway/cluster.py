@@ -279,7 +279,7 @@ class Cluster:
                 child.kill()  # the whole session, grandchildren included
 
 
-# A child's SIGTERM drain takes at most its --drain-timeout (5 s nodes, 30 s gateways) beyond
+# A child's SIGTERM drain takes at most its --drain-timeout (5 s nodes, 20 s gateways) beyond
 # the stop grace; a rolling restart waits this much longer before it kills one.
 DRAIN_ALLOWANCE_S = 30.0
 BOOTSTRAP_SETTLE_S = 3.0  # nodes heartbeat every second; NOT_FOUND makes them register again

@@ -139,7 +139,7 @@ class GatewayConfig:
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     tokenizer_workers: int = 1  # threads tokenizing long prompts (gateway/tokenize.py)
     # SIGTERM: /health fails and new requests get 503 at once; in-flight ones get this long.
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:

@@ -72,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drain-timeout",
         type=float,
-        default=30.0,
+        default=20.0,
         help="on SIGTERM: /health answers 503 and new requests get 503 with Retry-After at "
         "once; in-flight requests get this many seconds to finish before the gateway exits "
-        "(a second SIGTERM or SIGINT stops it at once)",
+        "(a second SIGTERM or SIGINT stops it at once; keep it below Kubernetes' 30 s grace)",
     )
     add_log_args(parser)
     g = parser.add_argument_group("routing")
