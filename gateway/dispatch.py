@@ -103,6 +103,7 @@ class Generation:
         self.started = trace.started if trace is not None else time.monotonic()
         self._last_chunk = 0.0
         self._retries = 0  # failed attempts before the first token
+        self._moved_at: float | None = None  # when the stream last moved to another node
 
     def __aiter__(self) -> AsyncGenerator[node_pb2.TokenChunk, None]:
         return self._chunks()
@@ -187,6 +188,9 @@ class Generation:
         else:
             m.ttft.observe(now - self.started)
         self._last_chunk = now
+        if self._moved_at is not None:  # the first token from the node it moved to
+            m.migration_gap.observe(now - self._moved_at)
+            self._moved_at = None
         self.progress.streamed.extend(chunk.token_ids)
 
     def _choose(self, excluded: set[str]) -> Route:
@@ -205,6 +209,7 @@ class Generation:
             moved = f"it was already moved {progress.migrations} times (--migration-limit)"
             raise self._out_of_moves(moved)
         progress.migrations += 1
+        self._moved_at = time.monotonic()
         d.metrics.migrations.labels(failure.kind).inc()
         logger.info(
             "request %s: moving to another node after %d streamed tokens (move %d of %d)",

@@ -79,6 +79,11 @@ class GatewayMetrics:
             "streaming choices moved to another node after their first token",
             ["reason"], registry=r,
         )  # fmt: skip
+        self.migration_gap = Histogram(
+            "pdserve_gateway_migration_gap_seconds",
+            "a moved stream's wait: its node failed -> the first token from its new node",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.failures = Counter(
             "pdserve_gateway_failures", "choices that failed after their first token", registry=r
         )

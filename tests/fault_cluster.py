@@ -456,18 +456,20 @@ class Row:
     recovery_s: float
     longest_s: float
     note: str = ""
+    migrations: str = "-"  # streams the gateway moved to another node after their first token
 
     HEADER = (
         "| fault | backend | requests | in flight at fault | completed correctly | failed "
-        "(clear error) | lost | gateway retries | pages leaked | recovery (s) | longest "
-        "request (s) | note |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "(clear error) | lost | gateway retries | migrations | pages leaked | recovery (s) | "
+        "longest request (s) | note |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
 
     def markdown(self) -> str:
         return (
             f"| {self.fault} | {self.backend} | {self.sent} | {self.in_flight} | "
-            f"{self.correct} | {self.failed} | {self.lost} | {self.retries} | {self.leaked} | "
-            f"{self.recovery_s:.2f} | {self.longest_s:.2f} | {self.note} |"
+            f"{self.correct} | {self.failed} | {self.lost} | {self.retries} | "
+            f"{self.migrations} | {self.leaked} | {self.recovery_s:.2f} | "
+            f"{self.longest_s:.2f} | {self.note} |"
         )
 
 
