@@ -272,7 +272,9 @@ def test_rolling_restart_fails_nothing(
         time.sleep(AFTER_S)
         outcomes = load.stop()
     correct, failed = judge(outcomes, reference)
-    restarted = cluster.running.log().count("[pd-cluster] restarted ")
+    this_restart = cluster.running.log().rsplit("rolling restart of", 1)[1]
+    exits = dict(re.findall(r"\[pd-cluster\] restarted (\S+) \(exit code (-?\d+)\)", this_restart))
+    restarted = len(exits)
     table.append(
         Row(
             "rolling SIGTERM restart (all 6)",
@@ -284,6 +286,7 @@ def test_rolling_restart_fails_nothing(
         )
     )
     assert not failed, f"failed: {[o.error for o in failed[:3]]}"
+    assert exits == dict.fromkeys(exits, "0") and restarted == 6, exits  # drained, exited 0
     assert cluster.pages_in_use() == dict.fromkeys(cluster.decode_addresses(), 0)
 
 
