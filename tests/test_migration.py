@@ -171,6 +171,8 @@ def test_killed_decode_node_streams_move_and_match_the_reference(
         assert got.usage["prompt_tokens"] == len(PROMPTS[index])
     moved = cluster.gateway_metric("pdserve_gateway_migrations_total") - moved_before
     assert moved == max(held.values())
+    gap = cluster.gateway_metric("pdserve_gateway_migration_gap_seconds_sum")
+    print(f"\n{int(moved)} streams moved; mean gap (failure -> next token) {gap / moved:.3f} s")
     survivors = [n for n in cluster.node_names() if cluster.procs[n].alive]
     assert cluster.leaked_pages(survivors) == dict.fromkeys(survivors, 0)
 
