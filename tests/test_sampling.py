@@ -481,3 +481,24 @@ def test_sample_batch_observes_each_row() -> None:
         outputs.append(sample_batch(random_logits(2, 10, seed=step), samplers))
     for row, sampler in enumerate(samplers):
         assert sampler.output_token_ids == [out.token_ids[row] for out in outputs]
+
+
+def test_a_stop_string_across_a_migration_matches() -> None:
+    """The stop check reads the sampler's output, which a migrated request's resumed tokens
+    are part of: a stop string half generated before the move still ends the request."""
+    from engine.request import Req
+    from engine.tokenizer import StopStringChecker
+
+    class Letters:  # token id i decodes to chr(i)
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join(chr(i) for i in ids)
+
+    params = SamplingParams(stop=("END",))
+    sampler = RequestSampler(params, [ord("x")], 200, CPU)
+    sampler.resume([ord("E"), ord("N")])  # generated on the node that died
+    req = Req("r", [ord("x"), ord("E"), ord("N")], params, sampler)
+    checker = StopStringChecker(Letters())
+    assert checker(req) is None
+    req.output_ids.append(ord("D"))
+    sampler.observe(ord("D"))
+    assert checker(req) == "END"
