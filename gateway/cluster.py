@@ -279,6 +279,10 @@ class Cluster:
                 child.kill()  # the whole session, grandchildren included
 
 
+class ClusterError(RuntimeError):
+    """The cluster could not start; the message names the process or the wait that failed."""
+
+
 # A child's SIGTERM drain takes at most its --drain-timeout (5 s nodes, 20 s gateways) beyond
 # the stop grace; a rolling restart waits this much longer before it kills one.
 DRAIN_ALLOWANCE_S = 30.0
@@ -301,10 +305,6 @@ def rolling_restart(cluster: Cluster, stop: threading.Event) -> None:
         if child.name == "bootstrap":  # the gateways kept their tables; the nodes rejoin at
             time.sleep(BOOTSTRAP_SETTLE_S)  # their next heartbeat
     cluster.say("[pd-cluster] rolling restart done")
-
-
-class ClusterError(RuntimeError):
-    """The cluster could not start; the message names the process or the wait that failed."""
 
 
 def _get_json(url: str) -> dict[str, object] | None:
@@ -350,14 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-args", default="", help="extra flags for decode nodes")
     parser.add_argument("--gateway-args", default="", help="extra flags for the gateway")
     parser.add_argument(
-        "--gateway-workers", type=int, default=1, help="gateway processes on its port"
-    )
-    parser.add_argument(
         "--gateways",
         type=int,
         default=1,
         help="gateway-servers on the one bootstrap, each on its own port (the first on --port) "
         "and printed with its URL; with several, one dying leaves the others serving",
+    )
+    parser.add_argument(
+        "--gateway-workers", type=int, default=1, help="gateway processes on its port"
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--log-dir", type=Path, default=None, help="also write <name>.log here")
