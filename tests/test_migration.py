@@ -15,8 +15,10 @@ request on the healthy cluster:
 - the gateway counted one migration per stream the dead node held, and the survivors hold no
   page.
 
-With `--migration-limit 0` the same kill ends the dead node's streams with an SSE error that
-names the node instead.
+The same kill with every prompt prefilled by the decode nodes themselves (the move too); with
+`--migration-limit 0` it ends the dead node's streams with an SSE error that names the node
+instead. Then SIGTERM drains: a decode node (its streams end there, or move once its
+--drain-timeout ran out) and the gateway (503 for new requests, its streams finish).
 """
 
 from __future__ import annotations
@@ -175,6 +177,30 @@ def test_killed_decode_node_streams_move_and_match_the_reference(
     print(f"\n{int(moved)} streams moved; mean gap (failure -> next token) {gap / moved:.3f} s")
     survivors = [n for n in cluster.node_names() if cluster.procs[n].alive]
     assert cluster.leaked_pages(survivors) == dict.fromkeys(survivors, 0)
+
+
+def test_streams_prefilled_locally_move_and_match_too(
+    cluster: FaultCluster, reference: list[StreamResult]
+) -> None:
+    """The same kill with every prompt prefilled by the decode node itself (no prefill node
+    on the way, first attempt or move): the new decode node prefills prompt + streamed tokens
+    and continues exactly."""
+    cluster.gateway_args = (*GATEWAY_ARGS, "--local-prefill-max-tokens", "100000")
+    cluster.forget("gateway")  # started again with the new flag
+    try:
+        cluster.ensure()
+        results, held = run_streams(cluster, kill=True)
+        assert max(held.values()) >= 1
+        for index, (got, want) in enumerate(zip(results, reference, strict=True)):
+            assert not got.error, f"stream {index}: {got.error}"
+            assert got.text == want.text, f"stream {index} ({SAMPLING[index]}) differs"
+            assert got.usage["completion_tokens"] == MAX_TOKENS
+        assert cluster.gateway_metric("pdserve_gateway_migrations_total") == max(held.values())
+        assert cluster.gateway_metric("pdserve_gateway_local_prefills_total") >= len(PROMPTS)
+    finally:
+        cluster.gateway_args = GATEWAY_ARGS
+        cluster.forget("gateway")
+        cluster.ensure()
 
 
 def test_without_migrations_the_stream_ends_with_an_error_naming_the_node(
