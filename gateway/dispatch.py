@@ -155,7 +155,9 @@ class Generation:
         a migration after it), True when the choice is over after all; raises when it failed."""
         d = self.dispatcher
         progress = self.progress
-        progress.tried.append(failure.reason)
+        on = f"prefill node {route.prefill.node_id} -> " if route.prefill else ""
+        on += f"decode node {route.decode.node_id}"
+        progress.tried.append(f"attempt {self.attempts} on {on}: {failure.reason}")
         logger.warning(
             "request %s attempt %d failed after %d streamed tokens: %s",
             self.rid,

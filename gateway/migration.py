@@ -26,7 +26,7 @@ class Progress:
     prompt_ids: list[int]
     sampling: node_pb2.SamplingParams
     streamed: list[int] = field(default_factory=list)  # token ids the client has been sent
-    tried: list[str] = field(default_factory=list)  # "what failed where", one per failed attempt
+    tried: list[str] = field(default_factory=list)  # nodes and failure of each failed attempt
     migrations: int = 0
 
     @property
