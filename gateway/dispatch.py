@@ -242,6 +242,10 @@ class Generation:
                 f"{len(result.token_ids)} tokens: {detail or result.prefill_error or 'no reason'}"
             )
             return AttemptFailure(route.decode.node_id, reason, "decode")
+        current = self.dispatcher.directory.nodes.get(route.decode.node_id)
+        if current is not None and current.load.draining:  # D gave it up on its way out
+            reason = f"decode node {route.decode.node_id} is draining: {detail}"
+            return AttemptFailure(route.decode.node_id, reason, "decode")
         if route.prefill is not None and (result.prefill_error or finished is None):
             if result.prefill_code == grpc.StatusCode.UNAVAILABLE:
                 self.dispatcher.directory.report_unreachable(route.prefill.node_id)
