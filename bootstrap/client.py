@@ -71,6 +71,7 @@ class BootstrapClient:
         self.policy = policy or RetryPolicy()
         # The node credential (see `identify`); sent with every call about a node or room.
         self._identity: tuple[tuple[str, str], ...] = ()
+        self._last_refusal = ""  # why the bootstrap last refused a Register we retry
         backoff_ms = int(self.policy.initial_backoff_s * 1000)
         self.channel = (auth or InternalAuth()).channel(
             address,
@@ -103,9 +104,10 @@ class BootstrapClient:
         try:
             return await asyncio.wait_for(self._register_until_answered(request), give_up_after_s)
         except asyncio.TimeoutError:
+            why = self._last_refusal or "is bootstrap-server up?"
             raise BootstrapUnreachable(
                 f"bootstrap at {self.address} did not accept the registration of node "
-                f"{node.node_id or '(new)'} within {give_up_after_s} s: is bootstrap-server up?"
+                f"{node.node_id or '(new)'} within {give_up_after_s} s: {why}"
             ) from None
 
     async def _register_until_answered(
@@ -114,13 +116,23 @@ class BootstrapClient:
         delay = 0.0
         while True:
             try:
-                return await self.stub.Register(request, timeout=self.policy.rpc_timeout_s)
+                return await self.stub.Register(
+                    request, timeout=self.policy.rpc_timeout_s, metadata=self._identity
+                )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _FINAL_CODES:
                     raise RegistrationRefused(exc.details()) from exc
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    self._last_refusal = exc.details() or ""
                 delay = self.policy.next_backoff(delay)
+                # ALREADY_EXISTS: our id is still live (e.g. our previous process not yet
+                # declared dead); it frees up within the heartbeat timeout.
                 logger.warning(
-                    "register at %s: %s; retrying in %.1f s", self.address, exc.code(), delay
+                    "register at %s: %s %s; retrying in %.1f s",
+                    self.address,
+                    exc.code(),
+                    exc.details() if exc.code() == grpc.StatusCode.ALREADY_EXISTS else "",
+                    delay,
                 )
             await asyncio.sleep(delay)
 
@@ -236,6 +248,7 @@ class NodeSession:
         # Send time of the last heartbeat (or registration) bootstrap acknowledged: bootstrap
         # saw us alive no earlier than this.
         self.last_ack = 0.0
+        self.draining = False  # sent with every heartbeat from `drain` on
         self._heartbeats: asyncio.Task[None] | None = None
 
     @property
@@ -282,12 +295,26 @@ class NodeSession:
             "node %s registered with the bootstrap at %s", self.node_id, self.client.address
         )
 
+    async def drain(self) -> None:
+        """Tell the bootstrap now (and with every heartbeat) that this node is draining: the
+        gateways stop sending it new requests."""
+        self.draining = True
+        try:
+            await self.client.heartbeat(self.node_id, self._load())
+        except grpc.aio.AioRpcError as exc:  # the next heartbeat says it again
+            logger.warning("draining heartbeat of node %s failed: %s", self.node_id, exc.code())
+
+    def _load(self) -> bootstrap_pb2.NodeLoad:
+        load = self.load()
+        load.draining = self.draining
+        return load
+
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             sent = time.monotonic()
             try:
-                await self.client.heartbeat(self.node_id, self.load())
+                await self.client.heartbeat(self.node_id, self._load())
                 self.last_ack = sent
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:

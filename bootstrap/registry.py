@@ -1,7 +1,11 @@
 """The node registry: who is alive, with which KV layout, and how loaded.
 
 A node is live from Register until it deregisters or misses heartbeats for the timeout; then its
-record is removed (a late heartbeat gets NOT_FOUND and the node registers again). Prefill and
+record is removed (a late heartbeat gets NOT_FOUND and the node registers again). An id belongs
+to one registration while it is live: a Register naming a live id is refused (ALREADY_EXISTS)
+unless it carries that registration's secret, i.e. it is the same node registering again, so a
+second process started with the same `--node-id`, or one impersonating it, cannot take over the
+id and its rooms. Prefill and
 decode nodes must agree on the KV layout (`LAYOUT_FIELDS`) or KV pages cannot move between them;
 tensor-parallel size and rank may differ. Colocated nodes never exchange KV and are not checked.
 """
@@ -13,7 +17,7 @@ import secrets
 import uuid
 from dataclasses import dataclass, field
 
-from bootstrap.errors import FailedPrecondition, InvalidArgument, NotFound
+from bootstrap.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from proto import bootstrap_pb2
 
 LAYOUT_FIELDS = ("model_id", "num_layers", "num_kv_heads", "head_dim", "page_size", "dtype")
@@ -86,13 +90,25 @@ class NodeRegistry:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeRecord] = {}
 
-    def register(self, info: bootstrap_pb2.NodeInfo, now: float) -> tuple[NodeRecord, bool]:
-        """Add (or replace, for a known id) a node; returns (record, replaced_a_live_one)."""
+    def register(
+        self, info: bootstrap_pb2.NodeInfo, now: float, secret: str = ""
+    ) -> tuple[NodeRecord, bool]:
+        """Add a node, or replace a live one whose `secret` the caller proved it holds; returns
+        (record, replaced_a_live_one). AlreadyExists for a live id without its secret."""
         check_required_fields(info)
         record_info = bootstrap_pb2.NodeInfo()
         record_info.CopyFrom(info)
         if not record_info.node_id:
             record_info.node_id = f"{role_name(info.role)}-{uuid.uuid4().hex[:8]}"
+        live = self.nodes.get(record_info.node_id)
+        if live is not None and not (secret and live.holds(secret)):
+            raise AlreadyExists(
+                f"node id {live.node_id} is taken by a live {live.label} at "
+                f"{live.info.grpc_address} (last heartbeat {now - live.last_heartbeat:.1f} s ago) "
+                "and this Register does not carry its node secret: start this node with another "
+                "--node-id (or none, to be given one); a restarted node may take its old id once "
+                "the bootstrap declared the old registration dead (--heartbeat-timeout)"
+            )
         if record_info.role in KV_ROLES:
             for other in self.nodes.values():
                 if other.node_id != record_info.node_id and other.role in KV_ROLES:

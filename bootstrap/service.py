@@ -24,7 +24,7 @@ from bootstrap.errors import BootstrapError, InvalidArgument
 from bootstrap.metrics import BootstrapMetrics
 from bootstrap.registry import NodeRecord, NodeRegistry
 from bootstrap.rooms import RoomPhase, RoomTable
-from bootstrap.security import RoomTickets
+from bootstrap.security import NODE_ID_HEADER, NODE_SECRET_HEADER, RoomTickets, metadata_value
 from bootstrap.streams import Broadcast, Outbox
 from bootstrap.telemetry import current_room
 from proto import bootstrap_pb2, bootstrap_pb2_grpc
@@ -98,7 +98,14 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
 
     @_refusals_to_status
     async def Register(self, request: bootstrap_pb2.RegisterRequest, context: Any) -> Any:
-        record, replaced = self.registry.register(request.node, self.clock())
+        # The secret of a live registration under this id, if the caller holds one: it is
+        # that node registering again (the registry refuses the id to anyone else).
+        metadata = context.invocation_metadata()
+        caller = metadata_value(metadata, NODE_ID_HEADER)
+        secret = (
+            metadata_value(metadata, NODE_SECRET_HEADER) if caller == request.node.node_id else ""
+        )
+        record, replaced = self.registry.register(request.node, self.clock(), secret)
         if replaced:
             failed = self.rooms.fail_node(
                 record.node_id,
@@ -130,8 +137,11 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         self.metrics.heartbeats.inc()
         self.registry.require(request.node_id)  # NOT_FOUND first: the node re-registers
         self._verify_caller(context, request.node_id, f"Heartbeat of node {request.node_id}")
+        was_draining = self.registry.require(request.node_id).load.draining
         if self.registry.heartbeat(request.node_id, request.load, self.clock()):
             status = self.registry.require(request.node_id).status()
+            if request.load.draining and not was_draining:
+                logger.info("%s is draining: gateways stop routing to it", status.node.node_id)
             self.node_events.publish(NodeEvent(kind=NodeEvent.LOAD, status=status))
         return bootstrap_pb2.HeartbeatResponse()
 

@@ -14,10 +14,15 @@ penalties they are exactly `torch.argmax` of the raw logits, ties included. When
 batch is greedy and none has a penalty, the whole batch is one `argmax` and nothing is copied:
 that is the common serving path.
 
-Reproducibility: a seeded request draws the same tokens from the same logits wherever it sits in
-the batch and whoever shares the batch with it, because each row consumes exactly one `V`-sized
-block of its own generator per step and every other operation is row-wise. Streams are
-reproducible per device type only: CPU and CUDA generators produce different numbers.
+Reproducibility: the random numbers of a request's draw are a function of its seed and of the
+position of the token being drawn (its index in prompt + output) alone: before each draw the
+row's generator is re-seeded with `position_seed(seed, position)` and fills one `V`-sized block.
+So a seeded request draws the same tokens from the same logits wherever it sits in the batch,
+whoever shares the batch with it (every other operation is row-wise), and whichever node draws
+a given token: a decode node continuing after the prefill node's first token (`adopt`), or one
+that takes over a migrated request whose earlier tokens arrive as part of its prompt (`resume`),
+continues exactly the stream an uninterrupted run would have drawn. Streams are reproducible
+per device type only: CPU and CUDA generators produce different numbers.
 """
 
 from __future__ import annotations
@@ -35,6 +40,16 @@ from engine import sampling_fields as fields
 # the distribution is a point mass on the argmax anyway, so such rows are sampled greedily.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 _SEED_MASK = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of the draw for the token at `position` (its index in prompt +
+    output) of a request seeded with `seed`: splitmix64 of the pair, so neighbouring positions
+    get unrelated streams."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _SEED_MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _SEED_MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _SEED_MASK
+    return z ^ (z >> 31)
 
 
 def _as_tuple(name: str, value: object) -> tuple[object, ...]:
@@ -135,6 +150,8 @@ class SamplingParams:
 class RequestSampler:
     """One request's sampling state: its generator and the token history its penalties read.
 
+    `position` is the index (in prompt + output) of the token the next draw is for: it starts at
+    the prompt's length and moves on with every token this sampler draws, adopts or resumes.
     The penalty tensors live on the logits' device and exist only when that penalty is active,
     so a request without penalties costs one generator and an output list.
     """
@@ -154,8 +171,10 @@ class RequestSampler:
         self.device = torch.device(device)
         self.output_token_ids: list[int] = []
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        self.seed = seed & _SEED_MASK
+        self.position = len(prompt_ids)
         self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed & _SEED_MASK)
+        self.generator.manual_seed(self.seed)
         # Repetition penalty (HF) covers prompt and output; frequency/presence (OpenAI) only output.
         self._seen_mask: torch.Tensor | None = None
         self._output_counts: torch.Tensor | None = None
@@ -193,12 +212,24 @@ class RequestSampler:
 
     def adopt(self, token_id: int) -> None:
         """Take a token sampled for this request elsewhere (a decode node gets the first token
-        from the prefill node) as if this sampler had drawn it: observe it and consume the draw
-        it would have made, so a seeded request continues the same stream as colocated."""
-        if not self.params.is_greedy:  # one V-sized exponential block, as `_sample_rows`
-            draw = torch.empty(self.vocab_size, dtype=torch.float32, device=self.device)
-            draw.exponential_(generator=self.generator)
+        from the prefill node) as if this sampler had drawn it: observe it and move past its
+        position, so a seeded request continues the same stream as colocated."""
+        self.position += 1
         self.observe(token_id)
+
+    def resume(self, token_ids: Sequence[int]) -> None:
+        """Take the tokens generated for this request before it moved here (a migrated request:
+        they end its prompt) as its output so far: the penalties count them as output, and the
+        next draw is for the position after them, as in an uninterrupted run. The prompt given
+        to the constructor is then the original prompt, without these tokens."""
+        for token_id in token_ids:
+            self.adopt(token_id)
+
+    def fill_noise(self, row: torch.Tensor) -> None:
+        """This draw's `Exp(1)` noise, a function of (seed, position) only; moves on."""
+        self.generator.manual_seed(position_seed(self.seed, self.position))
+        row.exponential_(generator=self.generator)
+        self.position += 1
 
     def apply_penalties(self, row_logits: torch.Tensor) -> None:
         """Penalise this request's `[V]` float logits in place (no-op without penalties)."""
@@ -294,7 +325,7 @@ def _sample_rows(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> to
     # own generator, so a row's draw never depends on its neighbours.
     noise = torch.empty_like(probs)
     for row, sampler in enumerate(samplers):
-        noise[row].exponential_(generator=sampler.generator)
+        sampler.fill_noise(noise[row])
     # CPU exponential_ can return exactly 0, and 0/0 = nan would win argmax on a masked token.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return probs.div_(noise).argmax(dim=-1)

@@ -35,8 +35,11 @@ class StopStringChecker:
         self.tokenizer = tokenizer
 
     def __call__(self, req: Req) -> str | None:
+        # The sampler's output: `output_ids` plus, for a request migrated from another node,
+        # the tokens it generated there (they end its prompt here), so a stop string across
+        # the move still matches.
         tail = self.tokenizer.decode(
-            req.output_ids[-_STOP_WINDOW_TOKENS:], skip_special_tokens=True
+            req.sampler.output_token_ids[-_STOP_WINDOW_TOKENS:], skip_special_tokens=True
         )
         for stop in req.params.stop:
             if stop in tail:

@@ -146,6 +146,20 @@ class Gateway:
         self.openai = OpenAIHandlers(*handlers)
         self.native = NativeHandler(*handlers)
         self.inflight = 0
+        self.draining = False  # SIGTERM (gateway/server.py): finish what is in flight, take no more
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (with `draining` set) until no request is in flight, or `timeout_s`."""
+        logger.info(
+            "draining: /health fails, new requests get 503; %d in flight get %.1f s to finish",
+            self.inflight,
+            timeout_s,
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        logger.info("drained: %d requests still in flight", self.inflight)
 
     def _nodes_changed(self, directory: NodeDirectory) -> None:
         for role, name in ROLE_NAMES.items():
@@ -160,6 +174,15 @@ class Gateway:
             # In flight only once the body is complete: a client that trickles its body
             # (or sends headers and stops) never holds a place under --max-inflight.
             body = await self._read_json(request)
+            if self.draining:
+                raise APIError(
+                    503,
+                    "this gateway is shutting down: retry after the delay in Retry-After (another "
+                    "gateway of the cluster takes the request)",
+                    type_="service_unavailable",
+                    code="shutting_down",
+                    headers={"Retry-After": "1"},
+                )
             self._admit()
             try:
                 payload = await until_disconnected(request.receive, handler(body))
@@ -253,9 +276,10 @@ class Gateway:
 
     def health(self) -> JSONResponse:
         counts = {name: self.directory.count(role) for role, name in ROLE_NAMES.items()}
-        ok = counts["decode"] + counts["colocated"] > 0
+        ok = counts["decode"] + counts["colocated"] > 0 and not self.draining
+        status = "draining" if self.draining else "ok" if ok else "no decode node"
         body = {
-            "status": "ok" if ok else "no decode node",
+            "status": status,
             **counts,
             "inflight": self.inflight,  # this worker's (gateway-server --workers)
             "pid": os.getpid(),  # the worker that answered

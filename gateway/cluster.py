@@ -1,7 +1,8 @@
 """`pd-cluster`: a whole local cluster in one command, for trying pdserve and for tests.
 
 Starts, on 127.0.0.1 with free ports: a bootstrap-server, `--prefill N` prefill-servers,
-`--decode M` decode-servers (disaggregated) and a gateway-server; waits until the gateway's
+`--decode M` decode-servers (disaggregated) and a gateway-server (`--gateways N`: N of them on
+the one bootstrap, named gateway-0.., each printed with its URL); waits until every gateway's
 /health is 200 with every node registered; prints the base URL, a curl example and where each
 process serves its Prometheus metrics (the bootstrap and every node get a free `--metrics-port`;
 the gateway serves /metrics on its API port: one `[pd-cluster] metrics <name> <url>` line each,
@@ -11,6 +12,11 @@ gateway dies, it stops everything: SIGTERM to each child (gateway first, bootstr
 after the grace period, and a kill of each child's whole session (gateway/launcher.py), so
 nothing is left behind even if a child died or left processes of its own. Children also get
 SIGTERM from the kernel if pd-cluster itself is killed (PR_SET_PDEATHSIG).
+
+SIGHUP (`kill -HUP <pd-cluster pid>`) is the upgrade command: a rolling restart of every child,
+one at a time (`rolling_restart`): each gets SIGTERM and drains (a node finishes or hands over its
+requests, a gateway its streams), is started again on the same ports, and the next one waits
+until every gateway routes to the whole cluster again.
 
 Internal gRPC security (`--internal-token-file`, `--tls-*`, see bootstrap/security.py) is passed
 to every child by the same flags; a token given by value (`--internal-token` or the environment)
@@ -67,6 +73,7 @@ class ClusterConfig:
     decode_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     gateway_workers: int = 1  # gateway-server --workers
+    gateways: int = 1  # gateway-servers on the one bootstrap, each on its own port
     ready_timeout_s: float = 600.0
     stop_grace_s: float = 15.0
     log_dir: Path | None = None
@@ -77,11 +84,23 @@ class ClusterConfig:
     devices: tuple[str, ...] = ()  # `--device` of each node in turn, prefill nodes first
 
 
+@dataclass(frozen=True)
+class ChildSpec:
+    """How a child was started: what a rolling restart starts again, on the same ports."""
+
+    name: str
+    script: str
+    args: tuple[str, ...]
+    port: int
+    metrics_port: int = 0  # 0: no --metrics-port
+
+
 @dataclass
 class Child(ServerProcess):
     essential: bool = False  # its death takes the cluster down
     metrics_url: str = ""
     reported_exit: bool = False
+    spec: ChildSpec | None = None
 
 
 @dataclass
@@ -123,11 +142,22 @@ class Cluster:
             self._spawn(f"decode-{i}", "decode-server", args, metrics=True)
         gateway_args = ["--bootstrap", bootstrap.address, *self._model_args(), *c.room_key_args]
         gateway_args += ["--workers", str(c.gateway_workers), *c.gateway_args]
-        gateway = self._spawn("gateway", "gateway-server", gateway_args, True, port=c.port)
-        url = f"http://{gateway.address}"
-        gateway.metrics_url = f"{url}/metrics"
-        self._wait_healthy(url, stop)
-        return url
+        for i in range(c.gateways):
+            name = "gateway" if c.gateways == 1 else f"gateway-{i}"
+            # One gateway is essential; of several, the others serve on when one dies.
+            port = c.port if i == 0 else 0
+            gateway = self._spawn(name, "gateway-server", gateway_args, c.gateways == 1, port)
+            gateway.metrics_url = f"http://{gateway.address}/metrics"
+        urls = self.gateway_urls()
+        for url in urls:
+            self._wait_healthy(url, stop)
+        return urls[0]
+
+    def gateways(self) -> list[Child]:
+        return [c for c in self.children if c.name.startswith("gateway")]
+
+    def gateway_urls(self) -> list[str]:
+        return [f"http://{g.address}" for g in self.gateways()]
 
     def live_nodes(self, role: str) -> list[Child]:
         """The running nodes of `role` ("prefill" or "decode"), oldest first."""
@@ -174,32 +204,38 @@ class Cluster:
         port: int = 0,
         metrics: bool = False,
     ) -> Child:
-        port = port or free_port()
+        spec = ChildSpec(
+            name, script, tuple(args), port or free_port(), free_port() if metrics else 0
+        )
+        child = self._launch(spec)
+        child.essential = essential
+        self.children.append(child)
+        return child
+
+    def _launch(self, spec: ChildSpec) -> Child:
         try:
-            executable = console_script(script)
+            executable = console_script(spec.script)
         except FileNotFoundError as exc:
             raise ClusterError(str(exc)) from None
-        command = [executable, *self.config.log_args, *self.config.auth_args, *args]
+        command = [executable, *self.config.log_args, *self.config.auth_args, *spec.args]
         command += ["--host", HOST]
-        command += ["--port", str(port)]
-        metrics_port = free_port() if metrics else 0
-        if metrics_port:
-            command += ["--metrics-port", str(metrics_port)]
-        self.say(f"[pd-cluster] starting {name}: {shlex.join(command)}")
+        command += ["--port", str(spec.port)]
+        if spec.metrics_port:
+            command += ["--metrics-port", str(spec.metrics_port)]
+        self.say(f"[pd-cluster] starting {spec.name}: {shlex.join(command)}")
         log_dir = self.config.log_dir
         child = Child.start(
-            name,
+            spec.name,
             command,
-            address=f"{HOST}:{port}",
-            log_path=log_dir / f"{name}.log" if log_dir is not None else None,
+            address=f"{HOST}:{spec.port}",
+            log_path=log_dir / f"{spec.name}.log" if log_dir is not None else None,
             relay=self.say,
             env=self._child_env(),
             die_with_parent=True,
         )
-        child.essential = essential
-        if metrics_port:
-            child.metrics_url = f"http://{HOST}:{metrics_port}/metrics"
-        self.children.append(child)
+        child.spec = spec
+        if spec.metrics_port:
+            child.metrics_url = f"http://{HOST}:{spec.metrics_port}/metrics"
         return child
 
     def _child_env(self) -> dict[str, str]:
@@ -208,12 +244,16 @@ class Cluster:
             env[TOKEN_ENV] = self.config.internal_token
         return env
 
-    def _wait_healthy(self, url: str, stop: threading.Event) -> None:
+    def _wait_healthy(
+        self, url: str, stop: threading.Event, required: list[Child] | None = None
+    ) -> None:
+        """Until the gateway at `url` routes to every node; ClusterError if one of `required`
+        (default: every child) died meanwhile."""
         c = self.config
         deadline = time.monotonic() + c.ready_timeout_s
         want = {"prefill": c.prefill, "decode": c.decode}
         while not stop.is_set():
-            dead = self.dead_children()
+            dead = [child for child in required or self.children if not child.alive]
             if dead:
                 raise ClusterError(f"{dead[0].name} exited with code {dead[0].process.returncode}")
             health = _get_json(url + "/health")
@@ -229,24 +269,46 @@ class Cluster:
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if not c.alive]
 
-    def watch(self, stop: threading.Event) -> int:
-        """Until asked to stop or an essential child dies; returns the exit code to use."""
+    def watch(self, stop: threading.Event, restart: threading.Event | None = None) -> int:
+        """Until asked to stop, an essential child dies or every gateway did; returns the exit
+        code to use. When `restart` is set (SIGHUP), restarts every child, one at a time."""
         while not stop.wait(_POLL_S):
+            if restart is not None and restart.is_set():
+                restart.clear()
+                rolling_restart(self, stop)
             for child in self.dead_children():
                 if child.reported_exit:
                     continue
                 child.reported_exit = True
                 self.say(f"[pd-cluster] {child.name} exited with code {child.process.returncode}")
-                if child.essential:
+                if child.essential or not any(g.alive for g in self.gateways()):
                     return 1
         return 0
+
+    def restart(self, child: Child, stop: threading.Event) -> None:
+        """SIGTERM `child` (a node drains, a gateway finishes its streams), start it again on
+        the same ports and wait until every gateway routes to the whole cluster again."""
+        assert child.spec is not None
+        self.say(f"[pd-cluster] restarting {child.name}")
+        child.terminate()
+        if not child.wait(self.config.stop_grace_s + DRAIN_ALLOWANCE_S):
+            self.say(f"[pd-cluster] {child.name} did not stop: killing it")
+        child.kill()
+        fresh = self._launch(child.spec)
+        fresh.essential, fresh.metrics_url = child.essential, child.metrics_url
+        self.children[self.children.index(child)] = fresh
+        for gateway in self.gateways():
+            if gateway.alive:  # a gateway that died before is started again in its turn
+                self._wait_healthy(f"http://{gateway.address}", stop, [fresh])
+        self.say(f"[pd-cluster] restarted {child.name} (exit code {child.process.returncode})")
 
     def stop(self) -> None:
         """Stop every child (gateway first, bootstrap last); kill what does not stop."""
         # Gateway first (no new work reaches the nodes), bootstrap last (nodes deregister).
+        gateways = self.gateways()
         phases = [
-            [c for c in self.children if c.name == "gateway"],
-            [c for c in self.children if c.name not in ("gateway", "bootstrap")],
+            gateways,
+            [c for c in self.children if c not in gateways and c.name != "bootstrap"],
             [c for c in self.children if c.name == "bootstrap"],
         ]
         for phase in phases:
@@ -270,6 +332,30 @@ def node_devices(config: ClusterConfig) -> list[list[str]]:
 
 class ClusterError(RuntimeError):
     """The cluster could not start; the message names the process or the wait that failed."""
+
+
+# A child's SIGTERM drain takes at most its --drain-timeout (5 s nodes, 20 s gateways) beyond
+# the stop grace; a rolling restart waits this much longer before it kills one.
+DRAIN_ALLOWANCE_S = 30.0
+BOOTSTRAP_SETTLE_S = 3.0  # nodes heartbeat every second; NOT_FOUND makes them register again
+
+
+def rolling_restart(cluster: Cluster, stop: threading.Event) -> None:
+    """Restart every child, one at a time, for an upgrade with no failed request: prefill
+    nodes, decode nodes (each drains: its streams finish or move), the bootstrap (on its
+    address; the nodes register again), then the gateways (each finishes its streams; with
+    several, the others serve meanwhile)."""
+    order = ["prefill", "decode", "bootstrap", "gateway"]
+    # What died before (e.g. one of several gateways) is started first: it serves meanwhile.
+    children = sorted(cluster.children, key=lambda c: (c.alive, order.index(c.name.split("-")[0])))
+    cluster.say(f"[pd-cluster] rolling restart of {len(children)} processes")
+    for child in children:
+        if stop.is_set():
+            return
+        cluster.restart(child, stop)
+        if child.name == "bootstrap":  # the gateways kept their tables; the nodes rejoin at
+            time.sleep(BOOTSTRAP_SETTLE_S)  # their next heartbeat
+    cluster.say("[pd-cluster] rolling restart done")
 
 
 def _get_json(url: str) -> dict[str, object] | None:
@@ -315,6 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-args", default="", help="extra flags for decode nodes")
     parser.add_argument("--gateway-args", default="", help="extra flags for the gateway")
     parser.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway-servers on the one bootstrap, each on its own port (the first on --port) "
+        "and printed with its URL; with several, one dying leaves the others serving",
+    )
+    parser.add_argument(
         "--gateway-workers", type=int, default=1, help="gateway processes on its port"
     )
     parser.add_argument(
@@ -334,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace) -> ClusterConfig:
     if args.prefill < 0 or args.decode < 1:
         raise ValueError("--prefill must be >= 0 and --decode >= 1")
+    if args.gateways < 1:
+        raise ValueError(f"--gateways must be >= 1, got {args.gateways}")
     if not 1 <= args.gateway_workers <= MAX_WORKERS:
         raise ValueError(
             f"--gateway-workers must be in [1, {MAX_WORKERS}], got {args.gateway_workers}"
@@ -352,6 +447,7 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         decode_args=tuple(shlex.split(args.decode_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),
         gateway_workers=args.gateway_workers,
+        gateways=args.gateways,
         ready_timeout_s=args.ready_timeout,
         log_dir=args.log_dir,
         log_args=("--log-level", args.log_level, "--log-format", args.log_format),
@@ -381,17 +477,21 @@ def _served_name(config: ClusterConfig, url: str) -> str:
 def run(config: ClusterConfig, on_ready: Callable[[str], None] | None = None) -> int:
     loopback_transports()
     stop = threading.Event()
+    restart = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: restart.set())
     cluster = Cluster(config)
     try:
         url = cluster.start(stop)
         cluster.say(banner(url, _served_name(config, url)))
+        for child, gateway_url in zip(cluster.gateways(), cluster.gateway_urls(), strict=True):
+            cluster.say(f"[pd-cluster] gateway {child.name} {gateway_url}")
         for line in cluster.metrics_lines():
             cluster.say(line)
         if on_ready is not None:
             on_ready(url)
-        code = cluster.watch(stop)
+        code = cluster.watch(stop, restart)
     except ClusterError as exc:
         cluster.say(f"[pd-cluster] error: {exc}")
         code = 1

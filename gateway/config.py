@@ -86,10 +86,15 @@ class RoutingConfig:
     # HTTP/2 pings on the node channels while calls are open (0: off): a node that stops
     # answering (link cut, host down, process frozen) fails its calls within about twice this.
     node_keepalive_s: float = 10.0
+    # Times a choice may move to another decode node after its first token was streamed (its
+    # node died or gave it up): prompt + streamed tokens are re-issued elsewhere (0: never).
+    migration_limit: int = 3
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError("--max-attempts must be >= 1")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.node_keepalive_s < 0:
             raise ValueError(f"--node-keepalive must be >= 0 s, got {self.node_keepalive_s}")
         if self.prefix_block_tokens < 1:
@@ -133,6 +138,8 @@ class GatewayConfig:
     workers: int = 1  # processes serving the port (gateway/workers.py)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     tokenizer_workers: int = 1  # threads tokenizing long prompts (gateway/tokenize.py)
+    # SIGTERM: /health fails and new requests get 503 at once; in-flight ones get this long.
+    drain_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
@@ -140,6 +147,8 @@ class GatewayConfig:
                 f"--stream-interval must be in [1, {MAX_STREAM_INTERVAL}] tokens, got "
                 f"{self.stream_interval}: 1 sends every token as it comes"
             )
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout must be >= 0 s, got {self.drain_timeout_s}")
         if self.tokenizer_workers < 1:
             raise ValueError(f"--tokenizer-workers must be >= 1, got {self.tokenizer_workers}")
         if not 1 <= self.workers <= MAX_WORKERS:

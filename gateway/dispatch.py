@@ -1,15 +1,18 @@
-"""Running one choice on the cluster, with retries on other nodes before its first token.
+"""Running one choice on the cluster: retries before its first token, migration after it.
 
-`Generation` is one choice (one prompt, one room): iterate it for the decode node's token
-chunks; afterwards `finished`, `cached_tokens` and `route` say how it ended and where it ran.
+`Generation` is one choice (one prompt): iterate it for its token chunks; afterwards `finished`
+(usage over every node it ran on), `cached_tokens` and `route` (its last nodes) say how it ended.
 
 Attempts: the router picks a (prefill?, decode) pair; `PDStream` sends to both. If the attempt
 fails before the first token reached us (a node is unreachable, refuses, or the KV hand-off
 fails), the failed node is excluded and the next attempt goes elsewhere (or to the decode node
 alone when no other prefill node is left), up to `max_attempts`. Requests the nodes call invalid
-(e.g. too long for their context) become a 400 at once. A failure after the first token cannot be
-hidden any more: it raises `GenerationFailed`. Leaving the iteration early (the HTTP client went
-away) cancels both node calls: the request is aborted on both nodes.
+(e.g. too long for their context) become a 400 at once. A failure after the first token
+(the decode node died, its stream broke, or it aborted the request, e.g. while shutting down)
+migrates the choice (gateway/migration.py): the node is excluded and prompt + streamed tokens go
+to another pair, the chunks continuing the same iteration, up to `migration_limit` moves; then
+`GenerationFailed` names every node that failed. Leaving the iteration early (the HTTP client
+went away) cancels both node calls: the request is aborted on both nodes.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import grpc
 
 from bootstrap.security import RoomTickets
 from gateway.config import RoutingConfig
-from gateway.errors import GenerationFailed, bad_request, unavailable
+from gateway.errors import APIError, GenerationFailed, bad_request, unavailable
 from gateway.metrics import GatewayMetrics
+from gateway.migration import Progress
 from gateway.nodes import NodeDirectory
 from gateway.pd_client import PDResult, PDStream
 from gateway.routing import Route, Router
@@ -88,6 +92,7 @@ class Generation:
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.rid = rid
+        self.progress = Progress(prompt_ids, sampling)
         self.finished: node_pb2.Finished | None = None
         self.cached_tokens = 0
         self.route: Route | None = None
@@ -96,76 +101,151 @@ class Generation:
         trace = current_trace.get()
         self.trace = trace
         self.started = trace.started if trace is not None else time.monotonic()
+        self._last_chunk = 0.0
+        self._retries = 0  # failed attempts before the first token
+        self._moved_at: float | None = None  # when the stream last moved to another node
 
     def __aiter__(self) -> AsyncGenerator[node_pb2.TokenChunk, None]:
         return self._chunks()
 
     async def _chunks(self) -> AsyncGenerator[node_pb2.TokenChunk, None]:
         d = self.dispatcher
+        progress = self.progress
         excluded: set[str] = set()
-        failure: AttemptFailure | None = None
-        started = self.started
-        for attempt in range(d.config.max_attempts):
-            self.attempts = attempt + 1
-            route = self.route = d.router.choose(self.prompt_ids, excluded)
+        while True:
+            self.attempts += 1
+            resumed = len(progress.streamed)
+            route = self.route = self._choose(excluded)
             stream = PDStream(
                 route.decode.target,
                 route.prefill.target if route.prefill else None,
-                self.prompt_ids,
-                self.sampling,
-                rid=f"{self.rid}-{attempt}",
+                progress.input_ids,
+                progress.next_sampling(),
+                rid=f"{self.rid}-{self.attempts - 1}",
                 tickets=d.tickets,
+                resumed_tokens=resumed,
             )
-            sent = False
-            last_chunk = 0.0
+            self.finished = None
+            failure: AttemptFailure | None = None
             d.enter(route)
             try:
                 async with contextlib.aclosing(aiter(stream)) as responses:
                     async for response in responses:
                         if response.HasField("chunk"):
-                            now = time.monotonic()
-                            if sent:
-                                d.metrics.itl.observe(now - last_chunk)
-                            else:
-                                d.metrics.ttft.observe(now - started)
-                            sent, last_chunk = True, now
+                            self._observe_chunk(response.chunk)
                             yield response.chunk
                         else:
                             self.finished = response.finished
-                failure = self._check(stream.result, route, sent)
+                failure = self._check(stream.result, route, len(progress.streamed) > resumed)
             except grpc.aio.AioRpcError as exc:
-                failure = self._decode_failed(exc, route, sent)
+                failure = self._decode_failed(exc, route, len(progress.streamed) > resumed)
             finally:
                 d.leave(route)
             if failure is None:
-                self._account(stream.result, route, started)
+                assert self.finished is not None
+                self.finished = progress.whole(self.finished, resumed)
+                self._account(stream.result, route, self.started)
                 return
             excluded.add(failure.node_id)
+            if self._recover(failure, stream.result, route):
+                return
+
+    def _recover(self, failure: AttemptFailure, result: PDResult, route: Route) -> bool:
+        """After a failed attempt: False to try again elsewhere (a retry before the first token,
+        a migration after it), True when the choice is over after all; raises when it failed."""
+        d = self.dispatcher
+        progress = self.progress
+        on = f"prefill node {route.prefill.node_id} -> " if route.prefill else ""
+        on += f"decode node {route.decode.node_id}"
+        progress.tried.append(f"attempt {self.attempts} on {on}: {failure.reason}")
+        logger.warning(
+            "request %s attempt %d failed after %d streamed tokens: %s",
+            self.rid,
+            self.attempts,
+            len(progress.streamed),
+            failure.reason,
+            extra={"room": result.room},
+        )
+        if not progress.started:
+            self._retries += 1
             d.metrics.retries.labels(failure.kind).inc()
-            logger.warning(
-                "request %s attempt %d failed: %s",
-                self.rid,
-                attempt + 1,
-                failure.reason,
-                extra={"room": stream.result.room},
-            )
-        assert failure is not None
-        raise unavailable(
-            f"no node could serve the request in {d.config.max_attempts} attempts; "
-            f"last failure: {failure.reason}"
+            if self._retries >= d.config.max_attempts:
+                raise unavailable(
+                    f"no node could serve the request in {self._retries} attempts; "
+                    f"last failure: {failure.reason}"
+                )
+            return False
+        if progress.spent:  # every token is out: only the node's last word was lost
+            self.finished = progress.ended_by_length()
+            self._account(result, route, self.started)
+            return True
+        self._migrate(failure)
+        return False
+
+    def _observe_chunk(self, chunk: node_pb2.TokenChunk) -> None:
+        m = self.dispatcher.metrics
+        now = time.monotonic()
+        if self.progress.started:
+            m.itl.observe(now - self._last_chunk)
+        else:
+            m.ttft.observe(now - self.started)
+        self._last_chunk = now
+        if self._moved_at is not None:  # the first token from the node it moved to
+            m.migration_gap.observe(now - self._moved_at)
+            self._moved_at = None
+        self.progress.streamed.extend(chunk.token_ids)
+
+    def _choose(self, excluded: set[str]) -> Route:
+        try:
+            return self.dispatcher.router.choose(self.progress.input_ids, excluded)
+        except APIError as exc:
+            if not self.progress.started:
+                raise
+            raise self._out_of_moves(f"no node left to move it to: {exc.message}") from exc
+
+    def _migrate(self, failure: AttemptFailure) -> None:
+        """Move the streaming choice to another node, or end it when it has moved enough."""
+        d = self.dispatcher
+        progress = self.progress
+        if progress.migrations >= d.config.migration_limit:
+            moved = f"it was already moved {progress.migrations} times (--migration-limit)"
+            raise self._out_of_moves(moved)
+        progress.migrations += 1
+        self._moved_at = time.monotonic()
+        d.metrics.migrations.labels(failure.kind).inc()
+        logger.info(
+            "request %s: moving to another node after %d streamed tokens (move %d of %d)",
+            self.rid,
+            len(progress.streamed),
+            progress.migrations,
+            d.config.migration_limit,
+        )
+
+    def _out_of_moves(self, why: str) -> GenerationFailed:
+        self.dispatcher.metrics.failures.inc()
+        progress = self.progress
+        return GenerationFailed(
+            f"the request failed after {len(progress.streamed)} streamed tokens and {why}; "
+            f"nodes tried: {'; '.join(progress.tried)}"
         )
 
     def _check(self, result: PDResult, route: Route, sent: bool) -> AttemptFailure | None:
+        """How the attempt ended: None when it finished; else which node to blame. `sent`:
+        the attempt streamed tokens (then only the decode node can be at fault)."""
         finished = self.finished
         if finished is not None and finished.finish_reason != "abort":
             return None
         detail = finished.detail if finished is not None else ""
         if sent:
-            self.dispatcher.metrics.failures.inc()
-            raise GenerationFailed(
+            reason = (
                 f"decode node {route.decode.node_id} aborted the request after "
                 f"{len(result.token_ids)} tokens: {detail or result.prefill_error or 'no reason'}"
             )
+            return AttemptFailure(route.decode.node_id, reason, "decode")
+        current = self.dispatcher.directory.nodes.get(route.decode.node_id)
+        if current is not None and current.load.draining:  # D gave it up on its way out
+            reason = f"decode node {route.decode.node_id} is draining: {detail}"
+            return AttemptFailure(route.decode.node_id, reason, "decode")
         if route.prefill is not None and (result.prefill_error or finished is None):
             if result.prefill_code == grpc.StatusCode.UNAVAILABLE:
                 self.dispatcher.directory.report_unreachable(route.prefill.node_id)
@@ -179,20 +259,17 @@ class Generation:
 
     def _decode_failed(self, exc: grpc.aio.AioRpcError, route: Route, sent: bool) -> AttemptFailure:
         code, details = exc.code(), exc.details() or ""
-        if code in _INVALID:
+        if code in _INVALID and not self.progress.started:
             raise bad_request(None, f"the decode node refused the request: {details}")
-        if sent:
-            self.dispatcher.metrics.failures.inc()
-            raise GenerationFailed(
-                f"decode node {route.decode.node_id} failed mid-stream: {code.name}: {details}"
-            )
         if code == grpc.StatusCode.UNAVAILABLE:
             self.dispatcher.directory.report_unreachable(route.decode.node_id)
         blamed = route.decode.node_id
-        if route.prefill is not None and route.prefill.node_id in details:
+        if not sent and route.prefill is not None and route.prefill.node_id in details:
             blamed = route.prefill.node_id  # e.g. D does not know this P (yet)
         kind = "decode" if blamed == route.decode.node_id else "prefill"
-        return AttemptFailure(blamed, f"{code.name}: {details}", kind)
+        where = "mid-stream" if sent else "before its first token"
+        reason = f"{kind} node {blamed} failed {where}: {code.name}: {details}"
+        return AttemptFailure(blamed, reason, kind)
 
     def _account(self, result: PDResult, route: Route, started: float) -> None:
         m = self.dispatcher.metrics

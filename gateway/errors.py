@@ -53,7 +53,8 @@ def unavailable(message: str) -> APIError:
 
 
 class GenerationFailed(APIError):
-    """A node failed after tokens were already sent: the request cannot be moved elsewhere."""
+    """A node failed after tokens were already sent and the choice could not be moved to
+    another node (out of --migration-limit moves, or of nodes): the stream ends with it."""
 
     def __init__(self, message: str) -> None:
         super().__init__(502, message, type_="upstream_error", code="node_failed")

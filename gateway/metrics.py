@@ -74,6 +74,16 @@ class GatewayMetrics:
             "pdserve_gateway_retries", "choices moved to another node before their first token",
             ["reason"], registry=r,
         )  # fmt: skip
+        self.migrations = Counter(
+            "pdserve_gateway_migrations",
+            "streaming choices moved to another node after their first token",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.migration_gap = Histogram(
+            "pdserve_gateway_migration_gap_seconds",
+            "a moved stream's wait: its node failed -> the first token from its new node",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.failures = Counter(
             "pdserve_gateway_failures", "choices that failed after their first token", registry=r
         )

@@ -2,7 +2,8 @@
 
 `NodeDirectory.watch` follows the bootstrap's node events for as long as the gateway runs: a node
 that JOINs is routable at once, one that LEAVEs (deregistered or declared dead) is dropped at
-once, and LOAD events refresh the heartbeat load that `least_load` reads. After the watch stream
+once, and LOAD events refresh the heartbeat load that `least_load` reads, and say when a node
+is draining (it takes no new requests; `live` leaves it out). After the watch stream
 reconnects (bootstrap restart) a reset marker arrives: every node is forgotten and the fresh
 snapshot that follows rebuilds the table.
 
@@ -106,8 +107,13 @@ class NodeDirectory:
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def live(self, roles: Collection[int], excluded: Collection[str] = ()) -> list[LiveNode]:
-        """Routable nodes of these roles, by id; nodes cooling down only if nothing else is left."""
-        nodes = [n for n in self.nodes.values() if n.role in roles and n.node_id not in excluded]
+        """Routable nodes of these roles, by id; nodes cooling down only if nothing else is left.
+        A draining node (it got SIGTERM and finishes what it has) is never routable."""
+        nodes = [
+            n
+            for n in self.nodes.values()
+            if n.role in roles and n.node_id not in excluded and not n.load.draining
+        ]
         now = time.monotonic()
         healthy = [n for n in nodes if not n.cooling(now)]
         return sorted(healthy or nodes, key=lambda n: n.node_id)

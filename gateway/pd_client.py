@@ -92,7 +92,10 @@ class PDStream:
         room: int | None = None,
         rid: str = "",
         tickets: RoomTickets | None = None,
+        resumed_tokens: int = 0,
     ) -> None:
+        """`resumed_tokens`: the last this many `input_ids` were generated for the request on
+        another node (a migrated request, gateway/migration.py)."""
         self.decode = decode
         self.prefill = prefill
         room = (room or new_room()) if prefill is not None else 0
@@ -104,6 +107,7 @@ class PDStream:
             sampling=sampling,
             bootstrap_room=room,
             prefill_node_id=prefill.node_id if prefill else "",
+            resumed_tokens=resumed_tokens,
         )
         if tickets is not None and prefill is not None:
             self._generate.room_ticket = tickets.issue(room, prefill.node_id, decode.node_id)
@@ -114,6 +118,7 @@ class PDStream:
                 sampling=sampling,
                 bootstrap_room=room,
                 decode_node_id=decode.node_id,
+                resumed_tokens=resumed_tokens,
             )
             if prefill is not None
             else None

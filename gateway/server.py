@@ -9,12 +9,14 @@ SIGTERM: uvicorn stops accepting, lets open requests finish, then the app closes
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 from bootstrap.security import (
@@ -67,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per streamed chunk (the first token at once, the last chunk always); "
         "the text and token ids are the same for any value",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=20.0,
+        help="on SIGTERM: /health answers 503 and new requests get 503 with Retry-After at "
+        "once; in-flight requests get this many seconds to finish before the gateway exits "
+        "(a second SIGTERM or SIGINT stops it at once; keep it below Kubernetes' 30 s grace)",
+    )
     add_log_args(parser)
     g = parser.add_argument_group("routing")
     g.add_argument("--prefill-policy", default="prefix_aware", choices=sorted(POLICIES))
@@ -79,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--max-attempts", type=int, default=3, help="nodes tried before the first token")
     g.add_argument("--node-cooldown", type=float, default=5.0, help="seconds to skip a failed node")
+    g.add_argument(
+        "--migration-limit",
+        type=int,
+        default=3,
+        help="times a streaming choice may move to another decode node when its node dies or "
+        "gives it up mid-stream (prompt + streamed tokens re-issued; 0: never)",
+    )
     g.add_argument(
         "--node-keepalive",
         type=float,
@@ -214,6 +231,7 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         max_attempts=args.max_attempts,
         node_cooldown_s=args.node_cooldown,
+        migration_limit=args.migration_limit,
         node_keepalive_s=args.node_keepalive,
         prefix_block_tokens=args.prefix_block_tokens,
         prefix_max_blocks=args.prefix_max_blocks,
@@ -238,6 +256,7 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
             stream_stall_timeout_s=args.stream_stall_timeout,
         ),
         tokenizer_workers=args.tokenizer_workers,
+        drain_timeout_s=args.drain_timeout,
     )
 
 
@@ -255,13 +274,30 @@ def serve(
     from gateway.app import Gateway, build_app
     from gateway.connections import guarded_protocol
 
+    gateway = Gateway(config, codec, multiprocess_dir)
+
     class Server(uvicorn.Server):
+        """uvicorn's server, draining on the first SIGTERM/SIGINT (`Gateway.drain`): readiness
+        fails and new requests get 503 while the streams in flight finish; then it stops."""
+
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            self.loop = asyncio.get_running_loop()
             await super().startup(sockets)
             if self.started and on_started is not None:
                 on_started()
 
-    app = build_app(Gateway(config, codec, multiprocess_dir))
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if gateway.draining or not self.started:
+                super().handle_exit(sig, frame)  # a second signal: stop now
+                return
+            gateway.draining = True  # from here on /health and new requests answer 503
+            self.loop.call_soon_threadsafe(self._drain)
+
+        def _drain(self) -> None:
+            task = self.loop.create_task(gateway.drain(config.drain_timeout_s))
+            task.add_done_callback(lambda _: setattr(self, "should_exit", True))
+
+    app = build_app(gateway)
     logger.info(
         "gateway for %r on http://%s:%d (prefill policy %s, decode policy %s, stream interval %d)",
         config.model.served_name,

@@ -208,7 +208,8 @@ class Supervisor:
             if worker.process.is_alive():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(worker.pid, signal.SIGTERM)
-        deadline = time.monotonic() + _STOP_GRACE_S
+        # Each worker drains first (--drain-timeout), then stops.
+        deadline = time.monotonic() + self.config.drain_timeout_s + _STOP_GRACE_S
         for worker in self.workers:
             worker.process.join(max(deadline - time.monotonic(), 0.1))
             if worker.process.is_alive():

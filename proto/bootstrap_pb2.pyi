@@ -102,20 +102,22 @@ class TPRankInfo(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., transfer_endpoint: _Optional[bytes] = ..., kv: _Optional[_Union[MemoryRegion, _Mapping]] = ..., kv_head_start: _Optional[int] = ..., num_kv_heads: _Optional[int] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("running_requests", "queued_requests", "free_pages", "total_pages", "transfer_queue", "bootstrap_queue")
+    __slots__ = ("running_requests", "queued_requests", "free_pages", "total_pages", "transfer_queue", "bootstrap_queue", "draining")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_QUEUE_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     queued_requests: int
     free_pages: int
     total_pages: int
     transfer_queue: int
     bootstrap_queue: int
-    def __init__(self, running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., transfer_queue: _Optional[int] = ..., bootstrap_queue: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., transfer_queue: _Optional[int] = ..., bootstrap_queue: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("node",)

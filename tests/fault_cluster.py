@@ -199,6 +199,12 @@ class FaultCluster:
         os.kill(proc.server.pid, signal.SIGKILL)
         proc.server.process.wait(30)
 
+    def terminate(self, name: str, timeout: float = 120.0) -> int:
+        """SIGTERM a process (a node drains, a gateway finishes its streams); its exit code."""
+        proc = self.procs[name]
+        os.kill(proc.server.pid, signal.SIGTERM)
+        return proc.server.process.wait(timeout)
+
     def forget(self, name: str) -> None:
         """Stop (if needed) and drop a process, leftovers of its session included."""
         proc = self.procs.pop(name, None)
@@ -450,18 +456,20 @@ class Row:
     recovery_s: float
     longest_s: float
     note: str = ""
+    migrations: str = "-"  # streams the gateway moved to another node after their first token
 
     HEADER = (
         "| fault | backend | requests | in flight at fault | completed correctly | failed "
-        "(clear error) | lost | gateway retries | pages leaked | recovery (s) | longest "
-        "request (s) | note |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "(clear error) | lost | gateway retries | migrations | pages leaked | recovery (s) | "
+        "longest request (s) | note |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
 
     def markdown(self) -> str:
         return (
             f"| {self.fault} | {self.backend} | {self.sent} | {self.in_flight} | "
-            f"{self.correct} | {self.failed} | {self.lost} | {self.retries} | {self.leaked} | "
-            f"{self.recovery_s:.2f} | {self.longest_s:.2f} | {self.note} |"
+            f"{self.correct} | {self.failed} | {self.lost} | {self.retries} | "
+            f"{self.migrations} | {self.leaked} | {self.recovery_s:.2f} | "
+            f"{self.longest_s:.2f} | {self.note} |"
         )
 
 

@@ -21,7 +21,14 @@ from typing import TypeVar
 import grpc
 import pytest
 
-from bootstrap.client import BootstrapClient, NodeSession, RegistrationRefused, RetryPolicy
+from bootstrap.client import (
+    BootstrapClient,
+    BootstrapUnreachable,
+    NodeSession,
+    RegistrationRefused,
+    RetryPolicy,
+)
+from bootstrap.security import NODE_ID_HEADER, NODE_SECRET_HEADER
 from engine.ports import free_port
 from proto import bootstrap_pb2 as pb
 from proto import bootstrap_pb2_grpc
@@ -160,6 +167,46 @@ def test_register_list_watch(server: Server) -> None:
             left = await next_matching(watch, is_event(NodeEvent.LEFT, decode_id))
             assert not left.status.alive
             assert decode_id not in {s.node.node_id for s in await client.list_nodes()}
+
+    run(scenario)
+
+
+def test_a_live_id_is_refused_unless_the_same_registration(server: Server) -> None:
+    """A second process started with a live node's id (or one guessing its secret) is refused
+    and told why; the node itself registers again by proving it holds the secret; once the id
+    is free anyone may take it."""
+
+    async def scenario() -> None:
+        async with (
+            BootstrapClient(server.address, fast_policy()) as first,
+            BootstrapClient(server.address, fast_policy()) as second,
+        ):
+            node_id = f"prefill-{uuid.uuid4().hex[:6]}"
+            info = node(pb.PREFILL, node_id=node_id)
+            registered = await first.register(info)
+            first.identify(node_id, registered.node_secret)
+
+            details = await expect_error(
+                second.stub.Register(pb.RegisterRequest(node=info)), grpc.StatusCode.ALREADY_EXISTS
+            )
+            assert f"node id {node_id} is taken by a live prefill node" in details
+            assert "--node-id" in details and "--heartbeat-timeout" in details
+            guess = ((NODE_ID_HEADER, node_id), (NODE_SECRET_HEADER, "guessed"))
+            await expect_error(
+                second.stub.Register(pb.RegisterRequest(node=info), metadata=guess),
+                grpc.StatusCode.ALREADY_EXISTS,
+            )
+            # The client retries (the id frees up when a dead holder is declared dead) and,
+            # out of time, says what it was told.
+            with pytest.raises(BootstrapUnreachable, match="is taken by a live"):
+                await second.register(info, give_up_after_s=0.5)
+
+            again = await first.register(info)  # the same node: it carries its secret
+            assert again.node_id == node_id and again.node_secret != registered.node_secret
+            assert [s.node.node_id for s in await first.list_nodes()].count(node_id) == 1
+
+            await first.deregister(node_id)
+            assert (await second.register(info)).node_id == node_id  # free again
 
     run(scenario)
 

@@ -358,7 +358,7 @@ def test_sigterm_ends_in_flight_request_and_exits_zero(
     long_context_model: Path, tmp_path: Path
 ) -> None:
     args = ["--model", str(long_context_model), "--max-running-requests", "4"]
-    with decode_server([*args, "--shutdown-grace", "1"], tmp_path / "log") as server:
+    with decode_server([*args, "--drain-timeout", "1"], tmp_path / "log") as server:
         call, gen = start_endless(server, "in-flight")
         outcome: list[BaseException | None] = []
 
@@ -383,7 +383,8 @@ def test_sigterm_ends_in_flight_request_and_exits_zero(
             assert error.code() != grpc.StatusCode.OK
         assert session_pids(server.pid) == [], "the server left processes behind"
         log = server.log_text()
-        assert "shutting down" in log and "stopped" in log, server.log_tail()
+        assert "draining" in log and "stopped" in log, server.log_tail()
+        assert "aborted 1 in-flight requests" in log and "no page in use" in log, server.log_tail()
 
 
 def test_watchdog_kills_a_wedged_node(long_context_model: Path, tmp_path: Path) -> None:

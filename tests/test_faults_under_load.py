@@ -145,6 +145,8 @@ def run_fault(
     cluster.ensure()
     restarts_gateway = name.startswith("gateway")
     retries_before = cluster.gateway_metric("pdserve_gateway_retries_total")
+    moved_before = cluster.gateway_metric("pdserve_gateway_migrations_total")
+    gap_before = migration_gap(cluster)
     with SteadyLoad(cluster.url, cluster.model_name, PROMPTS, RATE, MAX_TOKENS) as load:
         time.sleep(WARMUP_S)
         fault = inject(load)
@@ -155,6 +157,11 @@ def run_fault(
     survivors = [n for n in cluster.node_names() if cluster.procs[n].alive]
     leaked = cluster.leaked_pages(survivors)
     retries = cluster.gateway_metric("pdserve_gateway_retries_total") - retries_before
+    moved = cluster.gateway_metric("pdserve_gateway_migrations_total") - moved_before
+    gap = migration_gap(cluster)
+    moves = gap[1] - gap_before[1]
+    if moves and not restarts_gateway:
+        fault.note += f"; moved streams waited {(gap[0] - gap_before[0]) / moves:.2f} s on average"
     table.append(
         Row(
             fault=name,
@@ -169,6 +176,7 @@ def run_fault(
             recovery_s=verdict.recovery_s(fault.since),
             longest_s=verdict.longest_s(),
             note=fault.note,
+            migrations="-" if restarts_gateway else str(int(moved)),
         )
     )
 
@@ -184,6 +192,14 @@ def run_fault(
     )
     assert verdict.succeeded_after(fault.since + window_s) > 0, "no request after the window"
     return verdict
+
+
+def migration_gap(cluster: FaultCluster) -> tuple[float, float]:
+    """(sum, count) of the gateway's migration gaps: failure -> first token from the new node."""
+    name = "pdserve_gateway_migration_gap_seconds"
+    if not cluster.procs["gateway"].alive:
+        return 0.0, 0.0
+    return cluster.gateway_metric(name + "_sum"), cluster.gateway_metric(name + "_count")
 
 
 def kill_while_busy(cluster: FaultCluster, name: str) -> Callable[[SteadyLoad], Fault]:
@@ -221,9 +237,10 @@ def test_prefill_killed(cluster: FaultCluster, reference: list[str], table: list
 
 
 def test_decode_killed(cluster: FaultCluster, reference: list[str], table: list[Row]) -> None:
-    """SIGKILL decode-1: streams it was sending end with an SSE error (or move to decode-0
-    before their first token); the rest complete correctly; no leak on the survivors."""
-    run_fault(
+    """SIGKILL decode-1: streams it was sending move to decode-0 (migration: prompt + streamed
+    tokens re-issued) and requests before their first token are retried there, so none fails
+    and every text equals the uninterrupted run's; no leak on the survivors."""
+    verdict = run_fault(
         cluster,
         reference,
         table,
@@ -231,6 +248,7 @@ def test_decode_killed(cluster: FaultCluster, reference: list[str], table: list[
         kill_while_busy(cluster, "decode-1"),
         NEW_REQUESTS_S,
     )
+    assert not verdict.failed, [(o.error, o.detail) for o in verdict.failed[:3]]
 
 
 def test_prefill_frozen_past_heartbeat(

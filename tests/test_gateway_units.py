@@ -12,12 +12,13 @@ from engine import sampling_fields as table
 from engine.sampling import SamplingParams
 from gateway.config import GatewayConfig, LimitsConfig, ModelInfo, RoutingConfig
 from gateway.errors import APIError
+from gateway.migration import Progress
 from gateway.nodes import DECODE, PREFILL, LiveNode, NodeDirectory
 from gateway.openapi import openapi_document
 from gateway.protocol import parse_chat, parse_completion, parse_native
 from gateway.routing import PrefixAware, Router
 from gateway.text import StopTrimmer, TextCodec
-from proto import bootstrap_pb2
+from proto import bootstrap_pb2, node_pb2
 
 LIMITS = LimitsConfig(
     max_inflight=8, max_body_bytes=1 << 20, max_n=4, max_stop=4, max_stop_chars=64
@@ -246,3 +247,45 @@ def test_directory_follows_node_events() -> None:
         await directory.close()
 
     asyncio.run(scenario())
+
+
+# -- migration bookkeeping (gateway/migration.py) ------------------------------------------------
+
+
+def test_progress_resumes_with_the_streamed_tokens_and_the_rest_of_the_budget() -> None:
+    sampling = node_pb2.SamplingParams(max_new_tokens=10, temperature=0.7, seed=3)
+    progress = Progress([1, 2, 3], sampling)
+    assert progress.next_sampling() is sampling and not progress.started
+    progress.streamed += [7, 8, 9, 10]
+    assert progress.input_ids == [1, 2, 3, 7, 8, 9, 10]
+    resumed = progress.next_sampling()
+    assert (resumed.max_new_tokens, resumed.seed, resumed.temperature) == (
+        6,
+        3,
+        sampling.temperature,
+    )
+    assert sampling.max_new_tokens == 10  # the choice's own sampling is untouched
+    last = node_pb2.Finished(
+        finish_reason="length", usage=node_pb2.Usage(prompt_tokens=7, completion_tokens=6)
+    )
+    whole = progress.whole(last, resumed=4)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (3, 10)
+    assert whole.finish_reason == "length" and last.usage.completion_tokens == 6
+
+
+def test_progress_spent_budget_ends_by_length() -> None:
+    progress = Progress([1], node_pb2.SamplingParams())  # no max_new_tokens: the engine default
+    assert progress.budget == table.MAX_NEW_TOKENS.default
+    progress.streamed += [5] * progress.budget
+    assert progress.spent
+    ended = progress.ended_by_length()
+    assert ended.finish_reason == "length"
+    assert ended.usage.completion_tokens == progress.budget
+
+
+def test_a_draining_node_is_not_routable() -> None:
+    directory = NodeDirectory(cooldown_s=5.0)
+    for node_id in ("decode-a", "decode-b"):
+        directory.nodes[node_id] = LiveNode(node_id, DECODE, "127.0.0.1:1", stub=None)  # type: ignore[arg-type]
+    directory.nodes["decode-a"].load = bootstrap_pb2.NodeLoad(draining=True)
+    assert [n.node_id for n in directory.live((DECODE,))] == ["decode-b"]

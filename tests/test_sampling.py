@@ -321,6 +321,47 @@ def test_adopted_first_token_continues_the_same_stream(params: dict[str, Any]) -
     assert remote.output_token_ids == local.output_token_ids
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.8, "seed": 5},
+        {"temperature": 1.0, "top_p": 0.9, "seed": -3, "frequency_penalty": 0.7},
+        {"temperature": 0.0, "presence_penalty": 1.5, "repetition_penalty": 1.2},
+    ],
+)
+def test_resumed_request_continues_the_same_stream(params: dict[str, Any]) -> None:
+    """A migrated request: its first tokens come back as the end of its prompt on another node
+    (`resume`); the draws that follow are the ones an uninterrupted run made, penalties included."""
+    prompt = (1, 2, 3)
+    steps = [random_logits(1, 500, seed=s, scale=1.0) for s in range(8)]
+    whole = make_sampler(500, prompt_ids=prompt, **params)
+    tokens = [sample_batch(logits, [whole]).token_ids[0] for logits in steps]
+    for moved_after in (1, 3, 7):
+        moved = make_sampler(500, prompt_ids=prompt, **params)
+        moved.resume(tokens[:moved_after])
+        rest = [sample_batch(logits, [moved]).token_ids[0] for logits in steps[moved_after:]]
+        assert rest == tokens[moved_after:]
+        assert moved.output_token_ids == whole.output_token_ids
+
+
+def test_draws_depend_on_seed_and_position_only() -> None:
+    """Seeded draws at the same position agree, whatever came before; other positions and
+    other seeds draw differently."""
+    logits = torch.zeros(1, 1000)
+    early = make_sampler(1000, prompt_ids=(7,) * 4, seed=9)
+    late = make_sampler(1000, prompt_ids=(7,) * 2, seed=9)
+    late.adopt(5)
+    late.adopt(6)
+    assert early.position == late.position == 4
+    assert sample_batch(logits, [early]).token_ids == sample_batch(logits, [late]).token_ids
+    runs = [sample_batch(logits, [early]).token_ids[0] for _ in range(5)]
+    assert len(set(runs)) > 1
+    other = make_sampler(1000, prompt_ids=(7,) * 4, seed=10)
+    first = make_sampler(1000, prompt_ids=(7,) * 4, seed=9)
+    draws = [sample_batch(logits, [s]).token_ids[0] for s in (first, other)]
+    assert draws[0] != draws[1]
+
+
 def test_unseeded_requests_differ() -> None:
     logits = torch.zeros(2, 1000)
     samplers = [make_sampler(1000), make_sampler(1000)]
@@ -332,8 +373,8 @@ def test_unseeded_requests_differ() -> None:
 def test_negative_seed_is_masked_to_64_bits() -> None:
     # Seeds are int64 (the node API's type, engine/sampling_fields.py); the generator takes the
     # same 64 bits unsigned.
-    assert make_sampler(1000, seed=-1).generator.initial_seed() == 2**64 - 1
-    assert make_sampler(1000, seed=-(2**63)).generator.initial_seed() == 2**63
+    assert make_sampler(1000, seed=-1).seed == 2**64 - 1
+    assert make_sampler(1000, seed=-(2**63)).seed == 2**63
 
 
 # --- penalties --------------------------------------------------------------------------------
@@ -440,3 +481,24 @@ def test_sample_batch_observes_each_row() -> None:
         outputs.append(sample_batch(random_logits(2, 10, seed=step), samplers))
     for row, sampler in enumerate(samplers):
         assert sampler.output_token_ids == [out.token_ids[row] for out in outputs]
+
+
+def test_a_stop_string_across_a_migration_matches() -> None:
+    """The stop check reads the sampler's output, which a migrated request's resumed tokens
+    are part of: a stop string half generated before the move still ends the request."""
+    from engine.request import Req
+    from engine.tokenizer import StopStringChecker
+
+    class Letters:  # token id i decodes to chr(i)
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join(chr(i) for i in ids)
+
+    params = SamplingParams(stop=("END",))
+    sampler = RequestSampler(params, [ord("x")], 200, CPU)
+    sampler.resume([ord("E"), ord("N")])  # generated on the node that died
+    req = Req("r", [ord("x"), ord("E"), ord("N")], params, sampler)
+    checker = StopStringChecker(Letters())
+    assert checker(req) is None
+    req.output_ids.append(ord("D"))
+    sampler.observe(ord("D"))
+    assert checker(req) == "END"

@@ -13,8 +13,14 @@ holding the token registers its own decode node and tries to take over another n
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -342,6 +348,79 @@ def test_outsider_without_token_cannot_register(guarded_bootstrap: NodeServer) -
             assert "internal token" in (info.value.details() or "")
 
     asyncio.run(scenario())
+
+
+def test_frozen_prefill_node_keeps_its_id_until_declared_dead(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Identity tokens on: a second process started with a live prefill node's --node-id is
+    refused (and keeps trying). Once the first one is frozen (SIGSTOP) and the bootstrap
+    declared it dead, the newcomer takes the id; the frozen one, thawed, cannot take it back:
+    its heartbeats do not carry the new registration's secret."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    auth = ["--internal-token-file", str(token_file)]
+    with running_node(
+        "bootstrap-server",
+        [*auth, "--heartbeat-timeout", "3", "--heartbeat-interval", "0.5"],
+        tmp_path / "bootstrap.log",
+        probe=_ready_with_token,
+    ) as bootstrap:
+        args = ["--model", str(tiny_model), "--bootstrap", bootstrap.address, *auth]
+        args += ["--transfer-backend", "mooncake", "--node-id", "fixed"]
+        first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+        token = [(TOKEN_HEADER, TOKEN)]
+        stub = bootstrap_pb2_grpc.BootstrapStub(grpc.insecure_channel(bootstrap.address))
+
+        def holder() -> str:
+            nodes = stub.ListNodes(pb.ListNodesRequest(), timeout=5, metadata=token).nodes
+            return next((s.node.grpc_address for s in nodes if s.node.node_id == "fixed"), "")
+
+        with running_node("prefill-server", args, first_log, probe=_registered_with_token) as first:
+            _wait_for(lambda: holder() == first.address)  # (Health shows a given id at once)
+            try:
+                with ThreadPoolExecutor(1) as pool:
+                    second_node = running_node(
+                        "prefill-server", args, second_log, probe=_registered_with_token
+                    )
+                    starting = pool.submit(_enter, second_node)
+                    _wait_for(
+                        lambda: "id fixed is taken by a live prefill node" in _text(second_log)
+                    )
+                    assert holder() == first.address  # the newcomer is refused, and retries
+                    os.kill(first.pid, signal.SIGSTOP)
+                    second_context, second = starting.result(timeout=120)
+                try:
+                    _wait_for(lambda: holder() == second.address)  # the frozen one is dead
+                    os.kill(first.pid, signal.SIGCONT)
+                    _wait_for(lambda: "PERMISSION_DENIED" in _text(first_log))
+                    assert holder() == second.address
+                finally:
+                    second_context.__exit__(None, None, None)
+            finally:
+                os.kill(first.pid, signal.SIGCONT)
+
+
+def _registered_with_token(channel: grpc.Channel) -> bool:
+    health = node_pb2_grpc.NodeStub(channel).Health(
+        node_pb2.HealthRequest(), timeout=5, metadata=[(TOKEN_HEADER, TOKEN)]
+    )
+    return bool(health.ok and health.node_id)
+
+
+def _enter(context: AbstractContextManager[NodeServer]) -> tuple[Any, NodeServer]:
+    return context, context.__enter__()
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
 
 
 def test_tls_config_rejects_half_configurations() -> None:

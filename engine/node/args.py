@@ -21,7 +21,7 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 class ServerConfig:
     host: str
     port: int
-    shutdown_grace_s: float
+    drain_timeout_s: float  # SIGTERM -> in-flight requests get this long, then are aborted
     metrics_port: int | None = None  # GET /metrics on this HTTP port (None: not served)
 
 
@@ -85,7 +85,16 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         "listens on every interface)",
     )
     g.add_argument("--port", type=int, default=30001)
-    g.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds for in-flight work")
+    g.add_argument(
+        "--drain-timeout",
+        "--shutdown-grace",
+        dest="drain_timeout",
+        type=float,
+        default=5.0,
+        help="on SIGTERM the node drains: no new requests (gateways route around it), this many "
+        "seconds for in-flight ones to finish, then the rest are aborted (the gateway moves "
+        "streams that already started to another node) and it exits",
+    )
     add_metrics_port_arg(g)
     add_log_args(g)
 
@@ -160,7 +169,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
-        shutdown_grace_s=args.shutdown_grace,
+        drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,
     )
 

@@ -118,6 +118,9 @@ class NodeLink:
             self._tasks.append(asyncio.create_task(self._watch_statuses()))
         return node_id
 
+    async def drain(self) -> None:
+        await self.session.drain()
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()

@@ -1,8 +1,10 @@
 """Serving one node process: the node gRPC API over an engine loop, plus its bootstrap link.
 
 Shared by `decode-server` and `prefill-server`; their entry points build the configs, the
-node role and the link, and hand them here. On SIGTERM/SIGINT: stop accepting, give in-flight
-requests the grace period, abort the rest, deregister from bootstrap, exit 0.
+node role and the link, and hand them here. On SIGTERM/SIGINT the node drains: it refuses new
+requests and tells bootstrap (heartbeat `draining`: gateways stop routing to it), gives in-flight
+requests `--drain-timeout` to finish, aborts the rest (the gateway moves streams that already
+started to another node), checks that no page is in use, deregisters and exits 0.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from proto import node_pb2_grpc
 
 logger = logging.getLogger("pdserve.node")
 
+ABORT_WAIT_S = 2.0  # after the drain timeout: aborted requests end within a step or two
+
 
 # Clients (the gateway: --node-keepalive) ping open calls to find a node that stopped answering.
 # gRPC servers by default answer pings more often than every 5 minutes on a quiet stream (D
@@ -48,6 +52,7 @@ async def serve_node(
     on_started: Callable[[], Awaitable[None]] | None = None,
     on_stopping: Callable[[], Awaitable[None]] | None = None,
     auth: InternalAuth | None = None,
+    on_draining: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     auth = auth or InternalAuth()
     server = grpc.aio.server(
@@ -59,7 +64,7 @@ async def serve_node(
         raise OSError(f"cannot listen on {address}: the port is in use or the host is not local")
     metrics = serve_metrics(engine_loop.metrics.registry, config.host, config.metrics_port)
     try:
-        await _serve(server, engine_loop, service, config, on_started, on_stopping)
+        await _serve(server, engine_loop, service, config, on_started, on_stopping, on_draining)
     finally:
         if metrics is not None:
             metrics.close()
@@ -72,6 +77,7 @@ async def _serve(
     config: ServerConfig,
     on_started: Callable[[], Awaitable[None]] | None,
     on_stopping: Callable[[], Awaitable[None]] | None,
+    on_draining: Callable[[], Awaitable[None]] | None,
 ) -> None:
     address = f"{config.host}:{config.port}"
     await server.start()
@@ -83,21 +89,47 @@ async def _serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logger.info(
-        "shutting down: no new requests, %.1f s grace for in-flight", config.shutdown_grace_s
-    )
-    stopping = asyncio.create_task(server.stop(config.shutdown_grace_s))
-    # Requests still running shortly before the grace ends are aborted through the engine, so
-    # their streams end with Finished(abort) instead of a cancelled call.
-    await asyncio.wait({stopping}, timeout=max(config.shutdown_grace_s - 1.0, 0.0))
-    if not stopping.done():
-        aborted = service.abort_all("the node is shutting down")
-        logger.info("aborted %d in-flight requests", aborted)
-    await stopping
+    await _drain(service, config.drain_timeout_s, on_draining)
+    await server.stop(1.0)  # nothing is in flight any more
     if on_stopping is not None:
         await on_stopping()
     engine_loop.stop()
     logger.info("stopped")
+
+
+async def _drain(
+    service: NodeService, timeout_s: float, on_draining: Callable[[], Awaitable[None]] | None
+) -> None:
+    """Refuse new requests, tell the bootstrap, let in-flight ones finish for `timeout_s`, then
+    abort the rest: their streams end with Finished(abort), and the gateway moves those that
+    already streamed to another node (migration)."""
+    service.draining = True
+    if on_draining is not None:
+        await on_draining()
+    logger.info(
+        "draining: no new requests; %d in flight get %.1f s (--drain-timeout) to finish",
+        service.inflight,
+        timeout_s,
+    )
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while service.inflight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if service.inflight:
+        aborted = service.abort_all("the node is draining and its --drain-timeout ran out")
+        logger.info("aborted %d in-flight requests (the gateway moves their streams)", aborted)
+        deadline = loop.time() + ABORT_WAIT_S
+        while service.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+    try:
+        used = await asyncio.wait_for(service.pages_in_use(), ABORT_WAIT_S)
+    except (AssertionError, asyncio.TimeoutError) as exc:
+        logger.error("drained, but the KV integrity check failed: %r", exc)
+        return
+    if used:
+        logger.warning("drained with %d pages still in use (quarantined rooms)", used)
+    else:
+        logger.info("drained: no request in flight, no page in use")
 
 
 def install_uvloop() -> None:
@@ -124,7 +156,7 @@ async def serve_registered(
 
     engine_loop.start()
     try:
-        await serve_node(engine_loop, service, config, started, link.stop, auth)
+        await serve_node(engine_loop, service, config, started, link.stop, auth, link.drain)
     finally:
         close_transfer()
 

@@ -59,6 +59,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.model_name = model_name
         self.link = link
         self._live: set[str] = set()
+        self.draining = False  # SIGTERM: new requests are refused (engine/node/server.py)
         self._rooms: set[int] = set()
         self.router = OutputRouter()
         engine.bind_output(self.router.on_output)
@@ -74,7 +75,15 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if bad:
             raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         scheduler.validate_prompt(ids)
-        sampler = RequestSampler(params, ids, vocab, scheduler.runner.device)
+        resumed = request.resumed_tokens
+        if resumed >= len(ids):
+            raise ValueError(
+                f"resumed_tokens {resumed} must be less than the {len(ids)} input_ids: they are "
+                "the generated tokens that end the prompt of a migrated request"
+            )
+        split = len(ids) - resumed
+        sampler = RequestSampler(params, ids[:split], vocab, scheduler.runner.device)
+        sampler.resume(ids[split:])  # a migrated request continues its own stream
         rid = request.rid or uuid.uuid4().hex
         return Req(rid=rid, prompt_ids=ids, params=params, sampler=sampler)
 
@@ -118,6 +127,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
         """The request as the engine takes it; RequestError says why it is refused."""
         prefill = isinstance(request, node_pb2.PrefillRequest)
         current_room.set(request.bootstrap_room)  # this handler's log lines name the room
+        if self.draining:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"this {self.role} node is draining (shutting down): send the request to another "
+                "node",
+            )
         try:
             req = self._build_req(request)
             if isinstance(request, node_pb2.PrefillRequest):
@@ -215,6 +230,18 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.router.unregister(req.rid)
         if aborted:
             self.engine.abort(req.rid)
+
+    @property
+    def inflight(self) -> int:
+        """Requests accepted and not yet over (streaming, or waiting for KV or a prefill)."""
+        return len(self._live)
+
+    async def pages_in_use(self) -> int:
+        """USED pages (held by live requests, or quarantined); the integrity check runs too."""
+        check: node_pb2.CheckIntegrityResponse = await self._on_engine(_integrity)
+        if not check.ok:
+            raise AssertionError(check.error)
+        return check.used_pages
 
     def abort_all(self, reason: str) -> int:
         """Abort every request still streaming (shutdown); each ends with Finished(abort)."""
