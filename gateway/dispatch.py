@@ -28,6 +28,7 @@ from gateway.errors import GenerationFailed, bad_request, unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.nodes import NodeDirectory
 from gateway.pd_client import PDResult, PDStream
+from gateway.prefix_index import PrefixIndex
 from gateway.routing import Route, Router
 from gateway.timeline import Timeline, assemble, current_trace
 from proto import node_pb2
@@ -51,10 +52,11 @@ class Dispatcher:
         config: RoutingConfig,
         metrics: GatewayMetrics,
         tickets: RoomTickets | None = None,
+        index: PrefixIndex | None = None,
     ) -> None:
         self.directory = directory
         self.tickets = tickets  # signs each room's (prefill, decode) assignment for bootstrap
-        self.router = Router(directory, config)
+        self.router = Router(directory, config, index)
         self.config = config
         self.metrics = metrics
 
@@ -63,17 +65,19 @@ class Dispatcher:
     ) -> Generation:
         return Generation(self, prompt_ids, sampling, rid)
 
-    def enter(self, route: Route) -> None:
+    def enter(self, route: Route, prompt_tokens: int = 0) -> None:
         for node in route.nodes:
             node.inflight += 1
+            node.inflight_tokens += prompt_tokens
             self.metrics.node_requests.labels(node.role_name, node.node_id).inc()
         if route.prefill is None:
             self.metrics.local_prefills.inc()
 
-    def leave(self, route: Route) -> None:
+    def leave(self, route: Route, prompt_tokens: int = 0) -> None:
         for node in route.nodes:
             current = self.directory.nodes.get(node.node_id, node)
             current.inflight = max(current.inflight - 1, 0)
+            current.inflight_tokens = max(current.inflight_tokens - prompt_tokens, 0)
 
 
 class Generation:
@@ -118,7 +122,7 @@ class Generation:
             )
             sent = False
             last_chunk = 0.0
-            d.enter(route)
+            d.enter(route, len(self.prompt_ids))
             try:
                 async with contextlib.aclosing(aiter(stream)) as responses:
                     async for response in responses:
@@ -136,7 +140,7 @@ class Generation:
             except grpc.aio.AioRpcError as exc:
                 failure = self._decode_failed(exc, route, sent)
             finally:
-                d.leave(route)
+                d.leave(route, len(self.prompt_ids))
             if failure is None:
                 self._account(stream.result, route, started)
                 return
@@ -207,6 +211,10 @@ class Generation:
         m.node_cached_tokens.labels(cache_node.role_name, cache_node.node_id).inc(
             self.cached_tokens
         )
+        m.node_prompt_tokens.labels(cache_node.role_name, cache_node.node_id).inc(
+            len(self.prompt_ids)
+        )
+        m.cached_tokens.inc(self.cached_tokens)
         m.prompt_tokens.inc(len(self.prompt_ids))
         m.completion_tokens.inc(finished.usage.completion_tokens)
         m.e2e.observe(time.monotonic() - started)
