@@ -78,6 +78,7 @@ class Dispatcher:
             current = self.directory.nodes.get(node.node_id, node)
             current.inflight = max(current.inflight - 1, 0)
             current.inflight_tokens = max(current.inflight_tokens - prompt_tokens, 0)
+            current.left_tokens += prompt_tokens
 
 
 class Generation:

@@ -45,6 +45,7 @@ class LiveNode:
     cooldown_until: float = 0.0
     kv_events: bootstrap_pb2.KVEventsEndpoint | None = None  # None: it publishes none
     inflight_tokens: int = 0  # prompt tokens of this gateway's requests on the node now
+    left_tokens: int = 0  # prompt tokens of its requests that ended since the last heartbeat
 
     @property
     def role_name(self) -> str:
@@ -69,10 +70,12 @@ class LiveNode:
 
     @property
     def load_tokens(self) -> int:
-        """Tokens the node works on or has queued (the heartbeat's), or the prompt tokens
+        """Tokens the node works on or has queued (the heartbeat's, less this gateway's
+        requests that ended since it came: it lags by up to an interval), or the prompt tokens
         this gateway sent it and that are still running, if more (`kv_aware`)."""
         load = self.load
-        return max(self.inflight_tokens, load.running_tokens + load.queued_tokens)
+        reported = load.running_tokens + load.queued_tokens - self.left_tokens
+        return max(self.inflight_tokens, reported)
 
     @property
     def kv_usage(self) -> float:
@@ -152,6 +155,7 @@ class NodeDirectory:
             node = self.nodes.get(info.node_id)
             if node is not None:
                 node.load = event.status.load
+                node.left_tokens = 0
         if self.on_change is not None and kind != bootstrap_pb2.NodeEvent.LOAD:
             self.on_change(self)
 
