@@ -176,3 +176,25 @@ def test_no_kv_events_registers_no_endpoint(tiny_model_dir, tmp_path: Path) -> N
     node_args = ["--page-size", str(PAGE), "--no-kv-events"]
     with pd_trio(tmp_path, tiny_model_dir("llama"), "mooncake", node_args, env=SERVER_ENV) as t:
         assert registered_endpoints(t) == {}
+
+
+def test_turn_two_sends_only_the_pages_the_decode_node_lacks(trio: PDTrio, tiny_model_dir) -> None:
+    """D keeps turn 1's prompt and output in its cache; turn 2 (the whole history plus a new
+    message) is prefilled by P, which writes only the pages past D's cached prefix, and the
+    output still equals HF on the full history."""
+    from scripts.tiny_models import hf_greedy
+
+    turn1 = prompt(77, 30)
+    first = trio.generate(turn1, greedy())
+    assert first.prefill is not None and first.prefill.sent_pages == -(-len(turn1) // PAGE)
+    turn2 = turn1 + first.token_ids + prompt(78, 13)  # 30 + 5 + 13 = 48 tokens, 12 pages
+    second = trio.generate(turn2, greedy())
+    assert second.finished is not None and second.prefill is not None
+    held = (len(turn1) + MAX_NEW - 1) // PAGE  # D's full pages of turn 1's KV: 8
+    assert second.prefill.sent_pages == -(-len(turn2) // PAGE) - held == 4
+    # Not computed for this request: P's own hit, turn 1's prompt pages (D's hit saved the
+    # writes, not compute).
+    assert second.finished.usage.cached_tokens == len(turn1) // PAGE * PAGE
+    assert second.prefill.cached_tokens == len(turn1) // PAGE * PAGE
+    assert second.token_ids == hf_greedy(tiny_model_dir("llama"), [turn2], MAX_NEW)[0]
+    trio.check_no_leaks()
