@@ -58,6 +58,8 @@ class RequestTrace:
     error_detail: str = ""
     session: int = 0
     turn: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (0 if not sent)
+    reusable_tokens: int = 0  # a perfect cache's hit, as the dataset knows it (datasets.py)
 
     @property
     def ok(self) -> bool:
