@@ -95,6 +95,7 @@ class Generation:
         self.rid = rid
         self.finished: node_pb2.Finished | None = None
         self.cached_tokens = 0
+        self.cache_node = ""  # whose prefix cache served `cached_tokens`: the one that prefilled
         self.route: Route | None = None
         self.attempts = 0
         self.timeline: Timeline | None = None
@@ -209,6 +210,7 @@ class Generation:
         else:
             self.cached_tokens = finished.usage.cached_tokens
             cache_node = route.decode
+        self.cache_node = cache_node.node_id
         m.node_cached_tokens.labels(cache_node.role_name, cache_node.node_id).inc(
             self.cached_tokens
         )
@@ -226,12 +228,15 @@ class Generation:
         if self.trace is not None:
             self.trace.timelines.append(self.timeline)
         logger.debug(
-            "request %s (%s -> decode node %s) finished %s: %d tokens; timeline %s",
+            "request %s (%s -> decode node %s) finished %s: %d tokens, %d cached on %s; "
+            "timeline %s",
             self.rid,
             f"prefill node {route.prefill.node_id}" if route.prefill else "local prefill",
             route.decode.node_id,
             finished.finish_reason,
             finished.usage.completion_tokens,
+            self.cached_tokens,
+            self.cache_node,
             self.timeline.as_dict(),
             extra={"room": result.room},
         )

@@ -22,10 +22,10 @@ name; the prefill and decode sides each get their own policy instance (flags
   synced yet) it is the side's old default: `prefix_aware` for prefill, `least_load` for decode.
 
 `Router.choose` applies them and the conditional disaggregation rule: a prompt of at most
-`local_prefill_max_tokens` tokens beyond what the chosen decode node already holds (per the
-prefix index: a follow-up turn whose history the node keeps), or one arriving when no prefill
-node is live, goes to the decode node alone (it prefills locally); with no prefill nodes at all
-the cluster is simply colocated.
+`local_prefill_max_tokens` tokens (with `kv_aware` on the decode side: tokens beyond what the
+chosen decode node already holds, per the prefix index: a follow-up turn whose history the
+node keeps), or one arriving when no prefill node is live, goes to the decode node alone (it
+prefills locally); with no prefill nodes at all the cluster is simply colocated.
 """
 
 from __future__ import annotations
@@ -181,7 +181,9 @@ class Router:
                 f"{len(excluded)} failed for it): start a decode-server or retry later"
             )
         decode = self.decode_policy.pick(decodes, prompt_ids)
-        to_compute = len(prompt_ids) - self.index.cached_tokens(decode.node_id, prompt_ids)
+        to_compute = len(prompt_ids)
+        if isinstance(self.decode_policy, KVAware):  # the index says what the node holds
+            to_compute -= self.index.cached_tokens(decode.node_id, prompt_ids)
         if decode.role != DECODE or to_compute <= self.config.local_prefill_max_tokens:
             return Route(decode, None)
         prefills = self.directory.live((PREFILL,), excluded)

@@ -123,9 +123,7 @@ def test_prefix_aware_keeps_a_shared_prefix_on_one_prefill_node(
     before = per_node(prefix_gateway, requests, "prefill")
     cached = []
     for i in range(4):
-        # A suffix longer than LOCAL_PREFILL_MAX: the decode node holding the shared prefix
-        # would otherwise prefill the rest itself (routing.py, the local-prefill rule).
-        out = _complete(client, tiny_model.name, prefix + _prompt(200 + i, LOCAL_PREFILL_MAX + 8))
+        out = _complete(client, tiny_model.name, prefix + _prompt(200 + i, 8))
         cached.append(out.usage.prompt_tokens_details.cached_tokens)
     after = per_node(prefix_gateway, requests, "prefill")
     deltas = {node: after[node] - before.get(node, 0) for node in after}

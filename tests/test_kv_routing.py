@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import openai
 import pytest
 
 from engine.ports import free_port
@@ -131,6 +132,7 @@ def test_a_session_follows_its_history_and_reports_exact_cached_tokens(
         out, nodes = served_by(cluster, turn2)
         assert nodes == first, (session, nodes, first)
         assert out["meta_info"]["cached_tokens"] == 96  # P's pages of the turn-1 prompt
+        assert out["meta_info"]["cache_node"] == first["prefill"]
         assert out["output_ids"] == hf_greedy(tiny_model, [turn2], MAX_NEW)[0]
         # Turn 3, 8 new tokens: D lacks 8 + 1 tokens only, it prefills them itself.
         held = (len(turn2) + MAX_NEW - 1) // PAGE * PAGE
@@ -138,9 +140,27 @@ def test_a_session_follows_its_history_and_reports_exact_cached_tokens(
         out3, nodes3 = served_by(cluster, turn3)
         assert nodes3 == {"prefill": "", "decode": first["decode"]}, nodes3
         assert out3["meta_info"]["cached_tokens"] == held
+        assert out3["meta_info"]["cache_node"] == first["decode"]
         if session == 0:
             assert out3["output_ids"] == hf_greedy(tiny_model, [turn3], MAX_NEW)[0]
     assert cluster.metric("pdserve_gateway_local_prefills_total") == local_before + 4
+    # The same through the OpenAI API, streamed: the usage chunk carries cached_tokens.
+    history, first = histories[0]
+    turn2 = history + user_turn(0, 2, 40)
+    stream = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none").completions.create(
+        model=tiny_model.name,
+        prompt=turn2,
+        max_tokens=MAX_NEW,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    usages = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert len(usages) == 1 and usages[0].prompt_tokens == len(turn2)
+    details = usages[0].prompt_tokens_details
+    # Turn 2 ran before: whichever node prefills it now holds its whole pages.
+    assert details is not None and details.cached_tokens == len(turn2) // PAGE * PAGE
     assert cluster.metric("pdserve_gateway_kv_event_errors_total") == 0
     assert cluster.metric("pdserve_gateway_kv_event_gaps_total") == 0
 
