@@ -180,7 +180,6 @@ def _stream_text(url: str, path: str, body: dict[str, object]) -> tuple[list[str
     return pieces, reason, chunks
 
 
-@pytest.mark.parametrize("stop", [None, ["e"]], ids=["no-stop", "stop-string"])
 def test_every_worker_feeds_its_own_prefix_index(cluster: RunningCluster) -> None:
     """Each worker follows every node's KV events itself: one snapshot per (worker, node), and
     /metrics (summed over the workers) shows two of them per node."""
@@ -193,6 +192,7 @@ def test_every_worker_feeds_its_own_prefix_index(cluster: RunningCluster) -> Non
     assert cluster.metric("pdserve_gateway_kv_event_errors_total") == 0
 
 
+@pytest.mark.parametrize("stop", [None, ["e"]], ids=["no-stop", "stop-string"])
 def test_stream_interval_streams_what_interval_one_streams(
     cluster: RunningCluster, reference: RunningCluster, stop: list[str] | None
 ) -> None:
