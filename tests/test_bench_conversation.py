@@ -99,3 +99,47 @@ def test_best_hit_is_the_shared_prefix_or_the_previous_turn_in_whole_blocks() ->
     assert table[2].startswith("| 1 | 2 | ") and table[2].endswith("| 240 | 40.0% | 40.0% |")
     assert table[3].endswith("| 300 | 42.7% | 85.3% |")
     assert table[4].startswith("| all | 4 |")
+
+
+def test_conversation_run_against_a_real_cluster(tmp_path: Path, default_model_dir: Path) -> None:
+    """The conversation workload through a real 1P1D pd-cluster (tiny llama, real tokenizer):
+    every turn completes, the server's cached_tokens reach the report, and the follow-up turns
+    find their history in a cache (the per-turn table and the JSON's cache figures)."""
+    import threading
+
+    from gateway.cluster import Cluster, ClusterConfig
+    from scripts.tiny_models import save_tiny_text_model
+    from tests.test_bench_serving import run_cli
+
+    model = save_tiny_text_model(default_model_dir, tmp_path / "tiny")
+    config = ClusterConfig(
+        prefill=1,
+        decode=1,
+        backend="mooncake",
+        model=str(model),
+        port=0,
+        max_total_tokens=8192,
+        log_dir=tmp_path / "logs",
+    )
+    with (tmp_path / "cluster.out").open("w") as out:
+        cluster = Cluster(config, out=out)
+        try:
+            url = cluster.start(threading.Event())
+            result = run_cli(
+                "--base-url", url, "--dataset", "conversation", "--num-prompts", "2",
+                "--multiturn-turns", "3", "--conversation-system-len", "200",
+                "--random-input-len", "20", "--random-output-len", "8", "--ignore-eos",
+                "--max-concurrency", "1", "--output-file", str(tmp_path / "out.json"),
+            )  # fmt: skip
+        finally:
+            cluster.stop()
+    assert result.returncode == 0, result.stderr
+    assert "| turn | requests | TTFT p50 ms" in result.stdout
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["summary"]["completed"] == 6 and doc["summary"]["failed"] == 0
+    later = [r for r in doc["requests"] if r["turn"] > 0]
+    assert all(r["cached_tokens"] > 0 for r in later), later
+    # Session 2's first turn finds the system prompt the first session left in a cache.
+    second = [r for r in doc["requests"] if r["session"] == 1 and r["turn"] == 0]
+    assert second[0]["cached_tokens"] >= 192 and second[0]["reusable_tokens"] == 200
+    assert 0 < doc["cache"]["hit_rate"] <= doc["cache"]["best_rate"] < 1
