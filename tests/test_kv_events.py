@@ -198,3 +198,31 @@ def test_turn_two_sends_only_the_pages_the_decode_node_lacks(trio: PDTrio, tiny_
     assert second.prefill.cached_tokens == len(turn1) // PAGE * PAGE
     assert second.token_ids == hf_greedy(tiny_model_dir("llama"), [turn2], MAX_NEW)[0]
     trio.check_no_leaks()
+
+
+def test_a_tensor_parallel_node_publishes_from_rank_zero(tiny_model_dir, tmp_path: Path) -> None:
+    """A prefill node of 2 TP ranks registers one KV-event endpoint (rank 0 runs the scheduler
+    and its radix cache), and its events describe that cache exactly."""
+    node_args = ["--page-size", str(PAGE), "--max-total-tokens", "512"]
+    with pd_trio(
+        tmp_path,
+        tiny_model_dir("llama"),
+        "mooncake",
+        node_args,
+        prefill_args=["--tp-size", "2"],
+        env=SERVER_ENV,
+    ) as t:
+        endpoints = registered_endpoints(t)
+        assert set(endpoints) == {t.prefill_id, t.decode_id}
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            consumer = Consumer(endpoints[t.prefill_id], ctx)
+            consumer.start()
+            ids = prompt(5, 26)
+            assert t.generate(ids, greedy()).finished is not None
+            t.check_no_leaks()
+            consumer.drain()
+            assert set(prefix_hashes(ids, PAGE)) <= set(consumer.blocks.blocks)
+            assert len(consumer.blocks) == t.prefill.integrity().cached_pages
+        finally:
+            ctx.destroy(linger=0)
