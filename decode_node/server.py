@@ -25,6 +25,7 @@ from engine.node.args import (
     server_config,
 )
 from engine.node.disagg import RoleParts, serve_disaggregated
+from engine.node.kv_publisher import start_kv_events
 from engine.node.server import run_node_main, serve_node
 from engine.node.service import NodeService
 
@@ -46,11 +47,19 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
         engine_loop = EngineLoop(
             scheduler, loop_config(args, "colocated"), metrics=NodeMetrics("colocated")
         )
+        # Registered nowhere: its events are for a router that is given the endpoints.
+        publisher = start_kv_events(args, scheduler)
+        if publisher is not None:
+            engine_loop.bind_kv_events(publisher.publish)
         service = NodeService(engine_loop, "colocated", model_path)
         engine_loop.start()
-        await serve_node(
-            engine_loop, service, server_config(args), auth=internal_auth_from_args(args)
-        )
+        try:
+            await serve_node(
+                engine_loop, service, server_config(args), auth=internal_auth_from_args(args)
+            )
+        finally:
+            if publisher is not None:
+                publisher.close()
         return
     await serve_disaggregated(args, engine, model_path, "decode", build_role)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from engine.kv_events import KVEvent
 from engine.metrics import NodeMetrics
 from engine.request import Req, TransferSummary
 from engine.scheduler import Scheduler, StepOutput
@@ -129,6 +130,8 @@ class OutputBatch:
 # Called on the engine thread with each non-empty batch; must only hand it over (e.g.
 # `call_soon_threadsafe`), never block.
 OutputSink = Callable[[OutputBatch], None]
+# Called on the engine thread with a step's prefix-cache changes, if any; must not block.
+KVEventSink = Callable[[list[KVEvent]], None]
 
 
 @dataclass
@@ -162,6 +165,7 @@ class EngineLoop:
         self._commands: queue.Queue[_Submit | _Call] = queue.Queue()
         self._live: set[str] = set()  # requests whose end the output sink has not been told
         self._output: OutputSink | None = None
+        self._kv_events: KVEventSink | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
@@ -192,6 +196,14 @@ class EngineLoop:
     def bind_output(self, sink: OutputSink) -> None:
         """Where every request's tokens and end go; bind before the first `submit`."""
         self._output = sink
+
+    def bind_kv_events(self, sink: KVEventSink) -> None:
+        """Where the prefix cache's changes go, one list per step (engine/kv_events.py); bind
+        before `start`. Without a prefix cache there is nothing to publish."""
+        radix = self.scheduler.kv.radix
+        if radix is not None:
+            radix.record_events()
+            self._kv_events = sink
 
     def submit(self, req: Req) -> None:
         if self._output is None:
@@ -304,6 +316,11 @@ class EngineLoop:
         self.metrics.observe_queues(self.scheduler)
         self._step_started = None
         self._send(self._batch(outputs))
+        if self._kv_events is not None:
+            assert self.scheduler.kv.radix is not None
+            events = self.scheduler.kv.radix.take_events()
+            if events:
+                self._kv_events(events)
         if stepped:
             self.metrics.loop_seconds.observe(time.monotonic() - started)
 

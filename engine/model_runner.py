@@ -72,7 +72,12 @@ class ModelRunner:
             config.max_running_requests + 1, self.context_length + config.page_size, self.device
         )
         self.allocator = PageAllocator(config.num_pages)
-        radix = RadixCache(self.allocator, config.page_size) if config.enable_prefix_cache else None
+        medium = "GPU" if self.device.type == "cuda" else "CPU"
+        radix = (
+            RadixCache(self.allocator, config.page_size, medium)
+            if config.enable_prefix_cache
+            else None
+        )
         self.kv = KVManager(self.allocator, self.req_to_token, config.page_size, radix)
         backend_cls = attention_backend_class(config.attention_backend)
         self.attn_backend = backend_cls(self.kv_cache, self.req_to_token)

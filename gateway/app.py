@@ -31,11 +31,13 @@ from gateway.body import parse_body
 from gateway.config import ADMIN, INFERENCE, GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
+from gateway.kv_feed import KVFeeds
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.native_api import NativeHandler
 from gateway.nodes import ROLE_NAMES, NodeDirectory
 from gateway.openai_api import OpenAIHandlers, Payload
 from gateway.openapi import openapi_document
+from gateway.prefix_index import PrefixIndex
 from gateway.sse import DONE
 from gateway.text import TextCodec
 from gateway.timeline import RequestTrace, current_trace
@@ -137,8 +139,11 @@ class Gateway:
             config.internal_auth,
             keepalive_s=config.routing.node_keepalive_s,
         )
+        # The nodes' KV events, followed by this worker into its own index (gateway/kv_feed.py).
+        self.prefix_index = PrefixIndex()
+        self.kv_feeds = KVFeeds(self.prefix_index, self.metrics)
         self.dispatcher = Dispatcher(
-            self.directory, config.routing, self.metrics, config.room_tickets
+            self.directory, config.routing, self.metrics, config.room_tickets, self.prefix_index
         )
         interval = config.stream_interval
         self.encoder = PromptEncoder(codec, config.model.context_length, config.tokenizer_workers)
@@ -164,6 +169,7 @@ class Gateway:
     def _nodes_changed(self, directory: NodeDirectory) -> None:
         for role, name in ROLE_NAMES.items():
             self.metrics.live_nodes.labels(name).set(directory.count(role))
+        self.kv_feeds.sync(directory)
 
     async def serve(self, request: Request, endpoint: str, handler: Handler) -> Response:
         status = 200
@@ -342,6 +348,7 @@ def build_app(gateway: Gateway) -> Starlette:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
+            await gateway.kv_feeds.close()
             await gateway.directory.close()
             await client.close()
             gateway.encoder.close()

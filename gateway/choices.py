@@ -39,6 +39,7 @@ class ChoiceEnd:
     completion_tokens: int
     cached_tokens: int
     timeline: Timeline | None = None  # where the time went (gateway/timeline.py)
+    cache_node: str = ""  # the node whose prefix cache served `cached_tokens`
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ async def choice_events(
         completion_tokens=finished.usage.completion_tokens,
         cached_tokens=generation.cached_tokens,
         timeline=generation.timeline,
+        cache_node=generation.cache_node,
     )
     yield pending.take(job.index, end)
 

@@ -74,7 +74,7 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    prefill_policy: str  # round_robin | least_load | prefix_aware
+    prefill_policy: str  # round_robin | least_load | prefix_aware | kv_aware
     decode_policy: str
     # Prompts of at most this many tokens are prefilled by the decode node itself.
     local_prefill_max_tokens: int
@@ -83,6 +83,9 @@ class RoutingConfig:
     prefix_block_tokens: int  # prefix_aware hashes prompts in blocks of this many tokens
     prefix_max_blocks: int  # remembered prefix blocks (LRU)
     prefix_balance_slack: int  # prefix_aware ignores a match this much busier than the idlest
+    # kv_aware: cost = compute weight x prompt tokens to compute + load weight x load tokens
+    kv_compute_weight: float = 1.0
+    kv_load_weight: float = 1.0
     # HTTP/2 pings on the node channels while calls are open (0: off): a node that stops
     # answering (link cut, host down, process frozen) fails its calls within about twice this.
     node_keepalive_s: float = 10.0
@@ -99,6 +102,10 @@ class RoutingConfig:
             raise ValueError(f"--node-keepalive must be >= 0 s, got {self.node_keepalive_s}")
         if self.prefix_block_tokens < 1:
             raise ValueError("--prefix-block-tokens must be >= 1")
+        for name in ("kv_compute_weight", "kv_load_weight"):
+            if getattr(self, name) < 0:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

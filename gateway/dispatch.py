@@ -32,6 +32,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.migration import Progress
 from gateway.nodes import NodeDirectory
 from gateway.pd_client import PDResult, PDStream
+from gateway.prefix_index import PrefixIndex
 from gateway.routing import Route, Router
 from gateway.timeline import Timeline, assemble, current_trace
 from proto import node_pb2
@@ -55,10 +56,11 @@ class Dispatcher:
         config: RoutingConfig,
         metrics: GatewayMetrics,
         tickets: RoomTickets | None = None,
+        index: PrefixIndex | None = None,
     ) -> None:
         self.directory = directory
         self.tickets = tickets  # signs each room's (prefill, decode) assignment for bootstrap
-        self.router = Router(directory, config)
+        self.router = Router(directory, config, index)
         self.config = config
         self.metrics = metrics
 
@@ -67,17 +69,20 @@ class Dispatcher:
     ) -> Generation:
         return Generation(self, prompt_ids, sampling, rid)
 
-    def enter(self, route: Route) -> None:
+    def enter(self, route: Route, prompt_tokens: int = 0) -> None:
         for node in route.nodes:
             node.inflight += 1
+            node.inflight_tokens += prompt_tokens
             self.metrics.node_requests.labels(node.role_name, node.node_id).inc()
         if route.prefill is None:
             self.metrics.local_prefills.inc()
 
-    def leave(self, route: Route) -> None:
+    def leave(self, route: Route, prompt_tokens: int = 0) -> None:
         for node in route.nodes:
             current = self.directory.nodes.get(node.node_id, node)
             current.inflight = max(current.inflight - 1, 0)
+            current.inflight_tokens = max(current.inflight_tokens - prompt_tokens, 0)
+            current.left_tokens += prompt_tokens
 
 
 class Generation:
@@ -95,6 +100,7 @@ class Generation:
         self.progress = Progress(prompt_ids, sampling)
         self.finished: node_pb2.Finished | None = None
         self.cached_tokens = 0
+        self.cache_node = ""  # whose prefix cache served `cached_tokens`: the one that prefilled
         self.route: Route | None = None
         self.attempts = 0
         self.timeline: Timeline | None = None
@@ -127,7 +133,7 @@ class Generation:
             )
             self.finished = None
             failure: AttemptFailure | None = None
-            d.enter(route)
+            d.enter(route, len(self.prompt_ids))
             try:
                 async with contextlib.aclosing(aiter(stream)) as responses:
                     async for response in responses:
@@ -140,7 +146,7 @@ class Generation:
             except grpc.aio.AioRpcError as exc:
                 failure = self._decode_failed(exc, route, len(progress.streamed) > resumed)
             finally:
-                d.leave(route)
+                d.leave(route, len(self.prompt_ids))
             if failure is None:
                 assert self.finished is not None
                 self.finished = progress.whole(self.finished, resumed)
@@ -281,9 +287,14 @@ class Generation:
         else:
             self.cached_tokens = finished.usage.cached_tokens
             cache_node = route.decode
+        self.cache_node = cache_node.node_id
         m.node_cached_tokens.labels(cache_node.role_name, cache_node.node_id).inc(
             self.cached_tokens
         )
+        m.node_prompt_tokens.labels(cache_node.role_name, cache_node.node_id).inc(
+            len(self.prompt_ids)
+        )
+        m.cached_tokens.inc(self.cached_tokens)
         m.prompt_tokens.inc(len(self.prompt_ids))
         m.completion_tokens.inc(finished.usage.completion_tokens)
         m.e2e.observe(time.monotonic() - started)
@@ -294,12 +305,15 @@ class Generation:
         if self.trace is not None:
             self.trace.timelines.append(self.timeline)
         logger.debug(
-            "request %s (%s -> decode node %s) finished %s: %d tokens; timeline %s",
+            "request %s (%s -> decode node %s) finished %s: %d tokens, %d cached on %s; "
+            "timeline %s",
             self.rid,
             f"prefill node {route.prefill.node_id}" if route.prefill else "local prefill",
             route.decode.node_id,
             finished.finish_reason,
             finished.usage.completion_tokens,
+            self.cached_tokens,
+            self.cache_node,
             self.timeline.as_dict(),
             extra={"room": result.room},
         )

@@ -65,6 +65,42 @@ class GatewayMetrics:
             ["role", "node_id"],
             registry=r,
         )
+        self.node_prompt_tokens = Counter(
+            "pdserve_gateway_node_prompt_tokens",
+            "prompt tokens of the choices whose prefill a node did (its hit rate: "
+            "node_cached_tokens / node_prompt_tokens)",
+            ["role", "node_id"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "pdserve_gateway_cached_tokens",
+            "prompt tokens not computed thanks to a prefix cache (cluster hit rate: "
+            "cached_tokens / prompt_tokens)",
+            registry=r,
+        )
+        self.kv_index_blocks = Gauge(
+            "pdserve_gateway_kv_index_blocks",
+            "blocks the prefix index holds for a node (from its KV events)",
+            ["node_id"], registry=r, multiprocess_mode="livemax",
+        )  # fmt: skip
+        self.kv_event_lag = Histogram(
+            "pdserve_gateway_kv_event_lag_seconds",
+            "from a node publishing a KV-event batch to the index applying it",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.kv_event_gaps = Counter(
+            "pdserve_gateway_kv_event_gaps", "KV-event sequence gaps seen", registry=r
+        )
+        self.kv_event_resyncs = Counter(
+            "pdserve_gateway_kv_event_resyncs",
+            "prefix-index resyncs of a node, by how (replay, snapshot)",
+            ["kind"], registry=r,
+        )  # fmt: skip
+        self.kv_event_errors = Counter(
+            "pdserve_gateway_kv_event_errors",
+            "KV-event frames refused (malformed, out of order), each followed by a resync",
+            ["reason"], registry=r,
+        )  # fmt: skip
         self.local_prefills = Counter(
             "pdserve_gateway_local_prefills",
             "choices the decode node prefilled itself (short prompt or no prefill node)",

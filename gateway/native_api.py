@@ -5,7 +5,8 @@ Body (`GenerateBody` in protocol.py): `{"text": "..."}` or `{"input_ids": [...]}
 stop, stop_token_ids, ignore_eos, logprobs, top_logprobs, penalties; defaults and ranges in
 engine/sampling_fields.py), `stream`, `rid`. Answer:
 `{"text", "output_ids", "meta_info": {"id", "finish_reason", "matched", "prompt_tokens",
-"completion_tokens", "cached_tokens", "timing", "output_token_logprobs"?}}`; `timing` is the
+"completion_tokens", "cached_tokens", "cache_node", "timing", "output_token_logprobs"?}}`;
+`cache_node` is the node whose prefix cache served `cached_tokens`; `timing` is the
 request's breakdown in seconds (gateway/timeline.py). Streaming sends the same
 objects with the text and ids of each piece (deltas), `meta_info.finish_reason` on the last,
 then `[DONE]`.
@@ -72,6 +73,7 @@ class NativeHandler(APIHandlers):
                 prompt_tokens=end.prompt_tokens,
                 completion_tokens=end.completion_tokens,
                 cached_tokens=end.cached_tokens,
+                cache_node=end.cache_node,
             )
             if end.timeline is not None:
                 meta["timing"] = end.timeline.as_dict()

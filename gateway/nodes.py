@@ -44,6 +44,9 @@ class LiveNode:
     load: bootstrap_pb2.NodeLoad = field(default_factory=bootstrap_pb2.NodeLoad)
     inflight: int = 0  # requests this gateway has on the node right now
     cooldown_until: float = 0.0
+    kv_events: bootstrap_pb2.KVEventsEndpoint | None = None  # None: it publishes none
+    inflight_tokens: int = 0  # prompt tokens of this gateway's requests on the node now
+    left_tokens: int = 0  # prompt tokens of its requests that ended since the last heartbeat
 
     @property
     def role_name(self) -> str:
@@ -65,6 +68,15 @@ class LiveNode:
             + load.bootstrap_queue
         )
         return max(self.inflight, reported)
+
+    @property
+    def load_tokens(self) -> int:
+        """Tokens the node works on or has queued (the heartbeat's, less this gateway's
+        requests that ended since it came: it lags by up to an interval), or the prompt tokens
+        this gateway sent it and that are still running, if more (`kv_aware`)."""
+        load = self.load
+        reported = load.running_tokens + load.queued_tokens - self.left_tokens
+        return max(self.inflight_tokens, reported)
 
     @property
     def kv_usage(self) -> float:
@@ -149,6 +161,7 @@ class NodeDirectory:
             node = self.nodes.get(info.node_id)
             if node is not None:
                 node.load = event.status.load
+                node.left_tokens = 0
         if self.on_change is not None and kind != bootstrap_pb2.NodeEvent.LOAD:
             self.on_change(self)
 
@@ -163,8 +176,11 @@ class NodeDirectory:
         node = LiveNode(
             info.node_id, info.role, info.grpc_address, node_pb2_grpc.NodeStub(channel), load
         )
+        if info.HasField("kv_events"):
+            node.kv_events = info.kv_events
         if old is not None:
             node.inflight = old.inflight
+            node.inflight_tokens = old.inflight_tokens
         self.nodes[info.node_id] = node
         logger.info("%s node %s joined at %s", node.role_name, node.node_id, node.address)
 

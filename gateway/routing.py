@@ -13,10 +13,19 @@ name; the prefill and decode sides each get their own policy instance (flags
   prefix: that node's radix cache has those pages, so the prompt skips that much prefill. With
   no match, or when the matching node is busier than the idlest by more than
   `prefix_balance_slack` requests, it falls back to `least_load`.
+- `kv_aware` (the default of both sides): routes on what the nodes' caches really hold, from
+  the global prefix index their KV events feed (gateway/prefix_index.py, gateway/kv_feed.py).
+  Each candidate costs `kv_compute_weight` x the prompt tokens it would have to compute (those
+  past its cached prefix) + `kv_load_weight` x its load in tokens (`LiveNode.load_tokens`:
+  running and queued, not the evictable cache), as Dynamo's KV router weighs prefill blocks
+  against active blocks; the cheapest wins. When no candidate publishes events (or none is
+  synced yet) it is the side's old default: `prefix_aware` for prefill, `least_load` for decode.
 
 `Router.choose` applies them and the conditional disaggregation rule: a prompt of at most
-`local_prefill_max_tokens`, or one arriving when no prefill node is live, goes to the decode
-node alone (it prefills locally); with no prefill nodes at all the cluster is simply colocated.
+`local_prefill_max_tokens` tokens (with `kv_aware` on the decode side: tokens beyond what the
+chosen decode node already holds, per the prefix index: a follow-up turn whose history the
+node keeps), or one arriving when no prefill node is live, goes to the decode node alone (it
+prefills locally); with no prefill nodes at all the cluster is simply colocated.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from dataclasses import dataclass
 from gateway.config import RoutingConfig
 from gateway.errors import unavailable
 from gateway.nodes import COLOCATED, DECODE, PREFILL, LiveNode, NodeDirectory
+from gateway.prefix_index import PrefixIndex
 
 
 class RoutingPolicy(ABC):
@@ -101,20 +111,45 @@ class PrefixAware(RoutingPolicy):
             self._owner.popitem(last=False)
 
 
+class KVAware(RoutingPolicy):
+    def __init__(self, config: RoutingConfig, index: PrefixIndex, fallback: RoutingPolicy) -> None:
+        super().__init__(config)
+        self.index = index
+        self.fallback = fallback
+        self._tiebreak = itertools.count()
+
+    def cost(self, node: LiveNode, prompt_ids: Sequence[int]) -> float:
+        to_compute = len(prompt_ids) - self.index.cached_tokens(node.node_id, prompt_ids)
+        c = self.config
+        return c.kv_compute_weight * to_compute + c.kv_load_weight * node.load_tokens
+
+    def pick(self, nodes: Sequence[LiveNode], prompt_ids: Sequence[int]) -> LiveNode:
+        if not any(self.index.tracked(n.node_id) for n in nodes):
+            return self.fallback.pick(nodes, prompt_ids)
+        start = next(self._tiebreak) % len(nodes)
+        rotated = [*nodes[start:], *nodes[:start]]
+        return min(rotated, key=lambda n: (self.cost(n, prompt_ids), n.busy))
+
+
 POLICIES: dict[str, type[RoutingPolicy]] = {
     "round_robin": RoundRobin,
     "least_load": LeastLoad,
     "prefix_aware": PrefixAware,
+    "kv_aware": KVAware,
 }
+# What `kv_aware` does on a side where no node publishes KV events.
+KV_AWARE_FALLBACK = {"prefill": "prefix_aware", "decode": "least_load"}
 
 
-def make_policy(name: str, config: RoutingConfig) -> RoutingPolicy:
-    try:
-        return POLICIES[name](config)
-    except KeyError:
-        raise ValueError(
-            f"unknown routing policy {name!r}: use one of {sorted(POLICIES)}"
-        ) from None
+def make_policy(
+    name: str, config: RoutingConfig, index: PrefixIndex | None = None, side: str = "prefill"
+) -> RoutingPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}: use one of {sorted(POLICIES)}")
+    if name == "kv_aware":
+        fallback = make_policy(KV_AWARE_FALLBACK[side], config)
+        return KVAware(config, index if index is not None else PrefixIndex(), fallback)
+    return POLICIES[name](config)
 
 
 @dataclass(frozen=True)
@@ -128,11 +163,14 @@ class Route:
 
 
 class Router:
-    def __init__(self, directory: NodeDirectory, config: RoutingConfig) -> None:
+    def __init__(
+        self, directory: NodeDirectory, config: RoutingConfig, index: PrefixIndex | None = None
+    ) -> None:
         self.directory = directory
         self.config = config
-        self.prefill_policy = make_policy(config.prefill_policy, config)
-        self.decode_policy = make_policy(config.decode_policy, config)
+        self.index = index if index is not None else PrefixIndex()
+        self.prefill_policy = make_policy(config.prefill_policy, config, self.index, "prefill")
+        self.decode_policy = make_policy(config.decode_policy, config, self.index, "decode")
 
     def choose(self, prompt_ids: Sequence[int], excluded: Collection[str] = ()) -> Route:
         decodes = self.directory.live((DECODE, COLOCATED), excluded)
@@ -143,7 +181,10 @@ class Router:
                 f"{len(excluded)} failed for it): start a decode-server or retry later"
             )
         decode = self.decode_policy.pick(decodes, prompt_ids)
-        if decode.role != DECODE or len(prompt_ids) <= self.config.local_prefill_max_tokens:
+        to_compute = len(prompt_ids)
+        if isinstance(self.decode_policy, KVAware):  # the index says what the node holds
+            to_compute -= self.index.cached_tokens(decode.node_id, prompt_ids)
+        if decode.role != DECODE or to_compute <= self.config.local_prefill_max_tokens:
             return Route(decode, None)
         prefills = self.directory.live((PREFILL,), excluded)
         if not prefills:

@@ -79,13 +79,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_log_args(parser)
     g = parser.add_argument_group("routing")
-    g.add_argument("--prefill-policy", default="prefix_aware", choices=sorted(POLICIES))
-    g.add_argument("--decode-policy", default="least_load", choices=sorted(POLICIES))
+    g.add_argument(
+        "--prefill-policy",
+        default="kv_aware",
+        choices=sorted(POLICIES),
+        help="kv_aware routes on the nodes' KV events (prefix_aware where none publish them)",
+    )
+    g.add_argument(
+        "--decode-policy",
+        default="kv_aware",
+        choices=sorted(POLICIES),
+        help="kv_aware routes on the nodes' KV events (least_load where none publish them)",
+    )
     g.add_argument(
         "--local-prefill-max-tokens",
         type=int,
         default=256,
-        help="prompts of at most this many tokens are prefilled by the decode node itself",
+        help="prompts of at most this many tokens beyond what the decode node's cache holds "
+        "are prefilled by the decode node itself",
     )
     g.add_argument("--max-attempts", type=int, default=3, help="nodes tried before the first token")
     g.add_argument("--node-cooldown", type=float, default=5.0, help="seconds to skip a failed node")
@@ -106,6 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefix-block-tokens", type=int, default=16)
     g.add_argument("--prefix-max-blocks", type=int, default=1 << 20)
     g.add_argument("--prefix-balance-slack", type=int, default=16, help="requests")
+    g.add_argument(
+        "--kv-compute-weight",
+        type=float,
+        default=1.0,
+        help="kv_aware: cost per prompt token a node would compute (not in its cache)",
+    )
+    g.add_argument(
+        "--kv-load-weight",
+        type=float,
+        default=1.0,
+        help="kv_aware: cost per token a node runs or has queued",
+    )
     g = parser.add_argument_group("defaults for what a request leaves out")
     g.add_argument(
         "--generation-config",
@@ -236,6 +259,8 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         prefix_block_tokens=args.prefix_block_tokens,
         prefix_max_blocks=args.prefix_max_blocks,
         prefix_balance_slack=args.prefix_balance_slack,
+        kv_compute_weight=args.kv_compute_weight,
+        kv_load_weight=args.kv_load_weight,
     )
     return GatewayConfig(
         args.host,

@@ -66,7 +66,7 @@ class MemoryRegion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., addr: _Optional[int] = ..., length: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "grpc_address", "transfer_backend", "transfer_endpoint", "layout", "regions", "aux_slot_bytes", "tp_ranks")
+    __slots__ = ("node_id", "role", "grpc_address", "transfer_backend", "transfer_endpoint", "layout", "regions", "aux_slot_bytes", "tp_ranks", "kv_events")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class NodeInfo(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     AUX_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     TP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: Role
     grpc_address: str
@@ -85,7 +86,20 @@ class NodeInfo(_message.Message):
     regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
     aux_slot_bytes: int
     tp_ranks: _containers.RepeatedCompositeFieldContainer[TPRankInfo]
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_address: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., transfer_endpoint: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., aux_slot_bytes: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[_Union[TPRankInfo, _Mapping]]] = ...) -> None: ...
+    kv_events: KVEventsEndpoint
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_address: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., transfer_endpoint: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., aux_slot_bytes: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[_Union[TPRankInfo, _Mapping]]] = ..., kv_events: _Optional[_Union[KVEventsEndpoint, _Mapping]] = ...) -> None: ...
+
+class KVEventsEndpoint(_message.Message):
+    __slots__ = ("publisher", "replay", "topic", "block_size")
+    PUBLISHER_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    publisher: str
+    replay: str
+    topic: str
+    block_size: int
+    def __init__(self, publisher: _Optional[str] = ..., replay: _Optional[str] = ..., topic: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class TPRankInfo(_message.Message):
     __slots__ = ("tp_rank", "transfer_endpoint", "kv", "kv_head_start", "num_kv_heads")
@@ -102,13 +116,15 @@ class TPRankInfo(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., transfer_endpoint: _Optional[bytes] = ..., kv: _Optional[_Union[MemoryRegion, _Mapping]] = ..., kv_head_start: _Optional[int] = ..., num_kv_heads: _Optional[int] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("running_requests", "queued_requests", "free_pages", "total_pages", "transfer_queue", "bootstrap_queue", "draining")
+    __slots__ = ("running_requests", "queued_requests", "free_pages", "total_pages", "transfer_queue", "bootstrap_queue", "running_tokens", "queued_tokens", "draining")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_QUEUE_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     queued_requests: int
@@ -116,8 +132,10 @@ class NodeLoad(_message.Message):
     total_pages: int
     transfer_queue: int
     bootstrap_queue: int
+    running_tokens: int
+    queued_tokens: int
     draining: bool
-    def __init__(self, running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., transfer_queue: _Optional[int] = ..., bootstrap_queue: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    def __init__(self, running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., transfer_queue: _Optional[int] = ..., bootstrap_queue: _Optional[int] = ..., running_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("node",)

@@ -7,6 +7,7 @@ llama with the default model's tokenizer, 1 prefill + 1 decode node, Mooncake ov
 - `--stream-interval 5` (the cluster's gateway) against a second gateway-server on the same
   bootstrap with interval 1: the streamed text, token ids, finish reasons and stop-string
   trimming are the same, in fewer chunks;
+- each worker feeds its own prefix index from every node's KV events;
 - a worker killed with SIGKILL is reported and replaced; killing the supervisor takes its
   workers down;
 - bad `--workers`, `--stream-interval` and `--gateway-workers` values exit with code 2 and a
@@ -177,6 +178,18 @@ def _stream_text(url: str, path: str, body: dict[str, object]) -> tuple[list[str
             pieces.append(piece or "")
             reason = choice.get("finish_reason") or reason
     return pieces, reason, chunks
+
+
+def test_every_worker_feeds_its_own_prefix_index(cluster: RunningCluster) -> None:
+    """Each worker follows every node's KV events itself: one snapshot per (worker, node), and
+    /metrics (summed over the workers) shows two of them per node."""
+    snapshots = "pdserve_gateway_kv_event_resyncs_total"
+    deadline = time.monotonic() + WAIT_S
+    while cluster.metric(snapshots, kind="snapshot") < 4:  # 2 workers x (1 P + 1 D)
+        assert time.monotonic() < deadline, cluster.log()[-3000:]
+        time.sleep(0.2)
+    assert cluster.metric(snapshots, kind="snapshot") == 4
+    assert cluster.metric("pdserve_gateway_kv_event_errors_total") == 0
 
 
 @pytest.mark.parametrize("stop", [None, ["e"]], ids=["no-stop", "stop-string"])

@@ -16,6 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from engine.kv_events import BlockSet, prefix_hashes
 from engine.kv_manager import KVManager
 from engine.memory.allocator import IntegrityError, OutOfPagesError, PageAllocator, PageState
 from engine.memory.kv_cache import ReqToTokenPool
@@ -330,6 +331,8 @@ class MemoryMachine(RuleBasedStateMachine):
         super().__init__()
         self.allocator = PageAllocator(POOL_PAGES)
         self.cache = RadixCache(self.allocator, self.page_size)
+        self.cache.record_events()
+        self.published = BlockSet()  # what a consumer of the cache's KV events knows
         self.live: dict[int, LiveRequest] = {}
         self.next_id = 0
         self.started_tokens: list[list[int]] = []
@@ -476,6 +479,22 @@ class MemoryMachine(RuleBasedStateMachine):
         assert len(self.reference) == len(cached), "two prefixes map to one page"
         free = self.allocator.pages_in(PageState.FREE)
         assert len(free) + len(owned) + len(cached) == self.allocator.total
+
+    @invariant()
+    def kv_events_describe_the_tree(self) -> None:
+        """Applied in order, the recorded events give exactly the tree's blocks, each with the
+        hash `prefix_hashes` computes from its prefix's tokens and its parent's hash."""
+        self.published.apply(self.cache.take_events())
+        by_prefix = {key: prefix_hashes(key, self.page_size)[-1] for key in self.reference if key}
+        assert set(self.published.blocks) == set(by_prefix.values())
+        for key, h in by_prefix.items():
+            parent, tokens = self.published.blocks[h]
+            assert tokens == key[-self.page_size :]
+            expected_parent = by_prefix.get(key[: -self.page_size])
+            assert parent == expected_parent
+        rebuilt = BlockSet()
+        rebuilt.apply(self.published.snapshot(self.page_size, "CPU"))
+        assert rebuilt.blocks == self.published.blocks
 
     @invariant()
     def locked_pages_stay_cached(self) -> None:

@@ -7,7 +7,12 @@ which frees the least recently used unlocked leaves, never takes pages a live re
 
 Invariants (`check_integrity`): the tree's pages are exactly the allocator's CACHED pages, each
 once; lock counts are non-negative and a parent is locked at least as often as any child;
-`evictable_pages` equals the pages of unlocked nodes.
+`evictable_pages` equals the pages of unlocked nodes; every page has its block hash
+(`engine/kv_events.py`: chained over the pages before it).
+
+KV events: after `record_events()` every change of the tree's block set is recorded (pages
+stored by `insert`, removed by `evict`; a split changes no block) and `take_events` hands them
+over, once per engine step, to the node's publisher (`engine/node/kv_publisher.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.kv_events import ROOT_HASH, BlockRemoved, BlockStored, KVEvent, block_hash
 from engine.memory.allocator import IntegrityError, PageAllocator, PageState
 
 
@@ -28,6 +34,12 @@ class RadixNode:
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    hashes: list[int] = field(default_factory=list)  # block hash of each page
+
+    @property
+    def last_hash(self) -> int:
+        """The hash the next block below this node chains on."""
+        return self.hashes[-1] if self.hashes else ROOT_HASH
 
 
 @dataclass
@@ -41,12 +53,27 @@ class PrefixMatch:
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, medium: str = "GPU") -> None:
         self.allocator = allocator
         self.page_size = page_size
+        self.medium = medium  # where the pages live, as KV events name it: GPU or CPU
         self.root = RadixNode(key=[], pages=[], parent=None, lock_ref=1)
         self.evictable_pages = 0
         self._clock = itertools.count(1)
+        self._events: list[KVEvent] | None = None  # None: not recording
+
+    def record_events(self) -> None:
+        """Record every block stored and removed from now on (the tree must be empty)."""
+        if self.root.children:
+            raise IntegrityError("record_events on a non-empty cache: its blocks would be unknown")
+        self._events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first."""
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
 
     def _page_key(self, tokens: Sequence[int], page: int) -> tuple[int, ...]:
         return tuple(tokens[page * self.page_size : (page + 1) * self.page_size])
@@ -90,9 +117,11 @@ class RadixCache:
             parent=node.parent,
             lock_ref=node.lock_ref,
             last_access=node.last_access,
+            hashes=node.hashes[:at_page],
         )
         node.parent.children[tuple(upper.key[:ps])] = upper
         node.key, node.pages = node.key[at_page * ps :], node.pages[at_page:]
+        node.hashes = node.hashes[at_page:]
         node.parent = upper
         upper.children[tuple(node.key[:ps])] = node
         return upper
@@ -116,15 +145,29 @@ class RadixCache:
             return match.node
         rest = list(pages[dup:])
         self.allocator.mark_cached(rest)
+        key = list(tokens[dup * self.page_size : n_pages * self.page_size])
         leaf = RadixNode(
-            key=list(tokens[dup * self.page_size : n_pages * self.page_size]),
+            key=key,
             pages=rest,
             parent=match.node,
             last_access=next(self._clock),
+            hashes=self._chain(match.node, key),
         )
+        if self._events is not None:
+            parent = match.node.hashes[-1] if match.node.hashes else None
+            self._events.append(
+                BlockStored(list(leaf.hashes), parent, list(key), self.page_size, self.medium)
+            )
         match.node.children[self._page_key(leaf.key, 0)] = leaf
         self.evictable_pages += len(rest)
         return leaf
+
+    def _chain(self, parent: RadixNode, key: list[int]) -> list[int]:
+        hashes, last, ps = [], parent.last_hash, self.page_size
+        for start in range(0, len(key), ps):
+            last = block_hash(last, key[start : start + ps])
+            hashes.append(last)
+        return hashes
 
     def lock(self, node: RadixNode) -> None:
         cur: RadixNode | None = node
@@ -156,6 +199,8 @@ class RadixCache:
             del parent.children[self._page_key(node.key, 0)]
             self.allocator.free_cached(node.pages)
             self.evictable_pages -= len(node.pages)
+            if self._events is not None:
+                self._events.append(BlockRemoved(list(node.hashes), self.medium))
             freed += len(node.pages)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
@@ -189,6 +234,8 @@ class RadixCache:
                 continue
             if len(node.key) != len(node.pages) * self.page_size or not node.pages:
                 raise IntegrityError("radix node key/pages length mismatch or empty node")
+            if len(node.hashes) != len(node.pages):
+                raise IntegrityError("radix node without a block hash for each page")
             assert node.parent is not None
             parent_locks = node.parent.lock_ref if node.parent is not self.root else node.lock_ref
             if node.lock_ref < 0 or parent_locks < node.lock_ref:

@@ -12,6 +12,7 @@ from bootstrap.telemetry import configure_logging as _configure_logging
 from engine.config import EngineConfig
 from engine.engine_loop import LoopConfig
 from engine.models.cpu_linear import LINEAR_KERNELS
+from engine.node.kv_publisher import add_kv_events_args
 from kvtransfer.base import TransferConfig
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -97,6 +98,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     )
     add_metrics_port_arg(g)
     add_log_args(g)
+    add_kv_events_args(parser)
 
 
 def configure_logging(args: argparse.Namespace) -> None:

@@ -18,6 +18,7 @@ from engine.metrics import NodeMetrics
 from engine.model_runner import ModelRunner
 from engine.node.args import loop_config, node_address, server_config, transfer_config
 from engine.node.bootstrap_link import NodeLink
+from engine.node.kv_publisher import start_kv_events
 from engine.node.server import serve_registered
 from engine.node.service import NodeService
 from engine.node.transfer_setup import (
@@ -62,7 +63,9 @@ async def serve_disaggregated(
     scheduler = engine.scheduler
     runner = scheduler.runner
     transfer = setup_transfer(transfer_config(args, kind), runner)
-    info = node_info(ROLES[kind], node_address(args), transfer, runner, args.node_id)
+    publisher = start_kv_events(args, scheduler)
+    endpoints = publisher.endpoints if publisher is not None else None
+    info = node_info(ROLES[kind], node_address(args), transfer, runner, args.node_id, endpoints)
     role: PDRole  # built below, once the link it needs exists
     load = lambda: node_load(scheduler, role.load_queues())  # noqa: E731
     auth = internal_auth_from_args(args)
@@ -70,7 +73,13 @@ async def serve_disaggregated(
     metrics = NodeMetrics(kind)
     role = build_role(RoleParts(args, link, transfer, runner, metrics.registry))
     engine_loop = EngineLoop(scheduler, loop_config(args, kind), role, metrics)
+    if publisher is not None:
+        engine_loop.bind_kv_events(publisher.publish)
     service = NodeService(engine_loop, kind, model_path, link)
-    await serve_registered(
-        engine_loop, service, server_config(args), link, transfer.engine.close, auth
-    )
+
+    def close() -> None:
+        transfer.engine.close()
+        if publisher is not None:
+            publisher.close()
+
+    await serve_registered(engine_loop, service, server_config(args), link, close, auth)

@@ -12,6 +12,7 @@ from bootstrap.client import BootstrapClient
 from bootstrap.security import InternalAuth
 from engine.model_runner import ModelRunner
 from engine.node.bootstrap_link import NodeLink
+from engine.node.kv_publisher import KVEventsEndpoints
 from engine.node.tp_transfer import RankTransferInfo, kv_region, rank_info, setup_tp_transfer
 from engine.scheduler import Scheduler
 from kvtransfer import KVTransferEngine, MemoryRegion, TransferConfig, create_engine
@@ -67,8 +68,17 @@ def node_info(
     transfer: TransferSetup,
     runner: ModelRunner,
     node_id: str = "",
+    kv_events: KVEventsEndpoints | None = None,
 ) -> bootstrap_pb2.NodeInfo:
     layout = runner.kv_layout
+    events = None
+    if kv_events is not None:
+        events = bootstrap_pb2.KVEventsEndpoint(
+            publisher=kv_events.publisher,
+            replay=kv_events.replay,
+            topic=kv_events.topic.decode(),
+            block_size=kv_events.block_size,
+        )
     return bootstrap_pb2.NodeInfo(
         node_id=node_id,
         role=role,  # type: ignore[arg-type]
@@ -89,6 +99,7 @@ def node_info(
         regions=[_region_proto(r) for r in transfer.regions],
         aux_slot_bytes=transfer.aux.slot_bytes(),
         tp_ranks=[_rank_proto(r) for r in transfer.ranks] if len(transfer.ranks) > 1 else [],
+        kv_events=events,
     )
 
 
@@ -124,9 +135,12 @@ def node_load(scheduler: Scheduler, role_queues: tuple[int, int]) -> bootstrap_p
     `role_queues`: the role's (rooms in transfer, rooms waiting), see its `load_queues`."""
     alloc = scheduler.kv.allocator
     transfer_q, bootstrap_q = role_queues
+    running, waiting = list(scheduler.running), list(scheduler.waiting)  # copies: one C call
     return bootstrap_pb2.NodeLoad(
-        running_requests=len(scheduler.running),
-        queued_requests=len(scheduler.waiting),
+        running_requests=len(running),
+        queued_requests=len(waiting),
+        running_tokens=sum(r.seq_len for r in running),
+        queued_tokens=sum(len(r.prompt_ids) - r.kv_len for r in waiting),
         free_pages=alloc.num_free + alloc.num_cached,
         total_pages=alloc.total,
         transfer_queue=transfer_q,

@@ -1,6 +1,7 @@
 """Load test of any OpenAI-compatible server: TTFT / ITL / TPOT / E2E, throughput, goodput.
 
-Sends a workload (datasets: random, prefix, sharegpt, multiturn; see scripts/serving/datasets.py)
+Sends a workload (datasets: random, prefix, sharegpt, multiturn, conversation, mooncake; see
+scripts/serving/datasets.py)
 with Poisson arrivals (`--request-rate`, `--burstiness`), at most `--max-concurrency` sessions
 in flight, for `--num-prompts` sessions or `--duration` seconds; every request streams. Prints
 a summary table; `--output-file` writes every setting, figure and per-request trace as JSON;
@@ -23,6 +24,14 @@ NAME=PORT` / `--watch-pid NAME=PID` add server processes (gateway, nodes) to tha
         --random-input-len 16 --random-output-len 512 --ignore-eos --num-prompts 768 \
         --max-concurrency 256 --workers 4 --watch-port gateway=8000 \
         --watch-port decode-0=30001 --watch-metrics decode-0=http://127.0.0.1:30002/metrics
+
+Multi-turn workloads (and any run whose server reports `cached_tokens`) also print TTFT per
+turn index and the measured prefix-cache hit rate beside the best the workload allows:
+
+    .venv/bin/python -m scripts.serving.bench_serving --base-url http://127.0.0.1:8000 \
+        --dataset conversation --num-prompts 16 --multiturn-turns 6 \
+        --conversation-system-len 1024 --random-input-len 64 --random-output-len 32 \
+        --think-time 1 --ignore-eos
 
 Exit codes: 0 done (even with failed requests: see the error counts), 2 bad options or data,
 3 the server does not answer.
@@ -50,6 +59,7 @@ from scripts.serving.metrics import SLO
 from scripts.serving.node_metrics import MetricsError, MetricsWatch, StepSplit, parse_target
 from scripts.serving.procstat import CpuWatch, ProcessCpu, WatchSpec, saturation_warnings
 from scripts.serving.report import (
+    cache_summary,
     cpu_table,
     document,
     plot,
@@ -57,6 +67,7 @@ from scripts.serving.report import (
     step_table,
     table,
     timing_table,
+    turn_table,
     write_json,
 )
 from scripts.serving.workers import WorkerError, deal
@@ -66,7 +77,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """Dataset, arrival and SLO flags (shared with tune_ratio.py)."""
     g = parser.add_argument_group("dataset")
     g.add_argument("--dataset", default="random", choices=sorted(GENERATORS))
-    g.add_argument("--dataset-path", type=Path, default=None, help="ShareGPT JSON file")
+    g.add_argument(
+        "--dataset-path", type=Path, default=None, help="ShareGPT JSON or Mooncake JSONL file"
+    )
     g.add_argument("--random-input-len", type=int, default=128, help="tokens (mean)")
     g.add_argument("--random-output-len", type=int, default=32, help="tokens (mean)")
     g.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths +- ratio")
@@ -74,6 +87,24 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-len", type=int, default=512, help="shared prefix tokens")
     g.add_argument("--prefix-group-size", type=int, default=8, help="requests per prefix")
     g.add_argument("--multiturn-turns", type=int, default=3, help="user turns per conversation")
+    g.add_argument(
+        "--conversation-system-len",
+        type=int,
+        default=1024,
+        help="conversation: tokens of the system prompt every session shares",
+    )
+    g.add_argument(
+        "--think-time", type=float, default=0.0, help="conversation: seconds between turns"
+    )
+    g.add_argument(
+        "--mooncake-block-size", type=int, default=512, help="mooncake: tokens per hash id"
+    )
+    g.add_argument(
+        "--cache-block-size",
+        type=int,
+        default=16,
+        help="the server's cache block (page) size: the best hit rate counts whole blocks",
+    )
     g.add_argument("--sharegpt-output-len", type=int, default=None, help="default: reply's")
     g.add_argument("--sharegpt-max-output-len", type=int, default=256)
     g.add_argument("--seed", type=int, default=0)
@@ -113,6 +144,9 @@ def dataset_config(args: argparse.Namespace, num_sessions: int) -> DatasetConfig
         path=args.dataset_path,
         sharegpt_output_len=args.sharegpt_output_len,
         sharegpt_max_output_len=args.sharegpt_max_output_len,
+        system_len=args.conversation_system_len,
+        think_s=args.think_time,
+        mooncake_block_size=args.mooncake_block_size,
     )
 
 
@@ -246,12 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     breakdown = timing_table(run.load.traces)
     if breakdown:
         print(breakdown)
+    block = args.cache_block_size
+    if any(t.turn or t.cached_tokens or t.reusable_tokens for t in run.load.traces):
+        print(turn_table(run.load.traces, block))
     for line in saturation_warnings(run.clients):
         print(line, file=sys.stderr)
     if args.output_file is not None:
         doc = document(run.summary, run.load.traces, {**config.settings(), "workers": args.workers})
         doc["cpu"] = [{**asdict(u), "core_fraction": u.core_fraction} for u in usages]
         doc["node_steps"] = [asdict(s) for s in steps]
+        cache = cache_summary(run.load.traces, block)
+        doc["cache"] = {**asdict(cache), "hit_rate": cache.hit_rate, "best_rate": cache.best_rate}
         write_json(args.output_file, doc)
         print(f"wrote {args.output_file}")
     if args.plot is not None:

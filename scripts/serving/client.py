@@ -62,7 +62,7 @@ def served_model(base_url: str, timeout_s: float = 10.0) -> str:
 
 
 def request_body(
-    config: ClientConfig, spec: RequestSpec, history: list[dict[str, str]]
+    config: ClientConfig, spec: RequestSpec, history: list[dict[str, str]], system: str = ""
 ) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) for one request."""
     body: dict[str, Any] = {
@@ -75,7 +75,8 @@ def request_body(
     if config.ignore_eos:
         body["ignore_eos"] = True  # an extension (vLLM, SGLang, pdserve); others ignore it
     if spec.chat:
-        body["messages"] = [*history, {"role": "user", "content": spec.prompt}]
+        first = [{"role": "system", "content": system}] if system else []
+        body["messages"] = [*first, *history, {"role": "user", "content": spec.prompt}]
         return "/v1/chat/completions", body
     body["prompt"] = list(spec.prompt) if isinstance(spec.prompt, tuple) else spec.prompt
     return "/v1/completions", body
@@ -87,10 +88,15 @@ async def send(
     spec: RequestSpec,
     history: list[dict[str, str]],
     clock_zero: float,
+    system: str = "",
 ) -> tuple[RequestTrace, str]:
     """Send one request and stream it to the end: (trace, the generated text)."""
-    path, body = request_body(config, spec, history)
-    trace = RequestTrace(sent=time.perf_counter() - clock_zero, prompt_tokens=spec.prompt_len)
+    path, body = request_body(config, spec, history, system)
+    trace = RequestTrace(
+        sent=time.perf_counter() - clock_zero,
+        prompt_tokens=spec.prompt_len,
+        reusable_tokens=spec.reusable_tokens,
+    )
     pieces: list[str] = []
     usage: dict[str, Any] | None = None
     try:
@@ -124,6 +130,8 @@ async def send(
     if usage:
         trace.prompt_tokens = int(usage.get("prompt_tokens") or trace.prompt_tokens)
         trace.output_tokens = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        trace.cached_tokens = int(details.get("cached_tokens") or 0)
     trace.output_tokens = trace.output_tokens or len(trace.chunks)
     if not trace.chunks:
         trace.error, trace.error_detail = "no_output", "the stream ended without any text"

@@ -8,6 +8,18 @@
              (a list of {"conversations": [{"from": "human", "value": ...}, ...]}); chat.
 - multiturn: conversations of several user turns sent one after another on /v1/chat/completions,
              each carrying the whole history, so prompts grow turn by turn.
+- conversation: N chat sessions sharing a system prompt of S tokens, T turns each (user turns of
+             U tokens, outputs of O tokens), a think time between turns; each turn's prompt is
+             the session's history plus the new message: the workload of a prefix cache that
+             keeps conversations (`--conversation-system-len`, `--think-time`).
+- mooncake:  a trace in the public Mooncake format (JSONL, one request a line: `timestamp` in
+             ms, `input_length`, `output_length`, `hash_ids`), replayed at its timestamps; each
+             hash id is a block of `--mooncake-block-size` (512) token ids, the same ids for the
+             same hash id, so requests share prefixes exactly as in the trace. Token ids.
+
+Each request carries `reusable_tokens`: what a perfect prefix cache could skip, as far as the
+dataset knows it (a shared system prompt, trace blocks seen before); the report adds each
+turn's history and compares the measured hit rate with this best (scripts/serving/report.py).
 
 Text prompts (sharegpt, multiturn) have no tokenizer here: their lengths are estimates (about
 four characters per token); the server's reported usage is what the metrics count.
@@ -50,6 +62,7 @@ class RequestSpec:
     prompt_len: int  # exact for token ids, an estimate for text (chat history not included)
     output_len: int  # max_tokens
     chat: bool = False
+    reusable_tokens: int = 0  # a perfect cache's hit beyond the session's own history
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,9 @@ class Session:
 
     turns: tuple[RequestSpec, ...]
     group: int = 0  # prefix group or conversation id
+    system: str = ""  # a chat session's system message
+    think_s: float = 0.0  # pause between a reply and the next turn
+    arrival_s: float | None = None  # a trace's own arrival time (else the load's schedule)
 
 
 @dataclass(frozen=True)
@@ -76,6 +92,9 @@ class DatasetConfig:
     path: Path | None = None
     sharegpt_output_len: int | None = None  # None: estimated from the reference reply
     sharegpt_max_output_len: int = 256
+    system_len: int = 1024  # conversation: shared system prompt tokens
+    think_s: float = 0.0  # conversation: seconds between a reply and the next turn
+    mooncake_block_size: int = 512
 
     def __post_init__(self) -> None:
         if self.name not in GENERATORS:
@@ -90,8 +109,13 @@ class DatasetConfig:
             raise DatasetError(
                 f"token id range [{self.token_id_low}, {self.token_id_high}) is empty"
             )
-        if self.name == "sharegpt" and self.path is None:
-            raise DatasetError("--dataset sharegpt needs --dataset-path FILE (ShareGPT JSON)")
+        if self.name in ("sharegpt", "mooncake") and self.path is None:
+            raise DatasetError(f"--dataset {self.name} needs --dataset-path FILE")
+        if self.system_len < 0 or self.think_s < 0 or self.mooncake_block_size < 1:
+            raise DatasetError(
+                "--conversation-system-len and --think-time must be >= 0, "
+                "--mooncake-block-size >= 1"
+            )
 
 
 def lengths(rng: np.random.Generator, mean: int, ratio: float, n: int) -> list[int]:
@@ -200,11 +224,102 @@ def _first_exchange(entry: Any) -> tuple[str, str] | None:
     return question, answer
 
 
+def gen_conversation(config: DatasetConfig, rng: np.random.Generator) -> list[Session]:
+    system = random_words(rng, config.system_len)
+    sessions = []
+    for k in range(config.num_sessions):
+        ins = lengths(rng, config.input_len, config.range_ratio, config.turns)
+        outs = lengths(rng, config.output_len, config.range_ratio, config.turns)
+        # Only turn 1 can reuse what other sessions computed: the system prompt (not for the
+        # first session); later turns reuse their own history, which the report adds.
+        shared = config.system_len if k else 0
+        turns = tuple(
+            RequestSpec(random_words(rng, i), i, o, chat=True, reusable_tokens=0 if t else shared)
+            for t, (i, o) in enumerate(zip(ins, outs, strict=True))
+        )
+        sessions.append(Session(turns, group=k, system=system, think_s=config.think_s))
+    return sessions
+
+
+def gen_mooncake(config: DatasetConfig, rng: np.random.Generator) -> list[Session]:
+    assert config.path is not None
+    records = load_mooncake(config.path)
+    size = config.mooncake_block_size
+    seen: set[int] = set()
+    sessions = []
+    start = records[0].timestamp_ms
+    for k, rec in enumerate(records[: config.num_sessions]):
+        ids: list[int] = []
+        for h in rec.hash_ids:
+            block = np.random.default_rng([config.seed, h])  # the same ids for the same hash
+            ids.extend(
+                int(x) for x in block.integers(config.token_id_low, config.token_id_high, size)
+            )
+        if len(ids) < rec.input_length:  # the trace's prompt is longer than its blocks
+            ids.extend(random_ids(rng, config, rec.input_length - len(ids)))
+        ids = ids[: rec.input_length]
+        reusable = 0
+        for h in rec.hash_ids:
+            if h not in seen:
+                break
+            reusable += size
+        seen.update(rec.hash_ids)
+        spec = RequestSpec(
+            tuple(ids), len(ids), rec.output_length, reusable_tokens=min(reusable, len(ids) - 1)
+        )
+        arrival = (rec.timestamp_ms - start) / 1000.0
+        sessions.append(Session((spec,), group=k, arrival_s=arrival))
+    return sessions
+
+
+@dataclass(frozen=True)
+class MooncakeRecord:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_mooncake(path: Path) -> list[MooncakeRecord]:
+    """The requests of a Mooncake trace (JSONL), in timestamp order."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise DatasetError(f"--dataset-path {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DatasetError(f"--dataset-path {path} cannot be read: {exc}") from None
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+            record = MooncakeRecord(
+                float(raw["timestamp"]),
+                int(raw["input_length"]),
+                int(raw["output_length"]),
+                tuple(int(h) for h in raw["hash_ids"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DatasetError(
+                f"--dataset-path {path} line {number} is not a Mooncake trace record "
+                f'({{"timestamp", "input_length", "output_length", "hash_ids"}}): {exc}'
+            ) from None
+        if record.input_length < 1 or record.output_length < 1:
+            raise DatasetError(f"--dataset-path {path} line {number}: lengths must be >= 1")
+        records.append(record)
+    if not records:
+        raise DatasetError(f"--dataset-path {path} has no Mooncake trace records")
+    return sorted(records, key=lambda r: r.timestamp_ms)
+
+
 GENERATORS = {
     "random": gen_random,
     "prefix": gen_prefix,
     "sharegpt": gen_sharegpt,
     "multiturn": gen_multiturn,
+    "conversation": gen_conversation,
+    "mooncake": gen_mooncake,
 }
 
 

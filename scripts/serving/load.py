@@ -79,6 +79,17 @@ def arrival_times(load: LoadConfig) -> list[float]:
     return times
 
 
+def schedule(sessions: Sequence[Session], load: LoadConfig) -> list[float]:
+    """The arrival times: a trace's own (every session carries one: the mooncake dataset),
+    else `arrival_times(load)`."""
+    if sessions and all(s.arrival_s is not None for s in sessions):
+        times = sorted(float(s.arrival_s or 0.0) for s in sessions)
+        if load.duration_s is not None:
+            return [t for t in times if t < load.duration_s]
+        return times[: load.num_sessions]
+    return arrival_times(load)
+
+
 @dataclass
 class LoadResult:
     traces: list[RequestTrace]
@@ -128,7 +139,7 @@ async def run_load(
 ) -> LoadResult:
     if not sessions:
         raise LoadError("the workload has no sessions")
-    part = Slice.whole(arrival_times(load), load.max_concurrency)
+    part = Slice.whole(schedule(sessions, load), load.max_concurrency)
     return await run_slice(sessions, client, part, time.perf_counter(), progress)
 
 
@@ -180,7 +191,9 @@ async def _session(
     history: list[dict[str, str]] = []
     async with slots:
         for turn, spec in enumerate(session.turns):
-            trace, reply = await send(http, client, spec, history, zero)
+            if turn and session.think_s:
+                await asyncio.sleep(session.think_s)  # the user reads and types
+            trace, reply = await send(http, client, spec, history, zero, session.system)
             trace.session, trace.turn = index, turn
             traces.append(trace)
             if not trace.ok:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .metrics import RequestTrace, Summary
+from .metrics import Distribution, RequestTrace, Summary
 from .node_metrics import StepSplit
 from .procstat import ProcessCpu
 
@@ -231,4 +231,78 @@ def step_table(splits: Sequence[StepSplit]) -> str:
             f"| {ms(s.output_ms_per_step)} | {s.forward_share:.0%} "
             f"| {'-' if busy is None else f'{busy:.0%}'} |"
         )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """Prompt tokens a prefix cache saved (the server's `cached_tokens`) beside the most the
+    workload allows: per request, what the dataset says other requests computed before
+    (`reusable_tokens`) or its own session's previous turn (prompt + output), whichever is
+    more, in whole `block` tokens, and never the whole prompt."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    best_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def best_rate(self) -> float:
+        return self.best_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def best_cached(traces: Sequence[RequestTrace], block: int = 1) -> list[int]:
+    """The best hit of each trace (in the order given), see `CacheSummary`."""
+    previous: dict[int, RequestTrace] = {}
+    best = []
+    for t in sorted(traces, key=lambda t: (t.session, t.turn)):
+        history = 0
+        before = previous.get(t.session)
+        if before is not None and t.turn == before.turn + 1:
+            history = before.prompt_tokens + before.output_tokens
+        tokens = min(max(t.reusable_tokens, history), max(t.prompt_tokens - 1, 0))
+        best.append((id(t), tokens // block * block))
+        previous[t.session] = t
+    by_id = dict(best)
+    return [by_id[id(t)] for t in traces]
+
+
+def cache_summary(traces: Sequence[RequestTrace], block: int = 1) -> CacheSummary:
+    ok = [t for t in traces if t.ok]
+    return CacheSummary(
+        sum(t.prompt_tokens for t in ok),
+        sum(t.cached_tokens for t in ok),
+        sum(best_cached(ok, block)),
+    )
+
+
+def turn_table(traces: Sequence[RequestTrace], block: int = 1) -> str:
+    """Per turn index: requests, TTFT percentiles, the measured and the best cache hit rate."""
+    ok = [t for t in traces if t.ok]
+    best = dict(zip(map(id, ok), best_cached(ok, block), strict=True))
+    lines = [
+        "| turn | requests | TTFT p50 ms | TTFT p90 ms | TTFT mean ms | prompt tokens "
+        "| cache hit | best hit |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for turn in sorted({t.turn for t in ok}):
+        group = [t for t in ok if t.turn == turn]
+        ttft = Distribution.of_seconds([t.ttft for t in group if t.ttft is not None])
+        cache = CacheSummary(
+            sum(t.prompt_tokens for t in group),
+            sum(t.cached_tokens for t in group),
+            sum(best[id(t)] for t in group),
+        )
+        lines.append(
+            f"| {turn + 1} | {len(group)} | {ttft.median:.1f} | {ttft.p90:.1f} | {ttft.mean:.1f} "
+            f"| {cache.prompt_tokens} | {cache.hit_rate:.1%} | {cache.best_rate:.1%} |"
+        )
+    total = cache_summary(ok, block)
+    lines.append(
+        f"| all | {len(ok)} | | | | {total.prompt_tokens} | {total.hit_rate:.1%} "
+        f"| {total.best_rate:.1%} |"
+    )
     return "\n".join(lines)

@@ -29,7 +29,7 @@ from typing import Any
 
 from .client import ClientConfig
 from .datasets import Session
-from .load import LoadConfig, LoadError, LoadResult, Slice, arrival_times, run_slice
+from .load import LoadConfig, LoadError, LoadResult, Slice, run_slice, schedule
 from .metrics import RequestTrace
 from .procstat import ProcessCpu
 
@@ -103,7 +103,7 @@ def run_load_in_workers(
     worker's CPU."""
     if not sessions:
         raise LoadError("the workload has no sessions")
-    slices = deal(arrival_times(load), workers, load.max_concurrency)
+    slices = deal(schedule(sessions, load), workers, load.max_concurrency)
     ctx = mp.get_context("spawn")  # no fork of a process that may hold threads
     ready, out = ctx.Queue(), ctx.Queue()
     go, zero = ctx.Event(), ctx.Value("d", 0.0)
