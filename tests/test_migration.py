@@ -51,7 +51,8 @@ SAMPLING: list[dict[str, Any]] = [
 NODES: dict[str, tuple[str, list[str]]] = {
     "prefill-0": ("prefill-server", []),
     "decode-0": ("decode-server", ["--drain-timeout", "60"]),  # SIGTERM: streams end here
-    "decode-1": ("decode-server", ["--drain-timeout", "0.5"]),  # SIGTERM: streams move
+    # 0: its streams are aborted at once and move (0.5 s let a calm host finish all 154 tokens)
+    "decode-1": ("decode-server", ["--drain-timeout", "0"]),  # SIGTERM: streams move
 }
 DECODES = ["decode-0", "decode-1"]
 GATEWAY_ARGS = (
