@@ -17,7 +17,7 @@ from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.model_fetch import resolve_model
 from engine.request import Req
-from engine.sampling import RequestSampler, SamplingParams
+from engine.sampling import SamplingParams
 from engine.tokenizer import trim_at_stop
 
 Prompt = str | Sequence[int]
@@ -103,8 +103,7 @@ class LLM:
 
     def _make_req(self, prompt: Prompt, params: SamplingParams) -> Req:
         ids = self.encode(prompt)
-        params.check_vocab(self.model_config.vocab_size)
-        sampler = RequestSampler(params, ids, self.model_config.vocab_size, self.runner.device)
+        sampler = self.scheduler.new_sampler(params, ids)
         return Req(rid=f"offline-{next(self._ids)}", prompt_ids=ids, params=params, sampler=sampler)
 
     def _output(self, req: Req) -> GenerationOutput:

@@ -31,9 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
+from engine.grammar import GrammarCompiler
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Req
-from engine.sampling import sample_batch
+from engine.sampling import RequestSampler, SamplingParams, sample_batch
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +95,18 @@ def check_prompt_fits(prompt_ids: list[int], context_length: int) -> None:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, runner: ModelRunner, stop_checker: StopChecker | None = None
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        stop_checker: StopChecker | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
         self.kv = runner.kv
         self.stop_checker = stop_checker
+        # Compiles requests' grammars for whoever builds their samplers (None: no tokenizer).
+        self.grammars = grammars
         self.eos_ids = frozenset(runner.model_config.eos_token_ids)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -115,6 +122,17 @@ class Scheduler:
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         """Raise ValueError if the prompt can never run here (thread-safe: reads config only)."""
         check_prompt_fits(prompt_ids, self.runner.context_length)
+
+    def new_sampler(self, params: SamplingParams, prompt_ids: list[int]) -> RequestSampler:
+        """The sampler of a new request, with its grammar compiled (thread-safe); ValueError
+        (GrammarError: the compiler's reason) if the params cannot run on this model."""
+        vocab = self.runner.model_config.vocab_size
+        grammar = None
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this model has no tokenizer, so no grammar can be compiled")
+            grammar = self.grammars.request_grammar(params.grammar)
+        return RequestSampler(params, prompt_ids, vocab, self.runner.device, grammar)
 
     def add_request(self, req: Req) -> None:
         self.validate_prompt(req.prompt_ids)
@@ -325,6 +343,8 @@ class Scheduler:
         params = req.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
             self._finish(req, FinishReason.STOP, detail=f"token {token}")
+        elif req.sampler.grammar_done:
+            self._finish(req, FinishReason.STOP, detail="grammar complete")
         elif len(req.output_ids) >= params.max_new_tokens:
             self._finish(req, FinishReason.LENGTH)
         elif req.seq_len >= self.runner.context_length:
