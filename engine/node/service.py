@@ -17,11 +17,12 @@ import grpc
 
 from bootstrap.telemetry import current_room
 from engine.engine_loop import EngineLoop, RequestFinish
+from engine.grammar_spec import GrammarSpec
 from engine.node.bootstrap_link import NodeLink
 from engine.node.multiplex import RequestError, serve_stream
 from engine.node.streams import OutputReceiver, OutputRouter, RequestOutput, timing_to_proto
 from engine.request import Req
-from engine.sampling import RequestSampler, SamplingParams
+from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from proto import node_pb2, node_pb2_grpc
 
@@ -34,6 +35,9 @@ def sampling_from_proto(msg: node_pb2.SamplingParams) -> SamplingParams:
     for name in _SAMPLING_FIELDS:
         if name in ("stop", "stop_token_ids"):
             kwargs[name] = tuple(getattr(msg, name))
+        elif name == "grammar":
+            if msg.HasField("grammar"):
+                kwargs[name] = GrammarSpec(msg.grammar.kind, msg.grammar.spec)
         elif msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
@@ -45,6 +49,9 @@ def sampling_to_proto(params: SamplingParams) -> node_pb2.SamplingParams:
         value = getattr(params, name)
         if name in ("stop", "stop_token_ids"):
             getattr(msg, name).extend(value)
+        elif name == "grammar":
+            if value is not None:
+                msg.grammar.kind, msg.grammar.spec = value.kind, value.spec
         elif value is not None:
             setattr(msg, name, value)
     return msg
@@ -74,7 +81,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if bad:
             raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         scheduler.validate_prompt(ids)
-        sampler = RequestSampler(params, ids, vocab, scheduler.runner.device)
+        sampler = scheduler.new_sampler(params, ids)
         rid = request.rid or uuid.uuid4().hex
         return Req(rid=rid, prompt_ids=ids, params=params, sampler=sampler)
 
