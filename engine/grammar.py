@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from engine.grammar_spec import GrammarSpec
+from engine.grammar_spec import GrammarSpec, unsupported_schema_feature
 
 GRAMMAR_BACKENDS: dict[str, tuple[str, str]] = {
     # name: (module:class, the package a user must install for it)
@@ -228,11 +228,16 @@ class XGrammarBackend(GrammarBackend):
                     '{"type": "object"}', any_whitespace=False
                 )
             if spec.kind == "json_schema":
-                json.loads(spec.spec)  # a parse error reads better from json than from C++
+                # A parse error reads better from json than from C++.
+                unsupported = unsupported_schema_feature(json.loads(spec.spec))
+                if unsupported:
+                    raise GrammarError(f"unsupported JSON Schema feature: {unsupported}")
                 return self._compiler.compile_json_schema(spec.spec, any_whitespace=False)
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.spec)
             return self._compiler.compile_grammar(spec.spec)
+        except GrammarError:
+            raise
         except (RuntimeError, ValueError) as exc:
             raise GrammarError(f"invalid {spec.kind}: {_compiler_reason(exc)}") from exc
 

@@ -38,3 +38,55 @@ class GrammarSpec:
             raise ValueError(
                 f"{self.kind} is {len(self.spec)} characters long; at most {MAX_GRAMMAR_CHARS}"
             )
+
+
+# JSON Schema keywords the compiler would ignore (so an output could break them): refused with
+# their place in the schema, so a client learns at once instead of getting invalid documents.
+UNSUPPORTED_SCHEMA_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "propertyNames",
+    "multipleOf",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
+# Keywords whose value is a map of names to subschemas (the names are not keywords).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def unsupported_schema_feature(schema: object, path: str = "") -> str | None:
+    """Where `schema` uses a feature this server cannot enforce, in words naming the keyword
+    and its JSON pointer (`'uniqueItems' at /properties/tags`); None if there is none."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            found = unsupported_schema_feature(item, f"{path}/{i}")
+            if found:
+                return found
+        return None
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        where = f"{path}/{key}"
+        if key in UNSUPPORTED_SCHEMA_KEYWORDS and not (key == "uniqueItems" and value is False):
+            return f"{key!r} at {path or '/'}"
+        if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
+            return f"a remote $ref ({value!r}) at {path or '/'}: inline it or use #/$defs"
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                found = unsupported_schema_feature(sub, f"{where}/{name}")
+                if found:
+                    return found
+        elif key not in ("enum", "const", "default", "examples", "required"):
+            found = unsupported_schema_feature(value, where)
+            if found:
+                return found
+    return None

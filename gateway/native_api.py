@@ -3,7 +3,8 @@
 Body (`GenerateBody` in protocol.py): `{"text": "..."}` or `{"input_ids": [...]}`, optional
 `sampling_params` (the node's names: max_new_tokens, temperature, top_p, top_k, min_p, seed,
 stop, stop_token_ids, ignore_eos, logprobs, top_logprobs, penalties; defaults and ranges in
-engine/sampling_fields.py), `stream`, `rid`. Answer:
+engine/sampling_fields.py; and at most one of `json_schema` (an object or JSON text), `regex`
+and `ebnf`, which the output must match), `stream`, `rid`. Answer:
 `{"text", "output_ids", "meta_info": {"id", "finish_reason", "matched", "prompt_tokens",
 "completion_tokens", "cached_tokens", "timing", "output_token_logprobs"?}}`; `timing` is the
 request's breakdown in seconds (gateway/timeline.py). Streaming sends the same
@@ -26,6 +27,7 @@ from gateway.openai_api import (
     APIHandlers,
     Payload,
     PrimedEvents,
+    grammar_refusal,
     primed,
     token_budget,
 )
@@ -44,12 +46,15 @@ class NativeHandler(APIHandlers):
         )
         job = ChoiceJob(0, ids, req.sampling.to_proto(budget))
         rid = req.rid or "gen-" + secrets.token_hex(12)
-        if req.stream:
-            interval = self.stream_interval
-            events = await primed(choice_events(job, self.codec, self.dispatcher, rid, interval))
-            return self._stream(events, rid)
-        whole = choice_events(job, self.codec, self.dispatcher, rid, WHOLE_CHOICE)
-        [result] = await collect([whole])
+        with grammar_refusal(req.sampling):
+            if req.stream:
+                interval = self.stream_interval
+                events = await primed(
+                    choice_events(job, self.codec, self.dispatcher, rid, interval)
+                )
+                return self._stream(events, rid)
+            whole = choice_events(job, self.codec, self.dispatcher, rid, WHOLE_CHOICE)
+            [result] = await collect([whole])
         return self._object(rid, result.text, result.token_ids, result.logprobs, result.end)
 
     def _object(

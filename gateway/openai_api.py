@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,23 @@ class StreamState:
 
     offsets: dict[int, int] = field(default_factory=dict)
     ends: list[Any] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def grammar_refusal(sampling: SamplingOptions) -> Iterator[None]:
+    """A node's refusal of the request's grammar (the compiler's reason) as a 400 naming the
+    field the grammar came from (`response_format.json_schema.schema`, ...)."""
+    try:
+        yield
+    except APIError as exc:
+        grammar, param = sampling.grammar, sampling.grammar_param
+        if grammar is None or exc.status != 400 or exc.param is not None:
+            raise
+        marker = f"invalid {grammar.kind}: "
+        if marker not in exc.message:
+            raise
+        reason = exc.message.split(marker, 1)[1]
+        raise bad_request(param, f"`{param}` is not a valid {grammar.kind}: {reason}") from None
 
 
 class PrimedEvents:
@@ -161,10 +178,11 @@ class OpenAIHandlers(APIHandlers):
                 jobs.append(ChoiceJob(p_index * req.n + c, ids, sampling, echo))
         rid = "cmpl-" + secrets.token_hex(12)
         streams = self._run(jobs, rid, req.stream)
-        if req.stream:
-            events = await primed(merge(streams))
-            return self._completion_stream(events, rid, req.include_usage, prompt_tokens)
-        results = await collect(streams)
+        with grammar_refusal(req.sampling):
+            if req.stream:
+                events = await primed(merge(streams))
+                return self._completion_stream(events, rid, req.include_usage, prompt_tokens)
+            results = await collect(streams)
         return {
             **self._header(rid, "text_completion"),
             "choices": [
@@ -187,10 +205,11 @@ class OpenAIHandlers(APIHandlers):
         jobs = [ChoiceJob(c, ids, req.sampling.to_proto(budget, c)) for c in range(req.n)]
         rid = "chatcmpl-" + secrets.token_hex(12)
         streams = self._run(jobs, rid, req.stream)
-        if req.stream:
-            events = await primed(merge(streams))
-            return self._chat_stream(events, rid, req.n, req.include_usage, len(ids))
-        results = await collect(streams)
+        with grammar_refusal(req.sampling):
+            if req.stream:
+                events = await primed(merge(streams))
+                return self._chat_stream(events, rid, req.n, req.include_usage, len(ids))
+            results = await collect(streams)
         return {
             **self._header(rid, "chat.completion"),
             "choices": [

@@ -23,13 +23,15 @@ them: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine import sampling_fields as table
+from engine.grammar_spec import GrammarSpec, unsupported_schema_feature
 from gateway.config import LimitsConfig
 from gateway.errors import APIError, bad_request
 from gateway.fields import ONE_OF, number, validation_error
@@ -85,8 +87,22 @@ class StreamOptions(_Body):
     include_usage: bool | None = None
 
 
+class JSONSchemaFormat(_Body):
+    name: str = Field(description="the schema's name")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(
+        default=None, alias="schema", description="a JSON Schema object (absent: any object)"
+    )
+    strict: bool | None = Field(
+        default=None, description="accepted; the output is always held to the schema"
+    )
+
+
 class ResponseFormat(_Body):
-    type: Literal["text"] = Field("text", description="'text', the only format served")
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        "text", description="'text', 'json_object' or 'json_schema' (with `json_schema`)"
+    )
+    json_schema: JSONSchemaFormat | None = None
 
 
 class _OpenAIBody(SamplingFields):
@@ -137,6 +153,12 @@ class NativeSamplingFields(SamplingFields):
     max_new_tokens: int | None = number(table.MAX_NEW_TOKENS, default=None)
     logprobs: bool | None = None
     top_logprobs: int | None = number(table.TOP_LOGPROBS)
+    # Constrained decoding: at most one of these (engine/grammar_spec.py).
+    json_schema: Annotated[str | dict[str, Any] | None, ONE_OF] = Field(
+        default=None, description="a JSON Schema, as an object or as JSON text"
+    )
+    regex: NonEmptyStr | None = Field(default=None, description="a regular expression")
+    ebnf: NonEmptyStr | None = Field(default=None, description="an EBNF grammar (root rule)")
 
 
 class GenerateBody(_Body):
@@ -159,6 +181,8 @@ class SamplingOptions:
     stop: tuple[str, ...]
     logprobs: bool
     top_logprobs: int
+    grammar: GrammarSpec | None = None  # the output must match it
+    grammar_param: str | None = None  # the request field it came from, for the node's refusal
 
     def to_proto(self, max_new_tokens: int, choice: int = 0) -> node_pb2.SamplingParams:
         msg = node_pb2.SamplingParams(
@@ -175,6 +199,8 @@ class SamplingOptions:
                 setattr(msg, spec.name, value)
         if self.fields.seed is not None:
             msg.seed = self.fields.seed + choice
+        if self.grammar is not None:
+            msg.grammar.kind, msg.grammar.spec = self.grammar.kind, self.grammar.spec
         return msg
 
 
@@ -227,6 +253,7 @@ def parse_completion(
             "n", f"{len(prompts)} prompts x n={n} choices exceed the limit of {limits.max_n}"
         )
     sampling = _sampling(req, limits, n, req.max_tokens, top is not None, top or 0)
+    sampling = with_grammar(sampling, *_response_format(req.response_format))
     stream, include_usage = _stream(req)
     return CompletionRequest(prompts, sampling, n, stream, include_usage, bool(req.echo))
 
@@ -241,6 +268,7 @@ def parse_chat(body: Mapping[str, Any], served: str, limits: LimitsConfig) -> Ch
         max_tokens = req.max_tokens
     n = _choices(req, limits)
     sampling = _sampling(req, limits, n, max_tokens, bool(req.logprobs), top)
+    sampling = with_grammar(sampling, *_response_format(req.response_format))
     stream, include_usage = _stream(req)
     messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
     return ChatRequest(messages, sampling, n, stream, include_usage)
@@ -254,6 +282,7 @@ def parse_native(body: Mapping[str, Any], limits: LimitsConfig) -> NativeRequest
     top = params.top_logprobs or 0
     logprobs = bool(params.logprobs) or top > 0
     sampling = _sampling(params, limits, 1, params.max_new_tokens, logprobs, top)
+    sampling = with_grammar(sampling, *_native_grammar(params))
     prompt: Prompt = req.text if req.text is not None else tuple(req.input_ids or ())
     return NativeRequest(prompt, sampling, bool(req.stream), req.rid or "")
 
@@ -360,3 +389,69 @@ def _message(index: int, message: MessageBody) -> ChatMessage:
     if isinstance(content, list):
         return ChatMessage(message.role, "".join(part.text for part in content))
     return ChatMessage(message.role, content or "")
+
+
+def with_grammar(
+    sampling: SamplingOptions, grammar: GrammarSpec | None, param: str | None
+) -> SamplingOptions:
+    return sampling if grammar is None else replace(sampling, grammar=grammar, grammar_param=param)
+
+
+def _response_format(fmt: ResponseFormat | None) -> tuple[GrammarSpec | None, str | None]:
+    """OpenAI's `response_format` as a grammar (and the field a bad schema is reported on)."""
+    if fmt is None or fmt.type == "text":
+        return None, None
+    if fmt.type == "json_object":
+        return GrammarSpec("json_object"), "response_format"
+    if fmt.json_schema is None:
+        raise bad_request(
+            "response_format.json_schema",
+            "`response_format.json_schema` is required with type 'json_schema': "
+            "{name, schema, strict}",
+        )
+    schema = fmt.json_schema.schema_
+    if schema is None:
+        return GrammarSpec("json_object"), "response_format.json_schema"
+    param = "response_format.json_schema.schema"
+    return schema_grammar(schema, param), param
+
+
+def schema_grammar(schema: dict[str, Any], param: str) -> GrammarSpec:
+    """A json_schema grammar; 400 naming `param` for a feature the engine cannot enforce."""
+    unsupported = unsupported_schema_feature(schema)
+    if unsupported:
+        raise bad_request(
+            param, f"`{param}` uses an unsupported JSON Schema feature: {unsupported}"
+        )
+    return _grammar("json_schema", json.dumps(schema), param)
+
+
+def _grammar(kind: str, spec: str, param: str) -> GrammarSpec:
+    try:
+        return GrammarSpec(kind, spec)
+    except ValueError as exc:
+        raise bad_request(param, f"`{param}`: {exc}") from None
+
+
+def _native_grammar(params: NativeSamplingFields) -> tuple[GrammarSpec | None, str | None]:
+    given = [name for name in ("json_schema", "regex", "ebnf") if getattr(params, name)]
+    if len(given) > 1:
+        raise bad_request(
+            f"sampling_params.{given[1]}",
+            f"give at most one of `json_schema`, `regex` and `ebnf`, got {given}",
+        )
+    if not given:
+        return None, None
+    name = given[0]
+    param = f"sampling_params.{name}"
+    value = getattr(params, name)
+    if name == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise bad_request(param, f"`{param}` is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise bad_request(param, f"`{param}` must be a JSON Schema object")
+        return schema_grammar(value, param), param
+    return _grammar(name, value, param), param

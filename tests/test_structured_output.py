@@ -1,0 +1,235 @@
+"""Structured output through a real `pd-cluster` (default model), driven with the official client.
+
+Both cluster shapes: PD (every request prefilled by the prefill node, `--local-prefill-max-tokens
+0`, so the first token is sampled there under the grammar) and colocated (`--prefill 0`). Every
+schema of scripts/structured_schemas.py answers a valid document, streamed and not, and the
+streamed pieces concatenate to the non-streamed text; `response_format` json_object and
+json_schema, `chat.completions.parse` with a pydantic model, the native /generate's json_schema,
+regex and ebnf; bad grammars answer 400 naming the field and the compiler's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import openai
+import pydantic
+import pytest
+
+from scripts.structured_schemas import SCHEMAS, SchemaCase, check
+from tests.test_gateway import RunningCluster, node_stub, pd_cluster_process, wait_idle
+
+pytestmark = pytest.mark.slow  # the real default model
+
+
+@pytest.fixture(scope="module", params=["pd", "colocated"])
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, default_model_dir
+) -> Iterator[RunningCluster]:
+    log = tmp_path_factory.mktemp(f"structured-{request.param}") / "pd-cluster.log"
+    prefill = 1 if request.param == "pd" else 0
+    gateway_args = ["--local-prefill-max-tokens", "0"]
+    with pd_cluster_process(
+        log, default_model_dir, "mooncake", prefill=prefill, gateway_args=gateway_args
+    ) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster: RunningCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_name(default_model_dir: Path) -> str:
+    return default_model_dir.name
+
+
+def _schema_format(case: SchemaCase) -> dict[str, Any]:
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": case.name, "schema": case.schema, "strict": True},
+    }
+
+
+def _ask(client: openai.OpenAI, model: str, case: SchemaCase, stream: bool) -> tuple[str, str]:
+    """(text, finish_reason) of a greedy answer in `case`'s schema."""
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": case.prompt + " Answer in JSON."}],
+        "response_format": _schema_format(case),
+        "max_tokens": 96,
+        "temperature": 0,
+    }
+    if not stream:
+        reply = client.chat.completions.create(**kwargs)
+        return reply.choices[0].message.content or "", reply.choices[0].finish_reason
+    text, finish = "", ""
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, finish
+
+
+def test_every_schema_gets_a_valid_document(client, model_name) -> None:
+    jobs = [(case, stream) for case in SCHEMAS for stream in (False, True)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda job: _ask(client, model_name, *job), jobs))
+    problems = []
+    for (case, stream), (text, finish) in zip(jobs, answers, strict=True):
+        reason = check(case.schema, text)
+        if reason or finish != "stop":
+            problems.append(f"{case.name} stream={stream} {finish}: {reason} {text!r}")
+    assert not problems, "\n".join(problems)
+    assert len(SCHEMAS) >= 20
+    by_case: dict[str, list[str]] = {}
+    for (case, _), (text, _) in zip(jobs, answers, strict=True):
+        by_case.setdefault(case.name, []).append(text)
+    assert all(a == b for a, b in by_case.values())  # streamed == whole, greedy
+
+
+def test_json_object_mode(client, model_name) -> None:
+    reply = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Give me a cat's name and colour as JSON."}],
+        response_format={"type": "json_object"},
+        max_tokens=96,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content or ""), dict)
+    else:  # free-form JSON may run on: what came is still the start of an object
+        assert (choice.message.content or "").startswith("{")
+
+
+class Weather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=20)
+    celsius: int = pydantic.Field(ge=-60, le=60)
+    sky: Literal["sunny", "cloudy", "rainy"]
+
+
+def test_parse_with_a_pydantic_model(client, model_name) -> None:
+    completion = client.chat.completions.parse(
+        model=model_name,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        response_format=Weather,
+        max_tokens=64,
+        temperature=0,
+    )
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Weather)
+    beta = client.beta.chat.completions.parse(
+        model=model_name,
+        messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
+        response_format=Weather,
+        max_tokens=64,
+        temperature=0.7,
+        seed=3,
+    )
+    assert isinstance(beta.choices[0].message.parsed, Weather)
+
+
+def test_native_generate_takes_json_schema_regex_and_ebnf(cluster) -> None:
+    schema = SCHEMAS[1].schema
+    cases: list[tuple[dict[str, Any], Any]] = [
+        ({"json_schema": schema}, lambda t: check(schema, t) is None),
+        ({"json_schema": json.dumps(schema)}, lambda t: check(schema, t) is None),
+        ({"regex": r"(red|green|blue) [0-9]{1,3}"}, re.compile(r"(red|green|blue) [0-9]{1,3}")),
+        ({"ebnf": 'root ::= "It is " ("yes" | "no") "."'}, re.compile(r"It is (yes|no)\.")),
+    ]
+    for grammar, valid in cases:
+        body = {"text": "Answer:", "sampling_params": {"max_new_tokens": 48, **grammar}}
+        reply = httpx.post(cluster.url + "/generate", json=body, timeout=120).json()
+        text = reply["text"]
+        ok = valid(text) if callable(valid) else valid.fullmatch(text)
+        assert ok and reply["meta_info"]["finish_reason"] == "stop", (grammar, reply)
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param", "reason"),
+    [
+        (
+            "chat",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "objectx"}}}},
+            "response_format.json_schema.schema",
+            'Unsupported type "objectx"',
+        ),
+        (
+            "chat",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}},
+            "response_format.json_schema.schema",
+            "unsupported JSON Schema feature: 'uniqueItems' at /",
+        ),
+        (
+            "chat",
+            {"response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+            "is required",
+        ),
+        (
+            "generate",
+            {"sampling_params": {"regex": "[a-"}},
+            "sampling_params.regex",
+            "is not a valid regex: Regex parsing error",
+        ),
+        (
+            "generate",
+            {"sampling_params": {"ebnf": "root ::= missing"}},
+            "sampling_params.ebnf",
+            "is not a valid ebnf",
+        ),
+        (
+            "generate",
+            {"sampling_params": {"json_schema": "{not json"}},
+            "sampling_params.json_schema",
+            "is not valid JSON",
+        ),
+        (
+            "generate",
+            {"sampling_params": {"regex": "a+", "ebnf": 'root ::= "a"'}},
+            "sampling_params.ebnf",
+            "at most one of",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_grammars_answer_400_naming_the_field(
+    cluster, model_name, route: str, body: dict[str, Any], param: str, reason: str
+) -> None:
+    if route == "chat":
+        url = cluster.url + "/v1/chat/completions"
+        body = {"model": model_name, "messages": [{"role": "user", "content": "hi"}], **body}
+    else:
+        url, body = cluster.url + "/generate", {"text": "hi", **body}
+    reply = httpx.post(url, json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and reason in error["message"], error
+
+
+def test_max_tokens_cut_ends_with_length_and_the_partial_text(client, model_name, cluster) -> None:
+    case = SCHEMAS[4]
+    reply = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": case.prompt}],
+        response_format=_schema_format(case),
+        max_tokens=5,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert (choice.message.content or "").startswith('{"') and reply.usage is not None
+    assert reply.usage.completion_tokens == 5
+    names = ["decode-0"] + (["prefill-0"] if "starting prefill-0" in cluster.log() else [])
+    for name in names:
+        check = wait_idle(node_stub(cluster.node_address(name)))
+        assert check.ok and check.used_pages == 0, check.error
