@@ -32,6 +32,7 @@ from gateway.protocol import SamplingOptions, parse_chat, parse_completion
 from gateway.sse import DONE, ChunkFrames, sse
 from gateway.text import TextCodec
 from gateway.tokenize import PromptEncoder, prompt_too_long
+from gateway.tools import ToolSpec, tool_parser
 from proto import node_pb2
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -199,7 +200,7 @@ class OpenAIHandlers(APIHandlers):
 
     async def chat(self, body: dict[str, Any]) -> Payload:
         req = parse_chat(body, self.model.served_name, self.limits)
-        ids = await self.encoder.chat(req.messages)
+        ids = await self.encoder.chat(req.messages, req.tools)
         default = self.limits.defaults.chat_max_tokens
         budget = token_budget(self.model, len(ids), req.sampling.max_tokens, default, "messages")
         jobs = [ChoiceJob(c, ids, req.sampling.to_proto(budget, c)) for c in range(req.n)]
@@ -208,6 +209,8 @@ class OpenAIHandlers(APIHandlers):
         with grammar_refusal(req.sampling):
             if req.stream:
                 events = await primed(merge(streams))
+                if req.tools is not None and req.tools.parses_calls:
+                    return self._tool_stream(events, rid, req.tools, req.include_usage, len(ids))
                 return self._chat_stream(events, rid, req.n, req.include_usage, len(ids))
             results = await collect(streams)
         return {
@@ -215,9 +218,8 @@ class OpenAIHandlers(APIHandlers):
             "choices": [
                 {
                     "index": r.index,
-                    "message": {"role": "assistant", "content": r.text},
+                    **self._chat_answer(r.text, r.end.reason if r.end else None, req.tools),
                     "logprobs": self._chat_logprobs(r.token_ids, r.logprobs, req.sampling),
-                    "finish_reason": r.end.reason if r.end else None,
                 }
                 for r in results
             ],
@@ -315,6 +317,72 @@ class OpenAIHandlers(APIHandlers):
                             "finish_reason": event.end.reason if event.end else None,
                         }
                     )
+        except APIError as exc:
+            yield sse(exc.body())
+            return
+        if include_usage:
+            yield sse({**header, "choices": [], "usage": usage(ends, prompt_tokens)})
+        yield DONE
+
+    # -- tool calls -------------------------------------------------------------------------
+
+    def _chat_answer(self, text: str, finish: str | None, tools: ToolSpec | None) -> dict[str, Any]:
+        """`message` and `finish_reason` of a chat choice: its tool calls parsed out, if any."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tools is None or not tools.parses_calls:
+            return {"message": message, "finish_reason": finish}
+        names = frozenset(f.name for f in tools.functions)
+        content, calls = tool_parser(self._tool_family(tools)).parse(text, names)
+        if not calls:
+            return {"message": message, "finish_reason": finish}
+        if not tools.parallel:
+            calls = calls[:1]
+        message = {
+            "role": "assistant",
+            "content": content or None,
+            "tool_calls": [c.as_openai() for c in calls],
+        }
+        return {"message": message, "finish_reason": "stop" if tools.named else "tool_calls"}
+
+    def _tool_family(self, tools: ToolSpec) -> str:
+        # A forced call is JSON whatever the template (gateway/tools.py).
+        return "json" if tools.forced else self.codec.tool_family
+
+    async def _tool_stream(
+        self,
+        events: PrimedEvents,
+        rid: str,
+        tools: ToolSpec,
+        include_usage: bool,
+        prompt_tokens: int,
+    ) -> AsyncGenerator[bytes, None]:
+        """A chat stream whose choices may be tool calls: each choice's text is held until it
+        ends, then sent as its content or as `tool_calls` deltas (OpenAI's chunk shape)."""
+        header = self._header(rid, "chat.completion.chunk")
+        if include_usage:
+            header["usage"] = None
+        frames = ChunkFrames.for_header(header)
+        texts: dict[int, str] = {}
+        ends = []
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    texts[event.index] = texts.get(event.index, "") + event.text
+                    if event.end is None:
+                        continue
+                    ends.append(event.end)
+                    answer = self._chat_answer(texts[event.index], event.end.reason, tools)
+                    message = answer["message"]
+                    delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+                    if "tool_calls" in message:
+                        delta["tool_calls"] = [
+                            {"index": i, **call} for i, call in enumerate(message["tool_calls"])
+                        ]
+                    for chunk in (
+                        {"delta": delta, "finish_reason": None},
+                        {"delta": {}, "finish_reason": answer["finish_reason"]},
+                    ):
+                        yield frames.choice({"index": event.index, "logprobs": None, **chunk})
         except APIError as exc:
             yield sse(exc.body())
             return

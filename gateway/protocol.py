@@ -35,10 +35,11 @@ from engine.grammar_spec import GrammarSpec, unsupported_schema_feature
 from gateway.config import LimitsConfig
 from gateway.errors import APIError, bad_request
 from gateway.fields import ONE_OF, number, validation_error
+from gateway.tools import ToolCall, ToolFunction, ToolSpec
 from proto import node_pb2
 
 # Fields that would change what the client gets, which this server does not implement.
-_UNSUPPORTED = ("logit_bias", "tools", "functions", "suffix", "audio", "prediction")
+_UNSUPPORTED = ("logit_bias", "functions", "suffix", "audio", "prediction")
 # Sent to the node as given (null: the table's default).
 _NODE_NUMBERS = (
     table.TEMPERATURE,
@@ -131,12 +132,52 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCallBody(_Body):
+    name: NonEmptyStr
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallBody(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
 class MessageBody(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # null only for an assistant message; checked in `_message`
     content: Annotated[str | list[TextPart] | None, ONE_OF] = Field(
         default=None, description="a string or a list of text parts ({type: text, text})"
     )
+    tool_calls: list[ToolCallBody] | None = Field(
+        default=None, description="an assistant message's calls ({id, type, function})"
+    )
+    tool_call_id: str | None = Field(default=None, description="a tool message's call id")
+
+
+class FunctionBody(_Body):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")] = Field(
+        description="letters, digits, _ and -, at most 64 characters"
+    )
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="a JSON Schema object for the arguments"
+    )
+    strict: bool | None = None
+
+
+class ToolBody(_Body):
+    type: Literal["function"]
+    function: FunctionBody
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatBody(_OpenAIBody):
@@ -146,6 +187,16 @@ class ChatBody(_OpenAIBody):
     max_completion_tokens: int | None = number(table.MAX_NEW_TOKENS, default=None)
     logprobs: bool | None = None
     top_logprobs: int | None = number(table.TOP_LOGPROBS)
+    tools: list[ToolBody] | None = Field(
+        default=None, max_length=128, description="functions the model may call"
+    )
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None, ONE_OF] = (
+        Field(
+            default=None,
+            description="'none', 'auto', 'required' or {type: function, function: {name}}",
+        )
+    )
+    parallel_tool_calls: bool | None = None
 
 
 class NativeSamplingFields(SamplingFields):
@@ -208,6 +259,8 @@ class SamplingOptions:
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's calls
+    tool_call_id: str = ""  # a tool message's answer to this call
 
 
 @dataclass(frozen=True)
@@ -227,6 +280,7 @@ class ChatRequest:
     n: int
     stream: bool
     include_usage: bool
+    tools: ToolSpec | None = None  # None: no tools given
 
 
 @dataclass(frozen=True)
@@ -269,9 +323,16 @@ def parse_chat(body: Mapping[str, Any], served: str, limits: LimitsConfig) -> Ch
     n = _choices(req, limits)
     sampling = _sampling(req, limits, n, max_tokens, bool(req.logprobs), top)
     sampling = with_grammar(sampling, *_response_format(req.response_format))
+    tools = _tools(req)
+    if tools is not None and tools.forced:
+        if sampling.grammar is not None:
+            raise bad_request(
+                "tool_choice", "a forced `tool_choice` cannot be combined with `response_format`"
+            )
+        sampling = with_grammar(sampling, tools.grammar(), "tools")
     stream, include_usage = _stream(req)
     messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
-    return ChatRequest(messages, sampling, n, stream, include_usage)
+    return ChatRequest(messages, sampling, n, stream, include_usage, tools)
 
 
 def parse_native(body: Mapping[str, Any], limits: LimitsConfig) -> NativeRequest:
@@ -386,9 +447,50 @@ def _message(index: int, message: MessageBody) -> ChatMessage:
     if content is None and message.role != "assistant":
         where = f"messages[{index}].content"
         raise bad_request(where, f"`{where}` is required: a string or a list of text parts")
-    if isinstance(content, list):
-        return ChatMessage(message.role, "".join(part.text for part in content))
-    return ChatMessage(message.role, content or "")
+    calls = tuple(
+        ToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or ()
+    )
+    if calls and message.role != "assistant":
+        where = f"messages[{index}].tool_calls"
+        raise bad_request(where, f"`{where}` belongs to assistant messages only")
+    text = "".join(part.text for part in content) if isinstance(content, list) else content
+    return ChatMessage(message.role, text or "", calls, message.tool_call_id or "")
+
+
+def _tools(req: ChatBody) -> ToolSpec | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's defaults: auto, parallel)."""
+    choice_body = req.tool_choice
+    if not req.tools:
+        if choice_body not in (None, "none"):
+            raise bad_request("tool_choice", "`tool_choice` needs `tools`")
+        return None
+    functions = []
+    for i, tool in enumerate(req.tools):
+        parameters = tool.function.parameters or {"type": "object", "properties": {}}
+        param = f"tools[{i}].function.parameters"
+        unsupported = unsupported_schema_feature(parameters)
+        if unsupported:
+            raise bad_request(
+                param, f"`{param}` uses an unsupported JSON Schema feature: {unsupported}"
+            )
+        functions.append(
+            ToolFunction(tool.function.name, tool.function.description or "", parameters)
+        )
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise bad_request("tools", "`tools` names a function twice: names must be unique")
+    choice: str
+    if isinstance(choice_body, NamedToolChoice):
+        choice = choice_body.function.name
+        if choice not in names:
+            raise bad_request(
+                "tool_choice.function.name",
+                f"`tool_choice` names {choice!r}, which is not in `tools` ({names})",
+            )
+    else:
+        choice = choice_body or "auto"
+    parallel = req.parallel_tool_calls is not False
+    return ToolSpec(tuple(functions), choice, parallel)
 
 
 def with_grammar(

@@ -233,3 +233,161 @@ def test_max_tokens_cut_ends_with_length_and_the_partial_text(client, model_name
     for name in names:
         check = wait_idle(node_stub(cluster.node_address(name)))
         assert check.ok and check.used_pages == 0, check.error
+
+
+# -- tools ------------------------------------------------------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Current time in a timezone",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 30}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER_TOOL, TIME_TOOL]
+ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+
+
+def _check_call(call: Any, tools: list[dict[str, Any]]) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    [tool] = [t for t in tools if t["function"]["name"] == call.function.name]
+    assert check(tool["function"]["parameters"], call.function.arguments) is None
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_choice_gives_valid_calls(client, model_name, parallel: bool) -> None:
+    reply = client.chat.completions.create(
+        model=model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=parallel,
+        max_tokens=96,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls or []
+    assert calls and (parallel or len(calls) == 1)
+    for call in calls:
+        _check_call(call, TOOLS)
+
+
+def test_named_tool_choice_calls_that_function(client, model_name) -> None:
+    reply = client.chat.completions.create(
+        model=model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=96,
+        temperature=0.8,
+        seed=1,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop"
+    calls = choice.message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_time"] * len(calls) and calls
+    _check_call(calls[0], TOOLS)
+
+
+def test_tool_choice_none_answers_in_text(client, model_name) -> None:
+    reply = client.chat.completions.create(
+        model=model_name, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=24
+    )
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].message.content
+
+
+def test_streamed_tool_calls_arrive_as_deltas(client, model_name) -> None:
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=96,
+        temperature=0,
+        stream=True,
+    )
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"name": "", "arguments": "", "id": ""})
+                call["id"] += delta.id or ""
+                if delta.function is not None:
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+    assert finish == "tool_calls" and len(calls) == 1
+    whole = client.chat.completions.create(
+        model=model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=96,
+        temperature=0,
+    )
+    [call] = whole.choices[0].message.tool_calls or []
+    assert (calls[0]["name"], calls[0]["arguments"]) == (
+        call.function.name,
+        call.function.arguments,
+    )
+
+
+def test_a_conversation_with_tool_results(client, model_name) -> None:
+    first = client.chat.completions.create(
+        model=model_name, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=96,
+        temperature=0,
+    )  # fmt: skip
+    calls = first.choices[0].message.tool_calls or []
+    messages: list[Any] = [*ASK, first.choices[0].message.model_dump(exclude_none=True)]
+    messages += [
+        {"role": "tool", "tool_call_id": c.id, "content": '{"celsius": 21, "sky": "sunny"}'}
+        for c in calls
+    ]
+    reply = client.chat.completions.create(
+        model=model_name, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=24
+    )
+    assert reply.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "not": {}}}}]}, "tools[0].function.parameters"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+    ],
+)  # fmt: skip
+def test_bad_tools_answer_400(cluster, model_name, body: dict[str, Any], param: str) -> None:
+    request = {"model": model_name, "messages": ASK, **body}
+    reply = httpx.post(cluster.url + "/v1/chat/completions", json=request, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
