@@ -1,7 +1,7 @@
 """JSON Schemas for structured-output checks: nested objects, arrays, enums, patterns, number
 bounds and optional fields, each with a chat prompt that asks for it.
 
-`tests/test_structured_output.py` and `scripts/check_structured.py` send every one through a
+`tests/test_structured_output.py` and `scripts/serving/structured_check.py` send every one through a
 gateway and validate the answers with `jsonschema`; the goal is 100% valid.
 """
 
