@@ -85,6 +85,14 @@ class NodeService(node_pb2_grpc.NodeServicer):
         rid = request.rid or uuid.uuid4().hex
         return Req(rid=rid, prompt_ids=ids, params=params, sampler=sampler)
 
+    async def _compile_grammar(self, sampling: node_pb2.SamplingParams) -> None:
+        """Compile a request's grammar on a worker thread (a large schema can take seconds);
+        `_build_req` then finds it in the cache. ValueError: the compiler's reason."""
+        grammars = self.engine.scheduler.grammars
+        if sampling.HasField("grammar") and grammars is not None:
+            spec = GrammarSpec(sampling.grammar.kind, sampling.grammar.spec)
+            await asyncio.to_thread(grammars.compiled, spec)
+
     async def _check_room(self, room: int, peer: str, peer_kind: str, required: bool) -> None:
         if not room:
             if required:
@@ -126,6 +134,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         prefill = isinstance(request, node_pb2.PrefillRequest)
         current_room.set(request.bootstrap_room)  # this handler's log lines name the room
         try:
+            await self._compile_grammar(request.sampling)
             req = self._build_req(request)
             if isinstance(request, node_pb2.PrefillRequest):
                 await self._check_room(
