@@ -16,7 +16,7 @@ from tqdm import tqdm
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.model_fetch import resolve_model
-from engine.request import Req
+from engine.request import PromptLogprob, Req
 from engine.sampling import SamplingParams
 from engine.tokenizer import trim_at_stop
 
@@ -33,6 +33,8 @@ class GenerationOutput:
     cached_tokens: int
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class LLM:
@@ -120,6 +122,7 @@ class LLM:
             cached_tokens=req.cached_tokens,
             logprobs=req.output_logprobs,
             top_logprobs=req.output_top_logprobs,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
         )
 
 

@@ -26,10 +26,10 @@ the request's unresolved placeholder the same way; its in-flight token is never 
 
 Falls back to the normal step (`Scheduler.step`, after resolving the step in flight):
 - while a running or waiting request needs its host values at every step: logprobs, penalties
-  (their state is updated from the host token), a grammar (its next mask depends on the token)
-  or `stop_after_prefill` (a prefill node's KV writes and hand-off read the step's results right
-  after it). Stop strings need no fall-back:
-  they are checked on the host when the step resolves, like EOS.
+  (their state is updated from the host token), a grammar (its next mask depends on the token),
+  prompt logprobs (read from the prefill's logits) or `stop_after_prefill` (a prefill node's
+  KV writes and hand-off read the step's results right after it). Stop strings need no
+  fall-back: they are checked on the host when the step resolves, like EOS.
 Before a decode step whose KV cannot all be reserved, the step in flight is resolved first (its
 finishes free pages, as they would have in the normal mode) and only then is anything retracted.
 
@@ -83,6 +83,7 @@ def needs_host_values(req: Req) -> bool:
         or req.params.logprobs
         or sampler.has_penalties
         or sampler.grammar is not None
+        or req.params.prompt_logprobs is not None
     )
 
 

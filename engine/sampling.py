@@ -83,6 +83,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = fields.TOP_LOGPROBS.default
     grammar: GrammarSpec | None = None  # the output must match it (engine/grammar.py)
+    # The logprob of every prompt token after the first and its top-n (None: not computed);
+    # the node that prefills computes them, recomputing any cached prefix.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._validate_numbers()
@@ -97,6 +100,8 @@ class SamplingParams:
             value = getattr(self, spec.name)
             if value is not None or spec.default is not None:
                 spec.check(value)
+        if self.prompt_logprobs is not None:
+            fields.PROMPT_LOGPROBS.check(self.prompt_logprobs)
 
     def _normalise_stops(self) -> None:
         stop = _as_tuple("stop", self.stop)
