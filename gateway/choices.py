@@ -39,6 +39,8 @@ class ChoiceEnd:
     completion_tokens: int
     cached_tokens: int
     timeline: Timeline | None = None  # where the time went (gateway/timeline.py)
+    # Prompt tokens 1.. when the request asked for prompt logprobs (token 0 has none).
+    prompt_logprobs: Sequence[node_pb2.TokenLogprobs] = ()
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ async def choice_events(
         completion_tokens=finished.usage.completion_tokens,
         cached_tokens=generation.cached_tokens,
         timeline=generation.timeline,
+        prompt_logprobs=generation.prompt_logprobs,
     )
     yield pending.take(job.index, end)
 

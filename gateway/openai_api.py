@@ -190,7 +190,9 @@ class OpenAIHandlers(APIHandlers):
                 {
                     "index": r.index,
                     "text": r.text,
-                    "logprobs": self._completion_logprobs(r, req.sampling),
+                    "logprobs": self._completion_logprobs(
+                        r, req.sampling, jobs[r.index].prompt_ids
+                    ),
                     "finish_reason": r.end.reason if r.end else None,
                 }
                 for r in results
@@ -417,11 +419,29 @@ class OpenAIHandlers(APIHandlers):
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def _completion_logprobs(
-        self, result: ChoiceResult, sampling: SamplingOptions
+        self, result: ChoiceResult, sampling: SamplingOptions, prompt_ids: Sequence[int]
     ) -> dict[str, Any] | None:
         if not sampling.logprobs:
             return None
-        return self._completion_logprob_lists(result.token_ids, result.logprobs, 0)
+        if sampling.prompt_logprobs is None or result.end is None:
+            return self._completion_logprob_lists(result.token_ids, result.logprobs, 0)
+        # `echo`: the prompt's tokens first, the first of them without a logprob (OpenAI's shape)
+        first = self.codec.token_text(prompt_ids[0])
+        lists: dict[str, list[Any]] = {
+            "tokens": [first],
+            "token_logprobs": [None],
+            "top_logprobs": [None],
+            "text_offset": [0],
+        }
+        prompt = self._completion_logprob_lists(
+            prompt_ids[1:], result.end.prompt_logprobs, len(first)
+        )
+        offset = len(first) + sum(len(t) for t in prompt["tokens"])
+        completion = self._completion_logprob_lists(result.token_ids, result.logprobs, offset)
+        for key, values in lists.items():
+            values.extend(prompt[key])
+            values.extend(completion[key])
+        return lists
 
     def _completion_logprob_lists(
         self, token_ids: Sequence[int], logprobs: Sequence[node_pb2.TokenLogprobs], offset: int

@@ -210,6 +210,8 @@ class NativeSamplingFields(SamplingFields):
     )
     regex: NonEmptyStr | None = Field(default=None, description="a regular expression")
     ebnf: NonEmptyStr | None = Field(default=None, description="an EBNF grammar (root rule)")
+    # Extension: logprobs of the prompt's tokens after the first, with this many alternatives.
+    prompt_logprobs: int | None = number(table.PROMPT_LOGPROBS, default=None)
 
 
 class GenerateBody(_Body):
@@ -234,6 +236,7 @@ class SamplingOptions:
     top_logprobs: int
     grammar: GrammarSpec | None = None  # the output must match it
     grammar_param: str | None = None  # the request field it came from, for the node's refusal
+    prompt_logprobs: int | None = None  # top-n of each prompt token (None: not computed)
 
     def to_proto(self, max_new_tokens: int, choice: int = 0) -> node_pb2.SamplingParams:
         msg = node_pb2.SamplingParams(
@@ -252,6 +255,8 @@ class SamplingOptions:
             msg.seed = self.fields.seed + choice
         if self.grammar is not None:
             msg.grammar.kind, msg.grammar.spec = self.grammar.kind, self.grammar.spec
+        if self.prompt_logprobs is not None:
+            msg.prompt_logprobs = self.prompt_logprobs
         return msg
 
 
@@ -296,9 +301,9 @@ def parse_completion(
 ) -> CompletionRequest:
     req = _openai_body(CompletionBody, body, served)
     top = req.logprobs
-    if req.echo and top is not None:
+    if req.echo and top is not None and req.stream:
         raise bad_request(
-            "echo", "`echo` with `logprobs` is not supported (prompt logprobs are not computed)"
+            "stream", "`echo` with `logprobs` is answered whole: leave `stream` out for it"
         )
     n = _choices(req, limits)
     prompts = _prompts(req.prompt)
@@ -308,6 +313,8 @@ def parse_completion(
         )
     sampling = _sampling(req, limits, n, req.max_tokens, top is not None, top or 0)
     sampling = with_grammar(sampling, *_response_format(req.response_format))
+    if req.echo and top is not None:  # the prompt's tokens get logprobs too
+        sampling = replace(sampling, prompt_logprobs=top)
     stream, include_usage = _stream(req)
     return CompletionRequest(prompts, sampling, n, stream, include_usage, bool(req.echo))
 
@@ -344,6 +351,8 @@ def parse_native(body: Mapping[str, Any], limits: LimitsConfig) -> NativeRequest
     logprobs = bool(params.logprobs) or top > 0
     sampling = _sampling(params, limits, 1, params.max_new_tokens, logprobs, top)
     sampling = with_grammar(sampling, *_native_grammar(params))
+    if params.prompt_logprobs is not None:
+        sampling = replace(sampling, prompt_logprobs=params.prompt_logprobs)
     prompt: Prompt = req.text if req.text is not None else tuple(req.input_ids or ())
     return NativeRequest(prompt, sampling, bool(req.stream), req.rid or "")
 

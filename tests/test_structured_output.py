@@ -5,7 +5,10 @@ Both cluster shapes: PD (every request prefilled by the prefill node, `--local-p
 schema of scripts/structured_schemas.py answers a valid document, streamed and not, and the
 streamed pieces concatenate to the non-streamed text; `response_format` json_object and
 json_schema, `chat.completions.parse` with a pydantic model, the native /generate's json_schema,
-regex and ebnf; bad grammars answer 400 naming the field and the compiler's reason.
+regex and ebnf; bad grammars answer 400 naming the field and the compiler's reason. Tools:
+required and named choices give calls whose arguments satisfy their schema, streamed as
+`tool_calls` deltas. Prompt logprobs (`echo` + `logprobs`, native `prompt_logprobs`), computed
+by the node that prefills (the prefill node in PD), equal HF's log_softmax over the prompt.
 """
 
 from __future__ import annotations
@@ -391,3 +394,56 @@ def test_bad_tools_answer_400(cluster, model_name, body: dict[str, Any], param: 
     request = {"model": model_name, "messages": ASK, **body}
     reply = httpx.post(cluster.url + "/v1/chat/completions", json=request, timeout=60)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+# -- prompt logprobs --------------------------------------------------------------------------
+
+ECHO_PROMPTS = ["The capital of France is Paris", "Question: 2 + 2 = ? Answer: 4"]
+
+
+def _hf_prompt_logprobs(model_dir: Path, ids: list[int]) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        log_probs = model(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+    return [log_probs[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_hf(client, model_name, default_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    reply = client.completions.create(
+        model=model_name, prompt=ECHO_PROMPTS, echo=True, logprobs=2, max_tokens=1, temperature=0
+    )
+    for choice, prompt in zip(reply.choices, ECHO_PROMPTS, strict=True):
+        ids = tokenizer.encode(prompt)
+        expected = _hf_prompt_logprobs(default_model_dir, ids)
+        lp = choice.logprobs
+        assert lp is not None and choice.text.startswith(prompt)
+        assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+        assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-3)
+        assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+        assert lp.text_offset[: len(ids)] == sorted(lp.text_offset[: len(ids)])
+
+
+def test_native_prompt_logprobs(cluster, default_model_dir) -> None:
+    body = {
+        "text": ECHO_PROMPTS[1],
+        "sampling_params": {"max_new_tokens": 1, "prompt_logprobs": 3, "temperature": 0},
+    }
+    meta = httpx.post(cluster.url + "/generate", json=body, timeout=120).json()["meta_info"]
+    pairs = meta["input_token_logprobs"]
+    ids = [t for _, t in pairs]
+    expected = _hf_prompt_logprobs(default_model_dir, ids)
+    assert pairs[0][0] is None and [lp for lp, _ in pairs[1:]] == pytest.approx(expected, abs=1e-3)
+    assert meta["input_top_logprobs"][0] is None
+    assert all(len(top) == 3 for top in meta["input_top_logprobs"][1:])
+
+
+def test_echo_logprobs_refuses_a_stream(cluster, model_name) -> None:
+    body = {"model": model_name, "prompt": "hi", "echo": True, "logprobs": 1, "stream": True}
+    reply = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream"

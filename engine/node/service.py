@@ -20,7 +20,13 @@ from engine.engine_loop import EngineLoop, RequestFinish
 from engine.grammar_spec import GrammarSpec
 from engine.node.bootstrap_link import NodeLink
 from engine.node.multiplex import RequestError, serve_stream
-from engine.node.streams import OutputReceiver, OutputRouter, RequestOutput, timing_to_proto
+from engine.node.streams import (
+    OutputReceiver,
+    OutputRouter,
+    RequestOutput,
+    prompt_logprobs_to_proto,
+    timing_to_proto,
+)
 from engine.request import Req
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
@@ -183,6 +189,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             sent_bytes=t.bytes if t else 0,
             descriptors=t.descriptors if t else 0,
             timing=timing_to_proto(finish.timing),
+            prompt_logprobs=prompt_logprobs_to_proto(finish.prompt_logprobs),
         )
 
     async def Generate(
