@@ -113,3 +113,23 @@ def test_earlier_calls_are_shown_in_the_familys_form() -> None:
         {"type": "function", "function": {"name": "get_time", "arguments": {}}}
     ]
     assert seen[-1][1]["tool_call_id"] == "call_1"
+
+
+def test_openapi_document_publishes_the_new_fields() -> None:
+    from gateway.config import GatewayConfig, ModelInfo
+    from gateway.openapi import openapi_document
+    from tests.test_gateway_units import LIMITS, ROUTING
+
+    config = GatewayConfig(
+        "127.0.0.1", 1, "127.0.0.1:2", ModelInfo("path", "m", 32), LIMITS, ROUTING
+    )
+    schemas = openapi_document(config)["components"]["schemas"]
+    chat = schemas["ChatBody"]["properties"]
+    assert {"tools", "tool_choice", "parallel_tool_calls", "response_format"} <= set(chat)
+    formats = schemas["ResponseFormat"]["properties"]["type"]["enum"]
+    assert set(formats) == {"text", "json_object", "json_schema"}
+    assert "schema" in schemas["JSONSchemaFormat"]["properties"]
+    message = schemas["MessageBody"]["properties"]
+    assert {"tool_calls", "tool_call_id"} <= set(message)
+    native = schemas["NativeSamplingFields"]["properties"]
+    assert {"json_schema", "regex", "ebnf", "prompt_logprobs"} <= set(native)
