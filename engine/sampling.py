@@ -83,6 +83,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = fields.TOP_LOGPROBS.default
     grammar: GrammarSpec | None = None  # the output must match it (engine/grammar.py)
+    # Tokens at the end of the prompt that were generated under `grammar` (a migrated request's
+    # streamed tokens): its matcher starts after them.
+    grammar_generated_ids: tuple[int, ...] = ()
     # The logprob of every prompt token after the first and its top-n (None: not computed);
     # the node that prefills computes them, recomputing any cached prefix.
     prompt_logprobs: int | None = None
@@ -90,6 +93,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._validate_numbers()
         self._normalise_stops()
+        object.__setattr__(self, "grammar_generated_ids", tuple(self.grammar_generated_ids))
+        if self.grammar_generated_ids and self.grammar is None:
+            raise ValueError("grammar_generated_ids needs a grammar")
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
         if self.top_logprobs > 0:

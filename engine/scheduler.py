@@ -160,6 +160,14 @@ class Scheduler:
             if self.grammars is None:
                 raise ValueError("this model has no tokenizer, so no grammar can be compiled")
             grammar = self.grammars.request_grammar(params.grammar)
+            if len(params.grammar_generated_ids) >= len(prompt_ids):
+                raise ValueError("grammar generated_ids must be a strict suffix of input_ids")
+            if list(prompt_ids[len(prompt_ids) - len(params.grammar_generated_ids) :]) != list(
+                params.grammar_generated_ids
+            ):
+                raise ValueError("grammar generated_ids must equal the end of input_ids")
+            for token_id in params.grammar_generated_ids:
+                grammar.accept(token_id)  # GrammarViolation (a ValueError) names the token
         return RequestSampler(params, prompt_ids, vocab, self.runner.device, grammar)
 
     def add_request(self, req: Req) -> None:

@@ -207,6 +207,34 @@ def test_a_forbidden_adopted_token_is_refused(tiny_llm: LLM) -> None:
         sampler.adopt(letter)
 
 
+def test_a_moved_request_continues_under_its_grammar(tiny_llm: LLM) -> None:
+    """A request re-issued elsewhere with what it streamed (prompt + those tokens) continues
+    exactly as if it had not moved: its matcher advances over the streamed tokens first."""
+    spec = SPECS[0]
+    prompt = [11, 12, 13, 14]
+    whole = tiny_llm.generate(
+        [prompt], SamplingParams(max_new_tokens=40, temperature=0, grammar=spec)
+    )
+    out = whole[0].token_ids
+    assert whole[0].finish_reason == "stop" and len(out) > 6
+    streamed = out[:5]
+    moved = SamplingParams(
+        max_new_tokens=40 - len(streamed),
+        temperature=0,
+        grammar=spec,
+        grammar_generated_ids=streamed,
+    )
+    [rest] = tiny_llm.generate([prompt + streamed], moved)
+    assert rest.token_ids == out[len(streamed) :]
+    tiny_llm.check_integrity()
+    with pytest.raises(GrammarViolation):  # "}" cannot start a JSON object
+        bad = tiny_llm.encode("}")
+        tiny_llm.generate([prompt + bad], SamplingParams(grammar=spec, grammar_generated_ids=bad))
+    with pytest.raises(ValueError, match="must equal the end of input_ids"):
+        tiny_llm.generate([prompt], SamplingParams(grammar=spec, grammar_generated_ids=[99]))
+    tiny_llm.check_integrity()
+
+
 @pytest.mark.slow
 def test_default_model_answers_in_the_schema(default_model_dir: Path) -> None:
     llm = LLM(str(default_model_dir))

@@ -44,6 +44,8 @@ def sampling_from_proto(msg: node_pb2.SamplingParams) -> SamplingParams:
         elif name == "grammar":
             if msg.HasField("grammar"):
                 kwargs[name] = GrammarSpec(msg.grammar.kind, msg.grammar.spec)
+        elif name == "grammar_generated_ids":
+            kwargs[name] = tuple(msg.grammar.generated_ids)
         elif msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
@@ -58,6 +60,9 @@ def sampling_to_proto(params: SamplingParams) -> node_pb2.SamplingParams:
         elif name == "grammar":
             if value is not None:
                 msg.grammar.kind, msg.grammar.spec = value.kind, value.spec
+        elif name == "grammar_generated_ids":
+            if value:
+                msg.grammar.generated_ids.extend(value)
         elif value is not None:
             setattr(msg, name, value)
     return msg
