@@ -15,6 +15,9 @@ flags (`--max-n`, stop-string limits; the context length in openai_api.py), and 
 tie two fields together. Unknown fields are ignored, except those in `_UNSUPPORTED`, which
 would change the answer.
 
+The bodies and parsing of `response_format`, `tools` / `tool_choice` and /generate's grammars
+live in `gateway/structured.py`; they add a grammar (engine/grammar_spec.py) to the options.
+
 Sampling fields become one `SamplingOptions`; `SamplingOptions.to_proto` makes the node's
 `SamplingParams` for one choice (choice i of a seeded request uses seed + i, so the n choices
 differ and each is reproducible). Extensions beyond OpenAI's fields, as other servers offer
@@ -23,19 +26,28 @@ them: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from engine import sampling_fields as table
-from engine.grammar_spec import GrammarSpec, unsupported_schema_feature
+from engine.grammar_spec import GrammarSpec
 from gateway.config import LimitsConfig
 from gateway.errors import APIError, bad_request
 from gateway.fields import ONE_OF, number, validation_error
-from gateway.tools import ToolCall, ToolFunction, ToolSpec
+from gateway.fields import RequestModel as _Body
+from gateway.structured import (
+    NamedToolChoice,
+    ResponseFormat,
+    ToolBody,
+    ToolCallBody,
+    native_grammar,
+    parse_tools,
+    response_format_grammar,
+)
+from gateway.tools import ToolCall, ToolSpec
 from proto import node_pb2
 
 # Fields that would change what the client gets, which this server does not implement.
@@ -56,10 +68,6 @@ Prompt = str | tuple[int, ...]
 TokenId = Annotated[int, Field(ge=0, le=table.INT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
 class SamplingFields(_Body):
@@ -88,24 +96,6 @@ class StreamOptions(_Body):
     include_usage: bool | None = None
 
 
-class JSONSchemaFormat(_Body):
-    name: str = Field(description="the schema's name")
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(
-        default=None, alias="schema", description="a JSON Schema object (absent: any object)"
-    )
-    strict: bool | None = Field(
-        default=None, description="accepted; the output is always held to the schema"
-    )
-
-
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"] = Field(
-        "text", description="'text', 'json_object' or 'json_schema' (with `json_schema`)"
-    )
-    json_schema: JSONSchemaFormat | None = None
-
-
 class _OpenAIBody(SamplingFields):
     model: str = Field(description="the served model's name (GET /v1/models)")
     n: int | None = Field(default=None, ge=1, description="an integer >= 1 (at most --max-n)")
@@ -132,17 +122,6 @@ class TextPart(_Body):
     text: str
 
 
-class FunctionCallBody(_Body):
-    name: NonEmptyStr
-    arguments: str = Field(description="the arguments as JSON text")
-
-
-class ToolCallBody(_Body):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallBody
-
-
 class MessageBody(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # null only for an assistant message; checked in `_message`
@@ -153,31 +132,6 @@ class MessageBody(_Body):
         default=None, description="an assistant message's calls ({id, type, function})"
     )
     tool_call_id: str | None = Field(default=None, description="a tool message's call id")
-
-
-class FunctionBody(_Body):
-    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")] = Field(
-        description="letters, digits, _ and -, at most 64 characters"
-    )
-    description: str | None = None
-    parameters: dict[str, Any] | None = Field(
-        default=None, description="a JSON Schema object for the arguments"
-    )
-    strict: bool | None = None
-
-
-class ToolBody(_Body):
-    type: Literal["function"]
-    function: FunctionBody
-
-
-class NamedFunction(_Body):
-    name: str
-
-
-class NamedToolChoice(_Body):
-    type: Literal["function"]
-    function: NamedFunction
 
 
 class ChatBody(_OpenAIBody):
@@ -312,7 +266,7 @@ def parse_completion(
             "n", f"{len(prompts)} prompts x n={n} choices exceed the limit of {limits.max_n}"
         )
     sampling = _sampling(req, limits, n, req.max_tokens, top is not None, top or 0)
-    sampling = with_grammar(sampling, *_response_format(req.response_format))
+    sampling = with_grammar(sampling, *response_format_grammar(req.response_format))
     if req.echo and top is not None:  # the prompt's tokens get logprobs too
         sampling = replace(sampling, prompt_logprobs=top)
     stream, include_usage = _stream(req)
@@ -329,8 +283,8 @@ def parse_chat(body: Mapping[str, Any], served: str, limits: LimitsConfig) -> Ch
         max_tokens = req.max_tokens
     n = _choices(req, limits)
     sampling = _sampling(req, limits, n, max_tokens, bool(req.logprobs), top)
-    sampling = with_grammar(sampling, *_response_format(req.response_format))
-    tools = _tools(req)
+    sampling = with_grammar(sampling, *response_format_grammar(req.response_format))
+    tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     if tools is not None and tools.forced:
         if sampling.grammar is not None:
             raise bad_request(
@@ -350,7 +304,9 @@ def parse_native(body: Mapping[str, Any], limits: LimitsConfig) -> NativeRequest
     top = params.top_logprobs or 0
     logprobs = bool(params.logprobs) or top > 0
     sampling = _sampling(params, limits, 1, params.max_new_tokens, logprobs, top)
-    sampling = with_grammar(sampling, *_native_grammar(params))
+    sampling = with_grammar(
+        sampling, *native_grammar(params.json_schema, params.regex, params.ebnf)
+    )
     if params.prompt_logprobs is not None:
         sampling = replace(sampling, prompt_logprobs=params.prompt_logprobs)
     prompt: Prompt = req.text if req.text is not None else tuple(req.input_ids or ())
@@ -466,103 +422,7 @@ def _message(index: int, message: MessageBody) -> ChatMessage:
     return ChatMessage(message.role, text or "", calls, message.tool_call_id or "")
 
 
-def _tools(req: ChatBody) -> ToolSpec | None:
-    """`tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's defaults: auto, parallel)."""
-    choice_body = req.tool_choice
-    if not req.tools:
-        if choice_body not in (None, "none"):
-            raise bad_request("tool_choice", "`tool_choice` needs `tools`")
-        return None
-    functions = []
-    for i, tool in enumerate(req.tools):
-        parameters = tool.function.parameters or {"type": "object", "properties": {}}
-        param = f"tools[{i}].function.parameters"
-        unsupported = unsupported_schema_feature(parameters)
-        if unsupported:
-            raise bad_request(
-                param, f"`{param}` uses an unsupported JSON Schema feature: {unsupported}"
-            )
-        functions.append(
-            ToolFunction(tool.function.name, tool.function.description or "", parameters)
-        )
-    names = [f.name for f in functions]
-    if len(set(names)) != len(names):
-        raise bad_request("tools", "`tools` names a function twice: names must be unique")
-    choice: str
-    if isinstance(choice_body, NamedToolChoice):
-        choice = choice_body.function.name
-        if choice not in names:
-            raise bad_request(
-                "tool_choice.function.name",
-                f"`tool_choice` names {choice!r}, which is not in `tools` ({names})",
-            )
-    else:
-        choice = choice_body or "auto"
-    parallel = req.parallel_tool_calls is not False
-    return ToolSpec(tuple(functions), choice, parallel)
-
-
 def with_grammar(
     sampling: SamplingOptions, grammar: GrammarSpec | None, param: str | None
 ) -> SamplingOptions:
     return sampling if grammar is None else replace(sampling, grammar=grammar, grammar_param=param)
-
-
-def _response_format(fmt: ResponseFormat | None) -> tuple[GrammarSpec | None, str | None]:
-    """OpenAI's `response_format` as a grammar (and the field a bad schema is reported on)."""
-    if fmt is None or fmt.type == "text":
-        return None, None
-    if fmt.type == "json_object":
-        return GrammarSpec("json_object"), "response_format"
-    if fmt.json_schema is None:
-        raise bad_request(
-            "response_format.json_schema",
-            "`response_format.json_schema` is required with type 'json_schema': "
-            "{name, schema, strict}",
-        )
-    schema = fmt.json_schema.schema_
-    if schema is None:
-        return GrammarSpec("json_object"), "response_format.json_schema"
-    param = "response_format.json_schema.schema"
-    return schema_grammar(schema, param), param
-
-
-def schema_grammar(schema: dict[str, Any], param: str) -> GrammarSpec:
-    """A json_schema grammar; 400 naming `param` for a feature the engine cannot enforce."""
-    unsupported = unsupported_schema_feature(schema)
-    if unsupported:
-        raise bad_request(
-            param, f"`{param}` uses an unsupported JSON Schema feature: {unsupported}"
-        )
-    return _grammar("json_schema", json.dumps(schema), param)
-
-
-def _grammar(kind: str, spec: str, param: str) -> GrammarSpec:
-    try:
-        return GrammarSpec(kind, spec)
-    except ValueError as exc:
-        raise bad_request(param, f"`{param}`: {exc}") from None
-
-
-def _native_grammar(params: NativeSamplingFields) -> tuple[GrammarSpec | None, str | None]:
-    given = [name for name in ("json_schema", "regex", "ebnf") if getattr(params, name)]
-    if len(given) > 1:
-        raise bad_request(
-            f"sampling_params.{given[1]}",
-            f"give at most one of `json_schema`, `regex` and `ebnf`, got {given}",
-        )
-    if not given:
-        return None, None
-    name = given[0]
-    param = f"sampling_params.{name}"
-    value = getattr(params, name)
-    if name == "json_schema":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise bad_request(param, f"`{param}` is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise bad_request(param, f"`{param}` must be a JSON Schema object")
-        return schema_grammar(value, param), param
-    return _grammar(name, value, param), param
