@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from decode_node.rooms import DECODE_MOVES, DecodeEntry, DecodePhase
+from engine.grammar import GrammarViolation
 from engine.metrics import DecodeMetrics
 from engine.node.phases import RoomRole
 from engine.request import FinishReason, Req
@@ -214,12 +215,16 @@ class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
             req.peer_node_id,
             extra={"room": req.room},
         )
+        try:  # a grammar's matcher advances over the prefill node's token, or refuses it
+            req.sampler.adopt(first.token)
+        except GrammarViolation as exc:
+            scheduler.release(req, cache=False)
+            return self._fail(req, str(exc))
         req.kv_len = len(req.prompt_ids)
         req.cached_tokens = first.cached_tokens
         req.output_ids.append(first.token)
         req.output_logprobs.append(first.logprob)
         req.output_top_logprobs.append(first.top_logprobs)
-        req.sampler.adopt(first.token)
         scheduler.resume(req)
         scheduler.check_finish(req, first.token)
         return StepOutput(req, [first.token], req.finished)

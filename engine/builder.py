@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.grammar import GrammarCompiler, GrammarTokenizer
 from engine.model_config import ModelConfig
 from engine.overlap import OverlapScheduler
 from engine.scheduler import Scheduler
@@ -31,5 +32,10 @@ def build_engine(config: EngineConfig, rank_agent: RankAgentFactory | None = Non
     model_config = replace(model_config, eos_token_ids=tuple(sorted(eos)))
     runner = start_runner(config, model_config, rank_agent)  # spawns the other TP ranks, if any
     checker = StopStringChecker(tokenizer) if tokenizer is not None else None
+    grammars = None
+    if tokenizer is not None:  # compiles nothing (imports no backend) until a grammar comes
+        vocab = GrammarTokenizer(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
+        grammars = GrammarCompiler(vocab)
     scheduler_cls = OverlapScheduler if config.use_overlap_schedule else Scheduler
-    return Engine(config, model_config, tokenizer, scheduler_cls(config, runner, checker))
+    scheduler = scheduler_cls(config, runner, checker, grammars)
+    return Engine(config, model_config, tokenizer, scheduler)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from engine.kv_events import KVEvent
 from engine.metrics import NodeMetrics
-from engine.request import Req, TransferSummary
+from engine.request import PromptLogprob, Req, TransferSummary
 from engine.scheduler import Scheduler, StepOutput
 from engine.step_trace import StepTrace
 from engine.timing import RequestTiming
@@ -98,6 +98,8 @@ class RequestFinish:
     cached_tokens: int
     transfer: TransferSummary | None = None
     timing: RequestTiming | None = None
+    # Computed here when this node prefilled the prompt of a request that asked (entry 0: None).
+    prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -405,6 +407,7 @@ def _finish(req: Req, default_detail: str = "") -> RequestFinish:
         cached_tokens=req.cached_tokens,
         transfer=req.transfer,
         timing=req.timing,
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 

@@ -36,6 +36,10 @@ class ForwardBatch:
     attn_metadata: Any = field(default=None)
     # Called between decoder layers on the engine thread (see ModelRunner.interlude).
     interlude: Callable[[], None] | None = None
+    # Requests (batch rows) whose every new token's logits the model also returns, in
+    # `token_logits` (prompt logprobs; TP 1 and eager forwards only).
+    all_logits_of: tuple[int, ...] = ()
+    token_logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -44,6 +48,11 @@ class ForwardBatch:
     @property
     def prefix_lens(self) -> list[int]:
         return [s - e for s, e in zip(self.seq_lens, self.extend_lens, strict=True)]
+
+    def token_rows(self, row: int) -> range:
+        """Rows of request `row`'s new tokens in the packed token dimension."""
+        start = sum(self.extend_lens[:row])
+        return range(start, start + self.extend_lens[row])
 
     @property
     def last_token_index(self) -> torch.Tensor:

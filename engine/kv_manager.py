@@ -45,8 +45,9 @@ class KVManager:
         """On admission: reuse the longest cached prefix.
 
         Never the whole sequence: the last token must run through the model to give logits.
+        Nothing for a request that wants prompt logprobs: its every position must run.
         """
-        if self.radix is None or req.kv_len:
+        if self.radix is None or req.kv_len or req.params.prompt_logprobs is not None:
             return
         match = self.radix.match_prefix(req.all_ids[:-1])
         if not match.pages:

@@ -16,8 +16,8 @@ from tqdm import tqdm
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.model_fetch import resolve_model
-from engine.request import Req
-from engine.sampling import RequestSampler, SamplingParams
+from engine.request import PromptLogprob, Req
+from engine.sampling import SamplingParams
 from engine.tokenizer import trim_at_stop
 
 Prompt = str | Sequence[int]
@@ -33,6 +33,8 @@ class GenerationOutput:
     cached_tokens: int
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class LLM:
@@ -103,8 +105,7 @@ class LLM:
 
     def _make_req(self, prompt: Prompt, params: SamplingParams) -> Req:
         ids = self.encode(prompt)
-        params.check_vocab(self.model_config.vocab_size)
-        sampler = RequestSampler(params, ids, self.model_config.vocab_size, self.runner.device)
+        sampler = self.scheduler.new_sampler(params, ids)
         return Req(rid=f"offline-{next(self._ids)}", prompt_ids=ids, params=params, sampler=sampler)
 
     def _output(self, req: Req) -> GenerationOutput:
@@ -121,6 +122,7 @@ class LLM:
             cached_tokens=req.cached_tokens,
             logprobs=req.output_logprobs,
             top_logprobs=req.output_top_logprobs,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
         )
 
 

@@ -140,6 +140,7 @@ class ModelRunner:
             extend_lens=list(extend_lens),
             attn_backend=self.attn_backend,
             interlude=self.interlude,
+            all_logits_of=tuple(i for i, r in enumerate(reqs) if r.wants_prompt_logprobs),
         )
         self.attn_backend.init_metadata(batch)
         return batch

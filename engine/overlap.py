@@ -26,9 +26,10 @@ the request's unresolved placeholder the same way; its in-flight token is never 
 
 Falls back to the normal step (`Scheduler.step`, after resolving the step in flight):
 - while a running or waiting request needs its host values at every step: logprobs, penalties
-  (their state is updated from the host token) or `stop_after_prefill` (a prefill node's KV
-  writes and hand-off read the step's results right after it). Stop strings need no fall-back:
-  they are checked on the host when the step resolves, like EOS.
+  (their state is updated from the host token), a grammar (its next mask depends on the token),
+  prompt logprobs (read from the prefill's logits) or `stop_after_prefill` (a prefill node's
+  KV writes and hand-off read the step's results right after it). Stop strings need no
+  fall-back: they are checked on the host when the step resolves, like EOS.
 Before a decode step whose KV cannot all be reserved, the step in flight is resolved first (its
 finishes free pages, as they would have in the normal mode) and only then is anything retracted.
 
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
+from engine.grammar import GrammarCompiler
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Req
 from engine.sampling import sample_tokens
@@ -75,16 +77,27 @@ def placeholder(row: int) -> int:
 
 def needs_host_values(req: Req) -> bool:
     """True for a request whose every step must be read on the host before the next runs."""
-    return req.stop_after_prefill or req.params.logprobs or req.sampler.has_penalties
+    sampler = req.sampler
+    return (
+        req.stop_after_prefill
+        or req.params.logprobs
+        or sampler.has_penalties
+        or sampler.grammar is not None
+        or req.params.prompt_logprobs is not None
+    )
 
 
 class OverlapScheduler(Scheduler):
     """`Scheduler` whose `step()` returns the outputs of the step launched by the call before."""
 
     def __init__(
-        self, config: EngineConfig, runner: ModelRunner, stop_checker: StopChecker | None = None
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        stop_checker: StopChecker | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
-        super().__init__(config, runner, stop_checker)
+        super().__init__(config, runner, stop_checker, grammars)
         self._inflight: LaunchedStep | None = None
         self._early: list[StepOutput] = []  # outputs of a step resolved while scheduling
 

@@ -23,6 +23,14 @@ class FinishReason(str, Enum):
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token's logprob given the tokens before it, and the top-n tokens there."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
 class TransferSummary:
     """What a prefill node sent for one request."""
 
@@ -40,6 +48,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    # With params.prompt_logprobs: entry i for prompt token i (None for the first), set as the
+    # chunks that predict them run (idempotent: a retracted request recomputes the same values).
+    prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     num_prefix_pages: int = 0
@@ -69,6 +80,11 @@ class Req:
         if end <= split:
             return self.prompt_ids[start:end]
         return self.prompt_ids[start:] + self.output_ids[: end - split]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while prompt positions are still to run for their logprobs."""
+        return self.params.prompt_logprobs is not None and self.kv_len < len(self.prompt_ids)
 
     @property
     def seq_len(self) -> int:

@@ -9,6 +9,10 @@ Processing order follows HF `generate` and vLLM, on a float32 copy of the logits
     repetition penalty -> frequency/presence penalties -> temperature -> top-k -> top-p -> min-p
     -> one draw from the row's own generator
 
+A row with a grammar (`SamplingParams.grammar`, engine/grammar.py) first has every token its
+grammar forbids set to -inf, so the whole chain above only ever sees allowed tokens; its matcher
+advances over the chosen token in `observe`. Rows without one skip this entirely.
+
 Greedy rows (`SamplingParams.is_greedy`) take `argmax` of the penalised logits, so with no
 penalties they are exactly `torch.argmax` of the raw logits, ties included. When every row of the
 batch is greedy and none has a penalty, the whole batch is one `argmax` and nothing is copied:
@@ -35,6 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from engine import sampling_fields as fields
+from engine.grammar import RequestGrammar, apply_grammar_masks
+from engine.grammar_spec import GrammarSpec
 
 # Below this, dividing by the temperature can overflow float32 (inf - inf = nan in softmax), and
 # the distribution is a point mass on the argmax anyway, so such rows are sampled greedily.
@@ -91,10 +97,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = fields.TOP_LOGPROBS.default
+    grammar: GrammarSpec | None = None  # the output must match it (engine/grammar.py)
+    # Tokens at the end of the prompt that were generated under `grammar` (a migrated request's
+    # streamed tokens): its matcher starts after them.
+    grammar_generated_ids: tuple[int, ...] = ()
+    # The logprob of every prompt token after the first and its top-n (None: not computed);
+    # the node that prefills computes them, recomputing any cached prefix.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._validate_numbers()
         self._normalise_stops()
+        object.__setattr__(self, "grammar_generated_ids", tuple(self.grammar_generated_ids))
+        if self.grammar_generated_ids and self.grammar is None:
+            raise ValueError("grammar_generated_ids needs a grammar")
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
         if self.top_logprobs > 0:
@@ -105,6 +121,8 @@ class SamplingParams:
             value = getattr(self, spec.name)
             if value is not None or spec.default is not None:
                 spec.check(value)
+        if self.prompt_logprobs is not None:
+            fields.PROMPT_LOGPROBS.check(self.prompt_logprobs)
 
     def _normalise_stops(self) -> None:
         stop = _as_tuple("stop", self.stop)
@@ -162,6 +180,7 @@ class RequestSampler:
         prompt_ids: Sequence[int],
         vocab_size: int,
         device: torch.device | str,
+        grammar: RequestGrammar | None = None,
     ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -170,6 +189,7 @@ class RequestSampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.output_token_ids: list[int] = []
+        self.grammar = grammar  # built from params.grammar by the caller, which owns the compiler
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         self.seed = seed & _SEED_MASK
         self.position = len(prompt_ids)
@@ -198,12 +218,19 @@ class RequestSampler:
     @property
     def needs_processing(self) -> bool:
         """False when this row's token is plain argmax of the raw logits."""
-        return self.has_penalties or not self.params.is_greedy
+        return self.has_penalties or not self.params.is_greedy or self.grammar is not None
+
+    @property
+    def grammar_done(self) -> bool:
+        """True once this request's grammar is complete (its stop token accepted)."""
+        return self.grammar is not None and self.grammar.is_terminated
 
     def observe(self, token_id: int) -> None:
         """Record a token generated for this request; `sample_batch` calls this itself."""
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token_id must be in [0, {self.vocab_size}), got {token_id}")
+        if self.grammar is not None:
+            self.grammar.accept(token_id)  # GrammarViolation if the grammar forbids it
         self.output_token_ids.append(token_id)
         if self._seen_mask is not None:
             self._seen_mask[token_id] = True
@@ -304,6 +331,8 @@ def _check_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> No
 def _sample_processed(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> torch.Tensor:
     """The general path: penalties for every row, then warpers and a draw for non-greedy rows."""
     logits = logits.to(torch.float32, copy=True)
+    if any(s.grammar is not None for s in samplers):
+        apply_grammar_masks(logits, [s.grammar for s in samplers])
     for row, sampler in enumerate(samplers):
         if sampler.has_penalties:
             sampler.apply_penalties(logits[row])

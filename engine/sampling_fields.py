@@ -96,6 +96,8 @@ FREQUENCY_PENALTY = NumberField[float]("frequency_penalty", float, 0.0, minimum=
 PRESENCE_PENALTY = NumberField[float]("presence_penalty", float, 0.0, minimum=-2, maximum=2)
 SEED = NumberField[int | None]("seed", int, None, minimum=INT64_MIN, maximum=INT64_MAX)
 TOP_LOGPROBS = NumberField[int]("top_logprobs", int, 0, minimum=0, maximum=MAX_TOP_LOGPROBS)
+# Top alternatives of each prompt token (None: no prompt logprobs).
+PROMPT_LOGPROBS = NumberField[int]("prompt_logprobs", int, 0, minimum=0, maximum=MAX_TOP_LOGPROBS)
 # One item of `stop_token_ids` (at most MAX_STOP_TOKEN_IDS of them).
 STOP_TOKEN_ID = NumberField[int]("stop_token_ids", int, 0, minimum=0, maximum=INT32_MAX)
 

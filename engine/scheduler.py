@@ -30,10 +30,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from engine.config import EngineConfig
+from engine.grammar import GrammarCompiler
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, Req
-from engine.sampling import sample_batch
+from engine.request import FinishReason, PromptLogprob, Req
+from engine.sampling import RequestSampler, SamplingParams, sample_batch
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,30 @@ class StepStats:
         )
 
 
+def record_prompt_logprobs(req: Req, token_logits: torch.Tensor) -> None:
+    """Prompt logprobs from the logits of `req`'s chunk about to be added to its KV: row j (at
+    position kv_len + j) predicts prompt token kv_len + j + 1."""
+    prompt = req.prompt_ids
+    if not req.prompt_logprobs:
+        req.prompt_logprobs = [None] * len(prompt)
+    start = req.kv_len
+    count = min(token_logits.shape[0], len(prompt) - 1 - start)
+    if count <= 0:
+        return
+    log_probs = token_logits[:count].float().log_softmax(dim=-1)
+    targets = torch.tensor(prompt[start + 1 : start + 1 + count], device=log_probs.device)
+    chosen = log_probs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    num_top = req.params.prompt_logprobs or 0
+    top_ids: list[list[int]] = [[] for _ in range(count)]
+    top_values: list[list[float]] = [[] for _ in range(count)]
+    if num_top:
+        top = log_probs.topk(num_top, dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    for j in range(count):
+        top_pairs = list(zip(top_ids[j], top_values[j], strict=True))
+        req.prompt_logprobs[start + 1 + j] = PromptLogprob(chosen[j], top_pairs)
+
+
 def check_prompt_fits(prompt_ids: list[int], context_length: int) -> None:
     if not prompt_ids:
         raise ValueError("prompt is empty: give at least one token")
@@ -94,12 +121,18 @@ def check_prompt_fits(prompt_ids: list[int], context_length: int) -> None:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, runner: ModelRunner, stop_checker: StopChecker | None = None
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        stop_checker: StopChecker | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
         self.kv = runner.kv
         self.stop_checker = stop_checker
+        # Compiles requests' grammars for whoever builds their samplers (None: no tokenizer).
+        self.grammars = grammars
         self.eos_ids = frozenset(runner.model_config.eos_token_ids)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -115,6 +148,27 @@ class Scheduler:
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         """Raise ValueError if the prompt can never run here (thread-safe: reads config only)."""
         check_prompt_fits(prompt_ids, self.runner.context_length)
+
+    def new_sampler(self, params: SamplingParams, prompt_ids: list[int]) -> RequestSampler:
+        """The sampler of a new request, with its grammar compiled (thread-safe); ValueError
+        (GrammarError: the compiler's reason) if the params cannot run on this model."""
+        vocab = self.runner.model_config.vocab_size
+        if params.prompt_logprobs is not None and self.config.tp_size > 1:
+            raise ValueError("prompt_logprobs needs a node with tp_size 1; leave it out here")
+        grammar = None
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this model has no tokenizer, so no grammar can be compiled")
+            grammar = self.grammars.request_grammar(params.grammar)
+            if len(params.grammar_generated_ids) >= len(prompt_ids):
+                raise ValueError("grammar generated_ids must be a strict suffix of input_ids")
+            if list(prompt_ids[len(prompt_ids) - len(params.grammar_generated_ids) :]) != list(
+                params.grammar_generated_ids
+            ):
+                raise ValueError("grammar generated_ids must equal the end of input_ids")
+            for token_id in params.grammar_generated_ids:
+                grammar.accept(token_id)  # GrammarViolation (a ValueError) names the token
+        return RequestSampler(params, prompt_ids, vocab, self.runner.device, grammar)
 
     def add_request(self, req: Req) -> None:
         self.validate_prompt(req.prompt_ids)
@@ -196,6 +250,8 @@ class Scheduler:
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
         forward_s = time.perf_counter() - t0
+        for row, token_logits in batch.token_logits.items():
+            record_prompt_logprobs(reqs[row], token_logits)
         outputs = dropped + self._process(reqs, lens, logits)
         self._record_stats(composition, forward_s, start)
         return outputs
@@ -325,6 +381,8 @@ class Scheduler:
         params = req.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
             self._finish(req, FinishReason.STOP, detail=f"token {token}")
+        elif req.sampler.grammar_done:
+            self._finish(req, FinishReason.STOP, detail="grammar complete")
         elif len(req.output_ids) >= params.max_new_tokens:
             self._finish(req, FinishReason.LENGTH)
         elif req.seq_len >= self.runner.context_length:

@@ -3,7 +3,8 @@
 Client bytes must never reach code that can fail with a 5xx:
 - depth: the stdlib parser recurses once per nesting level; a body nested 100,000 levels deep
   exhausts the interpreter's recursion limit. The parser's RecursionError and any depth beyond
-  `MAX_JSON_DEPTH` answer 400 naming the limit. No request field nests deeper than 4 levels.
+  `MAX_JSON_DEPTH` answer 400 naming the limit. Fields nest 4 levels at most, except the JSON
+  Schemas of `response_format`, `tools` and /generate's `json_schema`, which the limit bounds.
 - text the tokenizer cannot encode: JSON's `\\ud800` escapes decode to lone surrogates, which are
   no Unicode text (the tokenizer raises TypeError, UTF-8 encoding raises). Such a string, or a
   key, answers 400 naming the field (`messages[0].content`). Bytes that are no UTF-8 answer 400

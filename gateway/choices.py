@@ -40,6 +40,8 @@ class ChoiceEnd:
     cached_tokens: int
     timeline: Timeline | None = None  # where the time went (gateway/timeline.py)
     cache_node: str = ""  # the node whose prefix cache served `cached_tokens`
+    # Prompt tokens 1.. when the request asked for prompt logprobs (token 0 has none).
+    prompt_logprobs: Sequence[node_pb2.TokenLogprobs] = ()
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ async def choice_events(
         cached_tokens=generation.cached_tokens,
         timeline=generation.timeline,
         cache_node=generation.cache_node,
+        prompt_logprobs=generation.prompt_logprobs,
     )
     yield pending.take(job.index, end)
 

@@ -101,6 +101,8 @@ class Generation:
         self.finished: node_pb2.Finished | None = None
         self.cached_tokens = 0
         self.cache_node = ""  # whose prefix cache served `cached_tokens`: the one that prefilled
+        # With sampling.prompt_logprobs: from the node that prefilled (prompt tokens 1..).
+        self.prompt_logprobs: list[node_pb2.TokenLogprobs] = []
         self.route: Route | None = None
         self.attempts = 0
         self.timeline: Timeline | None = None
@@ -283,9 +285,11 @@ class Generation:
         assert finished is not None
         if route.prefill is not None and result.prefill is not None:
             self.cached_tokens = result.prefill.cached_tokens
+            self.prompt_logprobs = list(result.prefill.prompt_logprobs)
             cache_node = route.prefill
         else:
             self.cached_tokens = finished.usage.cached_tokens
+            self.prompt_logprobs = list(finished.prompt_logprobs)
             cache_node = route.decode
         self.cache_node = cache_node.node_id
         m.node_cached_tokens.labels(cache_node.role_name, cache_node.node_id).inc(

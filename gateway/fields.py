@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     ValidationError,
     ValidatorFunctionWrapHandler,
@@ -51,6 +52,12 @@ _EXPECTED = {
     "too_long": "a list of at most {max_length} items",
 }
 _SHOWN_CHARS = 60  # of the offending value, quoted in the message
+
+
+class RequestModel(BaseModel):
+    """The base of every request body model: strict JSON types, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
 def number(spec: NumberField[Any], *, default: Any = ...) -> Any:

@@ -3,7 +3,10 @@
 Body (`GenerateBody` in protocol.py): `{"text": "..."}` or `{"input_ids": [...]}`, optional
 `sampling_params` (the node's names: max_new_tokens, temperature, top_p, top_k, min_p, seed,
 stop, stop_token_ids, ignore_eos, logprobs, top_logprobs, penalties; defaults and ranges in
-engine/sampling_fields.py), `stream`, `rid`. Answer:
+engine/sampling_fields.py; at most one of `json_schema` (an object or JSON text), `regex`
+and `ebnf`, which the output must match; `prompt_logprobs: N` for the logprob of every prompt
+token after the first and its top N, answered in `meta_info.input_token_logprobs` and
+`input_top_logprobs` when not streamed), `stream`, `rid`. Answer:
 `{"text", "output_ids", "meta_info": {"id", "finish_reason", "matched", "prompt_tokens",
 "completion_tokens", "cached_tokens", "cache_node", "timing", "output_token_logprobs"?}}`;
 `cache_node` is the node whose prefix cache served `cached_tokens`; `timing` is the
@@ -27,6 +30,7 @@ from gateway.openai_api import (
     APIHandlers,
     Payload,
     PrimedEvents,
+    grammar_refusal,
     primed,
     token_budget,
 )
@@ -45,13 +49,19 @@ class NativeHandler(APIHandlers):
         )
         job = ChoiceJob(0, ids, req.sampling.to_proto(budget))
         rid = req.rid or "gen-" + secrets.token_hex(12)
-        if req.stream:
-            interval = self.stream_interval
-            events = await primed(choice_events(job, self.codec, self.dispatcher, rid, interval))
-            return self._stream(events, rid)
-        whole = choice_events(job, self.codec, self.dispatcher, rid, WHOLE_CHOICE)
-        [result] = await collect([whole])
-        return self._object(rid, result.text, result.token_ids, result.logprobs, result.end)
+        with grammar_refusal(req.sampling):
+            if req.stream:
+                interval = self.stream_interval
+                events = await primed(
+                    choice_events(job, self.codec, self.dispatcher, rid, interval)
+                )
+                return self._stream(events, rid)
+            whole = choice_events(job, self.codec, self.dispatcher, rid, WHOLE_CHOICE)
+            [result] = await collect([whole])
+        reply = self._object(rid, result.text, result.token_ids, result.logprobs, result.end)
+        if req.sampling.prompt_logprobs is not None and result.end is not None:
+            reply["meta_info"].update(_prompt_logprobs(ids, result.end.prompt_logprobs))
+        return reply
 
     def _object(
         self,
@@ -88,3 +98,20 @@ class NativeHandler(APIHandlers):
             yield sse(exc.body())
             return
         yield DONE
+
+
+def _prompt_logprobs(
+    ids: Sequence[int], logprobs: Sequence[node_pb2.TokenLogprobs]
+) -> dict[str, Any]:
+    """`input_token_logprobs` ([logprob, token id] per prompt token, null for the first) and
+    `input_top_logprobs` (per token, its top [logprob, token id] pairs)."""
+    entries: list[node_pb2.TokenLogprobs | None] = [None, *logprobs]
+    return {
+        "input_token_logprobs": [
+            [lp.logprob if lp is not None else None, t] for t, lp in zip(ids, entries, strict=False)
+        ],
+        "input_top_logprobs": [
+            [[top.logprob, top.token_id] for top in lp.top] if lp is not None else None
+            for lp in entries
+        ],
+    }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from gateway.protocol import SamplingOptions, parse_chat, parse_completion
 from gateway.sse import DONE, ChunkFrames, sse
 from gateway.text import TextCodec
 from gateway.tokenize import PromptEncoder, prompt_too_long
+from gateway.tools import ToolSpec, tool_parser
 from proto import node_pb2
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -64,6 +65,23 @@ class StreamState:
 
     offsets: dict[int, int] = field(default_factory=dict)
     ends: list[Any] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def grammar_refusal(sampling: SamplingOptions) -> Iterator[None]:
+    """A node's refusal of the request's grammar (the compiler's reason) as a 400 naming the
+    field the grammar came from (`response_format.json_schema.schema`, ...)."""
+    try:
+        yield
+    except APIError as exc:
+        grammar, param = sampling.grammar, sampling.grammar_param
+        if grammar is None or exc.status != 400 or exc.param is not None:
+            raise
+        marker = f"invalid {grammar.kind}: "
+        if marker not in exc.message:
+            raise
+        reason = exc.message.split(marker, 1)[1]
+        raise bad_request(param, f"`{param}` is not a valid {grammar.kind}: {reason}") from None
 
 
 class PrimedEvents:
@@ -161,17 +179,20 @@ class OpenAIHandlers(APIHandlers):
                 jobs.append(ChoiceJob(p_index * req.n + c, ids, sampling, echo))
         rid = "cmpl-" + secrets.token_hex(12)
         streams = self._run(jobs, rid, req.stream)
-        if req.stream:
-            events = await primed(merge(streams))
-            return self._completion_stream(events, rid, req.include_usage, prompt_tokens)
-        results = await collect(streams)
+        with grammar_refusal(req.sampling):
+            if req.stream:
+                events = await primed(merge(streams))
+                return self._completion_stream(events, rid, req.include_usage, prompt_tokens)
+            results = await collect(streams)
         return {
             **self._header(rid, "text_completion"),
             "choices": [
                 {
                     "index": r.index,
                     "text": r.text,
-                    "logprobs": self._completion_logprobs(r, req.sampling),
+                    "logprobs": self._completion_logprobs(
+                        r, req.sampling, jobs[r.index].prompt_ids
+                    ),
                     "finish_reason": r.end.reason if r.end else None,
                 }
                 for r in results
@@ -181,24 +202,26 @@ class OpenAIHandlers(APIHandlers):
 
     async def chat(self, body: dict[str, Any]) -> Payload:
         req = parse_chat(body, self.model.served_name, self.limits)
-        ids = await self.encoder.chat(req.messages)
+        ids = await self.encoder.chat(req.messages, req.tools)
         default = self.limits.defaults.chat_max_tokens
         budget = token_budget(self.model, len(ids), req.sampling.max_tokens, default, "messages")
         jobs = [ChoiceJob(c, ids, req.sampling.to_proto(budget, c)) for c in range(req.n)]
         rid = "chatcmpl-" + secrets.token_hex(12)
         streams = self._run(jobs, rid, req.stream)
-        if req.stream:
-            events = await primed(merge(streams))
-            return self._chat_stream(events, rid, req.n, req.include_usage, len(ids))
-        results = await collect(streams)
+        with grammar_refusal(req.sampling):
+            if req.stream:
+                events = await primed(merge(streams))
+                if req.tools is not None and req.tools.parses_calls:
+                    return self._tool_stream(events, rid, req.tools, req.include_usage, len(ids))
+                return self._chat_stream(events, rid, req.n, req.include_usage, len(ids))
+            results = await collect(streams)
         return {
             **self._header(rid, "chat.completion"),
             "choices": [
                 {
                     "index": r.index,
-                    "message": {"role": "assistant", "content": r.text},
+                    **self._chat_answer(r.text, r.end.reason if r.end else None, req.tools),
                     "logprobs": self._chat_logprobs(r.token_ids, r.logprobs, req.sampling),
-                    "finish_reason": r.end.reason if r.end else None,
                 }
                 for r in results
             ],
@@ -303,6 +326,72 @@ class OpenAIHandlers(APIHandlers):
             yield sse({**header, "choices": [], "usage": usage(ends, prompt_tokens)})
         yield DONE
 
+    # -- tool calls -------------------------------------------------------------------------
+
+    def _chat_answer(self, text: str, finish: str | None, tools: ToolSpec | None) -> dict[str, Any]:
+        """`message` and `finish_reason` of a chat choice: its tool calls parsed out, if any."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tools is None or not tools.parses_calls:
+            return {"message": message, "finish_reason": finish}
+        names = frozenset(f.name for f in tools.functions)
+        content, calls = tool_parser(self._tool_family(tools)).parse(text, names)
+        if not calls:
+            return {"message": message, "finish_reason": finish}
+        if not tools.parallel:
+            calls = calls[:1]
+        message = {
+            "role": "assistant",
+            "content": content or None,
+            "tool_calls": [c.as_openai() for c in calls],
+        }
+        return {"message": message, "finish_reason": "stop" if tools.named else "tool_calls"}
+
+    def _tool_family(self, tools: ToolSpec) -> str:
+        # A forced call is JSON whatever the template (gateway/tools.py).
+        return "json" if tools.forced else self.codec.tool_family
+
+    async def _tool_stream(
+        self,
+        events: PrimedEvents,
+        rid: str,
+        tools: ToolSpec,
+        include_usage: bool,
+        prompt_tokens: int,
+    ) -> AsyncGenerator[bytes, None]:
+        """A chat stream whose choices may be tool calls: each choice's text is held until it
+        ends, then sent as its content or as `tool_calls` deltas (OpenAI's chunk shape)."""
+        header = self._header(rid, "chat.completion.chunk")
+        if include_usage:
+            header["usage"] = None
+        frames = ChunkFrames.for_header(header)
+        texts: dict[int, str] = {}
+        ends = []
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    texts[event.index] = texts.get(event.index, "") + event.text
+                    if event.end is None:
+                        continue
+                    ends.append(event.end)
+                    answer = self._chat_answer(texts[event.index], event.end.reason, tools)
+                    message = answer["message"]
+                    delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+                    if "tool_calls" in message:
+                        delta["tool_calls"] = [
+                            {"index": i, **call} for i, call in enumerate(message["tool_calls"])
+                        ]
+                    for chunk in (
+                        {"delta": delta, "finish_reason": None},
+                        {"delta": {}, "finish_reason": answer["finish_reason"]},
+                    ):
+                        yield frames.choice({"index": event.index, "logprobs": None, **chunk})
+        except APIError as exc:
+            yield sse(exc.body())
+            return
+        if include_usage:
+            yield sse({**header, "choices": [], "usage": usage(ends, prompt_tokens)})
+        yield DONE
+
     # -- logprobs ---------------------------------------------------------------------------
 
     def _chat_logprobs(
@@ -330,11 +419,29 @@ class OpenAIHandlers(APIHandlers):
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def _completion_logprobs(
-        self, result: ChoiceResult, sampling: SamplingOptions
+        self, result: ChoiceResult, sampling: SamplingOptions, prompt_ids: Sequence[int]
     ) -> dict[str, Any] | None:
         if not sampling.logprobs:
             return None
-        return self._completion_logprob_lists(result.token_ids, result.logprobs, 0)
+        if sampling.prompt_logprobs is None or result.end is None:
+            return self._completion_logprob_lists(result.token_ids, result.logprobs, 0)
+        # `echo`: the prompt's tokens first, the first of them without a logprob (OpenAI's shape)
+        first = self.codec.token_text(prompt_ids[0])
+        lists: dict[str, list[Any]] = {
+            "tokens": [first],
+            "token_logprobs": [None],
+            "top_logprobs": [None],
+            "text_offset": [0],
+        }
+        prompt = self._completion_logprob_lists(
+            prompt_ids[1:], result.end.prompt_logprobs, len(first)
+        )
+        offset = len(first) + sum(len(t) for t in prompt["tokens"])
+        completion = self._completion_logprob_lists(result.token_ids, result.logprobs, offset)
+        for key, values in lists.items():
+            values.extend(prompt[key])
+            values.extend(completion[key])
+        return lists
 
     def _completion_logprob_lists(
         self, token_ids: Sequence[int], logprobs: Sequence[node_pb2.TokenLogprobs], offset: int

@@ -15,6 +15,9 @@ flags (`--max-n`, stop-string limits; the context length in openai_api.py), and 
 tie two fields together. Unknown fields are ignored, except those in `_UNSUPPORTED`, which
 would change the answer.
 
+The bodies and parsing of `response_format`, `tools` / `tool_choice` and /generate's grammars
+live in `gateway/structured.py`; they add a grammar (engine/grammar_spec.py) to the options.
+
 Sampling fields become one `SamplingOptions`; `SamplingOptions.to_proto` makes the node's
 `SamplingParams` for one choice (choice i of a seeded request uses seed + i, so the n choices
 differ and each is reproducible). Extensions beyond OpenAI's fields, as other servers offer
@@ -24,19 +27,31 @@ them: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from engine import sampling_fields as table
+from engine.grammar_spec import GrammarSpec
 from gateway.config import LimitsConfig
 from gateway.errors import APIError, bad_request
 from gateway.fields import ONE_OF, number, validation_error
+from gateway.fields import RequestModel as _Body
+from gateway.structured import (
+    NamedToolChoice,
+    ResponseFormat,
+    ToolBody,
+    ToolCallBody,
+    native_grammar,
+    parse_tools,
+    response_format_grammar,
+)
+from gateway.tools import ToolCall, ToolSpec
 from proto import node_pb2
 
 # Fields that would change what the client gets, which this server does not implement.
-_UNSUPPORTED = ("logit_bias", "tools", "functions", "suffix", "audio", "prediction")
+_UNSUPPORTED = ("logit_bias", "functions", "suffix", "audio", "prediction")
 # Sent to the node as given (null: the table's default).
 _NODE_NUMBERS = (
     table.TEMPERATURE,
@@ -53,10 +68,6 @@ Prompt = str | tuple[int, ...]
 TokenId = Annotated[int, Field(ge=0, le=table.INT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
 class SamplingFields(_Body):
@@ -83,10 +94,6 @@ class SamplingFields(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
-
-
-class ResponseFormat(_Body):
-    type: Literal["text"] = Field("text", description="'text', the only format served")
 
 
 class _OpenAIBody(SamplingFields):
@@ -121,6 +128,10 @@ class MessageBody(_Body):
     content: Annotated[str | list[TextPart] | None, ONE_OF] = Field(
         default=None, description="a string or a list of text parts ({type: text, text})"
     )
+    tool_calls: list[ToolCallBody] | None = Field(
+        default=None, description="an assistant message's calls ({id, type, function})"
+    )
+    tool_call_id: str | None = Field(default=None, description="a tool message's call id")
 
 
 class ChatBody(_OpenAIBody):
@@ -130,6 +141,16 @@ class ChatBody(_OpenAIBody):
     max_completion_tokens: int | None = number(table.MAX_NEW_TOKENS, default=None)
     logprobs: bool | None = None
     top_logprobs: int | None = number(table.TOP_LOGPROBS)
+    tools: list[ToolBody] | None = Field(
+        default=None, max_length=128, description="functions the model may call"
+    )
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None, ONE_OF] = (
+        Field(
+            default=None,
+            description="'none', 'auto', 'required' or {type: function, function: {name}}",
+        )
+    )
+    parallel_tool_calls: bool | None = None
 
 
 class NativeSamplingFields(SamplingFields):
@@ -137,6 +158,14 @@ class NativeSamplingFields(SamplingFields):
     max_new_tokens: int | None = number(table.MAX_NEW_TOKENS, default=None)
     logprobs: bool | None = None
     top_logprobs: int | None = number(table.TOP_LOGPROBS)
+    # Constrained decoding: at most one of these (engine/grammar_spec.py).
+    json_schema: Annotated[str | dict[str, Any] | None, ONE_OF] = Field(
+        default=None, description="a JSON Schema, as an object or as JSON text"
+    )
+    regex: NonEmptyStr | None = Field(default=None, description="a regular expression")
+    ebnf: NonEmptyStr | None = Field(default=None, description="an EBNF grammar (root rule)")
+    # Extension: logprobs of the prompt's tokens after the first, with this many alternatives.
+    prompt_logprobs: int | None = number(table.PROMPT_LOGPROBS, default=None)
 
 
 class GenerateBody(_Body):
@@ -159,6 +188,9 @@ class SamplingOptions:
     stop: tuple[str, ...]
     logprobs: bool
     top_logprobs: int
+    grammar: GrammarSpec | None = None  # the output must match it
+    grammar_param: str | None = None  # the request field it came from, for the node's refusal
+    prompt_logprobs: int | None = None  # top-n of each prompt token (None: not computed)
 
     def to_proto(self, max_new_tokens: int, choice: int = 0) -> node_pb2.SamplingParams:
         msg = node_pb2.SamplingParams(
@@ -175,6 +207,10 @@ class SamplingOptions:
                 setattr(msg, spec.name, value)
         if self.fields.seed is not None:
             msg.seed = self.fields.seed + choice
+        if self.grammar is not None:
+            msg.grammar.kind, msg.grammar.spec = self.grammar.kind, self.grammar.spec
+        if self.prompt_logprobs is not None:
+            msg.prompt_logprobs = self.prompt_logprobs
         return msg
 
 
@@ -182,6 +218,8 @@ class SamplingOptions:
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's calls
+    tool_call_id: str = ""  # a tool message's answer to this call
 
 
 @dataclass(frozen=True)
@@ -201,6 +239,7 @@ class ChatRequest:
     n: int
     stream: bool
     include_usage: bool
+    tools: ToolSpec | None = None  # None: no tools given
 
 
 @dataclass(frozen=True)
@@ -216,9 +255,9 @@ def parse_completion(
 ) -> CompletionRequest:
     req = _openai_body(CompletionBody, body, served)
     top = req.logprobs
-    if req.echo and top is not None:
+    if req.echo and top is not None and req.stream:
         raise bad_request(
-            "echo", "`echo` with `logprobs` is not supported (prompt logprobs are not computed)"
+            "stream", "`echo` with `logprobs` is answered whole: leave `stream` out for it"
         )
     n = _choices(req, limits)
     prompts = _prompts(req.prompt)
@@ -227,6 +266,9 @@ def parse_completion(
             "n", f"{len(prompts)} prompts x n={n} choices exceed the limit of {limits.max_n}"
         )
     sampling = _sampling(req, limits, n, req.max_tokens, top is not None, top or 0)
+    sampling = with_grammar(sampling, *response_format_grammar(req.response_format))
+    if req.echo and top is not None:  # the prompt's tokens get logprobs too
+        sampling = replace(sampling, prompt_logprobs=top)
     stream, include_usage = _stream(req)
     return CompletionRequest(prompts, sampling, n, stream, include_usage, bool(req.echo))
 
@@ -241,9 +283,17 @@ def parse_chat(body: Mapping[str, Any], served: str, limits: LimitsConfig) -> Ch
         max_tokens = req.max_tokens
     n = _choices(req, limits)
     sampling = _sampling(req, limits, n, max_tokens, bool(req.logprobs), top)
+    sampling = with_grammar(sampling, *response_format_grammar(req.response_format))
+    tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if tools is not None and tools.forced:
+        if sampling.grammar is not None:
+            raise bad_request(
+                "tool_choice", "a forced `tool_choice` cannot be combined with `response_format`"
+            )
+        sampling = with_grammar(sampling, tools.grammar(), "tools")
     stream, include_usage = _stream(req)
     messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
-    return ChatRequest(messages, sampling, n, stream, include_usage)
+    return ChatRequest(messages, sampling, n, stream, include_usage, tools)
 
 
 def parse_native(body: Mapping[str, Any], limits: LimitsConfig) -> NativeRequest:
@@ -254,6 +304,11 @@ def parse_native(body: Mapping[str, Any], limits: LimitsConfig) -> NativeRequest
     top = params.top_logprobs or 0
     logprobs = bool(params.logprobs) or top > 0
     sampling = _sampling(params, limits, 1, params.max_new_tokens, logprobs, top)
+    sampling = with_grammar(
+        sampling, *native_grammar(params.json_schema, params.regex, params.ebnf)
+    )
+    if params.prompt_logprobs is not None:
+        sampling = replace(sampling, prompt_logprobs=params.prompt_logprobs)
     prompt: Prompt = req.text if req.text is not None else tuple(req.input_ids or ())
     return NativeRequest(prompt, sampling, bool(req.stream), req.rid or "")
 
@@ -357,6 +412,17 @@ def _message(index: int, message: MessageBody) -> ChatMessage:
     if content is None and message.role != "assistant":
         where = f"messages[{index}].content"
         raise bad_request(where, f"`{where}` is required: a string or a list of text parts")
-    if isinstance(content, list):
-        return ChatMessage(message.role, "".join(part.text for part in content))
-    return ChatMessage(message.role, content or "")
+    calls = tuple(
+        ToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or ()
+    )
+    if calls and message.role != "assistant":
+        where = f"messages[{index}].tool_calls"
+        raise bad_request(where, f"`{where}` belongs to assistant messages only")
+    text = "".join(part.text for part in content) if isinstance(content, list) else content
+    return ChatMessage(message.role, text or "", calls, message.tool_call_id or "")
+
+
+def with_grammar(
+    sampling: SamplingOptions, grammar: GrammarSpec | None, param: str | None
+) -> SamplingOptions:
+    return sampling if grammar is None else replace(sampling, grammar=grammar, grammar_param=param)

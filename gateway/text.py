@@ -18,6 +18,7 @@ from typing import Any
 
 from gateway.errors import bad_request
 from gateway.protocol import ChatMessage, Prompt
+from gateway.tools import ToolSpec, parser_family, render_chat
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded before the output so the first output token keeps its leading space
@@ -64,16 +65,20 @@ class TextCodec:
             raise bad_request(param, f"`{param}` is empty: give at least one token")
         return ids
 
-    def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
+    @property
+    def tool_family(self) -> str:
+        """How this model writes tool calls (gateway/tools.py), read from its chat template."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return parser_family(template if isinstance(template, str) else None)
+
+    def chat_prompt(
+        self, messages: Sequence[ChatMessage], tools: ToolSpec | None = None
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(
                 "messages", "this model has no chat template: use /v1/completions instead"
             )
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+        text = render_chat(self.tokenizer.apply_chat_template, messages, tools, self.tool_family)
         # The template already writes the special tokens (BOS, role markers).
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 

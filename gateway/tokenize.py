@@ -28,6 +28,7 @@ from typing import TypeVar
 from gateway.errors import APIError, bad_request
 from gateway.protocol import ChatMessage, Prompt
 from gateway.text import TextCodec
+from gateway.tools import ToolSpec
 
 INLINE_CHARS = 2048  # tokenized on the event loop: well under a millisecond
 TRIM_CHARS = 1 << 16  # after tokenizing this much, return freed memory to the system
@@ -79,10 +80,12 @@ class PromptEncoder:
             raise prompt_too_long(param, len(prompt), self.context_length)
         return await self._run(len(prompt), lambda: self.codec.encode_prompt(prompt, param))
 
-    async def chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    async def chat(
+        self, messages: Sequence[ChatMessage], tools: ToolSpec | None = None
+    ) -> list[int]:
         chars = sum(len(m.content) for m in messages)
         self._bound_chars(chars, "messages")
-        return await self._run(chars, lambda: self.codec.chat_prompt(messages))
+        return await self._run(chars, lambda: self.codec.chat_prompt(messages, tools))
 
     def _bound_chars(self, chars: int, param: str) -> None:
         per_token = self.codec.max_token_chars

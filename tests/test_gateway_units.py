@@ -98,7 +98,9 @@ def test_parse_errors_name_the_field() -> None:
         "messages[0].role": {**base, "messages": [{"role": "robot", "content": "x"}]},
         "top_logprobs": {**base, "top_logprobs": 3},
         "stream_options": {**base, "stream_options": {"include_usage": True}},
-        "tools": {**base, "tools": [{"type": "function"}]},
+        "tools[0].function": {**base, "tools": [{"type": "function"}]},
+        "tool_choice": {**base, "tool_choice": "required"},
+        "functions": {**base, "functions": [{"name": "f"}]},
     }
     for param, body in cases.items():
         with pytest.raises(APIError) as info:

@@ -128,11 +128,23 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(batch.positions, x, residual, batch)
             if batch.interlude is not None:
                 batch.interlude()
-        rows = batch.last_token_index
+        for row in batch.all_logits_of:
+            batch.token_logits[row] = self._logits(x, residual, batch.token_rows(row))
+        return self._logits(x, residual, batch.last_token_index)
+
+    def _logits(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor | range
+    ) -> torch.Tensor:
+        # An index tensor, never a slice: the fused norm may write into its input (GPU).
+        index = (
+            rows
+            if isinstance(rows, torch.Tensor)
+            else torch.arange(rows.start, rows.stop, device=x.device)
+        )
         if residual is None:
-            last = self.norm(x[rows])
+            last = self.norm(x[index])
         else:
-            last, _ = self.norm.add_forward(x[rows], residual[rows])
+            last, _ = self.norm.add_forward(x[index], residual[index])
         logits = self.lm_head(last).float()
         return self.group.gather_last_dim(logits, self.vocab_sizes)
 

@@ -17,11 +17,18 @@ import grpc
 
 from bootstrap.telemetry import current_room
 from engine.engine_loop import EngineLoop, RequestFinish
+from engine.grammar_spec import GrammarSpec
 from engine.node.bootstrap_link import NodeLink
 from engine.node.multiplex import RequestError, serve_stream
-from engine.node.streams import OutputReceiver, OutputRouter, RequestOutput, timing_to_proto
+from engine.node.streams import (
+    OutputReceiver,
+    OutputRouter,
+    RequestOutput,
+    prompt_logprobs_to_proto,
+    timing_to_proto,
+)
 from engine.request import Req
-from engine.sampling import RequestSampler, SamplingParams
+from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from proto import node_pb2, node_pb2_grpc
 
@@ -34,6 +41,11 @@ def sampling_from_proto(msg: node_pb2.SamplingParams) -> SamplingParams:
     for name in _SAMPLING_FIELDS:
         if name in ("stop", "stop_token_ids"):
             kwargs[name] = tuple(getattr(msg, name))
+        elif name == "grammar":
+            if msg.HasField("grammar"):
+                kwargs[name] = GrammarSpec(msg.grammar.kind, msg.grammar.spec)
+        elif name == "grammar_generated_ids":
+            kwargs[name] = tuple(msg.grammar.generated_ids)
         elif msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
@@ -45,6 +57,12 @@ def sampling_to_proto(params: SamplingParams) -> node_pb2.SamplingParams:
         value = getattr(params, name)
         if name in ("stop", "stop_token_ids"):
             getattr(msg, name).extend(value)
+        elif name == "grammar":
+            if value is not None:
+                msg.grammar.kind, msg.grammar.spec = value.kind, value.spec
+        elif name == "grammar_generated_ids":
+            if value:
+                msg.grammar.generated_ids.extend(value)
         elif value is not None:
             setattr(msg, name, value)
     return msg
@@ -82,10 +100,20 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 "the generated tokens that end the prompt of a migrated request"
             )
         split = len(ids) - resumed
-        sampler = RequestSampler(params, ids[:split], vocab, scheduler.runner.device)
-        sampler.resume(ids[split:])  # a migrated request continues its own stream
+        sampler = scheduler.new_sampler(params, ids[:split])
+        # A migrated request continues its own stream: the draw positions, the penalties and
+        # the grammar's matcher move past what it generated elsewhere.
+        sampler.resume(ids[split:])
         rid = request.rid or uuid.uuid4().hex
         return Req(rid=rid, prompt_ids=ids, params=params, sampler=sampler)
+
+    async def _compile_grammar(self, sampling: node_pb2.SamplingParams) -> None:
+        """Compile a request's grammar on a worker thread (a large schema can take seconds);
+        `_build_req` then finds it in the cache. ValueError: the compiler's reason."""
+        grammars = self.engine.scheduler.grammars
+        if sampling.HasField("grammar") and grammars is not None:
+            spec = GrammarSpec(sampling.grammar.kind, sampling.grammar.spec)
+            await asyncio.to_thread(grammars.compiled, spec)
 
     async def _check_room(self, room: int, peer: str, peer_kind: str, required: bool) -> None:
         if not room:
@@ -134,6 +162,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 "node",
             )
         try:
+            await self._compile_grammar(request.sampling)
             req = self._build_req(request)
             if isinstance(request, node_pb2.PrefillRequest):
                 await self._check_room(
@@ -182,6 +211,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             sent_bytes=t.bytes if t else 0,
             descriptors=t.descriptors if t else 0,
             timing=timing_to_proto(finish.timing),
+            prompt_logprobs=prompt_logprobs_to_proto(finish.prompt_logprobs),
         )
 
     async def Generate(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.engine_loop import OutputBatch, RequestFinish, TokenLogprobs
+from engine.request import PromptLogprob
 from engine.timing import RequestTiming
 from proto import node_pb2
 
@@ -121,7 +122,21 @@ def finished_to_proto(finish: RequestFinish) -> node_pb2.Finished:
         detail=finish.detail,
         usage=usage,
         timing=timing_to_proto(finish.timing),
+        prompt_logprobs=prompt_logprobs_to_proto(finish.prompt_logprobs),
     )
+
+
+def prompt_logprobs_to_proto(
+    entries: list[PromptLogprob | None],
+) -> list[node_pb2.TokenLogprobs]:
+    """Prompt tokens 1.. (token 0 has no logprob); empty when none were computed here."""
+    out = []
+    for entry in entries[1:]:
+        message = node_pb2.TokenLogprobs(logprob=entry.logprob if entry else 0.0)
+        for token_id, logprob in entry.top if entry else ():
+            message.top.add(token_id=token_id, logprob=logprob)
+        out.append(message)
+    return out
 
 
 def timing_to_proto(t: RequestTiming | None) -> node_pb2.NodeTiming:

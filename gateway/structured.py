@@ -1,0 +1,180 @@
+"""Request bodies and their parsing for structured output and tools (used by protocol.py).
+
+- `response_format` (`ResponseFormat`): `json_object` or `json_schema` become the request's
+  grammar; `/generate`'s `json_schema`, `regex` and `ebnf` likewise (`native_grammar`);
+- `tools`, `tool_choice`, `parallel_tool_calls` become a `ToolSpec` (gateway/tools.py);
+- a schema feature the engine cannot enforce answers 400 naming the field and the keyword; a
+  schema the compiler refuses is answered by the node (gateway/openai_api.py, grammar_refusal).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from engine.grammar_spec import GrammarSpec, unsupported_schema_feature
+from gateway.errors import bad_request
+from gateway.fields import RequestModel as _Body
+from gateway.tools import ToolFunction, ToolSpec
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class JSONSchemaFormat(_Body):
+    name: str = Field(description="the schema's name")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(
+        default=None, alias="schema", description="a JSON Schema object (absent: any object)"
+    )
+    strict: bool | None = Field(
+        default=None, description="accepted; the output is always held to the schema"
+    )
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        "text", description="'text', 'json_object' or 'json_schema' (with `json_schema`)"
+    )
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionCallBody(_Body):
+    name: NonEmptyStr
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallBody(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
+class FunctionBody(_Body):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")] = Field(
+        description="letters, digits, _ and -, at most 64 characters"
+    )
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="a JSON Schema object for the arguments"
+    )
+    strict: bool | None = None
+
+
+class ToolBody(_Body):
+    type: Literal["function"]
+    function: FunctionBody
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def parse_tools(
+    tools: list[ToolBody] | None,
+    choice_body: Literal["none", "auto", "required"] | NamedToolChoice | None,
+    parallel_tool_calls: bool | None,
+) -> ToolSpec | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's defaults: auto, parallel)."""
+    if not tools:
+        if choice_body not in (None, "none"):
+            raise bad_request("tool_choice", "`tool_choice` needs `tools`")
+        return None
+    functions = []
+    for i, tool in enumerate(tools):
+        parameters = tool.function.parameters or {"type": "object", "properties": {}}
+        param = f"tools[{i}].function.parameters"
+        unsupported = unsupported_schema_feature(parameters)
+        if unsupported:
+            raise bad_request(
+                param, f"`{param}` uses an unsupported JSON Schema feature: {unsupported}"
+            )
+        functions.append(
+            ToolFunction(tool.function.name, tool.function.description or "", parameters)
+        )
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise bad_request("tools", "`tools` names a function twice: names must be unique")
+    choice: str
+    if isinstance(choice_body, NamedToolChoice):
+        choice = choice_body.function.name
+        if choice not in names:
+            raise bad_request(
+                "tool_choice.function.name",
+                f"`tool_choice` names {choice!r}, which is not in `tools` ({names})",
+            )
+    else:
+        choice = choice_body or "auto"
+    parallel = parallel_tool_calls is not False
+    return ToolSpec(tuple(functions), choice, parallel)
+
+
+def response_format_grammar(fmt: ResponseFormat | None) -> tuple[GrammarSpec | None, str | None]:
+    """OpenAI's `response_format` as a grammar (and the field a bad schema is reported on)."""
+    if fmt is None or fmt.type == "text":
+        return None, None
+    if fmt.type == "json_object":
+        return GrammarSpec("json_object"), "response_format"
+    if fmt.json_schema is None:
+        raise bad_request(
+            "response_format.json_schema",
+            "`response_format.json_schema` is required with type 'json_schema': "
+            "{name, schema, strict}",
+        )
+    schema = fmt.json_schema.schema_
+    if schema is None:
+        return GrammarSpec("json_object"), "response_format.json_schema"
+    param = "response_format.json_schema.schema"
+    return schema_grammar(schema, param), param
+
+
+def schema_grammar(schema: dict[str, Any], param: str) -> GrammarSpec:
+    """A json_schema grammar; 400 naming `param` for a feature the engine cannot enforce."""
+    unsupported = unsupported_schema_feature(schema)
+    if unsupported:
+        raise bad_request(
+            param, f"`{param}` uses an unsupported JSON Schema feature: {unsupported}"
+        )
+    return _grammar("json_schema", json.dumps(schema), param)
+
+
+def _grammar(kind: str, spec: str, param: str) -> GrammarSpec:
+    try:
+        return GrammarSpec(kind, spec)
+    except ValueError as exc:
+        raise bad_request(param, f"`{param}`: {exc}") from None
+
+
+def native_grammar(
+    json_schema: str | dict[str, Any] | None, regex: str | None, ebnf: str | None
+) -> tuple[GrammarSpec | None, str | None]:
+    """/generate's `json_schema`, `regex` or `ebnf` (at most one) as a grammar."""
+    values = {"json_schema": json_schema, "regex": regex, "ebnf": ebnf}
+    given = [name for name, value in values.items() if value]
+    if len(given) > 1:
+        raise bad_request(
+            f"sampling_params.{given[1]}",
+            f"give at most one of `json_schema`, `regex` and `ebnf`, got {given}",
+        )
+    if not given:
+        return None, None
+    name = given[0]
+    param = f"sampling_params.{name}"
+    value = values[name]
+    if name == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise bad_request(param, f"`{param}` is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise bad_request(param, f"`{param}` must be a JSON Schema object")
+        return schema_grammar(value, param), param
+    assert isinstance(value, str)
+    return _grammar(name, value, param), param
