@@ -32,6 +32,7 @@ class ReplayGeneration:
         self.chunks = chunks
         self.finished: node_pb2.Finished | None = None
         self.cached_tokens = 0
+        self.cache_node = ""
         self.prompt_logprobs: list[node_pb2.TokenLogprobs] = []
         self.timeline = None
 
