@@ -61,6 +61,7 @@ class Dispatcher:
         self.directory = directory
         self.tickets = tickets  # signs each room's (prefill, decode) assignment for bootstrap
         self.router = Router(directory, config, index)
+        self.index = self.router.index
         self.config = config
         self.metrics = metrics
 
@@ -292,6 +293,12 @@ class Generation:
             self.prompt_logprobs = list(finished.prompt_logprobs)
             cache_node = route.decode
         self.cache_node = cache_node.node_id
+        # What the nodes cache for this request, until their events say so (prefix_index.py):
+        # a prefill node its prompt, the decode node prompt and output but the last token.
+        index = self.dispatcher.index
+        if route.prefill is not None:
+            index.expect(route.prefill.node_id, self.prompt_ids)
+        index.expect(route.decode.node_id, [*self.prompt_ids, *self.progress.streamed[:-1]])
         m.node_cached_tokens.labels(cache_node.role_name, cache_node.node_id).inc(
             self.cached_tokens
         )

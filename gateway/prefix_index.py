@@ -9,24 +9,38 @@ cannot hold a block without the ones before it, as its radix cache is a tree).
 A node is *tracked* from the moment its feed has a consistent view (a snapshot applied) until
 its feed stops (the node left, re-registered or its events went bad); an untracked node holds
 nothing as far as routing is concerned. Each gateway worker keeps its own index.
+
+*Expected* blocks bridge the events' lag: when a request this gateway routed ends, the blocks
+its nodes cache for it (the prompt on a prefill node; prompt and output on the decode node) are
+counted as held for `EXPECT_S` seconds or until the node's events say otherwise (a removal or a
+clear drops them at once). Without them a conversation's next turn, sent as soon as the last
+one ended, could be routed before the decode node's events arrived, as if nothing were cached.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, prefix_hashes
+
+EXPECT_S = 5.0  # an expected block counts this long unless the node's events come first
 
 
 @dataclass
 class NodeBlocks:
     block_size: int
     hashes: set[int] = field(default_factory=set)
+    expected: dict[int, float] = field(default_factory=dict)  # hash -> until (monotonic)
+
+    def holds(self, block_hash: int, now: float) -> bool:
+        return block_hash in self.hashes or self.expected.get(block_hash, 0.0) > now
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._nodes: dict[str, NodeBlocks] = {}
         self._hash_memo: tuple[tuple[int, ...], int, list[int]] | None = None
 
@@ -53,20 +67,40 @@ class PrefixIndex:
         for event in events:
             if isinstance(event, BlockStored):
                 node.hashes.update(event.block_hashes)
+                for h in event.block_hashes:
+                    node.expected.pop(h, None)  # confirmed
             elif isinstance(event, BlockRemoved):
                 node.hashes.difference_update(event.block_hashes)
+                for h in event.block_hashes:
+                    node.expected.pop(h, None)
             elif isinstance(event, AllBlocksCleared):
                 node.hashes.clear()
+                node.expected.clear()
+
+    def expect(self, node_id: str, token_ids: Sequence[int]) -> None:
+        """`node_id` is about to hold the whole blocks of `token_ids` (a request this gateway
+        routed there just ended): count them as held until its events confirm them or
+        `EXPECT_S` passes. Nothing for an untracked node."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return
+        now = self._clock()
+        until = now + EXPECT_S
+        node.expected = {h: t for h, t in node.expected.items() if t > now}  # expired out
+        for h in prefix_hashes(token_ids, node.block_size):
+            if h not in node.hashes:
+                node.expected[h] = until
 
     def cached_tokens(self, node_id: str, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens `node_id` holds the KV of (whole blocks, a prefix of the prompt); never
         all of them, since a node runs at least the last prompt token to get its logits."""
         node = self._nodes.get(node_id)
-        if node is None or not node.hashes:
+        if node is None or not (node.hashes or node.expected):
             return 0
+        now = self._clock()
         matched = 0
         for h in self._hashes(prompt_ids, node.block_size):
-            if h not in node.hashes:
+            if not node.holds(h, now):
                 break
             matched += 1
         return min(matched * node.block_size, max(len(prompt_ids) - 1, 0))

@@ -130,10 +130,8 @@ def test_conversation_run_against_a_real_cluster(tmp_path: Path, default_model_d
                 "--multiturn-turns", "3", "--conversation-system-len", "200",
                 "--random-input-len", "20", "--random-output-len", "8", "--ignore-eos",
                 "--max-concurrency", "1", "--output-file", str(tmp_path / "out.json"),
-                # A user's pause: the decode node's KV events reach the gateway's index before
-                # the next turn is routed (without it, a loaded host's event lag can send turn
-                # 2 through the prefill node, whose cache holds none of the history).
-                "--think-time", "0.5",
+                # No pause between turns: each is routed before the nodes' KV events of the
+                # last one arrive, on the blocks the gateway expects (prefix_index.py).
             )  # fmt: skip
         finally:
             cluster.stop()

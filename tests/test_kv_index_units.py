@@ -33,7 +33,7 @@ from gateway.config import RoutingConfig
 from gateway.kv_feed import FeedEndpoints, NodeFeed
 from gateway.metrics import GatewayMetrics
 from gateway.nodes import DECODE, PREFILL, LiveNode, NodeDirectory
-from gateway.prefix_index import PrefixIndex
+from gateway.prefix_index import EXPECT_S, PrefixIndex
 from gateway.routing import KVAware, LeastLoad, PrefixAware, Router, make_policy
 from proto import bootstrap_pb2
 
@@ -81,6 +81,25 @@ def test_index_matches_whole_blocks_of_a_prefix_and_never_the_whole_prompt() -> 
     assert index.cached_tokens("a", prompt) == 0 and index.tracked("a")
     index.drop("a")
     assert not index.tracked("a")
+
+
+def test_expected_blocks_bridge_the_events_lag_until_confirmed_removed_or_expired() -> None:
+    now = [100.0]
+    index = PrefixIndex(clock=lambda: now[0])
+    history = list(range(1, 15))  # a turn's prompt and output: 3 whole blocks
+    index.expect("a", history)
+    assert index.cached_tokens("a", [*history, 50]) == 0  # untracked: nothing expected
+    index.track("a", BLOCK)
+    index.expect("a", history)
+    assert index.cached_tokens("a", [*history, 50]) == 12  # the next turn: before any event
+    index.apply("a", [BlockRemoved(prefix_hashes(history, BLOCK)[2:3])])
+    assert index.cached_tokens("a", [*history, 50]) == 8  # the node's word wins
+    index.apply("a", [stored(history[:8])])
+    now[0] += EXPECT_S + 1  # expected blocks expire; stored ones stay
+    assert index.cached_tokens("a", [*history, 50]) == 8
+    index.expect("a", history)
+    index.apply("a", [AllBlocksCleared()])
+    assert index.cached_tokens("a", [*history, 50]) == 0
 
 
 def test_kv_aware_weighs_tokens_to_compute_against_load() -> None:
