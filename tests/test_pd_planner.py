@@ -117,6 +117,18 @@ def test_prefill_heavy_windows_switch_to_more_prefill_then_cool_down(tmp_path: P
     assert [d["action"] for d in lines] == ["switch", "hold", "hold"]
     assert lines[0]["window"]["rate"] == pytest.approx(2.0) and "2P1D" in lines[0]["reason"]
     assert third.correction == pytest.approx(second.correction, rel=0.2)
+    assert "add nodes" not in first.reason  # 2P1D meets the SLO for all of them
+
+
+def test_a_budget_too_small_for_the_traffic_is_said() -> None:
+    planner = Planner(profile(), PlannerConfig(2, SLO_, sim_seconds=20.0))
+    a, b = (Scrape(at, requests=6 * at, prompt_tokens=2400 * at,
+                   completion_tokens=24 * at, prefill_nodes=1, decode_nodes=1)
+            for at in (10.0, 20.0))  # fmt: skip
+    window = Window.between(a, b)  # 6 req/s of 400-token prompts: far beyond 2 nodes
+    assert window is not None
+    decision = planner.decide(window, 20.0)
+    assert "no split of 2 nodes meets the SLO for 90%: add nodes" in decision.reason
 
 
 def test_decisions_on_a_record_are_deterministic(tmp_path: Path, capsys) -> None:

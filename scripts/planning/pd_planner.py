@@ -161,7 +161,7 @@ class Window:
 class PlannerConfig:
     budget: int  # nodes (GPUs) to split
     slo: SLO
-    attainment: float = 0.9  # reported beside each split; the target maximises attainment
+    attainment: float = 0.9  # below this for the best split, the reason says to add nodes
     hysteresis: float = 0.05  # the target must beat the current split by this much attainment
     cooldown_s: float = 120.0  # no action sooner than this after the last one
     headroom: float = 1.1  # plan for this much more traffic than the window saw
@@ -226,6 +226,9 @@ class Planner:
         else:
             action, reason = "switch", f"{target} meets the SLO for {predicted[target]:.0%} "
             reason += f"of requests against {predicted.get(current, 0.0):.0%} for {current}"
+        if predicted[target] < c.attainment:  # the budget is too small for this traffic
+            reason += f"; no split of {c.budget} nodes meets the SLO for {c.attainment:.0%}: "
+            reason += "add nodes (--budget)"
         window_doc = {**asdict(window), "split": current}
         return Decision(now, window_doc, current, target, action, reason, predicted,
                         round(self.correction, 4))  # fmt: skip
