@@ -25,6 +25,7 @@ import openai
 import pydantic
 import pytest
 
+from scripts.serving.structured_check import ask
 from scripts.structured_schemas import SCHEMAS, SchemaCase, check
 from tests.test_gateway import RunningCluster, node_stub, pd_cluster_process, wait_idle
 
@@ -62,23 +63,8 @@ def _schema_format(case: SchemaCase) -> dict[str, Any]:
 
 
 def _ask(client: openai.OpenAI, model: str, case: SchemaCase, stream: bool) -> tuple[str, str]:
-    """(text, finish_reason) of a greedy answer in `case`'s schema."""
-    kwargs: dict[str, Any] = {
-        "model": model,
-        "messages": [{"role": "user", "content": case.prompt + " Answer in JSON."}],
-        "response_format": _schema_format(case),
-        "max_tokens": 96,
-        "temperature": 0,
-    }
-    if not stream:
-        reply = client.chat.completions.create(**kwargs)
-        return reply.choices[0].message.content or "", reply.choices[0].finish_reason
-    text, finish = "", ""
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
-        for choice in chunk.choices:
-            text += choice.delta.content or ""
-            finish = choice.finish_reason or finish
-    return text, finish
+    """(text, finish_reason) of a greedy answer in `case`'s schema (structured_check's)."""
+    return ask(client, model, case, stream, max_tokens=96)
 
 
 def test_every_schema_gets_a_valid_document(client, model_name) -> None:

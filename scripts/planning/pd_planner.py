@@ -82,6 +82,15 @@ class Scrape:
 
 
 GENERATION_ENDPOINTS = ("completions", "chat", "generate")  # the gateway's endpoint labels
+COUNTERS = {  # the gateway's cumulative samples -> Scrape fields (summed over their labels)
+    "pdserve_gateway_prompt_tokens_total": "prompt_tokens",
+    "pdserve_gateway_completion_tokens_total": "completion_tokens",
+    "pdserve_gateway_node_cached_tokens_total": "cached_tokens",
+    "pdserve_gateway_time_to_first_token_seconds_sum": "ttft_sum",
+    "pdserve_gateway_time_to_first_token_seconds_count": "ttft_count",
+    "pdserve_gateway_inter_token_latency_seconds_sum": "itl_sum",
+    "pdserve_gateway_inter_token_latency_seconds_count": "itl_count",
+}
 
 
 def parse_scrape(text: str, at: float) -> Scrape:
@@ -89,31 +98,17 @@ def parse_scrape(text: str, at: float) -> Scrape:
     values: dict[str, float] = {}
     nodes = {"prefill": 0, "decode": 0, "colocated": 0}
 
-    def add(key: str, value: float) -> None:
-        values[key] = values.get(key, 0.0) + value
-
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            name, labels, value = sample.name, sample.labels, sample.value
+            name, labels = sample.name, sample.labels
+            key = COUNTERS.get(name)
             if name == "pdserve_gateway_requests_total":
-                if labels.get("status") == "200" and labels.get("endpoint") in GENERATION_ENDPOINTS:
-                    add("requests", value)
-            elif name == "pdserve_gateway_prompt_tokens_total":
-                add("prompt_tokens", value)
-            elif name == "pdserve_gateway_completion_tokens_total":
-                add("completion_tokens", value)
-            elif name == "pdserve_gateway_node_cached_tokens_total":
-                add("cached_tokens", value)
-            elif name == "pdserve_gateway_time_to_first_token_seconds_sum":
-                add("ttft_sum", value)
-            elif name == "pdserve_gateway_time_to_first_token_seconds_count":
-                add("ttft_count", value)
-            elif name == "pdserve_gateway_inter_token_latency_seconds_sum":
-                add("itl_sum", value)
-            elif name == "pdserve_gateway_inter_token_latency_seconds_count":
-                add("itl_count", value)
+                ok = labels.get("status") == "200"
+                key = "requests" if ok and labels.get("endpoint") in GENERATION_ENDPOINTS else None
             elif name == "pdserve_gateway_live_nodes" and labels.get("role") in nodes:
-                nodes[labels["role"]] = int(value)
+                nodes[labels["role"]] = int(sample.value)
+            if key is not None:
+                values[key] = values.get(key, 0.0) + sample.value
     decode = nodes["decode"] + nodes["colocated"]  # a colocated node decodes (and prefills)
     return Scrape(at, **values, prefill_nodes=nodes["prefill"], decode_nodes=decode)
 
