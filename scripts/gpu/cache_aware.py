@@ -43,7 +43,6 @@ import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gateway.launcher import console_script
 from scripts.gpu.environment import REPO_ROOT, gpu_defaults
 from scripts.gpu.two_gpu import install, versions
 from scripts.serving.datasets import WORDS
@@ -137,6 +136,12 @@ class Cluster:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def console_script(name: str) -> str:
+    from gateway.launcher import console_script as installed  # after install(): grpcio
+
+    return installed(name)
 
 
 def free_port() -> int:
