@@ -55,11 +55,15 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} ; {% endfor %}"
     "{% if add_generation_prompt %}assistant : {% endif %}"
 )
-POLICIES = (  # (label, prefill policy, decode policy); kv_aware is the cluster's own gateway
-    ("round_robin", "round_robin", "round_robin"),
-    ("kv_aware", "kv_aware", "kv_aware"),
-    ("prefix_aware", "prefix_aware", "least_load"),
+# (label, prefill policy, decode policy, more gateway flags); kv_aware is the cluster's gateway
+POLICIES = (
+    ("round_robin", "round_robin", "round_robin", ()),
+    ("kv_aware", "kv_aware", "kv_aware", ()),
+    ("kv_aware local<=1024", "kv_aware", "kv_aware", ("--local-prefill-max-tokens", "1024")),
+    ("prefix_aware", "prefix_aware", "least_load", ()),
 )
+SEGMENTS = ("gateway_queue", "prefill_bootstrap_wait", "prefill_queue", "prefill", "transfer",
+            "decode_queue", "decode_first")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -187,16 +191,16 @@ def start_cluster(args: argparse.Namespace, model: Path, work: Path) -> Cluster:
     )
     urls = {"kv_aware": f"http://127.0.0.1:{port}"}
     extra = []
-    for label, prefill, decode in POLICIES:
+    for label, prefill, decode, flags in POLICIES:
         if label == "kv_aware":
             continue
         gport = free_port()
         gcommand = [console_script("gateway-server"), "--bootstrap", bootstrap,
                     "--model", str(model),
                     "--prefill-policy", prefill, "--decode-policy", decode,
-                    "--host", "127.0.0.1", "--port", str(gport)]  # fmt: skip
+                    "--host", "127.0.0.1", "--port", str(gport), *flags]  # fmt: skip
         log(shlex.join(gcommand))
-        glog = open(logs / f"gateway-{label}.log", "w")  # noqa: SIM115
+        glog = open(logs / f"gateway-{label.split()[0]}-{gport}.log", "w")  # noqa: SIM115
         extra.append(subprocess.Popen(gcommand, cwd=REPO_ROOT, stdout=glog,
                                       stderr=subprocess.STDOUT, text=True))  # fmt: skip
         urls[label] = f"http://127.0.0.1:{gport}"
@@ -256,7 +260,13 @@ def summarize(doc: dict) -> dict[str, object]:  # type: ignore[type-arg]
     ok = [r for r in doc["requests"] if r["chunks"] and not r["error"]]
     ttft = [(r["chunks"][0] - r["sent"]) * 1000 for r in ok]
     later = [(r["chunks"][0] - r["sent"]) * 1000 for r in ok if r["turn"] > 0]
+    segments = {
+        name: statistics.fmean(r["timing_ms"].get(name, 0.0) for r in ok if r["turn"] > 0)
+        for name in SEGMENTS
+        if any(r["turn"] > 0 and "timing_ms" in r for r in ok)
+    }
     return {
+        "segments_ms": segments,
         "duration_s": s["duration_s"],
         "completed": s["completed"],
         "failed": s["failed"],
@@ -280,7 +290,7 @@ def table(results: dict[str, dict[str, dict[str, object]]], workloads: list[Work
             "| hit / best | local prefills | TTFT p50 vs round_robin | tok/s vs round_robin |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for label, _, _ in POLICIES:
+        for label, *_ in POLICIES:
             r = rows.get(label)
             if r is None:
                 lines.append(f"| {label} | not run | | | | | | | | |")
@@ -296,8 +306,16 @@ def table(results: dict[str, dict[str, dict[str, object]]], workloads: list[Work
                 f"| {r['hit_rate']:.1%} / {r['best_rate']:.1%} | {r['local_prefills']:.0f} "
                 f"| {ratio_ttft} | {ratio_tps} |"
             )
+        lines += ["", "Follow-up turns, mean ms per segment (the server's Server-Timing):", "",
+                  "| policy | " + " | ".join(SEGMENTS) + " |",
+                  "|---|" + "---|" * len(SEGMENTS)]  # fmt: skip
+        for label, *_ in POLICIES:
+            seg = rows.get(label, {}).get("segments_ms") or {}
+            if seg:
+                cells = " | ".join(f"{seg.get(n, 0.0):.1f}" for n in SEGMENTS)  # type: ignore[union-attr]
+                lines.append(f"| {label} | {cells} |")
         lines.append("")
-        for label, _, _ in POLICIES:
+        for label, *_ in POLICIES:
             if label in rows:
                 lines += [f"{label}, per turn:\n", str(rows[label]["turn_table"]), ""]
     return "\n".join(lines)
@@ -329,6 +347,7 @@ def main() -> int:
     info = versions() if args.device == "cuda" else {"device": "cpu (smoke run)"}
     log(json.dumps(info))
     workloads = [Workload.parse(s) for s in args.workloads.split(",")]
+    (work / "runs").mkdir()
     results: dict[str, dict[str, dict[str, object]]] = {}
     sections = ["# Cache-aware PD on GPUs: 2P2D, conversation workload\n",
                 *(f"- {k}: {v}" for k, v in info.items()),
@@ -336,13 +355,17 @@ def main() -> int:
     cluster = None
     try:
         cluster = start_cluster(args, model_dir(work, args.device), work)
+        warm = Workload("warmup", 16, 3, 512, 256, 32, 0.0)
+        for label in ("round_robin", "kv_aware local<=1024"):  # Triton compiles its shapes
+            run_one(cluster.urls[label], warm, 1000 + len(label), work / f"warmup-{label}.json")
         seed = 1
         runs = [w if args.repeats == 1 else replace(w, name=f"{w.name}#{r + 1}")
                 for w in workloads for r in range(args.repeats)]  # fmt: skip
         for w in runs:
-            for label, _, _ in POLICIES:
+            for label, *_ in POLICIES:
                 seed += 1  # every run its own conversations: nothing cached from another
-                row = run_one(cluster.urls[label], w, seed, args.out / f"{w.name}-{label}.json")
+                path = work / "runs" / f"{w.name}-{label.split()[0]}-{seed}.json"
+                row = run_one(cluster.urls[label], w, seed, path)
                 results.setdefault(w.name, {})[label] = row
                 figures = {k: v for k, v in row.items() if k != "turn_table"}
                 log(f"{w.name} {label}: {json.dumps(figures)}")
@@ -358,7 +381,7 @@ def main() -> int:
         (args.out / "cache_aware.md").write_text("\n".join(sections))
         (args.out / "cache_aware.json").write_text(json.dumps(results, default=str, indent=1))
         with tarfile.open(args.out / "logs.tar.gz", "w:gz") as tar:
-            for path in sorted(work.rglob("*.log")) + sorted(work.rglob("cluster.out")):
+            for path in [*work.rglob("*.log"), *work.rglob("cluster.out"), *work.rglob("*.json")]:
                 tar.add(path, arcname=str(path.relative_to(work)))
     print("\n".join(sections), flush=True)
     return 0
