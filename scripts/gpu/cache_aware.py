@@ -55,13 +55,15 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} ; {% endfor %}"
     "{% if add_generation_prompt %}assistant : {% endif %}"
 )
-# (label, prefill policy, decode policy, more gateway flags); kv_aware is the cluster's gateway
-POLICIES = (
-    ("round_robin", "round_robin", "round_robin", ()),
-    ("kv_aware", "kv_aware", "kv_aware", ()),
-    ("kv_aware local<=1024", "kv_aware", "kv_aware", ("--local-prefill-max-tokens", "1024")),
-    ("prefix_aware", "prefix_aware", "least_load", ()),
-)
+# label -> (prefill policy, decode policy, more gateway flags); kv_aware is the cluster's gateway
+VARIANTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "round_robin": ("round_robin", "round_robin", ()),
+    "kv_aware": ("kv_aware", "kv_aware", ()),
+    "kv_aware local<=1024": ("kv_aware", "kv_aware", ("--local-prefill-max-tokens", "1024")),
+    "kv_aware load 0.1": ("kv_aware", "kv_aware", ("--kv-load-weight", "0.1")),
+    "kv_aware load 0.01": ("kv_aware", "kv_aware", ("--kv-load-weight", "0.01")),
+    "prefix_aware": ("prefix_aware", "least_load", ()),
+}
 SEGMENTS = ("gateway_queue", "prefill_bootstrap_wait", "prefill_queue", "prefill", "transfer",
             "decode_queue", "decode_first")  # fmt: skip
 
@@ -191,7 +193,8 @@ def start_cluster(args: argparse.Namespace, model: Path, work: Path) -> Cluster:
     )
     urls = {"kv_aware": f"http://127.0.0.1:{port}"}
     extra = []
-    for label, prefill, decode, flags in POLICIES:
+    for label in args.policies:
+        prefill, decode, flags = VARIANTS[label]
         if label == "kv_aware":
             continue
         gport = free_port()
@@ -278,7 +281,9 @@ def summarize(doc: dict) -> dict[str, object]:  # type: ignore[type-arg]
     }
 
 
-def table(results: dict[str, dict[str, dict[str, object]]], workloads: list[Workload]) -> str:
+def table(
+    results: dict[str, dict[str, dict[str, object]]], workloads: list[Workload], policies: list[str]
+) -> str:
     lines = []
     for w in workloads:
         rows = results.get(w.name, {})
@@ -290,7 +295,7 @@ def table(results: dict[str, dict[str, dict[str, object]]], workloads: list[Work
             "| hit / best | local prefills | TTFT p50 vs round_robin | tok/s vs round_robin |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for label, *_ in POLICIES:
+        for label in policies:
             r = rows.get(label)
             if r is None:
                 lines.append(f"| {label} | not run | | | | | | | | |")
@@ -309,13 +314,13 @@ def table(results: dict[str, dict[str, dict[str, object]]], workloads: list[Work
         lines += ["", "Follow-up turns, mean ms per segment (the server's Server-Timing):", "",
                   "| policy | " + " | ".join(SEGMENTS) + " |",
                   "|---|" + "---|" * len(SEGMENTS)]  # fmt: skip
-        for label, *_ in POLICIES:
-            seg = rows.get(label, {}).get("segments_ms") or {}
+        for label in policies:
+            seg: dict[str, float] = rows.get(label, {}).get("segments_ms") or {}  # type: ignore[assignment]
             if seg:
-                cells = " | ".join(f"{seg.get(n, 0.0):.1f}" for n in SEGMENTS)  # type: ignore[union-attr]
+                cells = " | ".join(f"{seg.get(n, 0.0):.1f}" for n in SEGMENTS)
                 lines.append(f"| {label} | {cells} |")
         lines.append("")
-        for label, *_ in POLICIES:
+        for label in policies:
             if label in rows:
                 lines += [f"{label}, per turn:\n", str(rows[label]["turn_table"]), ""]
     return "\n".join(lines)
@@ -336,8 +341,17 @@ def main() -> int:
         default="goal:16:6:1024:128:128:0.5,loaded:64:6:2048:256:128:0.5",
         help="name:sessions:turns:system:input:output:think, comma-separated",
     )
+    parser.add_argument(
+        "--policies",
+        type=lambda text: text.split(","),
+        default=["round_robin", "kv_aware", "kv_aware local<=1024", "prefix_aware"],
+        help=f"comma-separated, round_robin and kv_aware always among them: {', '.join(VARIANTS)}",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs of each workload a policy")
     args = parser.parse_args()
+    unknown = set(args.policies) - set(VARIANTS)
+    if unknown or not {"round_robin", "kv_aware"} <= set(args.policies):
+        parser.error(f"--policies: unknown {sorted(unknown)} or round_robin/kv_aware missing")
     started = time.monotonic()
     if args.device == "cuda":
         gpu_defaults()
@@ -356,20 +370,20 @@ def main() -> int:
     try:
         cluster = start_cluster(args, model_dir(work, args.device), work)
         warm = Workload("warmup", 16, 3, 512, 256, 32, 0.0)
-        for label in ("round_robin", "kv_aware local<=1024"):  # Triton compiles its shapes
+        for label in ("round_robin", "kv_aware"):  # Triton compiles its shapes
             run_one(cluster.urls[label], warm, 1000 + len(label), work / f"warmup-{label}.json")
         seed = 1
         runs = [w if args.repeats == 1 else replace(w, name=f"{w.name}#{r + 1}")
                 for w in workloads for r in range(args.repeats)]  # fmt: skip
         for w in runs:
-            for label, *_ in POLICIES:
+            for label in args.policies:
                 seed += 1  # every run its own conversations: nothing cached from another
                 path = work / "runs" / f"{w.name}-{label.split()[0]}-{seed}.json"
                 row = run_one(cluster.urls[label], w, seed, path)
                 results.setdefault(w.name, {})[label] = row
                 figures = {k: v for k, v in row.items() if k != "turn_table"}
                 log(f"{w.name} {label}: {json.dumps(figures)}")
-        sections.append(table(results, runs))
+        sections.append(table(results, runs, args.policies))
     except Exception as exc:  # the report says what failed
         sections.append(f"FAILED: {exc!r}\n")
         if results:
