@@ -50,6 +50,21 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--context-length", type=int, default=None)
     g.add_argument(
+        "--kv-staging-pages",
+        type=int,
+        default=0,
+        help="KV pages set aside beside the pool (not counted in it) to move a request's "
+        "scattered pages as one contiguous span: gathered on the prefill node, scattered on "
+        "the decode node (engine/memory/staging.py); 0 = off. TP size 1 only",
+    )
+    g.add_argument(
+        "--kv-staging-min-runs",
+        type=int,
+        default=16,
+        help="with --kv-staging-pages: stage a write whose pages form more runs (transfer "
+        "descriptors) than this",
+    )
+    g.add_argument(
         "--tp-size",
         type=int,
         default=1,
@@ -126,6 +141,8 @@ def engine_config(args: argparse.Namespace, model_path: str) -> EngineConfig:
         tp_size=args.tp_size,
         overlap_schedule=args.overlap_schedule,
         linear_kernel=args.linear_kernel,
+        kv_staging_pages=args.kv_staging_pages,
+        kv_staging_min_runs=args.kv_staging_min_runs,
     )
 
 
