@@ -166,6 +166,11 @@ class PageStager:
         self.min_runs = min_runs  # stage a write that would take more descriptors than this
         self.area = StagingArea(cache.num_pages, cache.staging_pages)
         self.device = cache.storage.device
+        # Pages as rows of 8-byte words: the kernels copy whole pages, whatever the KV dtype,
+        # and wide elements copy faster than bf16 ones (on the CPU, several times).
+        word = torch.int64 if cache.layout.page_bytes % 8 == 0 else torch.uint8
+        self._pool_rows = cache.buffer.reshape(cache.num_pages, -1).view(word)
+        self._staging_rows = cache.staging.reshape(cache.staging_pages, -1).view(word)
 
     def worth_staging(self, src: Sequence[int], dst: Sequence[int] | None = None) -> bool:
         return count_runs(src, dst) > self.min_runs
@@ -174,7 +179,7 @@ class PageStager:
         lo = span.start - self.cache.num_pages + offset
         if offset < 0 or offset + n > span.length:
             raise ValueError(f"pages [{offset}, {offset + n}) outside a span of {span.length}")
-        return self.cache.staging[lo : lo + n]
+        return self._staging_rows[lo : lo + n]
 
     def _index(self, pages: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(pages), dtype=torch.int64).to(self.device, non_blocking=True)
@@ -183,7 +188,7 @@ class PageStager:
         """Pool `pages` -> the span's pages [offset, offset + len(pages)); returns once the
         copy is in memory (a transfer engine reads it on streams of its own)."""
         out = self._rows(span, offset, len(pages))
-        torch.index_select(self.cache.buffer, 0, self._index(pages), out=out)
+        torch.index_select(self._pool_rows, 0, self._index(pages), out=out)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -192,7 +197,7 @@ class PageStager:
         compute stream (every later kernel sees them). Returns the fence to release the span
         with (None on the CPU, where the copy is done on return)."""
         rows = self._rows(span, offset, len(pages))
-        self.cache.buffer.index_copy_(0, self._index(pages), rows)
+        self._pool_rows.index_copy_(0, self._index(pages), rows)
         if self.device.type != "cuda":
             return None
         done = torch.cuda.Event()
