@@ -381,7 +381,8 @@ def test_the_gpu_benchmark_runs_its_flow_on_the_cpu(tmp_path) -> None:  # type: 
     import sys
 
     command = [sys.executable, "-m", "scripts.gpu.bench_kv_staging", "--device", "cpu"]
-    command += ["--pool-pages", "12", "--tokens", "64", "--repeats", "1", "--out", str(tmp_path)]
+    command += ["--pool-pages", "16", "--tokens", "128", "--repeats", "1", "--no-pd-check"]
+    command += ["--out", str(tmp_path)]
     subprocess.run(command, check=True, timeout=300, capture_output=True)
     report = json.loads((tmp_path / "kv_staging.json").read_text())
     assert report["info"]["staging kernels == torch indexing"] == "PASS"
@@ -390,6 +391,6 @@ def test_the_gpu_benchmark_runs_its_flow_on_the_cpu(tmp_path) -> None:  # type: 
     assert done == {
         (engine, method)
         for engine in ("nixl UCX", "mooncake tcp")
-        for method in ("contiguous", "scattered", "staged")
+        for method in ("contiguous", "scattered", "staged", "staged x4")
     } | {("nixl UCX", "prepped"), ("mooncake tcp", "library batch call")}
     assert "| staged | 1 |" in (tmp_path / "kv_staging.md").read_text()

@@ -189,8 +189,8 @@ class PageStager:
         copy is in memory (a transfer engine reads it on streams of its own)."""
         out = self._rows(span, offset, len(pages))
         torch.index_select(self._pool_rows, 0, self._index(pages), out=out)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # this stream only: the engine's copies go on meanwhile
+            torch.cuda.current_stream(self.device).synchronize()
 
     def scatter(self, span: StagingSpan, offset: int, pages: Sequence[int]) -> Fence | None:
         """The span's pages [offset, offset + len(pages)) -> pool `pages`, queued on the

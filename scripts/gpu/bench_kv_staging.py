@@ -1,9 +1,10 @@
 """256 scattered KV pages through the transfer engines: today's path, staging, prepared lists.
 
     python3 -m scripts.gpu.mooncake_wheels pack .mooncake            # here (no index there)
-    python3 -m scripts.gpu.bench_kv_staging --carry .mooncake --out "$OUT"        # one GPU
+    # grpcio / protobuf wheels for the PD check: see scripts/gpu/check_pd.py (.pdwheels)
+    python3 -m scripts.gpu.bench_kv_staging --carry .mooncake --wheels .pdwheels --out "$OUT"
     python3 -m scripts.gpu.bench_kv_staging --carry .mooncake --out "$OUT" \\
-        --receiver-device cuda:1                                                   # GPU0 -> GPU1
+        --receiver-device cuda:1 --no-pd-check                                     # GPU0 -> GPU1
 
 A prefill and a decode process (one GPU, or the decode one on `--receiver-device`), each with
 the engine's KV pool of a Llama-3-8B shape (32 layers, 8 KV heads, head dim 128, bf16, 16-token
@@ -16,6 +17,8 @@ one registered region), move a 4k-token prompt (256 pages, 512 MiB) four ways pe
   one kernel), one descriptor span -> span, scattered on the receiver into its pages
   (`PageStager.scatter`, one kernel) after the write is DONE; timed from the gather to the
   receiver's scatter done (a pipe round trip included, as the node's DONE message would be);
+- `staged x4`: the same in four pieces, the gather of a piece overlapping the write of the one
+  before (what a prefill node's chunks give when a prompt spans several);
 - `prepped` (NIXL): page tables of both pools prepared once (`prep_xfer_dlist`), each write
   built by page indices (`make_prepped_xfer`); Mooncake has no prepared lists, so its row is
   the binding's own blocking batch call on the 256 descriptors (no waiter thread).
@@ -31,6 +34,7 @@ Mooncake tcp).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -49,15 +53,17 @@ from engine.memory.kv_cache import KVLayout, PagedKVCache
 from engine.memory.staging import PageStager, StagingSpan
 from kvtransfer import MemoryRegion, PeerInfo, TransferConfig, TransferState, create_engine
 from kvtransfer.base import coalesce_pages
-from scripts.gpu import mooncake_wheels
+from scripts.gpu import check_pd
 from scripts.gpu.bench_mooncake_gpu import versions
-from scripts.gpu.environment import add_site_arg, site_dir, use_site
+from scripts.gpu.environment import add_site_arg
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
 POOL_PAGES = 1024
 POISON = 0xA5
 SEED = 1234
-METHODS = ("contiguous", "scattered", "staged", "prepped")
+METHODS = ("contiguous", "scattered", "staged", "staged x4", "prepped")
+PIECES = 4  # "staged x4": gather piece k+1 while the engine moves piece k
+PD_STAGING = ["--kv-staging-pages", "128", "--kv-staging-min-runs", "0"]
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,7 @@ class Sender:
         self.local = _region(self.cache, setup.device)
         self.engine.register([self.local])
         self.engine.connect(PeerInfo("decode", endpoint, {"kv": remote}))
+        # staged: gather (and start the writes), wait for the writes, receiver's scatter
         self.parts: dict[str, list[float]] = {"gather": [], "write": [], "scatter": []}
 
     def ranges(self, src: list[int], dst: list[int]) -> list[Any]:
@@ -193,13 +200,26 @@ class Sender:
             raise RuntimeError(f"a write of {len(ranges)} ranges ended {state.value}")
         return (time.perf_counter() - start) * 1e3
 
-    def staged(self, src: list[int], dst: list[int]) -> float:
+    def wait(self, handle: Any) -> None:
+        while (state := self.engine.poll(handle)) is TransferState.PENDING:
+            pass
+        self.engine.release(handle)
+        if state is not TransferState.DONE:
+            raise RuntimeError(f"a staged write ended {state.value}")
+
+    def staged(self, src: list[int], dst: list[int], pieces: int = 1) -> float:
         n = len(src)
         span = StagingSpan(self.setup.pool_pages, n)  # both sides: the first n staging pages
+        bounds = [n * i // pieces for i in range(pieces + 1)]
         start = time.perf_counter()
-        self.stager.gather(src, span, 0)
+        handles = []
+        for lo, hi in itertools.pairwise(bounds):
+            self.stager.gather(src[lo:hi], span, lo)
+            ranges = self.ranges(span.ids(lo, hi), span.ids(lo, hi))
+            handles.append(self.engine.write("decode", ranges))
         gathered = time.perf_counter()
-        self.write(self.ranges(span.ids(0, n), span.ids(0, n)))
+        for handle in handles:
+            self.wait(handle)
         written = time.perf_counter()
         self.conn.send(("scatter", span.start, dst))
         scatter_ms = self.conn.recv()
@@ -257,6 +277,8 @@ class Sender:
         """(a callable doing one write, its descriptor count)."""
         if name == "staged":
             return (lambda: self.staged(src, dst)), 1
+        if name == "staged x4":
+            return (lambda: self.staged(src, dst, PIECES)), PIECES
         if name == "prepped" and self.engine_spec.backend == "nixl":
             write = self.prepped()
             return (lambda: write(src, dst)), len(src)
@@ -290,7 +312,7 @@ class Sender:
         row.ms = statistics.median(times)
         row.spread = f"{min(times):.2f}-{max(times):.2f}"
         row.gbps = len(src) * LAYOUT.page_bytes / row.ms / 1e6
-        if name == "staged":
+        if name.startswith("staged"):
             row.parts = " / ".join(
                 f"{statistics.median(v[2:]):.2f}" for v in self.parts.values() if len(v) > 2
             )
@@ -397,11 +419,20 @@ def reference_checks(setup: Setup, receiver_device: str, repeats: int) -> dict[s
     return out
 
 
-def markdown(info: dict[str, str], rows: list[Row]) -> str:
+def pd_check(device: str, backends: list[str]) -> list[check_pd.Check]:
+    """check_pd's PD trio with staging forced on both nodes."""
+    import tempfile
+
+    workdir = Path(tempfile.mkdtemp(prefix="kv-staging-pd-"))
+    result = check_pd.run(device, backends, workdir, PD_STAGING, ", staging forced")
+    return result.checks
+
+
+def markdown(info: dict[str, str], rows: list[Row], pd: list[check_pd.Check]) -> str:
     contiguous = {r.engine: r.ms for r in rows if r.method == "contiguous" and r.checked}
     lines = [
         "| engine | method | descriptors | ms (median) | min-max | GB/s | % of contiguous "
-        "| gather / write / scatter ms | byte-exact |",
+        "| gather+post / wait / scatter ms | byte-exact |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -414,12 +445,18 @@ def markdown(info: dict[str, str], rows: list[Row]) -> str:
         lines.append(f"| {r.engine} | {r.method} | {r.descriptors} | {r.ms:.3f} | {r.spread} "
                      f"| {r.gbps:.0f} | {pct} | {r.parts} | yes |")  # fmt: skip
     head = [f"- {k}: {v}" for k, v in info.items()]
-    return "\n".join([*head, "", *lines]) + "\n"
+    checks = ["| check | result | detail |", "|---|---|---|"]
+    checks += [f"| {c.name} | {'PASS' if c.ok else 'FAIL'} | {c.detail.replace('|', '/')} |"
+               for c in pd]  # fmt: skip
+    return "\n".join([*head, "", *(checks if pd else []), "", *lines]) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--carry", type=Path, help="folder from mooncake_wheels.py pack")
+    parser.add_argument("--wheels", type=Path, help="grpcio / protobuf wheels (check_pd.py)")
+    parser.add_argument("--no-pd-check", action="store_true", help="skip the PD trio check")
+    parser.add_argument("--pd-backends", nargs="+", default=["nixl"], choices=["nixl", "mooncake"])
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
@@ -429,9 +466,7 @@ def main() -> None:
     parser.add_argument("--pool-pages", type=int, default=POOL_PAGES)
     add_site_arg(parser)
     args = parser.parse_args()
-    if args.carry:
-        site = site_dir(args.site)
-        use_site(site, mooncake_wheels.install(args.carry, site))  # the spawned engines too
+    check_pd.install(args.carry, args.wheels, args.site)  # the spawned processes too
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     receiver_device = args.receiver_device or args.device
@@ -440,6 +475,7 @@ def main() -> None:
             "sender -> receiver": f"{args.device} -> {receiver_device}",
             "prompt": f"{args.tokens} tokens = {setup.n} pages of {LAYOUT.page_bytes >> 20} MiB "
                       f"(8B shape, bf16), pools of {args.pool_pages} pages"}  # fmt: skip
+    pd = [] if args.no_pd_check else pd_check(args.device, args.pd_backends)
     info.update(reference_checks(setup, receiver_device, args.repeats))
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()  # the checks' pools: each process needs its own now
@@ -451,10 +487,10 @@ def main() -> None:
             if no_nixl and args.device != "cpu":
                 continue
             rows += run_engine(engine, setup, receiver_device, args.repeats, args.engine_timeout)
-    table = markdown(info, rows)
+    table = markdown(info, rows, pd)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_staging.md").write_text(table)
-    raw = {"info": info, "rows": [asdict(r) for r in rows]}
+    raw = {"info": info, "pd": [asdict(c) for c in pd], "rows": [asdict(r) for r in rows]}
     (args.out / "kv_staging.json").write_text(json.dumps(raw, indent=1))
     print(table)
 
