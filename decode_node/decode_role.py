@@ -166,7 +166,8 @@ class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
         if not self.stager.worth_staging(pages[:prompt_pages]):
             return tuple(pages)
         req.staging = self.stager.area.acquire(prompt_pages)
-        if req.staging is None:
+        if req.staging is None:  # every span in use: P writes into the pool pages
+            self.metrics.staging_full.inc()
             return tuple(pages)
         entry.staged_into = tuple(pages[:prompt_pages])
         return tuple(req.staging.ids(0, prompt_pages))
@@ -180,6 +181,7 @@ class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
         fence = None
         if scatter:
             fence = self.stager.scatter(req.staging, 0, entry.staged_into)
+            self.metrics.staged_pages.inc(len(entry.staged_into))
         self.stager.area.release(req.staging, fence)
         req.staging = None
 

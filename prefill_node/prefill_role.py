@@ -71,7 +71,7 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
         self.kv_ready = kv_ready  # waits until the last step's KV is in memory (GPU pools)
         self.metrics = metrics or PrefillMetrics()
         self.link = link
-        self.writer = RoomWriter(engine, aux, kv, page_size, link, stager)
+        self.writer = RoomWriter(engine, aux, kv, page_size, link, stager, self.metrics)
         self.early = EarlyDestinations()
 
     # ---- engine-thread hooks -----------------------------------------------------------

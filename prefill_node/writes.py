@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.memory.staging import PageStager
+from engine.metrics import PrefillMetrics
 from engine.request import Req
 from kvtransfer.aux import AuxBuffer, FirstToken
 from kvtransfer.base import KVTransferEngine, TransferError
@@ -43,7 +44,9 @@ class RoomWriter:
         page_size: int,
         link: RoomLink,
         stager: PageStager | None = None,
+        metrics: PrefillMetrics | None = None,
     ) -> None:
+        self.metrics = metrics or PrefillMetrics()
         self.engine = engine
         self.aux = aux
         self.kv = kv  # this node's KV shards (one per TP rank)
@@ -109,9 +112,11 @@ class RoomWriter:
         if req.staging is None:
             req.staging = stager.area.acquire(sender.num_prompt_pages - sender.first_page)
             if req.staging is None:  # every span in use: write from the pool pages
+                self.metrics.staging_full.inc()
                 return req.pages
         offset = lo - sender.first_page
         stager.gather(src, req.staging, offset)
+        self.metrics.staged_pages.inc(len(src))
         staged = list(req.pages)
         staged[lo:hi] = req.staging.ids(offset, offset + hi - lo)
         return staged

@@ -11,10 +11,12 @@ with no page in use.
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from engine.ports import free_port
 from gateway.launcher import pd_trio
 from proto import node_pb2
 from scripts.tiny_models import hf_greedy
@@ -39,16 +41,27 @@ def reference(tiny_model_dir) -> list[list[int]]:  # type: ignore[no-untyped-def
     return hf_greedy(tiny_model_dir("llama"), prompts(), MAX_NEW)
 
 
+def staged_pages(metrics_port: int, role: str) -> float:
+    """The node's pdserve_{role}_staged_pages_total from its /metrics."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    name = f"pdserve_{role}_staged_pages_total "
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_staged_transfers_match_hf_and_leak_nothing(
     tmp_path: Path, tiny_model_dir, reference, backend: str
 ) -> None:  # type: ignore[no-untyped-def]
+    p_metrics, d_metrics = free_port(), free_port()
     with pd_trio(
         tmp_path,
         tiny_model_dir("llama"),
         backend,
         node_args=NODE_ARGS,
-        prefill_args=["--chunked-prefill-size", "32"],  # several chunks, each gathered
+        prefill_args=["--chunked-prefill-size", "32", "--metrics-port", str(p_metrics)],
+        decode_args=["--metrics-port", str(d_metrics)],
         env=SERVER_ENV,
     ) as cluster:
         one_by_one = [cluster.generate(p, greedy()) for p in prompts()]
@@ -59,6 +72,10 @@ def test_staged_transfers_match_hf_and_leak_nothing(
         assert [r.token_ids for r in one_by_one] == reference
         assert [r.token_ids for r in together] == reference
         cluster.check_no_leaks()
+        # one by one, every room but the 63-page one had a span on both sides
+        fit = sum(-(-n // 4) for n in LENGTHS if -(-n // 4) <= 24)
+        assert staged_pages(p_metrics, "prefill") >= fit
+        assert staged_pages(d_metrics, "decode") >= fit
 
 
 def test_failed_staged_writes_leak_nothing(tmp_path: Path, tiny_model_dir, reference) -> None:  # type: ignore[no-untyped-def]

@@ -8,13 +8,16 @@ import multiprocessing as mp
 import random
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from engine.memory import IntegrityError, KVLayout, PagedKVCache, PageStager, StagingArea
 from engine.memory.staging import StagingSpan, count_runs
+from engine.metrics import PrefillMetrics
 from engine.request import Req
 from engine.sampling import SamplingParams
 from kvtransfer import (
@@ -343,12 +346,14 @@ def test_the_writer_gathers_scattered_chunks_and_writes_one_descriptor_each() ->
         "d", b"", {"kv": MemoryRegion("kv", 1 << 40, 1 << 30), "aux": MemoryRegion("aux", 0, 1)}
     )
     kv = NodeKV.single(base, layout.head_page_bytes, layout.num_kv_heads)
-    writer = RoomWriter(engine, aux, kv, layout.page_size, OnePeerLink(peer), stager)  # type: ignore[arg-type]
+    registry = CollectorRegistry()
+    link = OnePeerLink(peer)
+    writer = RoomWriter(engine, aux, kv, layout.page_size, link, stager, PrefillMetrics(registry))  # type: ignore[arg-type]
     dest_pages = tuple(range(100, 110))  # D staged: its pages are one run
     dest = RoomDestination(1, "d", "p", dest_pages, 0, 0, prompt_len=40)
     sender = writer.open(dest)
     req = Req(rid="r", prompt_ids=list(range(40)), params=SamplingParams(), sampler=None)  # type: ignore[arg-type]
-    req.pages = [9, 3, 30, 31, 32, 33, 50, 7, 21, 22]  # 10 pages: 7 runs
+    req.pages = [9, 3, 30, 31, 32, 33, 50, 7, 21, 22]  # 10 pages: 6 runs
     req.kv_len = 16  # chunk 1: pages 0-3 are 3 runs (> 2): gathered
     writer.send_computed(req, sender)
     span = req.staging
@@ -367,10 +372,19 @@ def test_the_writer_gathers_scattered_chunks_and_writes_one_descriptor_each() ->
     staged = cache.storage[span.start : span.start + 10]
     gathered = [0, 1, 2, 3, 6, 7, 8, 9]
     assert torch.equal(staged[gathered], cache.buffer[[req.pages[i] for i in gathered]])
+    assert registry.get_sample_value("pdserve_prefill_staged_pages_total") == 8
     assert sender.poll() is TransferState.DONE
     writer.release_staging(req)
     assert req.staging is None and stager.area.num_free == 16
     stager.area.check_integrity()
+    # every span taken: the next room writes from its pool pages, and the metric says so
+    hog = stager.area.acquire(16)
+    other = Req(rid="o", prompt_ids=list(range(40)), params=SamplingParams(), sampler=None)  # type: ignore[arg-type]
+    other.pages, other.kv_len = list(req.pages), 40
+    writer.send_computed(other, writer.open(replace(dest, room=2)))
+    assert other.staging is None and len(engine.writes[-1]) == 6  # its 6 runs
+    assert registry.get_sample_value("pdserve_prefill_staging_full_total") == 1
+    assert hog is not None
 
 
 def test_the_gpu_benchmark_runs_its_flow_on_the_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]

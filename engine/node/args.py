@@ -124,7 +124,14 @@ def configure_logging(args: argparse.Namespace) -> None:
 def engine_config(args: argparse.Namespace, model_path: str) -> EngineConfig:
     max_tokens = args.max_total_tokens
     if max_tokens is None and args.mem_fraction is not None:
-        max_tokens = _tokens_for_fraction(args, model_path)
+        # the staging pages live in the same memory: the pool gets what they leave
+        staging_tokens = args.kv_staging_pages * args.page_size
+        max_tokens = _tokens_for_fraction(args, model_path) - staging_tokens
+        if max_tokens < args.page_size:
+            raise ValueError(
+                f"--kv-staging-pages {args.kv_staging_pages} leaves no KV pool within "
+                f"--mem-fraction {args.mem_fraction}; lower it or raise --mem-fraction"
+            )
     return EngineConfig(
         model_path=model_path,
         load_format=args.load_format,
