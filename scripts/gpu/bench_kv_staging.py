@@ -370,13 +370,16 @@ def run_engine(engine: Engine, setup: Setup, receiver_device: str, repeats: int,
     return rows
 
 
-def _time_ms(fn: Any, device: str, repeats: int) -> float:
+def _time_ms(fn: Any, devices: tuple[str, ...], repeats: int) -> float:
+    """Median wall time of `fn` with every device in `devices` synchronized around it."""
     times = []
     for _ in range(repeats + 2):
-        _sync(device)
+        for device in devices:
+            _sync(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        for device in devices:
+            _sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[2:])
 
@@ -403,11 +406,12 @@ def reference_checks(setup: Setup, receiver_device: str, repeats: int) -> dict[s
     out["staging kernels == torch indexing"] = "PASS" if gather_ok and scatter_ok else "FAIL"
     if gather_ok and scatter_ok:
         nbytes = setup.n * LAYOUT.page_bytes
-        g = _time_ms(lambda: stager_b.gather(src_pages, span, 0), setup.device, repeats)
-        s = _time_ms(lambda: stager_a.scatter(span, 0, dst_pages), receiver_device, repeats)
+        g = _time_ms(lambda: stager_b.gather(src_pages, span, 0), (setup.device,), repeats)
+        s = _time_ms(lambda: stager_a.scatter(span, 0, dst_pages), (receiver_device,), repeats)
         out[f"gather kernel, {n} pages"] = f"{g:.3f} ms ({nbytes / g / 1e6:.0f} GB/s moved)"
         out[f"scatter kernel, {n} pages"] = f"{s:.3f} ms ({nbytes / s / 1e6:.0f} GB/s moved)"
-    copy = _time_ms(lambda: a.staging[:n].copy_(b.staging[:n]), setup.device, repeats)
+    both = (setup.device, receiver_device)  # a peer copy: both GPUs' clocks
+    copy = _time_ms(lambda: a.staging[:n].copy_(b.staging[:n]), both, repeats)
     a_bytes.fill_(POISON)
     for s_page, d_page in zip(src_pages, dst_pages, strict=True):
         a_bytes[d_page].copy_(b_bytes[s_page])
