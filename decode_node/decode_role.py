@@ -3,6 +3,12 @@
 A room moves through the phases of `decode_node/rooms.py` (PREALLOC -> TRANSFER -> gone, or
 -> QUARANTINE -> gone); this module makes the moves. The scheduler holds the request parked,
 pages kept, from TRANSFER on, and runs it once P's DONE and the first token arrived.
+
+With staging pages (`stager`, engine/memory/staging.py) a room whose prompt pages form more
+runs than the stager's threshold publishes a contiguous staging span as its destination
+instead; on DONE the span is scattered into the room's pages before anything reads them
+(`_take_over`), and a room that fails keeps its span as long as its pages (a quarantined
+room's late writes may still land in it).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 
 from decode_node.rooms import DECODE_MOVES, DecodeEntry, DecodePhase
 from engine.grammar import GrammarViolation
+from engine.memory.staging import PageStager
 from engine.metrics import DecodeMetrics
 from engine.node.phases import RoomRole
 from engine.request import FinishReason, Req
@@ -49,8 +56,10 @@ class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
         page_size: int,
         clock: Callable[[], float] = time.monotonic,
         metrics: DecodeMetrics | None = None,
+        stager: PageStager | None = None,
     ) -> None:
         super().__init__(DECODE_MOVES, clock)
+        self.stager = stager
         self.config = config
         self.link = link
         self.aux = aux
@@ -134,7 +143,7 @@ class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
             room=req.room,
             decode_node_id=self.link.node_id,
             prefill_node_id=req.peer_node_id,
-            page_ids=tuple(req.pages[first_page:]),
+            page_ids=self._destination_pages(entry, first_page),
             cached_tokens=cached,
             aux_slot=req.slot,
             prompt_len=len(req.prompt_ids),
@@ -145,6 +154,36 @@ class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
         req.timing.mark("published")
         self.metrics.prealloc_wait.observe(req.timing.span("arrived", "published"))
         self.link.post_destination(dest)
+
+    def _destination_pages(self, entry: DecodeEntry, first_page: int) -> tuple[int, ...]:
+        """Where P writes the room's prompt pages: its own pages, or a staging span when they
+        are scattered (and a span is free)."""
+        req = entry.req
+        pages = req.pages[first_page:]
+        prompt_pages = -(-len(req.prompt_ids) // self.page_size) - first_page
+        if self.stager is None or prompt_pages <= 0:
+            return tuple(pages)
+        if not self.stager.worth_staging(pages[:prompt_pages]):
+            return tuple(pages)
+        req.staging = self.stager.area.acquire(prompt_pages)
+        if req.staging is None:  # every span in use: P writes into the pool pages
+            self.metrics.staging_full.inc()
+            return tuple(pages)
+        entry.staged_into = tuple(pages[:prompt_pages])
+        return tuple(req.staging.ids(0, prompt_pages))
+
+    def _unstage(self, entry: DecodeEntry, scatter: bool) -> None:
+        """Give the room's staging span back; with `scatter`, after copying it into the
+        room's pages (P reported DONE: every write landed)."""
+        req = entry.req
+        if req.staging is None or self.stager is None:
+            return
+        fence = None
+        if scatter:
+            fence = self.stager.scatter(req.staging, 0, entry.staged_into)
+            self.metrics.staged_pages.inc(len(entry.staged_into))
+        self.stager.area.release(req.staging, fence)
+        req.staging = None
 
     # ---- TRANSFER -> running, QUARANTINE or gone --------------------------------------------
     def _on_event(
@@ -200,6 +239,7 @@ class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
     def _take_over(self, scheduler: Scheduler, entry: DecodeEntry) -> StepOutput:
         req = entry.req
         assert req.slot is not None
+        self._unstage(entry, scatter=True)  # before any kernel reads the room's pages
         try:
             first = self.aux.read(req.slot, req.room)
         except AuxMismatchError as exc:
@@ -244,7 +284,9 @@ class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
         self.metrics.failures.labels(reason).inc()
 
     def _free(self, scheduler: Scheduler, entry: DecodeEntry) -> None:
+        """No write can land any more: the room's pages and staging span go back."""
         self.rooms.move(entry, None)
+        self._unstage(entry, scatter=False)
         scheduler.release(entry.req, cache=False)
 
     def _give_up(self, entry: DecodeEntry, reason: str) -> None:

@@ -47,3 +47,4 @@ DECODE_MOVES: dict[DecodePhase, frozenset[DecodePhase | None]] = {
 @dataclass
 class DecodeEntry(RoomEntry[DecodePhase]):
     epoch: int = 0  # the link's registration when the destination was published
+    staged_into: tuple[int, ...] = ()  # with a staging span: the pages it is scattered into

@@ -71,6 +71,7 @@ def build_role(parts: RoleParts) -> DecodeRole:
         aux=parts.transfer.aux,
         page_size=parts.runner.config.page_size,
         metrics=DecodeMetrics(parts.registry),
+        stager=parts.runner.stager,
     )
 
 

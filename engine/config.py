@@ -32,6 +32,11 @@ class EngineConfig:
     # Linear layers: "onednn" packs their weights for oneDNN (CPU), "aten" keeps torch's
     # F.linear, "auto" packs where it can (engine/models/cpu_linear.py).
     linear_kernel: str = "auto"
+    # KV transfers of scattered pages through a contiguous span (engine/memory/staging.py):
+    # pages set aside after the pool (0: off), and the descriptor count above which a write
+    # is staged. Staging runs on one rank: it needs tp_size 1.
+    kv_staging_pages: int = 0
+    kv_staging_min_runs: int = 16
 
     def __post_init__(self) -> None:
         _at_least("page_size", self.page_size, 1)
@@ -46,6 +51,13 @@ class EngineConfig:
                 f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}"
             )
         check_linear_kernel(self.linear_kernel)
+        _at_least("kv_staging_pages", self.kv_staging_pages, 0)
+        _at_least("kv_staging_min_runs", self.kv_staging_min_runs, 0)
+        if self.kv_staging_pages and self.tp_size > 1:
+            raise ValueError(
+                f"kv_staging_pages needs tp_size 1 (got {self.tp_size}): each TP rank would "
+                "have to gather and scatter its own shard; leave staging off with TP"
+            )
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(
                 f"schedule_policy must be 'fcfs' or 'lpm', got {self.schedule_policy!r}"

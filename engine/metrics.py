@@ -168,6 +168,16 @@ class PrefillMetrics:
             "pdserve_prefill_transfer_failures", "rooms that failed, by reason", ["reason"],
             registry=r,
         )  # fmt: skip
+        self.staged_pages = Counter(
+            "pdserve_prefill_staged_pages",
+            "KV pages gathered into a staging span before their write (--kv-staging-pages)",
+            registry=r,
+        )  # fmt: skip
+        self.staging_full = Counter(
+            "pdserve_prefill_staging_full",
+            "writes worth staging that found no free staging span (raise --kv-staging-pages)",
+            registry=r,
+        )  # fmt: skip
 
     def observe_queues(self, bootstrap: int, active: int, inflight: int) -> None:
         self.bootstrap_queue.set(bootstrap)
@@ -217,6 +227,17 @@ class DecodeMetrics:
         )  # fmt: skip
         self.failures = Counter(
             "pdserve_decode_transfer_failures", "rooms that brought no KV, by reason", ["reason"],
+            registry=r,
+        )  # fmt: skip
+
+        self.staged_pages = Counter(
+            "pdserve_decode_staged_pages",
+            "KV pages received through a staging span and scattered (--kv-staging-pages)",
+            registry=r,
+        )  # fmt: skip
+        self.staging_full = Counter(
+            "pdserve_decode_staging_full",
+            "rooms worth staging that found no free staging span (raise --kv-staging-pages)",
             registry=r,
         )  # fmt: skip
 

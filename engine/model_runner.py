@@ -22,6 +22,7 @@ from engine.memory import (
     KVLayout,
     PageAllocator,
     PagedKVCache,
+    PageStager,
     PageState,
     RadixCache,
     ReqToTokenPool,
@@ -66,7 +67,15 @@ class ModelRunner:
             page_size=config.page_size,
             dtype=config.torch_dtype,
         )
-        self.kv_cache = PagedKVCache(self.kv_layout, config.num_pages, self.device)
+        self.kv_cache = PagedKVCache(
+            self.kv_layout, config.num_pages, self.device, config.kv_staging_pages
+        )
+        # Scattered pages gathered into / scattered out of staging spans for KV transfers.
+        self.stager = (
+            PageStager(self.kv_cache, config.kv_staging_min_runs)
+            if config.kv_staging_pages
+            else None
+        )
         # One spare slot so a retracted request can be re-admitted while the table is full.
         self.req_to_token = ReqToTokenPool(
             config.max_running_requests + 1, self.context_length + config.page_size, self.device
@@ -207,6 +216,14 @@ class ModelRunner:
                 f"USED pages {self.allocator.num_used} != pages owned by {len(live)} live requests "
                 f"({len(owned)}): a page leaked or is shared"
             )
+        if self.stager is not None:
+            self.stager.area.check_integrity()
+            spans = [r.staging for r in live if r.staging is not None]
+            if len(spans) != len(set(spans)) or set(spans) != self.stager.area.held:
+                raise IntegrityError(
+                    f"held staging spans {sorted(self.stager.area.held, key=lambda s: s.start)} "
+                    f"!= spans owned by live requests {spans}: a span leaked or is shared"
+                )
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

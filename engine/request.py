@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engine.memory.radix_cache import RadixNode
+from engine.memory.staging import StagingSpan
 from engine.sampling import RequestSampler, SamplingParams
 from engine.timing import RequestTiming
 
@@ -66,6 +67,7 @@ class Req:
     room_ticket: str = ""  # D: the gateway's GenerateRequest.room_ticket, forwarded to bootstrap
     stop_after_prefill: bool = False  # prefill node: hand off after the first token, no decode
     transfer: TransferSummary | None = None
+    staging: StagingSpan | None = None  # staging pages its KV transfer holds (memory/staging.py)
     timing: RequestTiming = field(default_factory=RequestTiming)
 
     @property

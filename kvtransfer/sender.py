@@ -53,14 +53,17 @@ class KVSender:
     def num_prompt_pages(self) -> int:
         return -(-self.dest.prompt_len // self.page_size)
 
+    def dest_pages(self, lo: int, hi: int) -> Sequence[int]:
+        """D's pages for prompt pages [lo, hi)."""
+        return self.dest.page_ids[lo - self.first_page : hi - self.first_page]
+
     def send_pages(self, req_pages: Sequence[int], upto_page: int) -> None:
         """Send prompt pages [next_page, upto_page) from the request's page list."""
         upto_page = min(upto_page, self.num_prompt_pages)
         if upto_page <= self.next_page:
             return
         src = req_pages[self.next_page : upto_page]
-        offset = self.first_page
-        dst = self.dest.page_ids[self.next_page - offset : upto_page - offset]
+        dst = self.dest_pages(self.next_page, upto_page)
         self._start_plan(route_pages(self.routes, src, dst))
         self.stats.pages += upto_page - self.next_page
         self.next_page = upto_page

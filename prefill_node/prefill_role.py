@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.memory.staging import PageStager
 from engine.metrics import PrefillMetrics
 from engine.node.phases import RoomRole
 from engine.request import FinishReason, Req, TransferSummary
@@ -63,13 +64,14 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
         clock: Callable[[], float] = time.monotonic,
         metrics: PrefillMetrics | None = None,
         kv_ready: Callable[[], None] = lambda: None,
+        stager: PageStager | None = None,
     ) -> None:
         super().__init__(PREFILL_MOVES, clock)
         self.config = config
         self.kv_ready = kv_ready  # waits until the last step's KV is in memory (GPU pools)
         self.metrics = metrics or PrefillMetrics()
         self.link = link
-        self.writer = RoomWriter(engine, aux, kv, page_size, link)
+        self.writer = RoomWriter(engine, aux, kv, page_size, link, stager, self.metrics)
         self.early = EarlyDestinations()
 
     # ---- engine-thread hooks -----------------------------------------------------------
@@ -233,6 +235,7 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
                     continue
                 outputs.append(self._report(entry))
             self.rooms.move(entry, None)
+            self.writer.release_staging(entry.req)  # with its pages: no write reads either
             scheduler.release(entry.req, cache=not entry.failure)
         return outputs
 

@@ -50,6 +50,7 @@ def build_role(parts: RoleParts) -> PrefillRole:
         page_size=runner.config.page_size,
         metrics=PrefillMetrics(parts.registry),
         kv_ready=kv_ready(runner.device),
+        stager=runner.stager,
     )
 
 

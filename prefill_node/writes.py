@@ -5,10 +5,20 @@ heads go to which of its ranks (`kvtransfer/head_routes.py`); `send_computed` wr
 pages a chunk finished; `send_rest`, once the first token is sampled, the partial last page
 and the aux slot (the first token, its logprobs and the cached-prefix length). Every call
 returns at once: the transfer engine settles the writes later, and the room polls its sender.
+
+With staging pages (`stager`, engine/memory/staging.py) a write whose pages form more runs
+than the stager's threshold is gathered first into the room's staging span (taken at its first
+staged write, for the rest of the prompt, and held until the room's writes settled:
+`release_staging`), and written from there: one descriptor per run of destination pages.
+Staging needs whole pages on both sides (TP size 1 here, and D's ranks holding every KV head).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from engine.memory.staging import PageStager
+from engine.metrics import PrefillMetrics
 from engine.request import Req
 from kvtransfer.aux import AuxBuffer, FirstToken
 from kvtransfer.base import KVTransferEngine, TransferError
@@ -33,12 +43,16 @@ class RoomWriter:
         kv: NodeKV,
         page_size: int,
         link: RoomLink,
+        stager: PageStager | None = None,
+        metrics: PrefillMetrics | None = None,
     ) -> None:
+        self.metrics = metrics or PrefillMetrics()
         self.engine = engine
         self.aux = aux
         self.kv = kv  # this node's KV shards (one per TP rank)
         self.page_size = page_size
         self.link = link
+        self.stager = stager if len(kv.ranks) == 1 else None  # gathers on rank 0 alone
 
     def open(self, dest: RoomDestination) -> KVSender:
         """A sender into `dest`; raises CannotWrite if D is not registered (decode_gone), the
@@ -61,7 +75,8 @@ class RoomWriter:
         """Write the full pages computed so far; True if they are the room's first pages out
         (D restarts its transfer timer on that news). Raises TransferError."""
         started = sender.stats.pages > 0
-        sender.send_pages(req.pages, req.kv_len // self.page_size)
+        upto = req.kv_len // self.page_size
+        sender.send_pages(self._source_pages(req, sender, upto), upto)
         return not started and sender.stats.pages > 0
 
     def send_rest(self, req: Req, dest: RoomDestination, sender: KVSender) -> None:
@@ -77,8 +92,37 @@ class RoomWriter:
         )
         self.aux.write(req.slot, first)
         peer = self.link.peer(dest.decode_node_id)
-        sender.send_pages(req.pages, sender.num_prompt_pages)
+        upto = sender.num_prompt_pages
+        sender.send_pages(self._source_pages(req, sender, upto), upto)
         if peer is None:
             raise TransferError(f"decode node {dest.decode_node_id} left")
         dst_aux = peer.regions["aux"].addr + dest.aux_slot * self.aux.slot_bytes()
         sender.send_aux(self.aux.slot_addr(req.slot), dst_aux, self.aux.slot_bytes())
+
+    def _source_pages(self, req: Req, sender: KVSender, upto: int) -> Sequence[int]:
+        """The page list to send prompt pages [next_page, upto) from: the request's own, or
+        with those pages gathered into its staging span (see the module docstring)."""
+        lo, hi = sender.next_page, min(upto, sender.num_prompt_pages)
+        stager = self.stager
+        if stager is None or hi <= lo or not all(r.whole_pages for r in sender.routes):
+            return req.pages
+        src = req.pages[lo:hi]
+        if not stager.worth_staging(src, sender.dest_pages(lo, hi)):
+            return req.pages
+        if req.staging is None:
+            req.staging = stager.area.acquire(sender.num_prompt_pages - sender.first_page)
+            if req.staging is None:  # every span in use: write from the pool pages
+                self.metrics.staging_full.inc()
+                return req.pages
+        offset = lo - sender.first_page
+        stager.gather(src, req.staging, offset)
+        self.metrics.staged_pages.inc(len(src))
+        staged = list(req.pages)
+        staged[lo:hi] = req.staging.ids(offset, offset + hi - lo)
+        return staged
+
+    def release_staging(self, req: Req) -> None:
+        """The room's writes settled: nothing reads its staging span any more."""
+        if req.staging is not None and self.stager is not None:
+            self.stager.area.release(req.staging)
+            req.staging = None

@@ -39,3 +39,26 @@ def test_mem_fraction_leaves_room_for_the_weights(tmp_path: Path) -> None:
     too_little = str(weights / 2 / memory)  # half the weights
     with pytest.raises(ValueError, match=r"leaves no room for KV after 15\.0 GiB of weights"):
         engine_config(node_args("--dtype", "bfloat16", "--mem-fraction", too_little), model)
+
+
+def test_kv_staging_pages_come_out_of_the_memory_fraction(tmp_path: Path) -> None:
+    model = str(write_llama_config(tmp_path, LLAMA3_8B))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    mc = ModelConfig.from_dir(model)
+    weights, per_token = mc.num_parameters * 2, mc.num_layers * 2 * mc.kv_size * 2
+    if weights + 4096 * per_token > 0.9 * memory:
+        pytest.skip("this machine cannot hold 8B bf16 weights in 90% of its memory")
+    fraction = str((weights + 4096 * per_token) / memory)  # the weights and 4k tokens
+    staged = node_args(
+        "--dtype", "bfloat16", "--mem-fraction", fraction, "--kv-staging-pages", "64"
+    )
+    config = engine_config(staged, model)
+    assert abs(config.max_total_tokens - (4096 - 64 * 16)) <= 1
+    assert config.kv_staging_pages == 64 and config.kv_staging_min_runs == 16
+    too_many = node_args(
+        "--mem-fraction", fraction, "--dtype", "bfloat16", "--kv-staging-pages", "256"
+    )
+    with pytest.raises(ValueError, match="--kv-staging-pages 256 leaves no KV pool"):
+        engine_config(too_many, model)
+    with pytest.raises(ValueError, match="kv_staging_pages needs tp_size 1"):
+        engine_config(node_args("--kv-staging-pages", "8", "--tp-size", "2"), model)

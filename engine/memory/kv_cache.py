@@ -11,6 +11,11 @@ buffer holds only its own KV heads; page ids are the same on every rank.
 
 A token location (`loc`) is `page * page_size + offset`; `req_to_token[slot, i]` is the location of
 token i of the request in `slot`.
+
+Staging pages (engine/memory/staging.py): with `staging_pages > 0` the same allocation holds that
+many more pages after the pool's `num_pages`, page ids `num_pages ..`. No allocator hands them
+out and no attention kernel reads them (`buffer` is the pool alone); they are registered with the
+transfer engine together with the pool (`storage`), so a KV write addresses them by page id.
 """
 
 from __future__ import annotations
@@ -41,11 +46,14 @@ class KVLayout:
 
 
 class PagedKVCache:
-    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
+    def __init__(
+        self, layout: KVLayout, num_pages: int, device: torch.device, staging_pages: int = 0
+    ) -> None:
         self.layout = layout
         self.num_pages = num_pages
-        self.buffer = torch.zeros(
-            num_pages,
+        self.staging_pages = staging_pages
+        self.storage = torch.zeros(  # pool pages, then staging pages: one registered region
+            num_pages + staging_pages,
             layout.num_kv_heads,
             layout.num_layers,
             2,
@@ -54,6 +62,8 @@ class PagedKVCache:
             dtype=layout.dtype,
             device=device,
         )
+        self.buffer = self.storage[:num_pages]  # the pool: what attention reads and writes
+        self.staging = self.storage[num_pages:]  # [staging_pages, ...], page id num_pages + i
 
     @property
     def page_size(self) -> int:

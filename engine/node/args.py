@@ -50,6 +50,21 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--context-length", type=int, default=None)
     g.add_argument(
+        "--kv-staging-pages",
+        type=int,
+        default=0,
+        help="KV pages set aside beside the pool (not counted in it) to move a request's "
+        "scattered pages as one contiguous span: gathered on the prefill node, scattered on "
+        "the decode node (engine/memory/staging.py); 0 = off. TP size 1 only",
+    )
+    g.add_argument(
+        "--kv-staging-min-runs",
+        type=int,
+        default=16,
+        help="with --kv-staging-pages: stage a write whose pages form more runs (transfer "
+        "descriptors) than this",
+    )
+    g.add_argument(
         "--tp-size",
         type=int,
         default=1,
@@ -109,7 +124,14 @@ def configure_logging(args: argparse.Namespace) -> None:
 def engine_config(args: argparse.Namespace, model_path: str) -> EngineConfig:
     max_tokens = args.max_total_tokens
     if max_tokens is None and args.mem_fraction is not None:
-        max_tokens = _tokens_for_fraction(args, model_path)
+        # the staging pages live in the same memory: the pool gets what they leave
+        staging_tokens = args.kv_staging_pages * args.page_size
+        max_tokens = _tokens_for_fraction(args, model_path) - staging_tokens
+        if max_tokens < args.page_size:
+            raise ValueError(
+                f"--kv-staging-pages {args.kv_staging_pages} leaves no KV pool within "
+                f"--mem-fraction {args.mem_fraction}; lower it or raise --mem-fraction"
+            )
     return EngineConfig(
         model_path=model_path,
         load_format=args.load_format,
@@ -126,6 +148,8 @@ def engine_config(args: argparse.Namespace, model_path: str) -> EngineConfig:
         tp_size=args.tp_size,
         overlap_schedule=args.overlap_schedule,
         linear_kernel=args.linear_kernel,
+        kv_staging_pages=args.kv_staging_pages,
+        kv_staging_min_runs=args.kv_staging_min_runs,
     )
 
 

@@ -72,7 +72,7 @@ class RankTransferInfo:
 
 
 def kv_region(runner: ModelRunner) -> MemoryRegion:
-    buffer = runner.kv_cache.buffer
+    buffer = runner.kv_cache.storage  # the pool and its staging pages
     device = "cpu" if buffer.device.type == "cpu" else f"cuda:{buffer.device.index or 0}"
     return MemoryRegion("kv", buffer.data_ptr(), buffer.numel() * buffer.element_size(), device)
 

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,8 +132,8 @@ def prompts() -> list[list[int]]:
 
 
 @contextmanager
-def trio(workdir: Path, backend: str, device: str) -> Iterator[Any]:
-    """gateway/launcher.py's PD trio on this host: yields a `PDTrio`."""
+def trio(workdir: Path, backend: str, device: str, extra: Sequence[str] = ()) -> Iterator[Any]:
+    """gateway/launcher.py's PD trio on this host (`extra`: more flags for both nodes)."""
     from gateway.launcher import pd_trio
 
     bins = console_wrappers(workdir / "bin")
@@ -145,7 +145,7 @@ def trio(workdir: Path, backend: str, device: str) -> Iterator[Any]:
     node_args = ["--load-format", "dummy", "--dtype", "float32",
                  "--device", device, "--page-size", "16", "--max-total-tokens", "16384",
                  "--chunked-prefill-size", str(CHUNK), "--max-running-requests", "16",
-                 *backend_args]  # fmt: skip
+                 *backend_args, *extra]  # fmt: skip
     with pd_trio(workdir / backend, model, backend, node_args, decode_args=DECODE_ARGS, env=env,
                  ready_timeout=300, scripts=bins) as t:  # fmt: skip
         yield t
@@ -182,16 +182,20 @@ def _compare(name: str, got: list[Any], ref: list[list[int]], pd: bool) -> Check
     return Check(name, not bad, detail, len(bad) / len(ref))
 
 
-def check_backend(workdir: Path, backend: str, device: str) -> list[Check]:
+def check_backend(
+    workdir: Path, backend: str, device: str, extra: Sequence[str] = (), label: str = ""
+) -> list[Check]:
+    """`extra` flags for both nodes; `label` follows the backend in every check's name."""
     batch = prompts()
     checks = []
     t0 = time.perf_counter()
-    with trio(workdir, backend, device) as t:
+    with trio(workdir, backend, device, extra) as t:
         started = time.perf_counter() - t0
         log(f"{backend}: trio ready in {started:.1f} s")
+        tag = backend + label  # in every check name
         ref = [r.token_ids for r in asyncio.run(_generate(t, batch, pd=False, together=False))]
         colo_ok = all(len(r) == MAX_NEW for r in ref)
-        checks.append(Check(f"{backend}: colocated decode node answers every prompt", colo_ok,
+        checks.append(Check(f"{tag}: colocated decode node answers every prompt", colo_ok,
                             f"{sum(len(r) == MAX_NEW for r in ref)}/{len(ref)} with "
                             f"{MAX_NEW} tokens"))  # fmt: skip
         desc = f"{len(batch)} prompts of {min(LENGTHS)}..{max(LENGTHS)} tokens, {MAX_NEW} new"
@@ -199,28 +203,30 @@ def check_backend(workdir: Path, backend: str, device: str) -> list[Check]:
             t1 = time.perf_counter()
             got = asyncio.run(_generate(t, batch, pd=True, together=together))
             how = "all together" if together else "one at a time"
-            check = _compare(f"{backend}: PD greedy == colocated, {desc}, {how}", got, ref, True)
+            check = _compare(f"{tag}: PD greedy == colocated, {desc}, {how}", got, ref, True)
             check.detail += f"; {time.perf_counter() - t1:.2f} s"
             checks.append(check)
             log(f"{check.name}: {'PASS' if check.ok else 'FAIL'} ({check.detail})")
-        for name in ("prefill", "decode"):
+        for node in ("prefill", "decode"):
             try:
-                report = getattr(t, name).wait_idle(timeout=60)
+                report = getattr(t, node).wait_idle(timeout=60)
                 ok = bool(report.ok) and report.used_pages == 0
                 detail = f"used pages {report.used_pages}; {report.error or 'integrity ok'}"
             except AssertionError as exc:
                 ok, detail = False, str(exc).splitlines()[0]
-            checks.append(Check(f"{backend}: no page leaked on the {name} node", ok, detail))
+            checks.append(Check(f"{tag}: no page leaked on the {node} node", ok, detail))
     return checks
 
 
-def run(device: str, backends: list[str], workdir: Path) -> Result:
+def run(
+    device: str, backends: list[str], workdir: Path, extra: Sequence[str] = (), label: str = ""
+) -> Result:
     res = Result(info={"date (UTC)": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M"),
                        **versions()})  # fmt: skip
     log(f"versions: {res.info}")
     for backend in backends:
         try:
-            res.checks += check_backend(workdir, backend, device)
+            res.checks += check_backend(workdir, backend, device, extra, label)
         except Exception as exc:  # a backend that fails is reported, the next one runs
             traceback.print_exc()
             res.errors.append(f"{backend}: {type(exc).__name__}: {exc}")

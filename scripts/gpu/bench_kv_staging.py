@@ -1,0 +1,503 @@
+"""256 scattered KV pages through the transfer engines: today's path, staging, prepared lists.
+
+    python3 -m scripts.gpu.mooncake_wheels pack .mooncake            # here (no index there)
+    # grpcio / protobuf wheels for the PD check: see scripts/gpu/check_pd.py (.pdwheels)
+    python3 -m scripts.gpu.bench_kv_staging --carry .mooncake --wheels .pdwheels --out "$OUT"
+    python3 -m scripts.gpu.bench_kv_staging --carry .mooncake --out "$OUT" \\
+        --receiver-device cuda:1 --no-pd-check                                     # GPU0 -> GPU1
+
+A prefill and a decode process (one GPU, or the decode one on `--receiver-device`), each with
+the engine's KV pool of a Llama-3-8B shape (32 layers, 8 KV heads, head dim 128, bf16, 16-token
+pages: 2 MiB a page, 1024 pages) plus 256 staging pages after it (`PagedKVCache(staging_pages)`,
+one registered region), move a 4k-token prompt (256 pages, 512 MiB) four ways per engine:
+
+- `contiguous`: 256 consecutive pages on both sides, one descriptor (the ceiling);
+- `scattered`: 256 pages at random on both sides, one descriptor a page (today's path);
+- `staged`: the same pages gathered on the sender into its staging span (`PageStager.gather`,
+  one kernel), one descriptor span -> span, scattered on the receiver into its pages
+  (`PageStager.scatter`, one kernel) after the write is DONE; timed from the gather to the
+  receiver's scatter done (a pipe round trip included, as the node's DONE message would be);
+- `staged x4`: the same in four pieces, the gather of a piece overlapping the write of the one
+  before (what a prefill node's chunks give when a prompt spans several);
+- `prepped` (NIXL): page tables of both pools prepared once (`prep_xfer_dlist`), each write
+  built by page indices (`make_prepped_xfer`); Mooncake has no prepared lists, so its row is
+  the binding's own blocking batch call on the 256 descriptors (no waiter thread).
+
+Checks first: the staging kernels against torch indexing on the GPU, torch's copy of the same
+pages between the two pools (the copy ceiling), and for every row one write into a poisoned
+receiver pool, every destination page equal to its source byte for byte and every other page
+still poisoned; repeated after the timed writes. A row whose check fails prints no speed.
+`--device cpu --pool-pages 64 --tokens 256` is a dry run of the flow on a CPU (NIXL DRAM,
+Mooncake tcp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.memory.kv_cache import KVLayout, PagedKVCache
+from engine.memory.staging import PageStager, StagingSpan
+from kvtransfer import MemoryRegion, PeerInfo, TransferConfig, TransferState, create_engine
+from kvtransfer.base import coalesce_pages
+from scripts.gpu import check_pd
+from scripts.gpu.bench_mooncake_gpu import versions
+from scripts.gpu.environment import add_site_arg
+
+LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
+POOL_PAGES = 1024
+POISON = 0xA5
+SEED = 1234
+METHODS = ("contiguous", "scattered", "staged", "staged x4", "prepped")
+PIECES = 4  # "staged x4": gather piece k+1 while the engine moves piece k
+PD_STAGING = ["--kv-staging-pages", "128", "--kv-staging-min-runs", "0"]
+
+
+@dataclass(frozen=True)
+class Engine:
+    label: str
+    backend: str
+    protocol: str = "tcp"
+
+
+ENGINES = (Engine("nixl UCX", "nixl"), Engine("mooncake nvlink_intra", "mooncake", "nvlink_intra"))
+CPU_ENGINES = (Engine("nixl UCX", "nixl"), Engine("mooncake tcp", "mooncake", "tcp"))
+
+
+@dataclass(frozen=True)
+class Setup:
+    device: str
+    pool_pages: int
+    staging_pages: int
+    tokens: int
+
+    @property
+    def n(self) -> int:
+        return self.tokens // LAYOUT.page_size
+
+    def cache(self, device: str) -> PagedKVCache:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        return PagedKVCache(LAYOUT, self.pool_pages, torch.device(device), self.staging_pages)
+
+    def source(self, device: str) -> torch.Tensor:
+        """The sender's pool bytes, the same in every process (seeded) -> [pages, page_bytes]."""
+        gen = torch.Generator(device=device).manual_seed(SEED)
+        total = self.pool_pages * LAYOUT.page_bytes
+        data = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device, generator=gen)
+        return data.view(self.pool_pages, LAYOUT.page_bytes)
+
+    def pages(self) -> dict[str, tuple[list[int], list[int]]]:
+        rng = random.Random(SEED)
+        n, pool = self.n, self.pool_pages
+        scattered = rng.sample(range(1, pool), n), rng.sample(range(1, pool), n)
+        return {"contiguous": (list(range(1, n + 1)), list(range(pool - n, pool))),
+                "scattered": scattered}  # fmt: skip
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def _bytes(cache: PagedKVCache) -> torch.Tensor:
+    return cache.buffer.view(torch.uint8).view(cache.num_pages, LAYOUT.page_bytes)
+
+
+def _region(cache: PagedKVCache, device: str) -> MemoryRegion:
+    storage = cache.storage
+    return MemoryRegion("kv", storage.data_ptr(), storage.numel() * storage.element_size(), device)
+
+
+def _engine(engine: Engine, name: str) -> Any:
+    config = TransferConfig(backend=engine.backend, node_name=name, protocol=engine.protocol)
+    return create_engine(config)
+
+
+def receiver_main(engine: Engine, setup: Setup, device: str, conn: Any) -> None:
+    """The decode side: poisons, checks, and scatters its staging span on request."""
+    cache = setup.cache(device)
+    stager = PageStager(cache, min_runs=0)
+    pool = _bytes(cache)
+    expected = setup.source(device)
+    transfer = _engine(engine, "decode")
+    region = _region(cache, device)
+    transfer.register([region])
+    conn.send((transfer.local_endpoint(), region))
+    while (msg := conn.recv())[0] != "quit":
+        if msg[0] == "poison":
+            cache.storage.view(torch.uint8).fill_(POISON)
+            _sync(device)
+            conn.send(True)
+        elif msg[0] == "scatter":  # ("scatter", span start, dst pages)
+            span = StagingSpan(msg[1], len(msg[2]))
+            start = time.perf_counter()
+            stager.scatter(span, 0, msg[2])
+            _sync(device)
+            conn.send((time.perf_counter() - start) * 1e3)
+        else:  # ("check", src pages, dst pages)
+            dst = torch.tensor(msg[2], device=device)
+            untouched = torch.ones(cache.num_pages, dtype=torch.bool, device=device)
+            untouched[dst] = False
+            landed = torch.equal(pool[dst], expected[torch.tensor(msg[1], device=device)])
+            conn.send(landed and bool((pool[untouched] == POISON).all()))
+    transfer.close()
+
+
+@dataclass
+class Row:
+    engine: str
+    method: str
+    descriptors: int = 0
+    ms: float = 0.0  # median
+    spread: str = ""
+    gbps: float = 0.0
+    checked: bool = False
+    parts: str = ""  # staged: gather / write / scatter medians
+    error: str = ""
+
+
+class Sender:
+    """The prefill side: one engine, the receiver's pipe, and one timed way per method."""
+
+    def __init__(self, engine: Engine, setup: Setup, conn: Any, endpoint: bytes,
+                 remote: MemoryRegion) -> None:  # fmt: skip
+        self.setup, self.conn, self.engine_spec, self.remote = setup, conn, engine, remote
+        self.cache = setup.cache(setup.device)
+        _bytes(self.cache).copy_(setup.source(setup.device))
+        _sync(setup.device)
+        self.stager = PageStager(self.cache, min_runs=0)
+        self.engine = _engine(engine, "prefill")
+        self.local = _region(self.cache, setup.device)
+        self.engine.register([self.local])
+        self.engine.connect(PeerInfo("decode", endpoint, {"kv": remote}))
+        # staged: gather (and start the writes), wait for the writes, receiver's scatter
+        self.parts: dict[str, list[float]] = {"gather": [], "write": [], "scatter": []}
+
+    def ranges(self, src: list[int], dst: list[int]) -> list[Any]:
+        return coalesce_pages(src, dst, LAYOUT.page_bytes, self.local.addr, self.remote.addr)
+
+    def write(self, ranges: list[Any]) -> float:
+        start = time.perf_counter()
+        handle = self.engine.write("decode", ranges)
+        while (state := self.engine.poll(handle)) is TransferState.PENDING:
+            pass
+        self.engine.release(handle)
+        if state is not TransferState.DONE:
+            raise RuntimeError(f"a write of {len(ranges)} ranges ended {state.value}")
+        return (time.perf_counter() - start) * 1e3
+
+    def wait(self, handle: Any) -> None:
+        while (state := self.engine.poll(handle)) is TransferState.PENDING:
+            pass
+        self.engine.release(handle)
+        if state is not TransferState.DONE:
+            raise RuntimeError(f"a staged write ended {state.value}")
+
+    def staged(self, src: list[int], dst: list[int], pieces: int = 1) -> float:
+        n = len(src)
+        span = StagingSpan(self.setup.pool_pages, n)  # both sides: the first n staging pages
+        bounds = [n * i // pieces for i in range(pieces + 1)]
+        start = time.perf_counter()
+        handles = []
+        for lo, hi in itertools.pairwise(bounds):
+            self.stager.gather(src[lo:hi], span, lo)
+            ranges = self.ranges(span.ids(lo, hi), span.ids(lo, hi))
+            handles.append(self.engine.write("decode", ranges))
+        gathered = time.perf_counter()
+        for handle in handles:
+            self.wait(handle)
+        written = time.perf_counter()
+        self.conn.send(("scatter", span.start, dst))
+        scatter_ms = self.conn.recv()
+        end = time.perf_counter()
+        self.parts["gather"].append((gathered - start) * 1e3)
+        self.parts["write"].append((written - gathered) * 1e3)
+        self.parts["scatter"].append(scatter_ms)
+        return (end - start) * 1e3
+
+    def prepped(self) -> Any:
+        """NIXL: page tables of both pools prepared once; a write is built from indices."""
+        agent = self.engine._agent
+        peer = self.engine._peers["decode"].agent_name
+        dev_local = 0 if self.setup.device == "cpu" else torch.device(self.setup.device).index
+        kind = "DRAM" if self.setup.device == "cpu" else "VRAM"
+        pb, pool = LAYOUT.page_bytes, self.setup.pool_pages
+
+        def table(base: int, dev: int) -> np.ndarray:
+            rows = [(base + p * pb, pb, dev) for p in range(pool)]
+            return np.asarray(rows, dtype=np.uint64)
+
+        remote_dev = 0 if self.remote.device == "cpu" else int(self.remote.device.split(":")[1])
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", table(self.local.addr, dev_local), kind)
+        remote = agent.prep_xfer_dlist(peer, table(self.remote.addr, remote_dev), kind)
+
+        def write(src: list[int], dst: list[int]) -> float:
+            start = time.perf_counter()
+            handle = agent.make_prepped_xfer("WRITE", local, src, remote, dst, b"")
+            state = agent.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                state = agent.check_xfer_state(handle)
+            agent.release_xfer_handle(handle)
+            if state != "DONE":
+                raise RuntimeError("a prepared write ended ERR")
+            return (time.perf_counter() - start) * 1e3
+
+        return write
+
+    def library_batch(self, src: list[int], dst: list[int]) -> float:
+        """Mooncake: the binding's blocking batch write of the descriptors, no waiter thread."""
+        lib = self.engine._live_engine()
+        ranges = self.ranges(src, dst)
+        args = (
+            [r.src_addr for r in ranges],
+            [r.dst_addr for r in ranges],
+            [r.length for r in ranges],
+        )
+        start = time.perf_counter()
+        rc = lib.batch_transfer_sync_write(self.engine._peer_sessions["decode"], *args)
+        if rc != 0:
+            raise RuntimeError(f"batch_transfer_sync_write returned {rc}")
+        return (time.perf_counter() - start) * 1e3
+
+    def method(self, name: str, src: list[int], dst: list[int]) -> tuple[Any, int]:
+        """(a callable doing one write, its descriptor count)."""
+        if name == "staged":
+            return (lambda: self.staged(src, dst)), 1
+        if name == "staged x4":
+            return (lambda: self.staged(src, dst, PIECES)), PIECES
+        if name == "prepped" and self.engine_spec.backend == "nixl":
+            write = self.prepped()
+            return (lambda: write(src, dst)), len(src)
+        if name == "prepped":
+            return (lambda: self.library_batch(src, dst)), len(self.ranges(src, dst))
+        ranges = self.ranges(src, dst)
+        return (lambda: self.write(ranges)), len(ranges)
+
+    def check(self, src: list[int], dst: list[int]) -> bool:
+        self.conn.send(("check", src, dst))
+        return bool(self.conn.recv())
+
+    def row(self, name: str, repeats: int) -> Row:
+        layout = "contiguous" if name == "contiguous" else "scattered"
+        src, dst = self.setup.pages()[layout]
+        mooncake_batch = name == "prepped" and self.engine_spec.backend != "nixl"
+        row = Row(self.engine_spec.label, "library batch call" if mooncake_batch else name)
+        try:
+            once, row.descriptors = self.method(name, src, dst)
+            self.conn.send(("poison",))
+            self.conn.recv()
+            once()
+            first = self.check(src, dst)
+            for parts in self.parts.values():
+                parts.clear()
+            times = [once() for _ in range(repeats + 2)][2:]
+            row.checked = first and self.check(src, dst)
+        except Exception as exc:  # the row says so; the next method still runs
+            row.error = f"{type(exc).__name__}: {exc}"[:300]
+            return row
+        row.ms = statistics.median(times)
+        row.spread = f"{min(times):.2f}-{max(times):.2f}"
+        row.gbps = len(src) * LAYOUT.page_bytes / row.ms / 1e6
+        if name.startswith("staged"):
+            row.parts = " / ".join(
+                f"{statistics.median(v[2:]):.2f}" for v in self.parts.values() if len(v) > 2
+            )
+        return row
+
+
+def sender_main(engine: Engine, setup: Setup, conn: Any, parent: Any, endpoint: bytes,
+                remote: MemoryRegion, repeats: int) -> None:  # fmt: skip
+    sender = Sender(engine, setup, conn, endpoint, remote)
+    for name in METHODS:
+        row = sender.row(name, repeats)
+        print(row, flush=True)
+        parent.send(row)
+    conn.send(("quit",))
+    sender.engine.close()
+    parent.send(None)
+
+
+def run_engine(engine: Engine, setup: Setup, receiver_device: str, repeats: int,
+               timeout_s: float) -> list[Row]:  # fmt: skip
+    ctx = mp.get_context("spawn")
+    sender_end, receiver_end = ctx.Pipe()
+    from_sender, to_parent = ctx.Pipe()
+    receiver = ctx.Process(target=receiver_main, args=(engine, setup, receiver_device,
+                                                       receiver_end), daemon=True)  # fmt: skip
+    receiver.start()
+    rows: list[Row] = []
+    sender = None
+    try:
+        if not sender_end.poll(timeout_s):
+            raise RuntimeError(f"receiver did not start (exit code {receiver.exitcode})")
+        endpoint, remote = sender_end.recv()
+        sender_args = (engine, setup, sender_end, to_parent, endpoint, remote, repeats)
+        sender = ctx.Process(target=sender_main, args=sender_args, daemon=True)
+        sender.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if from_sender.poll(1.0):
+                row = from_sender.recv()
+                if row is None:
+                    break
+                rows.append(row)
+            elif not sender.is_alive():
+                raise RuntimeError(f"sender died (exit code {sender.exitcode})")
+        else:
+            raise RuntimeError(f"timed out after {timeout_s:.0f} s")
+    except Exception as exc:  # one engine failing must not lose the other
+        rows.append(Row(engine.label, "-", error=str(exc)))
+    finally:
+        for proc in (sender, receiver):
+            if proc is not None:
+                proc.join(timeout=20)
+                if proc.is_alive():
+                    proc.kill()
+    return rows
+
+
+def _time_ms(fn: Any, devices: tuple[str, ...], repeats: int) -> float:
+    """Median wall time of `fn` with every device in `devices` synchronized around it."""
+    times = []
+    for _ in range(repeats + 2):
+        for device in devices:
+            _sync(device)
+        start = time.perf_counter()
+        fn()
+        for device in devices:
+            _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[2:])
+
+
+def reference_checks(setup: Setup, receiver_device: str, repeats: int) -> dict[str, str]:
+    """The staging kernels against torch indexing, and torch's copy of the pages between two
+    pools in this process (the ceiling): each check must pass before its time is printed."""
+    out: dict[str, str] = {}
+    src_pages, dst_pages = setup.pages()["scattered"]
+    a, b = setup.cache(receiver_device), setup.cache(setup.device)  # sender's GPU current
+    _bytes(b).copy_(setup.source(setup.device))
+    span = StagingSpan(setup.pool_pages, setup.n)
+    stager_b, stager_a = PageStager(b, 0), PageStager(a, 0)
+    src = torch.tensor(src_pages, device=setup.device)
+    dst = torch.tensor(dst_pages, device=receiver_device)
+    n = setup.n
+    stager_b.gather(src_pages, span, 0)
+    b_bytes, a_bytes = _bytes(b), _bytes(a)  # bytes: random bf16 bits hold NaNs
+    gather_ok = torch.equal(b.staging[:n].view(torch.uint8).reshape(n, -1), b_bytes[src])
+    a.staging[:n].copy_(b.staging[:n])
+    stager_a.scatter(span, 0, dst_pages)
+    _sync(receiver_device)
+    scatter_ok = torch.equal(a_bytes[dst].to(setup.device), b_bytes[src])
+    out["staging kernels == torch indexing"] = "PASS" if gather_ok and scatter_ok else "FAIL"
+    if gather_ok and scatter_ok:
+        nbytes = setup.n * LAYOUT.page_bytes
+        g = _time_ms(lambda: stager_b.gather(src_pages, span, 0), (setup.device,), repeats)
+        s = _time_ms(lambda: stager_a.scatter(span, 0, dst_pages), (receiver_device,), repeats)
+        out[f"gather kernel, {n} pages"] = f"{g:.3f} ms ({nbytes / g / 1e6:.0f} GB/s moved)"
+        out[f"scatter kernel, {n} pages"] = f"{s:.3f} ms ({nbytes / s / 1e6:.0f} GB/s moved)"
+    both = (setup.device, receiver_device)  # a peer copy: both GPUs' clocks
+    copy = _time_ms(lambda: a.staging[:n].copy_(b.staging[:n]), both, repeats)
+    a_bytes.fill_(POISON)
+    for s_page, d_page in zip(src_pages, dst_pages, strict=True):
+        a_bytes[d_page].copy_(b_bytes[s_page])
+    _sync(receiver_device)
+    copy_ok = torch.equal(a_bytes[dst].to(setup.device), b_bytes[src])
+    out["torch page copy == source"] = "PASS" if copy_ok else "FAIL"
+    rate = n * LAYOUT.page_bytes / copy / 1e6
+    out[f"torch copy, {n} pages as one contiguous copy"] = f"{copy:.3f} ms ({rate:.0f} GB/s)"
+    return out
+
+
+def pd_check(device: str, backends: list[str]) -> list[check_pd.Check]:
+    """check_pd's PD trio with staging forced on both nodes."""
+    import tempfile
+
+    workdir = Path(tempfile.mkdtemp(prefix="kv-staging-pd-"))
+    result = check_pd.run(device, backends, workdir, PD_STAGING, ", staging forced")
+    return result.checks
+
+
+def markdown(info: dict[str, str], rows: list[Row], pd: list[check_pd.Check]) -> str:
+    contiguous = {r.engine: r.ms for r in rows if r.method == "contiguous" and r.checked}
+    lines = [
+        "| engine | method | descriptors | ms (median) | min-max | GB/s | % of contiguous "
+        "| gather+post / wait / scatter ms | byte-exact |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.error or not r.checked:
+            verdict = f"failed: {r.error.replace('|', '/')}" if r.error else "NO"
+            lines.append(f"| {r.engine} | {r.method} | {r.descriptors} | | | | | | {verdict} |")
+            continue
+        base = contiguous.get(r.engine)
+        pct = f"{100 * base / r.ms:.1f}%" if base else ""
+        lines.append(f"| {r.engine} | {r.method} | {r.descriptors} | {r.ms:.3f} | {r.spread} "
+                     f"| {r.gbps:.0f} | {pct} | {r.parts} | yes |")  # fmt: skip
+    head = [f"- {k}: {v}" for k, v in info.items()]
+    checks = ["| check | result | detail |", "|---|---|---|"]
+    checks += [f"| {c.name} | {'PASS' if c.ok else 'FAIL'} | {c.detail.replace('|', '/')} |"
+               for c in pd]  # fmt: skip
+    return "\n".join([*head, "", *(checks if pd else []), "", *lines]) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--carry", type=Path, help="folder from mooncake_wheels.py pack")
+    parser.add_argument("--wheels", type=Path, help="grpcio / protobuf wheels (check_pd.py)")
+    parser.add_argument("--no-pd-check", action="store_true", help="skip the PD trio check")
+    parser.add_argument("--pd-backends", nargs="+", default=["nixl"], choices=["nixl", "mooncake"])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--engine-timeout", type=float, default=150.0)
+    parser.add_argument("--device", default="cuda:0", help="cpu: a dry run of the flow")
+    parser.add_argument("--receiver-device", default=None, help="default: --device")
+    parser.add_argument("--pool-pages", type=int, default=POOL_PAGES)
+    add_site_arg(parser)
+    args = parser.parse_args()
+    check_pd.install(args.carry, args.wheels, args.site)  # the spawned processes too
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    receiver_device = args.receiver_device or args.device
+    setup = Setup(args.device, args.pool_pages, args.tokens // LAYOUT.page_size, args.tokens)
+    info = {"date (UTC)": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), **versions(),
+            "sender -> receiver": f"{args.device} -> {receiver_device}",
+            "prompt": f"{args.tokens} tokens = {setup.n} pages of {LAYOUT.page_bytes >> 20} MiB "
+                      f"(8B shape, bf16), pools of {args.pool_pages} pages"}  # fmt: skip
+    pd = [] if args.no_pd_check else pd_check(args.device, args.pd_backends)
+    info.update(reference_checks(setup, receiver_device, args.repeats))
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the checks' pools: each process needs its own now
+    print(json.dumps(info, indent=1), flush=True)
+    rows: list[Row] = []
+    if all(v != "FAIL" for v in info.values()):
+        for engine in CPU_ENGINES if args.device == "cpu" else ENGINES:
+            no_nixl = engine.backend == "nixl" and info.get("nixl-cu13") == "not installed"
+            if no_nixl and args.device != "cpu":
+                continue
+            rows += run_engine(engine, setup, receiver_device, args.repeats, args.engine_timeout)
+    table = markdown(info, rows, pd)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kv_staging.md").write_text(table)
+    raw = {"info": info, "pd": [asdict(c) for c in pd], "rows": [asdict(r) for r in rows]}
+    (args.out / "kv_staging.json").write_text(json.dumps(raw, indent=1))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
