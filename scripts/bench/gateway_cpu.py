@@ -104,7 +104,7 @@ class Row:
 
     @property
     def us_per_token(self) -> float:
-        return self.cpu_s / self.tokens * 1e6
+        return self.cpu_s / self.tokens * 1e6 if self.tokens else float("nan")
 
     @property
     def tokens_s(self) -> float:
@@ -162,11 +162,13 @@ async def _client(port: int, request: bytes, streams: int, until: float) -> tupl
 
     async def stream() -> None:
         nonlocal tokens, requests, frames
-        while time.monotonic() < until:
+        while True:  # at least one request: a client may start late on a busy host
             got, framed = await _one_request(port, request)
             tokens += got
             frames += framed
             requests += 1
+            if time.monotonic() >= until:
+                break
 
     await asyncio.gather(*(stream() for _ in range(streams)))
     return tokens, requests, frames
