@@ -16,7 +16,9 @@ advances over the chosen token in `observe`. Rows without one skip this entirely
 Greedy rows (`SamplingParams.is_greedy`) take `argmax` of the penalised logits, so with no
 penalties they are exactly `torch.argmax` of the raw logits, ties included. When every row of the
 batch is greedy and none has a penalty, the whole batch is one `argmax` and nothing is copied:
-that is the common serving path.
+that is the common serving path. On the CPU that argmax is numpy's (`row_argmax`): the same
+index, first of ties included, about 4x faster than torch's at a [256, 49152] batch, where
+torch's took half a tiny model's host time per decode step.
 
 Reproducibility: the random numbers of a request's draw are a function of its seed and of the
 position of the token being drawn (its index in prompt + output) alone: before each draw the
@@ -305,7 +307,18 @@ def sample_tokens(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> t
     _check_batch(logits, samplers)
     if any(s.needs_processing for s in samplers):
         return _sample_processed(logits, samplers)
-    return logits.argmax(dim=-1)
+    return row_argmax(logits)
+
+
+def row_argmax(values: torch.Tensor) -> torch.Tensor:
+    """`values.argmax(dim=-1)` of a [B, V] tensor; on the CPU computed by numpy's vectorised
+    argmax (same result, ties to the first index and a NaN winning as in torch)."""
+    if values.device.type == "cpu" and values.dtype in _NUMPY_ARGMAX:
+        return torch.from_numpy(values.detach().numpy().argmax(axis=-1))
+    return values.argmax(dim=-1)
+
+
+_NUMPY_ARGMAX = (torch.float32, torch.float64)
 
 
 def _check_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> None:
@@ -336,7 +349,7 @@ def _sample_processed(logits: torch.Tensor, samplers: Sequence[RequestSampler]) 
     for row, sampler in enumerate(samplers):
         if sampler.has_penalties:
             sampler.apply_penalties(logits[row])
-    chosen = logits.argmax(dim=-1)
+    chosen = row_argmax(logits)
     sampled_rows = [row for row, s in enumerate(samplers) if not s.params.is_greedy]
     if sampled_rows:
         index = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
@@ -357,7 +370,7 @@ def _sample_rows(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> to
         sampler.fill_noise(noise[row])
     # CPU exponential_ can return exactly 0, and 0/0 = nan would win argmax on a masked token.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+    return row_argmax(probs.div_(noise))
 
 
 def _warp_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

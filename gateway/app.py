@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bootstrap.client import BootstrapClient
 from gateway.body import parse_body
@@ -102,7 +102,7 @@ class EventStream(Response):
         self.trace = trace
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        pump = asyncio.ensure_future(self._pump(send))
+        pump = asyncio.ensure_future(self._pump(send, scope.get(SERVER_SEND, send)))
         watch = asyncio.ensure_future(_disconnected(receive))
         try:
             await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -114,15 +114,35 @@ class EventStream(Response):
         if not pump.cancelled() and pump.exception() is not None:
             logger.error("stream failed", exc_info=pump.exception())
 
-    async def _pump(self, send: Send) -> None:
+    async def _pump(self, send: Send, body_send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         async with contextlib.aclosing(self.frames) as frames:
             async for frame in frames:
                 if frame == DONE and self.trace and (timeline := self.trace.slowest()):
                     comment = f": {TIMING_HEADER}: {timeline.server_timing()}\n\n".encode()
-                    await send({"type": "http.response.body", "body": comment, "more_body": True})
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
+                    await body_send({"type": "http.response.body", "body": comment,
+                                     "more_body": True})  # fmt: skip
+                await body_send({"type": "http.response.body", "body": frame, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+SERVER_SEND = "pdserve.server_send"
+
+
+def with_server_send(app: ASGIApp) -> ASGIApp:
+    """`app` with the server's own ASGI `send` in each request's scope (`SERVER_SEND`).
+
+    Starlette wraps `send` twice on its way to a route (its error middleware and the route's
+    exception handling, each a coroutine that only notes whether the response started); a
+    stream's start and end go through those wrappers, but its body frames, one per token, go
+    straight to the server's `send`.
+    """
+
+    async def app_with_server_send(scope: Scope, receive: Receive, send: Send) -> None:
+        scope[SERVER_SEND] = send
+        await app(scope, receive, send)
+
+    return app_with_server_send
 
 
 class Gateway:

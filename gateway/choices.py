@@ -44,7 +44,7 @@ class ChoiceEnd:
     prompt_logprobs: Sequence[node_pb2.TokenLogprobs] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per streamed frame: a frozen dataclass's __init__ costs ~4x more
 class ChoiceEvent:
     index: int
     text: str

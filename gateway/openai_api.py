@@ -29,7 +29,7 @@ from gateway.config import LimitsConfig, ModelInfo
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, bad_request
 from gateway.protocol import SamplingOptions, parse_chat, parse_completion
-from gateway.sse import DONE, ChunkFrames, sse
+from gateway.sse import DONE, ChunkFrames, TextFrames, sse
 from gateway.text import TextCodec
 from gateway.tokenize import PromptEncoder, prompt_too_long
 from gateway.tools import ToolSpec, tool_parser
@@ -82,6 +82,16 @@ def grammar_refusal(sampling: SamplingOptions) -> Iterator[None]:
             raise
         reason = exc.message.split(marker, 1)[1]
         raise bad_request(param, f"`{param}` is not a valid {grammar.kind}: {reason}") from None
+
+
+def _completion_text(index: int, text: str) -> dict[str, Any]:
+    """A completion chunk's choice that carries only text."""
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+
+
+def _chat_text(index: int, text: str) -> dict[str, Any]:
+    """A chat chunk's choice that carries only content."""
+    return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
 
 
 class PrimedEvents:
@@ -251,13 +261,16 @@ class OpenAIHandlers(APIHandlers):
     ) -> AsyncGenerator[bytes, None]:
         header = self._header(rid, "text_completion")
         frames = ChunkFrames.for_header(header)
+        texts = TextFrames(frames, _completion_text)
         state = StreamState()
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
                     if event.end is not None:
                         state.ends.append(event.end)
-                    elif not event.text and not event.logprobs:
+                    elif not event.logprobs:
+                        if event.text:
+                            yield texts.frame(event.index, event.text)
                         continue
                     logprobs = None
                     if event.logprobs:
@@ -295,6 +308,7 @@ class OpenAIHandlers(APIHandlers):
         if include_usage:
             header["usage"] = None
         frames = ChunkFrames.for_header(header)
+        texts = TextFrames(frames, _chat_text)
         ends = []
         for index in range(n):
             delta = {"role": "assistant", "content": ""}
@@ -306,7 +320,9 @@ class OpenAIHandlers(APIHandlers):
                 async for event in events:
                     if event.end is not None:
                         ends.append(event.end)
-                    elif not event.text and not event.logprobs:
+                    elif not event.logprobs:
+                        if event.text:
+                            yield texts.frame(event.index, event.text)
                         continue
                     logprobs = None
                     if event.logprobs:

@@ -53,7 +53,8 @@ def new_room() -> int:
 class PDResult:
     room: int
     token_ids: list[int] = field(default_factory=list)
-    chunk_times: list[float] = field(default_factory=list)  # monotonic arrival of each chunk
+    first_chunk_at: float = 0.0  # monotonic arrival of the first chunk (0: none yet)
+    last_chunk_at: float = 0.0  # ... and of the latest
     sent_at: float = 0.0
     finished_at: float = 0.0  # monotonic arrival of the decode node's Finished
     finished: node_pb2.Finished | None = None
@@ -63,11 +64,11 @@ class PDResult:
 
     @property
     def ttft_s(self) -> float:
-        return self.chunk_times[0] - self.sent_at if self.chunk_times else float("nan")
+        return self.first_chunk_at - self.sent_at if self.first_chunk_at else float("nan")
 
     @property
     def e2e_s(self) -> float:
-        return self.chunk_times[-1] - self.sent_at if self.chunk_times else float("nan")
+        return self.last_chunk_at - self.sent_at if self.last_chunk_at else float("nan")
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,10 @@ class PDStream:
         )
         self._cancelled_decode = False
 
-    def __aiter__(self) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
+    def __aiter__(self) -> AsyncGenerator[Response, None]:
         return self._responses()
 
-    async def _responses(self) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
+    async def _responses(self) -> AsyncGenerator[Response, None]:
         result = self.result
         result.sent_at = time.monotonic()
         call = GenerateMux.for_stub(self.decode.stub).open(self._generate)
@@ -139,7 +140,8 @@ class PDStream:
             async for response in call:
                 if response.HasField("chunk"):
                     result.token_ids.extend(response.chunk.token_ids)
-                    result.chunk_times.append(time.monotonic())
+                    result.last_chunk_at = time.monotonic()
+                    result.first_chunk_at = result.first_chunk_at or result.last_chunk_at
                 else:
                     result.finished = response.finished
                     result.finished_at = time.monotonic()
@@ -175,7 +177,61 @@ class _Cancelled:
     """Queued to a `MuxedCall` by its own `cancel`."""
 
 
-_Item: TypeAlias = "node_pb2.RequestDelta | grpc.aio.AioRpcError | _Cancelled"
+_End: TypeAlias = "node_pb2.RequestDelta | grpc.aio.AioRpcError | _Cancelled"
+# What a call yields: a `RequestDelta` that carries only a chunk is handed on as it is (it reads
+# as a `GenerateResponse` with a chunk: `HasField("chunk")`, `.chunk`), without a copy per token.
+Response: TypeAlias = "node_pb2.GenerateResponse | node_pb2.RequestDelta"
+
+
+class RequestInbox:
+    """One request's deltas from the mux's reader, and a wake-up for its consumer.
+
+    The reader sorts each delta once: one that only brings tokens goes to `chunks`; the last
+    word (a delta with `finished` or `error`, the call's failure, or a cancel) to `end`, which
+    the consumer reads after the chunks before it. Lighter than an `asyncio.Queue`, and the
+    consumer takes every chunk that arrived since it last looked in one go: when it falls
+    behind, the tokens of several steps travel on as one chunk (as a decode node merges them
+    when its gateway reads slowly, engine/node/multiplex.py) instead of one frame each.
+    """
+
+    __slots__ = ("_loop", "_waiter", "chunks", "end")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.chunks: list[node_pb2.RequestDelta] = []
+        self.end: _End | None = None
+        self._loop = loop
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, delta: node_pb2.RequestDelta) -> None:
+        self.chunks.append(delta)
+        self._wake()
+
+    def close(self, end: _End) -> None:
+        """The request's last item; a later one (a cancel after the end came) is ignored."""
+        if self.end is None:
+            self.end = end
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> node_pb2.RequestDelta | None:
+        """The tokens that came since the last call as one delta; None once only `end` is left."""
+        while not self.chunks and self.end is None:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        chunks, self.chunks = self.chunks, []
+        if not chunks:
+            return None
+        first = chunks[0]
+        for later in chunks[1:]:
+            first.MergeFrom(later)  # token ids and logprobs appended in order
+        return first
 
 
 class GenerateMux:
@@ -194,7 +250,7 @@ class GenerateMux:
         self.supported = True  # False once the node answered UNIMPLEMENTED
         self._loop = asyncio.get_running_loop()
         self._outbox: asyncio.Queue[node_pb2.StreamRequest] | None = None
-        self._requests: dict[str, asyncio.Queue[_Item]] = {}
+        self._requests: dict[str, RequestInbox] = {}
         self._reader: asyncio.Task[None] | None = None
 
     @classmethod
@@ -209,7 +265,7 @@ class GenerateMux:
         responses, as a `Generate` call's."""
         if not self.supported:
             return MuxedCall(self, request, None)
-        inbox: asyncio.Queue[_Item] = asyncio.Queue()
+        inbox = RequestInbox(self._loop)
         self._requests[request.rid] = inbox
         self._send(node_pb2.StreamRequest(open=request))
         return MuxedCall(self, request, inbox)
@@ -231,15 +287,19 @@ class GenerateMux:
         outbox: asyncio.Queue[node_pb2.StreamRequest],
     ) -> None:
         error: grpc.aio.AioRpcError
+        requests = self._requests
         try:
             async for batch in call:
+                requests = self._requests
                 for delta in batch.deltas:
-                    inbox = self._requests.get(delta.rid)
+                    inbox = requests.get(delta.rid)
                     if inbox is None:
                         continue  # cancelled meanwhile
                     if delta.HasField("finished") or delta.HasField("error"):
-                        del self._requests[delta.rid]
-                    inbox.put_nowait(delta)
+                        del requests[delta.rid]
+                        inbox.close(delta)
+                    else:
+                        inbox.put(delta)
             error = _rpc_error(
                 grpc.StatusCode.UNAVAILABLE, "the node ended the GenerateStream call"
             )
@@ -250,17 +310,18 @@ class GenerateMux:
         self.supported = error.code() != grpc.StatusCode.UNIMPLEMENTED
         failed, self._requests = self._requests, {}
         for inbox in failed.values():
-            inbox.put_nowait(error)
+            inbox.close(error)
 
 
 class MuxedCall:
-    """One request on a `GenerateMux`: iterate for its `GenerateResponse`s; `cancel` aborts it."""
+    """One request on a `GenerateMux`: iterate for its responses (`Response`); `cancel` aborts
+    it. Leaving the iteration before the end cancels it too."""
 
     def __init__(
         self,
         mux: GenerateMux,
         request: node_pb2.GenerateRequest,
-        inbox: asyncio.Queue[_Item] | None,
+        inbox: RequestInbox | None,
     ) -> None:
         self.mux = mux
         self.request = request
@@ -276,43 +337,47 @@ class MuxedCall:
             self._fallback.cancel()
         elif self._inbox is not None:
             self.mux.cancel(self.request.rid)
-            self._inbox.put_nowait(_Cancelled())
+            self._inbox.close(_Cancelled())
 
-    def __aiter__(self) -> AsyncIterator[node_pb2.GenerateResponse]:
+    def __aiter__(self) -> AsyncIterator[Response]:
         return self._responses()
 
-    async def _responses(self) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
+    async def _responses(self) -> AsyncGenerator[Response, None]:
         try:
-            async for response in self._receive():
-                yield response
+            if self._inbox is None:
+                async for response in self._generate():
+                    yield response
+                return
+            inbox = self._inbox
+            while True:
+                delta = await inbox.take()
+                if delta is not None:
+                    yield delta
+                elif inbox.end is not None:
+                    async for response in self._ended(inbox.end):
+                        yield response
+                    return
         finally:
             self.cancel()  # the consumer left before the end (a no-op after it)
 
-    async def _receive(self) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
-        if self._inbox is None:
-            async for response in self._generate():
-                yield response
-            return
-        while True:
-            item = await self._inbox.get()
-            if isinstance(item, _Cancelled):
-                raise asyncio.CancelledError
-            if isinstance(item, grpc.aio.AioRpcError):
-                if item.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older node: no mux
-                    async for response in self._generate():
-                        yield response
-                    return
-                self._done = True
-                raise item
-            if item.HasField("error"):
-                self._done = True
-                raise _rpc_error(grpc.StatusCode(_STATUS[item.error.code]), item.error.message)
-            if item.HasField("chunk"):
-                yield node_pb2.GenerateResponse(chunk=item.chunk)
-            if item.HasField("finished"):
-                self._done = True
-                yield node_pb2.GenerateResponse(finished=item.finished)
+    async def _ended(self, end: _End) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
+        """The responses of the request's last word: its last tokens and `Finished`, or the
+        error it failed with."""
+        if isinstance(end, _Cancelled):
+            raise asyncio.CancelledError
+        if isinstance(end, grpc.aio.AioRpcError):
+            if end.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older node: no mux
+                async for response in self._generate():
+                    yield response
                 return
+            self._done = True
+            raise end
+        self._done = True
+        if end.HasField("error"):
+            raise _rpc_error(grpc.StatusCode(_STATUS[end.error.code]), end.error.message)
+        if end.HasField("chunk"):
+            yield node_pb2.GenerateResponse(chunk=end.chunk)
+        yield node_pb2.GenerateResponse(finished=end.finished)
 
     async def _generate(self) -> AsyncGenerator[node_pb2.GenerateResponse, None]:
         self._fallback = self.mux.stub.Generate(self.request)

@@ -296,7 +296,7 @@ def serve(
     server started at all."""
     import uvicorn
 
-    from gateway.app import Gateway, build_app
+    from gateway.app import Gateway, build_app, with_server_send
     from gateway.connections import guarded_protocol
 
     gateway = Gateway(config, codec, multiprocess_dir)
@@ -335,7 +335,7 @@ def serve(
     logger.info("%s", config.limits.defaults.describe())
     server = Server(
         uvicorn.Config(
-            app,
+            with_server_send(app),
             host=config.host,
             port=config.port,
             loop="uvloop",

@@ -32,6 +32,7 @@ class TextCodec:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._token_text: dict[int, str] = {}
+        self._decoded_alone: dict[int, str] = {}  # decode([id]); at most the vocabulary
         self._backend_decode = _backend_decoder(tokenizer)
         # No token covers more characters than this (None: unknown); gateway/tokenize.py.
         self.max_token_chars = _max_token_chars(tokenizer)
@@ -83,9 +84,21 @@ class TextCodec:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
+        if len(ids) == 1:  # the streaming detokenizer's window after every one-token event
+            return self._one_token(ids[0])
         if self._backend_decode is not None:
             return self._backend_decode(list(ids), skip_special_tokens=True)
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _one_token(self, token_id: int) -> str:
+        text = self._decoded_alone.get(token_id)
+        if text is None:
+            if self._backend_decode is not None:
+                text = self._backend_decode([token_id], skip_special_tokens=True)
+            else:
+                text = str(self.tokenizer.decode([token_id], skip_special_tokens=True))
+            self._decoded_alone[token_id] = text
+        return text
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as logprobs show it."""

@@ -18,7 +18,8 @@ import orjson
 import pytest
 
 from gateway.choices import ChoiceEvent, ChoiceJob, choice_events
-from gateway.sse import ChunkFrames, sse
+from gateway.pd_client import RequestInbox
+from gateway.sse import ChunkFrames, TextFrames, sse
 from gateway.text import TextCodec
 from proto import node_pb2
 
@@ -117,3 +118,61 @@ def test_chunk_frames_equal_whole_objects() -> None:
     assert orjson.loads(frame[len(b"data: ") : -2]) == {**header, "choices": [choice]}
     with pytest.raises(ValueError, match="without `choices`"):
         ChunkFrames.for_header({"choices": []})
+
+
+def test_streamed_text_is_the_whole_decode(codec: TextCodec) -> None:
+    """Streamed deltas (one-token windows decoded from the codec's cache) concatenate to what
+    the tokenizer itself decodes from all the ids at once."""
+    rng = random.Random(11)
+    for _ in range(40):
+        chunks = _random_chunks(rng, codec.vocab_size)
+        events = _events(codec, chunks, [], 1)
+        ids = [t for chunk in chunks for t in chunk]
+        whole = codec.tokenizer.decode(ids, skip_special_tokens=True)
+        assert "".join(e.text for e in events) == whole, chunks
+
+
+@pytest.mark.parametrize("text", ["", "a", 'caf\u00e9 "q"\n\\', "\u2713\ufffd", "</s>"])
+def test_text_frames_equal_whole_objects(text: str) -> None:
+    header = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5, "model": "m"}
+    frames = ChunkFrames.for_header(header)
+
+    def chat(index: int, content: str) -> dict[str, object]:
+        return {"index": index, "delta": {"content": content}, "logprobs": None,
+                "finish_reason": None}  # fmt: skip
+
+    texts = TextFrames(frames, chat)
+    for index in (0, 3, 0):
+        assert texts.frame(index, text) == frames.choice(chat(index, text))
+
+
+def _delta(rid: str, ids: list[int], finished: bool = False) -> node_pb2.RequestDelta:
+    delta = node_pb2.RequestDelta(rid=rid, chunk=node_pb2.TokenChunk(token_ids=ids))
+    if finished:
+        delta.finished.CopyFrom(node_pb2.Finished(finish_reason="length"))
+    return delta
+
+
+def test_inbox_merges_what_came_since_the_last_take() -> None:
+    async def run() -> None:
+        inbox = RequestInbox(asyncio.get_running_loop())
+        inbox.put(_delta("r", [1]))
+        first = await inbox.take()
+        assert first is not None and list(first.chunk.token_ids) == [1]
+        for ids in ([2], [3, 4], [5]):  # the consumer fell behind: one delta for three steps
+            inbox.put(_delta("r", ids))
+        merged = await inbox.take()
+        assert merged is not None and list(merged.chunk.token_ids) == [2, 3, 4, 5]
+        end = _delta("r", [6], finished=True)
+        inbox.close(end)
+        inbox.close(_delta("r", [7]))  # a later last word (a cancel after the end) is ignored
+        assert await inbox.take() is None and inbox.end is end
+        # a consumer waiting for tokens wakes up for the next ones
+        later = RequestInbox(asyncio.get_running_loop())
+        waiting = asyncio.ensure_future(asyncio.wait_for(later.take(), 5))
+        await asyncio.sleep(0)
+        later.put(_delta("q", [8]))
+        woke = await waiting
+        assert woke is not None and list(woke.chunk.token_ids) == [8]
+
+    asyncio.run(run())

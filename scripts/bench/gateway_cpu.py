@@ -1,15 +1,17 @@
 """Gateway CPU per streamed token and tokens/s per worker, with the gateway as the bottleneck.
 
-The token source is a fake node (`fake-node` below): a process that speaks the real node gRPC
-protocol and registers with a real bootstrap-server, so the gateway discovers it as it
+The token source is a fake node (scripts/bench/fake_node.py): a process that speaks the real
+node gRPC protocol and registers with a real bootstrap-server, so the gateway discovers it as it
 discovers any node. It runs no model. On `Node.GenerateStream` (what the gateway uses) it
-answers as a decode node does: one `StreamBatch` per "step" with one token for every request
-open on the call, as fast as the stream takes them; with `--per-request-streams` it offers only
-`Node.Generate` (one `TokenChunk` message per token per request, serialized once at start), as
-nodes did before the per-step stream. Several client processes (raw HTTP/1.1 over asyncio
-streams, no JSON parsing: they only look for the usage object at the end) keep many streams
-open: `POST /v1/completions`, `stream: true`, `ignore_eos`, a fixed number of tokens per
-request.
+answers as a decode node does: one `StreamBatch` per step with a token for every request open
+on the call; by default a step whenever the stream takes the previous batch (the gateway is the
+bottleneck), with `--step-ms S` one step every S ms, tokens of steps not sent yet merging into
+the pending deltas as a decode node merges them (does a gateway keep up with a node that fast?).
+With `--per-request-streams` it offers only `Node.Generate` (one `TokenChunk` message per token
+per request), as nodes did before the per-step stream. Several client processes (raw HTTP/1.1
+over asyncio streams, no JSON parsing: they count `data:` frames and read the usage object at
+the end) keep many streams open: `POST /v1/completions`, `stream: true`, `ignore_eos`, a fixed
+number of tokens per request.
 
 For each (workers, stream interval) a fresh `gateway-server --workers W --stream-interval K`
 serves the load for `--duration` seconds (each stream then finishes its request). The gateway's
@@ -17,8 +19,9 @@ CPU is read from /proc (utime + stime of every process of its session: the super
 workers, all threads) before and after; tokens are the completion tokens of the finished
 requests. Printed per row: gateway CPU us per streamed token, tokens/s in all and per worker,
 how busy the workers were (CPU s per wall s per worker: near 1.0 means the gateway was the
-bottleneck), and the ratios to the goals: <= 25 us per token, >= 40k tokens/s for one worker,
-N workers >= 0.8 * N times one.
+bottleneck), tokens per SSE frame (1.0 at stream interval 1 while the gateway keeps up; more
+when a slow gateway or the node merged steps), and the ratios to the goals: <= 25 us per token,
+>= 40k tokens/s for one worker, N workers >= 0.8 * N times one.
 
     python -m scripts.bench.gateway_cpu [--workers 1,2] [--intervals 1,8] [--duration 10]
 """
@@ -32,6 +35,7 @@ import json
 import multiprocessing
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +44,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from pathlib import Path
-from typing import Any
 
 from engine.ports import LOCALHOST, free_port
 from gateway.launcher import (
@@ -72,7 +75,10 @@ class BenchConfig:
     streams: int  # open streams per client process
     tokens: int  # per request
     tokens_per_message: int  # of the fake node (a decode node sends 1 per step)
+    step_ms: float  # of the fake node; 0: a step whenever the stream takes the last one
     per_request_streams: bool  # the fake node offers Generate only (no per-step stream)
+    load_tool: str  # "raw": this script's clients; "bench_serving": scripts/serving/bench_serving
+    waves: int  # bench_serving: requests per concurrency slot
     fake_nodes: int
     model: str | None
     log_dir: Path
@@ -90,165 +96,28 @@ class Row:
     interval: int
     tokens: int
     requests: int
+    frames: int  # SSE `data:` frames with tokens (not the usage chunk or [DONE])
     wall_s: float
     cpu_s: float
     node_cpu_s: float  # the fake nodes' (the token source must not be the bottleneck)
+    client_busy: float = float("nan")  # the busiest client process's CPU s per wall s
 
     @property
     def us_per_token(self) -> float:
-        return self.cpu_s / self.tokens * 1e6
+        return self.cpu_s / self.tokens * 1e6 if self.tokens else float("nan")
 
     @property
     def tokens_s(self) -> float:
         return self.tokens / self.wall_s
 
     @property
+    def tokens_per_frame(self) -> float:
+        return self.tokens / self.frames if self.frames else float("nan")
+
+    @property
     def busy(self) -> float:
         """Gateway CPU seconds per wall second per worker."""
         return self.cpu_s / self.wall_s / self.workers
-
-
-# ---- the fake node ----------------------------------------------------------------------------
-def fake_node_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="gateway_cpu fake-node")
-    parser.add_argument("--bootstrap", required=True)
-    parser.add_argument("--token-ids", required=True, help="comma-separated ids to cycle through")
-    parser.add_argument("--host", default=LOCALHOST)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--tokens-per-message", type=int, default=1)
-    parser.add_argument("--per-request-streams", action="store_true")
-    args = parser.parse_args(argv)
-    ids = [int(t) for t in args.token_ids.split(",")]
-    address = f"{args.host}:{args.port}"
-    batched = not args.per_request_streams
-    asyncio.run(_serve_fake_node(args.bootstrap, address, ids, args.tokens_per_message, batched))
-    return 0
-
-
-async def _serve_fake_node(
-    bootstrap: str, address: str, token_ids: list[int], per_message: int, batched: bool
-) -> None:
-    import grpc
-
-    from bootstrap.client import BootstrapClient, NodeSession
-    from proto import bootstrap_pb2, node_pb2
-
-    def message(start: int, count: int) -> bytes:
-        ids = [token_ids[(start + j) % len(token_ids)] for j in range(count)]
-        return node_pb2.GenerateResponse(
-            chunk=node_pb2.TokenChunk(token_ids=ids)
-        ).SerializeToString()
-
-    full = [message(start, per_message) for start in range(len(token_ids))]  # by first token
-    running = 0
-    session: NodeSession | None = None
-
-    async def generate(request: node_pb2.GenerateRequest, context: object) -> object:
-        nonlocal running
-        wanted = request.sampling.max_new_tokens
-        running += 1
-        try:
-            for sent in range(0, wanted - per_message + 1, per_message):
-                yield full[sent % len(token_ids)]
-            if rest := wanted % per_message:
-                yield message(wanted - rest, rest)
-            usage = node_pb2.Usage(prompt_tokens=len(request.input_ids), completion_tokens=wanted)
-            finished = node_pb2.Finished(finish_reason="length", usage=usage)
-            yield node_pb2.GenerateResponse(finished=finished).SerializeToString()
-        finally:
-            running -= 1
-
-    async def generate_stream(requests: Any, context: object) -> object:
-        """One StreamBatch per step: a token (or `per_message`) for every open request."""
-        nonlocal running
-        open_: dict[str, list[int]] = {}  # rid -> [tokens wanted, sent, prompt tokens]
-        done = asyncio.Event()
-
-        async def read() -> None:
-            async for msg in requests:
-                if msg.HasField("open"):
-                    req = msg.open
-                    open_[req.rid] = [req.sampling.max_new_tokens, 0, len(req.input_ids)]
-                else:
-                    open_.pop(msg.cancel_rid, None)
-            done.set()
-
-        reader = asyncio.create_task(read())
-        try:
-            while not (done.is_set() and not open_):
-                if not open_:
-                    await asyncio.sleep(0.001)
-                    continue
-                running = len(open_)
-                deltas = []
-                for rid, state in list(open_.items()):
-                    wanted, sent, prompt = state
-                    count = min(per_message, wanted - sent)
-                    ids = [token_ids[(sent + j) % len(token_ids)] for j in range(count)]
-                    delta = node_pb2.RequestDelta(rid=rid, chunk=node_pb2.TokenChunk(token_ids=ids))
-                    state[1] += count
-                    if state[1] >= wanted:
-                        usage = node_pb2.Usage(prompt_tokens=prompt, completion_tokens=wanted)
-                        delta.finished.CopyFrom(
-                            node_pb2.Finished(finish_reason="length", usage=usage)
-                        )
-                        del open_[rid]
-                    deltas.append(delta)
-                yield node_pb2.StreamBatch(deltas=deltas).SerializeToString()
-        finally:
-            reader.cancel()
-            running = 0
-
-    async def health(request: node_pb2.HealthRequest, context: object) -> node_pb2.HealthResponse:
-        node_id = session.node_id if session is not None else ""
-        return node_pb2.HealthResponse(ok=True, role="colocated", model="fake", node_id=node_id)
-
-    async def load(request: node_pb2.GetLoadRequest, context: object) -> node_pb2.LoadResponse:
-        return node_pb2.LoadResponse(running_requests=running)
-
-    async def abort(request: node_pb2.AbortRequest, context: object) -> node_pb2.AbortResponse:
-        return node_pb2.AbortResponse(found=False)
-
-    def unary(behaviour: object, request_type: Any) -> grpc.RpcMethodHandler:
-        return grpc.unary_unary_rpc_method_handler(
-            behaviour,
-            request_deserializer=request_type.FromString,
-            response_serializer=lambda m: m.SerializeToString(),
-        )
-
-    handlers = {
-        # Responses of Generate are bytes already: no serializer.
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            generate, request_deserializer=node_pb2.GenerateRequest.FromString
-        ),
-        **(
-            {
-                "GenerateStream": grpc.stream_stream_rpc_method_handler(
-                    generate_stream, request_deserializer=node_pb2.StreamRequest.FromString
-                )
-            }
-            if batched
-            else {}
-        ),
-        "Health": unary(health, node_pb2.HealthRequest),
-        "GetLoad": unary(load, node_pb2.GetLoadRequest),
-        "Abort": unary(abort, node_pb2.AbortRequest),
-    }
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers(
-        [grpc.method_handlers_generic_handler("pdserve.node.Node", handlers)]
-    )
-    server.add_insecure_port(address)
-    await server.start()
-    info = bootstrap_pb2.NodeInfo(
-        role=bootstrap_pb2.COLOCATED, grpc_address=address, transfer_backend="mooncake"
-    )
-    client = BootstrapClient(bootstrap)
-    session = NodeSession(
-        client, info, load=lambda: bootstrap_pb2.NodeLoad(running_requests=running)
-    )
-    await session.start()
-    await server.wait_for_termination()
 
 
 # ---- the clients ------------------------------------------------------------------------------
@@ -262,38 +131,51 @@ def _request_bytes(port: int, body: dict[str, object]) -> bytes:
     return head.encode() + payload
 
 
-async def _one_request(port: int, request: bytes) -> int:
-    """Send one streaming request; its completion tokens (from the usage chunk)."""
+_FRAME = b"data: "
+_NOT_TOKEN_FRAMES = 2  # the usage chunk and [DONE]
+
+
+async def _one_request(port: int, request: bytes) -> tuple[int, int]:
+    """Send one streaming request; its completion tokens (from the usage chunk) and the number
+    of frames that carried them."""
     reader, writer = await asyncio.open_connection(LOCALHOST, port)
+    frames = 0
     try:
         writer.write(request)
         head = tail = await reader.read(1 << 16)
+        frames = head.count(_FRAME)
         while piece := await reader.read(1 << 16):
+            # a frame marker split over two reads is counted once: the 5 bytes before a piece
+            # cannot hold a whole marker
+            frames += (tail[-5:] + piece).count(_FRAME)
             tail = (tail + piece)[-4096:]
     finally:
         writer.close()
     if not head.startswith(b"HTTP/1.1 200") or b"data: [DONE]" not in tail:
         raise RuntimeError(f"a stream failed: {head[:300]!r} ... {tail[-300:]!r}")
     found = _USAGE.findall(tail)
-    return int(found[-1]) if found else 0
+    return (int(found[-1]) if found else 0), frames - _NOT_TOKEN_FRAMES
 
 
-async def _client(port: int, request: bytes, streams: int, until: float) -> tuple[int, int]:
-    tokens = requests = 0
+async def _client(port: int, request: bytes, streams: int, until: float) -> tuple[int, ...]:
+    tokens = requests = frames = 0
 
     async def stream() -> None:
-        nonlocal tokens, requests
-        while time.monotonic() < until:
-            got = await _one_request(port, request)  # not `tokens += await`: it reads first
+        nonlocal tokens, requests, frames
+        while True:  # at least one request: a client may start late on a busy host
+            got, framed = await _one_request(port, request)
             tokens += got
+            frames += framed
             requests += 1
+            if time.monotonic() >= until:
+                break
 
     await asyncio.gather(*(stream() for _ in range(streams)))
-    return tokens, requests
+    return tokens, requests, frames
 
 
 def _client_main(
-    port: int, request: bytes, streams: int, until: float, results: Queue[tuple[int, int]]
+    port: int, request: bytes, streams: int, until: float, results: Queue[tuple[int, ...]]
 ) -> None:
     results.put(asyncio.run(_client(port, request, streams, until)))
 
@@ -358,8 +240,67 @@ def _load(
     request: bytes,
     row: tuple[int, int],
 ) -> Row:
+    if config.load_tool == "bench_serving":
+        return _bench_serving_load(config, source, gateway, port, row)
+    return _raw_load(config, source, gateway, port, request, row)
+
+
+def _bench_serving_load(
+    config: BenchConfig,
+    source: TokenSource,
+    gateway: ServerProcess,
+    port: int,
+    row: tuple[int, int],
+) -> Row:
+    """The load from `bench_serving --workers <clients>` (the project's load tool), with its
+    own CPU report: can it drive this many tokens/s, and does it say when it cannot?"""
+    out = config.log_dir / f"bench_serving-w{row[0]}-k{row[1]}.json"
+    concurrency = config.clients * config.streams
+    command = [sys.executable, "-m", "scripts.serving.bench_serving", "--no-progress"]
+    command += ["--base-url", f"http://{LOCALHOST}:{port}", "--dataset", "random"]
+    command += ["--random-input-len", "16", "--random-output-len", str(config.tokens)]
+    command += ["--random-range-ratio", "0", "--ignore-eos", "--workers", str(config.clients)]
+    command += ["--max-concurrency", str(concurrency), "--output-file", str(out)]
+    command += ["--num-prompts", str(concurrency * config.waves)]
+    pids, nodes = session_pids(gateway.pid), list(source.node_pids)
+    cpu_before, node_before = cpu_seconds(pids), cpu_seconds(nodes)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    cpu, node_cpu = cpu_seconds(pids) - cpu_before, cpu_seconds(nodes) - node_before
+    if done.returncode != 0:
+        raise RuntimeError(f"bench_serving failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    for line in done.stderr.splitlines():
+        if line.startswith("warning:"):
+            print(f"  bench_serving {line}", flush=True)
+    doc = json.loads(out.read_text())
+    summary = doc["summary"]
+    clients = [u for u in doc["cpu"] if u["name"].startswith("client")]
+    for u in clients:
+        lag = u.get("loop_lag_p99_ms") or 0.0
+        late = f"event loop {lag:.0f} ms late (p99)"
+        print(f"  {u['name']}: {u['core_fraction']:.0%} of a core, {late}", flush=True)
+    # bench_serving's duration is the load's own (its start-up is not in it)
+    return Row(
+        *row,
+        tokens=summary["output_tokens"],
+        requests=summary["completed"],
+        frames=0,
+        wall_s=summary["duration_s"],
+        cpu_s=cpu,
+        node_cpu_s=node_cpu,
+        client_busy=max((u["core_fraction"] for u in clients), default=float("nan")),
+    )
+
+
+def _raw_load(
+    config: BenchConfig,
+    source: TokenSource,
+    gateway: ServerProcess,
+    port: int,
+    request: bytes,
+    row: tuple[int, int],
+) -> Row:
     context = multiprocessing.get_context("spawn")
-    results: Queue[tuple[int, int]] = context.Queue()
+    results: Queue[tuple[int, ...]] = context.Queue()
     pids = session_pids(gateway.pid)
     nodes = list(source.node_pids)
     cpu_before, node_before = cpu_seconds(pids), cpu_seconds(nodes)
@@ -376,8 +317,8 @@ def _load(
     node_cpu = cpu_seconds(nodes) - node_before
     for client in clients:
         client.join()
-    tokens, requests = sum(t for t, _ in totals), sum(r for _, r in totals)
-    return Row(*row, tokens, requests, wall, cpu, node_cpu)
+    tokens, requests, frames = (sum(column) for column in zip(*totals, strict=True))
+    return Row(*row, tokens, requests, frames, wall, cpu, node_cpu)
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -400,9 +341,10 @@ def token_source(config: BenchConfig) -> Iterator[TokenSource]:
             running_node("bootstrap-server", [], config.log_dir / "bootstrap.log",
                          probe=bootstrap_ready)
         )  # fmt: skip
-        node = [sys.executable, "-m", "scripts.bench.gateway_cpu", "fake-node"]
+        node = [sys.executable, "-m", "scripts.bench.fake_node"]
         node += ["--bootstrap", bootstrap.address, "--token-ids", ids]
         node += ["--tokens-per-message", str(config.tokens_per_message)]
+        node += ["--step-ms", str(config.step_ms)]
         node += ["--per-request-streams"] if config.per_request_streams else []
         fakes = []
         for i in range(config.fake_nodes):
@@ -418,8 +360,9 @@ def table(rows: list[Row]) -> str:
     ones = {r.interval: r for r in rows if r.workers == 1}
     lines = [
         "| workers | stream interval | gateway CPU us/token | goal 25 us | tokens/s | "
-        "tokens/s per worker | vs 1 worker | goal 0.8 x N | workers busy | node busy | requests |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "tokens/s per worker | vs 1 worker | goal 0.8 x N | workers busy | node busy | "
+        "tokens / frame | busiest client | requests |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         one = ones.get(r.interval)
@@ -434,7 +377,7 @@ def table(rows: list[Row]) -> str:
             f"| {r.workers} | {r.interval} | {r.us_per_token:.1f} | "
             f"{GOAL_US_PER_TOKEN / r.us_per_token:.2f} | {r.tokens_s:,.0f} | {per_worker:,.0f} | "
             f"{scale:.2f}x | {goal_rate} | {r.busy:.2f} | {r.node_cpu_s / r.wall_s:.2f} | "
-            f"{r.requests} |"
+            f"{r.tokens_per_frame:.2f} | {r.client_busy:.2f} | {r.requests} |"
         )
     return "\n".join(lines)
 
@@ -455,10 +398,24 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         help="tokens per request per message of the fake node (a decode node sends 1 per step)",
     )
     parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="the fake node steps every this many ms (0: whenever the stream takes a batch)",
+    )
+    parser.add_argument(
         "--per-request-streams",
         action="store_true",
         help="the fake node offers only Generate, one gRPC stream per request (no GenerateStream)",
     )
+    parser.add_argument(
+        "--load-tool",
+        choices=("raw", "bench_serving"),
+        default="raw",
+        help="raw: this script's clients for --duration; bench_serving: `bench_serving "
+        "--workers <clients>` with <clients> x <streams> concurrent requests, --waves of them",
+    )
+    parser.add_argument("--waves", type=int, default=3, help="bench_serving: requests per slot")
     parser.add_argument("--model", default=None, help="tokenizer directory (default model)")
     parser.add_argument("--log-dir", type=Path, default=None, help="default: a temporary one")
     args = parser.parse_args(argv)
@@ -477,6 +434,9 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         streams=args.streams,
         tokens=args.tokens,
         tokens_per_message=args.tokens_per_message,
+        step_ms=args.step_ms,
+        load_tool=args.load_tool,
+        waves=args.waves,
         per_request_streams=args.per_request_streams,
         fake_nodes=args.fake_nodes,
         model=args.model,
@@ -486,8 +446,6 @@ def build_config(argv: list[str] | None) -> BenchConfig:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["fake-node"]:
-        return fake_node_main(argv[1:])
     config = build_config(argv)
     print(f"logs in {config.log_dir}; {os.cpu_count()} CPUs; {config}", flush=True)
     rows = []
@@ -497,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = measure(config, source, workers, interval)
                 print(
                     f"workers {workers} interval {interval}: {row.us_per_token:.1f} us/token, "
-                    f"{row.tokens_s:,.0f} tokens/s, busy {row.busy:.2f}",
+                    f"{row.tokens_s:,.0f} tokens/s, busy {row.busy:.2f}, "
+                    f"{row.tokens_per_frame:.2f} tokens/frame",
                     flush=True,
                 )
                 rows.append(row)

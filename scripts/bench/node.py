@@ -134,6 +134,11 @@ class OverheadResult:
     overhead_frac: float  # mean(step_s - forward_s) / mean(step_s)
     median_step_ms: float  # medians: robust to the stalls of a shared machine
     median_overhead_ms: float
+    # Thread CPU (time.thread_time) of the engine thread, medians per step: what another
+    # process's load does not add, unlike the wall times above.
+    cpu_step_ms: float = float("nan")
+    cpu_forward_ms: float = float("nan")
+    cpu_host_ms: float = float("nan")  # per step: step CPU - forward CPU
     profile: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -380,15 +385,44 @@ def build_decode_batch(cfg: BenchConfig, model_path: str) -> Any:
     return scheduler
 
 
-def decode_steps(scheduler: Any, steps: int, batch: int) -> list[Any]:
+def decode_steps(
+    scheduler: Any, steps: int, batch: int, cpu: list[tuple[float, float]] | None = None
+) -> list[Any]:
+    """`steps` pure decode steps; their stats. With `cpu`: (step, forward) thread CPU seconds
+    of each step appended to it."""
     stats = []
-    for _ in range(steps):
-        scheduler.step()
-        s = scheduler.last_stats
-        if s.num_decode_reqs != batch or s.num_prefill_reqs:
-            raise RuntimeError(f"expected a pure decode step of {batch} requests, got {s}")
-        stats.append(s)
+    runner = scheduler.runner
+    forward_cpu = 0.0
+    real_forward = runner.forward
+
+    def timed_forward(fwd_batch: Any) -> Any:
+        nonlocal forward_cpu
+        start = time.thread_time()
+        try:
+            return real_forward(fwd_batch)
+        finally:
+            forward_cpu += time.thread_time() - start
+
+    if cpu is not None:
+        runner.forward = timed_forward  # instance attribute shadows the method meanwhile
+    try:
+        for _ in range(steps):
+            forward_cpu = 0.0
+            start = time.thread_time()
+            scheduler.step()
+            if cpu is not None:
+                cpu.append((time.thread_time() - start, forward_cpu))
+            stats.append(_pure_decode(scheduler.last_stats, batch))
+    finally:
+        if cpu is not None:
+            del runner.forward
     return stats
+
+
+def _pure_decode(s: Any, batch: int) -> Any:
+    if s.num_decode_reqs != batch or s.num_prefill_reqs:
+        raise RuntimeError(f"expected a pure decode step of {batch} requests, got {s}")
+    return s
 
 
 def measure_overhead(cfg: BenchConfig, model_path: str) -> OverheadResult:
@@ -414,7 +448,8 @@ def _measure_overhead(cfg: BenchConfig, model_path: str) -> OverheadResult:
     )
     scheduler = build_decode_batch(cfg, model_path)
     decode_steps(scheduler, OVERHEAD_WARMUP_STEPS, cfg.overhead_batch)
-    stats = decode_steps(scheduler, cfg.overhead_steps, cfg.overhead_batch)
+    cpu: list[tuple[float, float]] = []
+    stats = decode_steps(scheduler, cfg.overhead_steps, cfg.overhead_batch, cpu)
     overheads = [s.step_s - s.forward_s for s in stats]
     mean_step = float(np.mean([s.step_s for s in stats]))
     result = OverheadResult(
@@ -426,6 +461,9 @@ def _measure_overhead(cfg: BenchConfig, model_path: str) -> OverheadResult:
         overhead_frac=float(np.mean(overheads)) / mean_step,
         median_step_ms=float(np.median([s.step_s for s in stats])) * 1e3,
         median_overhead_ms=float(np.median(overheads)) * 1e3,
+        cpu_step_ms=float(np.median([step for step, _ in cpu])) * 1e3,
+        cpu_forward_ms=float(np.median([forward for _, forward in cpu])) * 1e3,
+        cpu_host_ms=float(np.median([step - forward for step, forward in cpu])) * 1e3,
     )
     log(
         f"overhead: {result.overhead_frac:.1%} ({result.overhead_ms:.2f} ms of "
@@ -523,6 +561,12 @@ def format_overhead(o: OverheadResult) -> str:
         f"| {o.batch} | {o.steps} | {o.mean_step_ms:.2f} / {o.median_step_ms:.2f} "
         f"| {o.mean_forward_ms:.2f} | {o.overhead_ms:.2f} / {o.median_overhead_ms:.2f} "
         f"| {o.overhead_frac:.1%} / {median_frac:.1%} | {verdict} |",
+        "",
+        "Engine-thread CPU per decode step (medians; another process's load does not add to it):",
+        "",
+        "| step CPU ms | forward CPU ms | host CPU ms (step - forward) |",
+        "|---:|---:|---:|",
+        f"| {o.cpu_step_ms:.2f} | {o.cpu_forward_ms:.2f} | {o.cpu_host_ms:.2f} |",
     ]
     return "\n".join(lines)
 

@@ -1,0 +1,78 @@
+"""The pure parts of the gateway benchmarks (scripts/bench/fake_node.py, gateway_cpu.py,
+stream_path.py): what the fake node sends per step, and the figures the tables print."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proto import node_pb2
+from scripts.bench.fake_node import FakeNodeConfig, FakeRequest, StepSource
+from scripts.bench.fake_node import build_config as fake_node_config
+from scripts.bench.gateway_cpu import Row, build_config, table
+from scripts.bench.stream_path import _field_one
+
+
+def _source(per_message: int = 1) -> StepSource:
+    config = FakeNodeConfig("b:1", "a:2", (10, 11, 12), tokens_per_message=per_message)
+    return StepSource(config)
+
+
+def _batch(source: StepSource) -> dict[str, tuple[list[int], str]]:
+    batch = node_pb2.StreamBatch.FromString(source.batch())
+    return {
+        d.rid: (list(d.chunk.token_ids), d.finished.finish_reason if d.HasField("finished") else "")
+        for d in batch.deltas
+    }
+
+
+def test_fake_node_merges_steps_the_stream_did_not_take() -> None:
+    async def run() -> None:
+        source = _source()
+        source.open["a"] = FakeRequest(wanted=4, prompt_tokens=3)
+        source.open["b"] = FakeRequest(wanted=2, prompt_tokens=3)
+        source.step()
+        assert _batch(source) == {"a": ([10], ""), "b": ([10], "")}
+        source.step()
+        source.step()  # the call was busy: two steps' tokens go out together
+        assert _batch(source) == {"a": ([11, 12], ""), "b": ([11], "length")}
+        assert "b" not in source.open
+        assert _batch(source) == {}  # nothing new since the last batch
+        source.step()
+        source.step()  # past `wanted`: no more tokens
+        assert _batch(source) == {"a": ([10], "length")}
+
+    asyncio.run(run())
+
+
+def test_fake_node_flags() -> None:
+    config = fake_node_config(["--bootstrap", "h:1", "--port", "5", "--token-ids", "1,2"])
+    assert config.step_s == 0 and config.token_ids == (1, 2) and config.address.endswith(":5")
+    paced = fake_node_config(["--bootstrap", "h:1", "--port", "5", "--token-ids", "1", "--step-ms",
+                              "6.4"])  # fmt: skip
+    assert paced.step_s == pytest.approx(0.0064)
+    with pytest.raises(SystemExit):
+        fake_node_config(["--bootstrap", "h:1", "--port", "5", "--token-ids", "1", "--step-ms",
+                          "-1"])  # fmt: skip
+
+
+def test_gateway_cpu_rows_and_table() -> None:
+    one = Row(1, 1, tokens=40_000, requests=80, frames=20_000, wall_s=1.0, cpu_s=0.8,
+              node_cpu_s=0.2, client_busy=0.5)  # fmt: skip
+    two = Row(2, 1, tokens=72_000, requests=140, frames=72_000, wall_s=1.0, cpu_s=1.8,
+              node_cpu_s=0.3)  # fmt: skip
+    assert one.us_per_token == pytest.approx(20.0) and one.tokens_per_frame == 2.0
+    assert two.busy == pytest.approx(0.9)
+    lines = table([one, two]).splitlines()
+    assert lines[2].startswith("| 1 | 1 | 20.0 | 1.25 | 40,000 | 40,000 | 1.00x | 1.00 of 40k |")
+    assert "| 1.80x | 1.12 |" in lines[3]  # 1.8x for two workers against 0.8 x 2
+    assert build_config(["--load-tool", "bench_serving"]).load_tool == "bench_serving"
+    with pytest.raises(SystemExit):
+        build_config(["--workers", "0"])
+
+
+def test_in_process_node_wire_is_a_stream_batch() -> None:
+    delta = node_pb2.RequestDelta(rid="r" * 200, chunk=node_pb2.TokenChunk(token_ids=[1, 2]))
+    wire = _field_one(delta.SerializeToString()) * 2
+    assert node_pb2.StreamBatch.FromString(wire) == node_pb2.StreamBatch(deltas=[delta, delta])
