@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from engine.node.server import PING_POLICY
 from engine.ports import LOCALHOST
 
 
@@ -207,7 +208,7 @@ async def serve(config: FakeNodeConfig) -> None:
         handlers["GenerateStream"] = grpc.stream_stream_rpc_method_handler(
             generate_stream, request_deserializer=node_pb2.StreamRequest.FromString
         )
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=PING_POLICY)  # the gateway's keepalive pings, as a node
     server.add_generic_rpc_handlers(
         [grpc.method_handlers_generic_handler("pdserve.node.Node", handlers)]
     )
