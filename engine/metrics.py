@@ -44,8 +44,18 @@ class Throughput:
 class NodeMetrics:
     def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
-        info = Gauge("pdserve_node_info", "1, labelled with the node's role", ["role"], registry=r)
-        info.labels(role).set(1)
+        self.role = role
+        self.info = Gauge(
+            "pdserve_node_info", "1, labelled with the role the node serves now", ["role"],
+            registry=r,
+        )  # fmt: skip
+        self.info.labels(role).set(1)
+        self.role_switches = Counter(
+            "pdserve_node_role_switches", "role switches without a restart, by old and new role",
+            ["from", "to"], registry=r,
+        )  # fmt: skip
+        self._prefill: PrefillMetrics | None = None
+        self._decode: DecodeMetrics | None = None
         self.running = Gauge(
             "pdserve_node_running_requests", "requests in the running batch", registry=r
         )
@@ -97,6 +107,25 @@ class NodeMetrics:
             Gauge("pdserve_node_decode_throughput", "decode tokens/s", registry=r)
         )
         self._retractions_seen = 0
+
+    def switched_role(self, role: str) -> None:
+        """The node serves `role` now (engine/node/role_switch.py): count it, relabel the info."""
+        self.role_switches.labels(self.role, role).inc()
+        self.info.remove(self.role)
+        self.info.labels(role).set(1)
+        self.role = role
+
+    def prefill_role(self) -> PrefillMetrics:
+        """The prefill role's metrics on this registry, made once (a node may switch back)."""
+        if self._prefill is None:
+            self._prefill = PrefillMetrics(self.registry)
+        return self._prefill
+
+    def decode_role(self) -> DecodeMetrics:
+        """The decode role's metrics on this registry, made once."""
+        if self._decode is None:
+            self._decode = DecodeMetrics(self.registry)
+        return self._decode
 
     def observe_step(self, scheduler: Scheduler, stats: StepStats) -> None:
         """After a forward: the counters."""
