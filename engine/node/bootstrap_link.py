@@ -9,6 +9,7 @@ role's calls are put into the role's thread-safe inbox as typed room messages.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -30,6 +31,8 @@ from kvtransfer.room import (
 from proto import bootstrap_pb2
 
 logger = logging.getLogger("pdserve.link")
+
+FLUSH_S = 5.0  # before deregistering: room calls still on their way get this long
 
 # Room states on the wire and inside the node (proto's unused WAITING_FOR_DEST reads as FAILED).
 _STATE_FROM_WIRE = {
@@ -94,6 +97,7 @@ class NodeLink:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []  # the peer table's watch
         self._role_stream: asyncio.Task[None] | None = None  # P: destinations, D: statuses
+        self._posts: set[concurrent.futures.Future[None]] = set()  # room calls on their way
 
     @property
     def node_id(self) -> str:
@@ -138,6 +142,7 @@ class NodeLink:
     async def leave(self) -> None:
         """Deregister (a role switch): the gateways and peers drop this node, its role's room
         stream closes; `rejoin` registers it again."""
+        await self.flush()
         await self._close_role_stream()
         await self.session.stop(deregister=True)
 
@@ -152,6 +157,7 @@ class NodeLink:
         return node_id
 
     async def stop(self) -> None:
+        await self.flush()
         await self._close_role_stream()
         for task in self._tasks:
             task.cancel()
@@ -182,7 +188,17 @@ class NodeLink:
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         assert self._loop is not None, "NodeLink.start() must run first"
-        asyncio.run_coroutine_threadsafe(coro, self._loop)
+        posted = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._posts.add(posted)
+        posted.add_done_callback(self._posts.discard)
+
+    async def flush(self, timeout_s: float = FLUSH_S) -> None:
+        """Wait (at most `timeout_s`) for the room calls the role made to reach the bootstrap:
+        a prefill node's DONE posted just before it deregisters must not be lost (the room
+        would fail on the decode node although its KV arrived)."""
+        pending = [asyncio.wrap_future(f) for f in list(self._posts)]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
 
     # ---- on the event loop -------------------------------------------------------------
     async def _post_destination(self, dest: RoomDestination) -> None:
