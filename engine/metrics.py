@@ -1,9 +1,11 @@
 """Prometheus metrics of a serving node (`--metrics-port`, see bootstrap/telemetry.py).
 
 `NodeMetrics` is what every node kind has (scheduler queues, KV usage, tokens, throughput,
-retractions, finished requests by reason); `PrefillMetrics` and `DecodeMetrics` add the PD
-queues of prefill_node/ and decode_node/. All are updated on the engine thread: counters after
-each forward, gauges after each loop iteration, so an idle node reads 0 within one idle poll.
+retractions, finished requests by reason, the role served now and the role switches);
+`PrefillMetrics` and `DecodeMetrics` add the PD queues of prefill_node/ and decode_node/, made
+once per node (`NodeMetrics.prefill_role`, `decode_role`) however often it switches roles.
+All are updated on the engine thread: counters after each forward, gauges after each loop
+iteration, so an idle node reads 0 within one idle poll.
 Names: `pdserve_node_*`, `pdserve_prefill_*`, `pdserve_decode_*`; seconds and tokens as units.
 """
 

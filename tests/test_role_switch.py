@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -212,6 +213,16 @@ def test_admin_refusals_say_what_to_do(cluster: FaultCluster) -> None:
     assert unknown.returncode == 2 and "list-nodes" in unknown.stderr
     gone = admin("list-nodes", "--bootstrap", f"127.0.0.1:{free_port()}")
     assert gone.returncode == 3 and "is it running?" in gone.stderr
+    stub = cluster["decode-0"].stub
+    for request, said in [
+        (node_pb2.SwitchRoleRequest(role="verifier"), "use one of prefill, decode, colocated"),
+        (node_pb2.SwitchRoleRequest(role="prefill", drain_timeout_s=-1), "must be >= 0"),
+    ]:
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.SwitchRole(request, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert said in str(refused.value.details())
+    assert stub.Health(node_pb2.HealthRequest(), timeout=10).role == "decode"  # unchanged
 
 
 def test_the_planner_switches_roles_through_the_bootstrap(
