@@ -345,7 +345,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
         assert self.switcher is not None
         timeout = request.drain_timeout_s if request.HasField("drain_timeout_s") else None
         try:
-            return await self.switcher.switch(request.role, timeout)
+            # Shielded: a caller that gives up (its deadline) must not leave the node half
+            # switched, draining or registered nowhere; the switch runs to its end.
+            return await asyncio.shield(self.switcher.switch(request.role, timeout))
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
             raise  # not reached: abort raises
