@@ -2,12 +2,14 @@
 
     pdserve-admin list-nodes --bootstrap HOST:PORT
     pdserve-admin switch-role NODE ROLE --bootstrap HOST:PORT [--drain-timeout S] [--timeout S]
+                              [--force]
 
 `list-nodes` prints one line per live node: its id, role, gRPC address and load (requests
 running and queued, rooms in transfer and waiting, free of total KV pages, draining).
 `switch-role` finds NODE's address in the bootstrap's registry, calls the node's `SwitchRole`
 (it drains its current role, keeps its weights, KV pool and node id, and registers again as
-ROLE; engine/node/role_switch.py), then waits until the bootstrap lists it in ROLE.
+ROLE; engine/node/role_switch.py), then waits until the bootstrap lists it in ROLE. It refuses
+to turn the last node that decodes into a prefill node (`--force` does it anyway).
 
 Both talk to the internal gRPC APIs the way every other internal client does: the shared token
 (`--internal-token-file FILE`, `--internal-token`, or $PDSERVE_INTERNAL_TOKEN) and TLS flags of
@@ -35,6 +37,7 @@ from bootstrap.security import InternalAuth, add_internal_auth_args, internal_au
 from proto import bootstrap_pb2, node_pb2, node_pb2_grpc
 
 ROLES = ("prefill", "decode", "colocated")
+DECODING = ("decode", "colocated")  # roles that generate tokens
 POLL_S = 0.1
 
 
@@ -135,13 +138,23 @@ async def switch_role(
     auth: InternalAuth | None = None,
     drain_timeout_s: float | None = None,
     timeout_s: float = 120.0,
+    force: bool = False,
 ) -> SwitchOutcome:
-    """Ask node `node_id` to serve `role` and wait until the bootstrap lists it so."""
+    """Ask node `node_id` to serve `role` and wait until the bootstrap lists it so. Refuses to
+    turn the last node that decodes into a prefill node (nothing would serve), unless `force`."""
     if role not in ROLES:
         raise AdminError(f"unknown role {role!r}: use one of {', '.join(ROLES)}", 2)
     auth = auth or InternalAuth()
     started = time.monotonic()
-    node = await _find(bootstrap, node_id, auth)
+    nodes = await list_nodes(bootstrap, auth)
+    node = _find(nodes, bootstrap, node_id)
+    decoding = [n for n in nodes if n.role in DECODING and not n.draining]
+    if role == "prefill" and decoding == [node] and not force:
+        raise AdminError(
+            f"{node.role} node {node_id} is the last node that decodes: as a prefill node the "
+            "cluster would answer no request; start another decode node first (or --force)",
+            1,
+        )
     request = node_pb2.SwitchRoleRequest(role=role)
     if drain_timeout_s is not None:
         request.drain_timeout_s = drain_timeout_s
@@ -167,8 +180,7 @@ async def switch_role(
                          answer.seconds, time.monotonic() - started)  # fmt: skip
 
 
-async def _find(bootstrap: str, node_id: str, auth: InternalAuth) -> NodeSummary:
-    nodes = await list_nodes(bootstrap, auth)
+def _find(nodes: list[NodeSummary], bootstrap: str, node_id: str) -> NodeSummary:
     for node in nodes:
         if node.node_id == node_id:
             return node
@@ -215,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="give up waiting for the node to be registered in its new role after this long",
     )
+    switch.add_argument(
+        "--force", action="store_true", help="switch even the last node that decodes"
+    )
     for sub in (listing, switch):
         sub.add_argument("--bootstrap", required=True, help="bootstrap-server host:port")
         add_internal_auth_args(sub)
@@ -230,7 +245,7 @@ async def _main(args: argparse.Namespace) -> None:
             print(node.line())
         return
     outcome = await switch_role(
-        args.bootstrap, args.node, args.role, auth, args.drain_timeout, args.timeout
+        args.bootstrap, args.node, args.role, auth, args.drain_timeout, args.timeout, args.force
     )
     print(outcome.line())
 

@@ -213,6 +213,15 @@ def test_admin_refusals_say_what_to_do(cluster: FaultCluster) -> None:
     assert unknown.returncode == 2 and "list-nodes" in unknown.stderr
     gone = admin("list-nodes", "--bootstrap", f"127.0.0.1:{free_port()}")
     assert gone.returncode == 3 and "is it running?" in gone.stderr
+    # 2P1D: decode-0 is the last node that decodes; it stays one.
+    other = cluster.node_id("decode-1")
+    assert admin("switch-role", other, "prefill", "--bootstrap", bootstrap).returncode == 0
+    try:
+        last = admin("switch-role", node_id, "prefill", "--bootstrap", bootstrap)
+        assert last.returncode == 1 and "the last node that decodes" in last.stderr
+        assert "--force" in last.stderr
+    finally:
+        assert admin("switch-role", other, "decode", "--bootstrap", bootstrap).returncode == 0
     stub = cluster["decode-0"].stub
     for request, said in [
         (node_pb2.SwitchRoleRequest(role="verifier"), "use one of prefill, decode, colocated"),
