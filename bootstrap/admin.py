@@ -198,12 +198,8 @@ async def _registered_as(bootstrap: str, node_id: str, role: str, auth: Internal
 
 
 def _unreachable(what: str, exc: grpc.aio.AioRpcError) -> AdminError:
-    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-        return AdminError(
-            f"{what} refused the call: {exc.details()} (give the cluster's internal token: "
-            "--internal-token-file or $PDSERVE_INTERNAL_TOKEN)",
-            1,
-        )
+    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # the server's words name the flags
+        return AdminError(f"{what} refused the call: {exc.details()}", 1)
     return AdminError(f"{what} did not answer ({exc.code().name}): is it running?", 3)
 
 
