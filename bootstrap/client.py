@@ -295,10 +295,10 @@ class NodeSession:
             "node %s registered with the bootstrap at %s", self.node_id, self.client.address
         )
 
-    async def drain(self) -> None:
+    async def drain(self, draining: bool = True) -> None:
         """Tell the bootstrap now (and with every heartbeat) that this node is draining: the
-        gateways stop sending it new requests."""
-        self.draining = True
+        gateways stop sending it new requests (False: routable again, a drain given up)."""
+        self.draining = draining
         try:
             await self.client.heartbeat(self.node_id, self._load())
         except grpc.aio.AioRpcError as exc:  # the next heartbeat says it again

@@ -16,7 +16,7 @@ from bootstrap.security import add_internal_auth_args, internal_auth_from_args
 from decode_node.decode_role import DecodeRole, DecodeRoleConfig
 from engine.builder import Engine
 from engine.engine_loop import EngineLoop
-from engine.metrics import DecodeMetrics, NodeMetrics
+from engine.metrics import NodeMetrics
 from engine.node.args import (
     add_disagg_args,
     add_node_args,
@@ -24,8 +24,9 @@ from engine.node.args import (
     loop_config,
     server_config,
 )
-from engine.node.disagg import RoleParts, serve_disaggregated
+from engine.node.disagg import serve_disaggregated
 from engine.node.kv_publisher import start_kv_events
+from engine.node.roles import RoleParts
 from engine.node.server import run_node_main, serve_node
 from engine.node.service import NodeService
 
@@ -61,7 +62,7 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
             if publisher is not None:
                 publisher.close()
         return
-    await serve_disaggregated(args, engine, model_path, "decode", build_role)
+    await serve_disaggregated(args, engine, model_path, "decode")
 
 
 def build_role(parts: RoleParts) -> DecodeRole:
@@ -70,7 +71,7 @@ def build_role(parts: RoleParts) -> DecodeRole:
         link=parts.link,
         aux=parts.transfer.aux,
         page_size=parts.runner.config.page_size,
-        metrics=DecodeMetrics(parts.registry),
+        metrics=parts.metrics.decode_role(),
         stager=parts.runner.stager,
     )
 

@@ -77,6 +77,10 @@ class NodeRole(Protocol):
 logger = logging.getLogger("pdserve.engine")
 
 
+class RoleBusy(RuntimeError):
+    """A role switch found requests still on the node: drain it first."""
+
+
 @dataclass(frozen=True)
 class LoopConfig:
     decode_log_interval: int = 40  # log a decode line every N decode steps
@@ -176,13 +180,17 @@ class EngineLoop:
         self._trace = StepTrace(config.step_trace) if config.step_trace else None
         self.fatal_error: BaseException | None = None
         self._last_interlude = float("-inf")
+        self._bind_role(role)
+
+    def _bind_role(self, role: NodeRole | None) -> None:
+        self.role = role
         if role is not None:
             role.bind_wakeup(self.wake)
             # Not on a TP node: its other ranks are inside the forward's all-reduces, and a
             # role's poll there talks to them (a TP prefill node agrees on its KV writes' state
             # by a collective, engine/node/tp_transfer.py), so both sides would wait for ever.
-            if scheduler.runner.group.size == 1:
-                scheduler.runner.interlude = self._interlude
+            if self.scheduler.runner.group.size == 1:
+                self.scheduler.runner.interlude = self._interlude
 
     # ---- called from other threads -------------------------------------------------------
     def start(self) -> None:
@@ -226,6 +234,28 @@ class EngineLoop:
 
     def abort(self, rid: str, reason: str = "aborted by the client") -> Future[Any]:
         return self.call(lambda s: self._abort(s, rid, reason))
+
+    def replace_role(self, role: NodeRole | None) -> Future[Any]:
+        """Serve `role` from the next step on (None: no PD role, every request prefilled here).
+        Refused (the future raises RoleBusy) while the old role or the scheduler holds any
+        request: a role switch drains first (engine/node/role_switch.py)."""
+        return self.call(lambda s: self._replace_role(s, role))
+
+    def holds_requests(self) -> bool:
+        """On the engine thread: any request live, queued, running or parked, or any room of
+        the role (a write settling, pages in quarantine)."""
+        role_busy = self.role is not None and self.role.has_work
+        return bool(self._live or self.scheduler.has_work or self.scheduler.live_requests()
+                    or role_busy)  # fmt: skip
+
+    def _replace_role(self, scheduler: Scheduler, role: NodeRole | None) -> None:
+        if self.holds_requests():
+            raise RoleBusy(
+                f"the node still holds requests ({len(self._live)} live, "
+                f"{len(scheduler.live_requests())} in the scheduler): drain it before switching "
+                "its role"
+            )
+        self._bind_role(role)
 
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:

@@ -1,9 +1,11 @@
 """Prometheus metrics of a serving node (`--metrics-port`, see bootstrap/telemetry.py).
 
 `NodeMetrics` is what every node kind has (scheduler queues, KV usage, tokens, throughput,
-retractions, finished requests by reason); `PrefillMetrics` and `DecodeMetrics` add the PD
-queues of prefill_node/ and decode_node/. All are updated on the engine thread: counters after
-each forward, gauges after each loop iteration, so an idle node reads 0 within one idle poll.
+retractions, finished requests by reason, the role served now and the role switches);
+`PrefillMetrics` and `DecodeMetrics` add the PD queues of prefill_node/ and decode_node/, made
+once per node (`NodeMetrics.prefill_role`, `decode_role`) however often it switches roles.
+All are updated on the engine thread: counters after each forward, gauges after each loop
+iteration, so an idle node reads 0 within one idle poll.
 Names: `pdserve_node_*`, `pdserve_prefill_*`, `pdserve_decode_*`; seconds and tokens as units.
 """
 
@@ -44,8 +46,18 @@ class Throughput:
 class NodeMetrics:
     def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
-        info = Gauge("pdserve_node_info", "1, labelled with the node's role", ["role"], registry=r)
-        info.labels(role).set(1)
+        self.role = role
+        self.info = Gauge(
+            "pdserve_node_info", "1, labelled with the role the node serves now", ["role"],
+            registry=r,
+        )  # fmt: skip
+        self.info.labels(role).set(1)
+        self.role_switches = Counter(
+            "pdserve_node_role_switches", "role switches without a restart, by old and new role",
+            ["from", "to"], registry=r,
+        )  # fmt: skip
+        self._prefill: PrefillMetrics | None = None
+        self._decode: DecodeMetrics | None = None
         self.running = Gauge(
             "pdserve_node_running_requests", "requests in the running batch", registry=r
         )
@@ -97,6 +109,25 @@ class NodeMetrics:
             Gauge("pdserve_node_decode_throughput", "decode tokens/s", registry=r)
         )
         self._retractions_seen = 0
+
+    def switched_role(self, role: str) -> None:
+        """The node serves `role` now (engine/node/role_switch.py): count it, relabel the info."""
+        self.role_switches.labels(self.role, role).inc()
+        self.info.remove(self.role)
+        self.info.labels(role).set(1)
+        self.role = role
+
+    def prefill_role(self) -> PrefillMetrics:
+        """The prefill role's metrics on this registry, made once (a node may switch back)."""
+        if self._prefill is None:
+            self._prefill = PrefillMetrics(self.registry)
+        return self._prefill
+
+    def decode_role(self) -> DecodeMetrics:
+        """The decode role's metrics on this registry, made once."""
+        if self._decode is None:
+            self._decode = DecodeMetrics(self.registry)
+        return self._decode
 
     def observe_step(self, scheduler: Scheduler, stats: StepStats) -> None:
         """After a forward: the counters."""

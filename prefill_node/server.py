@@ -13,9 +13,9 @@ import torch
 
 from bootstrap.security import add_internal_auth_args
 from engine.builder import Engine
-from engine.metrics import PrefillMetrics
 from engine.node.args import add_disagg_args, add_node_args, configure_logging
-from engine.node.disagg import RoleParts, serve_disaggregated
+from engine.node.disagg import serve_disaggregated
+from engine.node.roles import RoleParts
 from engine.node.server import run_node_main
 from prefill_node.prefill_role import PrefillRole, PrefillRoleConfig
 
@@ -48,14 +48,14 @@ def build_role(parts: RoleParts) -> PrefillRole:
         aux=parts.transfer.aux,
         kv=parts.transfer.node_kv(runner),
         page_size=runner.config.page_size,
-        metrics=PrefillMetrics(parts.registry),
+        metrics=parts.metrics.prefill_role(),
         kv_ready=kv_ready(runner.device),
         stager=runner.stager,
     )
 
 
 async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> None:
-    await serve_disaggregated(args, engine, model_path, "prefill", build_role)
+    await serve_disaggregated(args, engine, model_path, "prefill")
 
 
 def main(argv: list[str] | None = None) -> int:

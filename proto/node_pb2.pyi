@@ -297,3 +297,27 @@ class CheckIntegrityResponse(_message.Message):
     cached_pages: int
     total_pages: int
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., free_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., total_pages: _Optional[int] = ...) -> None: ...
+
+class SwitchRoleRequest(_message.Message):
+    __slots__ = ("role", "drain_timeout_s")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    drain_timeout_s: float
+    def __init__(self, role: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class SwitchRoleResponse(_message.Message):
+    __slots__ = ("from_role", "role", "node_id", "switched", "aborted", "seconds")
+    FROM_ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SWITCHED_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    from_role: str
+    role: str
+    node_id: str
+    switched: bool
+    aborted: int
+    seconds: float
+    def __init__(self, from_role: _Optional[str] = ..., role: _Optional[str] = ..., node_id: _Optional[str] = ..., switched: _Optional[bool] = ..., aborted: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -74,6 +74,11 @@ class NodeStub:
                 request_serializer=proto_dot_node__pb2.CheckIntegrityRequest.SerializeToString,
                 response_deserializer=proto_dot_node__pb2.CheckIntegrityResponse.FromString,
                 _registered_method=True)
+        self.SwitchRole = channel.unary_unary(
+                '/pdserve.node.Node/SwitchRole',
+                request_serializer=proto_dot_node__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=proto_dot_node__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -137,6 +142,15 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwitchRole(self, request, context):
+        """Admin: serve another role without a restart (engine/node/role_switch.py). The node keeps
+        its weights, KV pool, prefix cache and node id; it drains its current role as on SIGTERM,
+        deregisters, and registers with bootstrap again as `role`. Answers once registered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +193,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.CheckIntegrity,
                     request_deserializer=proto_dot_node__pb2.CheckIntegrityRequest.FromString,
                     response_serializer=proto_dot_node__pb2.CheckIntegrityResponse.SerializeToString,
+            ),
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=proto_dot_node__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=proto_dot_node__pb2.SwitchRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +416,33 @@ class Node:
             '/pdserve.node.Node/CheckIntegrity',
             proto_dot_node__pb2.CheckIntegrityRequest.SerializeToString,
             proto_dot_node__pb2.CheckIntegrityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.node.Node/SwitchRole',
+            proto_dot_node__pb2.SwitchRoleRequest.SerializeToString,
+            proto_dot_node__pb2.SwitchRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

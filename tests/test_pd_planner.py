@@ -10,16 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from bootstrap.admin import NodeSummary
 from gateway.metrics import GatewayMetrics
 from scripts.planning.pd_planner import (
     KubernetesActuator,
     Planner,
     PlannerConfig,
     PlannerError,
+    RoleChange,
     Scrape,
     Window,
     main,
     parse_scrape,
+    plan_role_changes,
     run,
     scrapes_recorded,
 )
@@ -178,7 +181,7 @@ def test_the_correction_follows_measured_tpot() -> None:
     [
         (["--budget", "3", "--slo-ttft-ms", "1", "--dry-run"], "give one of --gateway-metrics"),
         (["--budget", "3", "--gateway-metrics", "http://x/metrics", "--slo-ttft-ms", "1"],
-         "give --actuator kubernetes|local, or --dry-run"),
+         "give --actuator switch|kubernetes|local, or --dry-run"),
         (["--budget", "0", "--gateway-metrics", "u", "--slo-ttft-ms", "1", "--dry-run"],
          "--budget must be >= 1 node"),
         (["--budget", "2", "--gateway-metrics", "u", "--dry-run"], "give at least one of --slo"),
@@ -301,3 +304,47 @@ def replace_profile(**changes: object) -> NodeProfile:
     from dataclasses import replace
 
     return replace(profile(), **changes)  # type: ignore[arg-type]
+
+
+def _node(node_id: str, role: str, busy: int = 0, draining: bool = False) -> NodeSummary:
+    return NodeSummary(node_id, role, "127.0.0.1:1", busy, 0, 0, 0, 100, 100, draining)
+
+
+def test_role_changes_are_the_fewest_switches_least_busy_first() -> None:
+    nodes = [_node("p0", "prefill", 3), _node("d0", "decode", 5), _node("d1", "decode", 1)]
+    assert plan_role_changes(nodes, Split(2, 1)) == [RoleChange("d1", "prefill")]
+    assert plan_role_changes(nodes, Split(1, 2)) == []
+    assert plan_role_changes(nodes, Split(0, 3)) == [RoleChange("p0", "decode")]  # colocated
+    # Never the last decoding node; a draining one does not count.
+    assert plan_role_changes(nodes, Split(3, 0)) == [RoleChange("d1", "prefill")]
+    two = [_node("p0", "prefill", 2), _node("p1", "prefill", 0), _node("d0", "decode"),
+           _node("c0", "colocated"), _node("d9", "decode", draining=True)]  # fmt: skip
+    assert plan_role_changes(two, Split(1, 3)) == [RoleChange("p1", "decode")]
+    assert plan_role_changes(two, Split(3, 1)) == [RoleChange("c0", "prefill")]
+
+
+def test_the_console_scripts_resolve_and_are_packaged() -> None:
+    """pd-planner and pdserve-admin are console scripts: every [project.scripts] target
+    imports and is callable, and its package is one setuptools installs (`make setup`)."""
+    import importlib
+    from fnmatch import fnmatch
+
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    scripts = project["project"]["scripts"]
+    assert scripts["pd-planner"] == "scripts.planning.pd_planner:main"
+    assert scripts["pdserve-admin"] == "bootstrap.admin:main"
+    include = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    for name, target in scripts.items():
+        module, function = target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), name
+        assert any(fnmatch(module.split(".")[0], pattern) for pattern in include), name
+
+
+def test_the_switch_actuator_needs_the_bootstrap(tmp_path: Path, capsys) -> None:
+    argv = ["--gateway-metrics", "http://127.0.0.1:1/metrics", "--profile",
+            str(_profile_file(tmp_path)), "--budget", "3", "--slo-ttft-ms", "3000",
+            "--actuator", "switch"]  # fmt: skip
+    assert main(argv) == 2
+    assert "--actuator switch needs --bootstrap HOST:PORT" in capsys.readouterr().err

@@ -172,6 +172,36 @@ def test_internal_grpc_needs_token_and_client_cert(
         assert TOKEN.encode() not in cmdline and b"--internal-token-file" in cmdline, name
 
 
+def test_pdserve_admin_carries_the_token_over_mutual_tls(
+    secure_cluster: RunningCluster, certs: Certs, tmp_path: Path
+) -> None:
+    """pdserve-admin is an internal client like the others: without the token the bootstrap
+    refuses it (and says which flag to give); with it, over mutual TLS, it lists the nodes and
+    switches the prefill node's role there and back (SwitchRole is token-checked too)."""
+    import subprocess
+    import sys
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+
+    def admin(*argv: str) -> subprocess.CompletedProcess[str]:
+        where = ["--bootstrap", secure_cluster.node_address("bootstrap"), "--tls-ca", str(certs.ca)]
+        where += ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key)]
+        return subprocess.run([sys.executable, "-m", "bootstrap.admin", *argv, *where],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    refused = admin("list-nodes")
+    assert refused.returncode == 1 and "--internal-token-file" in refused.stderr
+    listed = admin("list-nodes", "--internal-token-file", str(token_file))
+    assert listed.returncode == 0, listed.stderr
+    roles = {line.split()[0]: line.split()[1] for line in listed.stdout.splitlines()[1:]}
+    (prefill,) = [node for node, role in roles.items() if role == "prefill"]
+    for role in ("decode", "prefill"):
+        done = admin("switch-role", prefill, role, "--internal-token-file", str(token_file))
+        assert done.returncode == 0 and f"-> {role} in" in done.stdout, done.stderr
+    assert TOKEN not in listed.stdout + listed.stderr
+
+
 # -- room ownership ----------------------------------------------------------------------------
 
 LAYOUT = pb.KVLayout(

@@ -9,6 +9,7 @@ role's calls are put into the role's thread-safe inbox as typed room messages.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -30,6 +31,8 @@ from kvtransfer.room import (
 from proto import bootstrap_pb2
 
 logger = logging.getLogger("pdserve.link")
+
+FLUSH_S = 5.0  # before deregistering: room calls still on their way get this long
 
 # Room states on the wire and inside the node (proto's unused WAITING_FOR_DEST reads as FAILED).
 _STATE_FROM_WIRE = {
@@ -89,10 +92,12 @@ class NodeLink:
         self.client = client
         self.session = NodeSession(client, node, load, on_reregistered=self._reregistered)
         self.deliver = deliver  # into the node role's inbox; thread-safe
-        self.role = node.role
+        self.role: int = node.role
         self._peers: dict[str, PeerInfo] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[None]] = []  # the peer table's watch
+        self._role_stream: asyncio.Task[None] | None = None  # P: destinations, D: statuses
+        self._posts: set[concurrent.futures.Future[None]] = set()  # room calls on their way
 
     @property
     def node_id(self) -> str:
@@ -112,16 +117,48 @@ class NodeLink:
         self._loop = asyncio.get_running_loop()
         node_id = await self.session.start()
         self._tasks.append(asyncio.create_task(self._watch_nodes()))
-        if self.role == bootstrap_pb2.PREFILL:
-            self._tasks.append(asyncio.create_task(self._watch_destinations()))
-        elif self.role == bootstrap_pb2.DECODE:
-            self._tasks.append(asyncio.create_task(self._watch_statuses()))
+        self._open_role_stream()
         return node_id
+
+    def _open_role_stream(self) -> None:
+        if self.role == bootstrap_pb2.PREFILL:
+            self._role_stream = asyncio.create_task(self._watch_destinations())
+        elif self.role == bootstrap_pb2.DECODE:
+            self._role_stream = asyncio.create_task(self._watch_statuses())
+
+    async def _close_role_stream(self) -> None:
+        if self._role_stream is not None:
+            self._role_stream.cancel()
+            await asyncio.gather(self._role_stream, return_exceptions=True)
+            self._role_stream = None
 
     async def drain(self) -> None:
         await self.session.drain()
 
+    async def undrain(self) -> None:
+        """A drain given up (a role switch that could not finish): routable again."""
+        await self.session.drain(False)
+
+    async def leave(self) -> None:
+        """Deregister (a role switch): the gateways and peers drop this node, its role's room
+        stream closes; `rejoin` registers it again."""
+        await self.flush()
+        await self._close_role_stream()
+        await self.session.stop(deregister=True)
+
+    async def rejoin(self, role: int) -> str:
+        """Register again under the same node id as `role` (bootstrap_pb2.Role), and open that
+        role's room stream. Retries while the bootstrap is unreachable; RegistrationRefused."""
+        self.role = role
+        self.session.node.role = role  # type: ignore[assignment]
+        self.session.draining = False
+        node_id = await self.session.start(give_up_after_s=None)
+        self._open_role_stream()
+        return node_id
+
     async def stop(self) -> None:
+        await self.flush()
+        await self._close_role_stream()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -151,7 +188,17 @@ class NodeLink:
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         assert self._loop is not None, "NodeLink.start() must run first"
-        asyncio.run_coroutine_threadsafe(coro, self._loop)
+        posted = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._posts.add(posted)
+        posted.add_done_callback(self._posts.discard)
+
+    async def flush(self, timeout_s: float = FLUSH_S) -> None:
+        """Wait (at most `timeout_s`) for the room calls the role made to reach the bootstrap:
+        a prefill node's DONE posted just before it deregisters must not be lost (the room
+        would fail on the decode node although its KV arrived)."""
+        pending = [asyncio.wrap_future(f) for f in list(self._posts)]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
 
     # ---- on the event loop -------------------------------------------------------------
     async def _post_destination(self, dest: RoomDestination) -> None:

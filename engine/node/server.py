@@ -89,7 +89,7 @@ async def _serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await _drain(service, config.drain_timeout_s, on_draining)
+    await drain(service, config.drain_timeout_s, on_draining)
     await server.stop(1.0)  # nothing is in flight any more
     if on_stopping is not None:
         await on_stopping()
@@ -97,17 +97,22 @@ async def _serve(
     logger.info("stopped")
 
 
-async def _drain(
-    service: NodeService, timeout_s: float, on_draining: Callable[[], Awaitable[None]] | None
-) -> None:
+async def drain(
+    service: NodeService,
+    timeout_s: float,
+    on_draining: Callable[[], Awaitable[None]] | None,
+    why: str = "shutting down",
+) -> int:
     """Refuse new requests, tell the bootstrap, let in-flight ones finish for `timeout_s`, then
     abort the rest: their streams end with Finished(abort), and the gateway moves those that
-    already streamed to another node (migration)."""
-    service.draining = True
+    already streamed to another node (migration). Returns how many were aborted. `why` (SIGTERM:
+    shutting down; a role switch) is what refused requests are told."""
+    service.start_draining(why)
     if on_draining is not None:
         await on_draining()
     logger.info(
-        "draining: no new requests; %d in flight get %.1f s (--drain-timeout) to finish",
+        "draining (%s): no new requests; %d in flight get %.1f s (--drain-timeout) to finish",
+        why,
         service.inflight,
         timeout_s,
     )
@@ -115,6 +120,7 @@ async def _drain(
     deadline = loop.time() + timeout_s
     while service.inflight and loop.time() < deadline:
         await asyncio.sleep(0.05)
+    aborted = 0
     if service.inflight:
         aborted = service.abort_all("the node is draining and its --drain-timeout ran out")
         logger.info("aborted %d in-flight requests (the gateway moves their streams)", aborted)
@@ -125,11 +131,12 @@ async def _drain(
         used = await asyncio.wait_for(service.pages_in_use(), ABORT_WAIT_S)
     except (AssertionError, asyncio.TimeoutError) as exc:
         logger.error("drained, but the KV integrity check failed: %r", exc)
-        return
+        return aborted
     if used:
         logger.warning("drained with %d pages still in use (quarantined rooms)", used)
     else:
         logger.info("drained: no request in flight, no page in use")
+    return aborted
 
 
 def install_uvloop() -> None:

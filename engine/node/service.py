@@ -12,6 +12,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import fields
+from typing import Protocol
 
 import grpc
 
@@ -77,7 +78,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.model_name = model_name
         self.link = link
         self._live: set[str] = set()
-        self.draining = False  # SIGTERM: new requests are refused (engine/node/server.py)
+        # SIGTERM or a role switch: new requests are refused (engine/node/server.py, `drain`)
+        self.draining = False
+        self.drain_reason = ""
+        self.switcher: RoleSwitching | None = None  # a registered node's (role_switch.py)
         self._rooms: set[int] = set()
         self.router = OutputRouter()
         engine.bind_output(self.router.on_output)
@@ -126,6 +130,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 f"this {self.role} node is not disaggregated: it takes no bootstrap_room "
                 "(start it with --mode disaggregated and --bootstrap)",
             )
+        if self.role == "colocated":
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this node serves the colocated role now: it takes no bootstrap_room (send the "
+                "request without one, or switch it to prefill or decode)",
+            )
         if not peer:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"{peer_kind}_node_id is required with a room"
@@ -158,8 +168,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if self.draining:
             raise RequestError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"this {self.role} node is draining (shutting down): send the request to another "
-                "node",
+                f"this {self.role} node is draining ({self.drain_reason}): send the request to "
+                "another node",
             )
         try:
             await self._compile_grammar(request.sampling)
@@ -261,6 +271,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if aborted:
             self.engine.abort(req.rid)
 
+    def start_draining(self, why: str) -> None:
+        self.draining, self.drain_reason = True, why
+
+    def stop_draining(self) -> None:
+        self.draining, self.drain_reason = False, ""
+
     @property
     def inflight(self) -> int:
         """Requests accepted and not yet over (streaming, or waiting for KV or a prefill)."""
@@ -316,6 +332,33 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self, request: node_pb2.CheckIntegrityRequest, context: grpc.aio.ServicerContext
     ) -> node_pb2.CheckIntegrityResponse:
         return await self._on_engine(_integrity)  # type: ignore[no-any-return]
+
+    async def SwitchRole(
+        self, request: node_pb2.SwitchRoleRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.SwitchRoleResponse:
+        if self.switcher is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this {self.role} node is not registered with a bootstrap, so it cannot switch "
+                "roles: start it with --mode disaggregated --bootstrap HOST:PORT",
+            )
+        assert self.switcher is not None
+        timeout = request.drain_timeout_s if request.HasField("drain_timeout_s") else None
+        try:
+            # Shielded: a caller that gives up (its deadline) must not leave the node half
+            # switched, draining or registered nowhere; the switch runs to its end.
+            return await asyncio.shield(self.switcher.switch(request.role, timeout))
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+            raise  # not reached: abort raises
+
+
+class RoleSwitching(Protocol):
+    """Switches a registered node's role (engine/node/role_switch.py); RequestError refuses."""
+
+    async def switch(
+        self, role: str, drain_timeout_s: float | None
+    ) -> node_pb2.SwitchRoleResponse: ...
 
 
 def _load(s: Scheduler) -> node_pb2.LoadResponse:

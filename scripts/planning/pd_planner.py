@@ -4,6 +4,7 @@ simulator with what was measured, and act with hysteresis and a cool-down.
 
     python -m scripts.planning.pd_planner --gateway-metrics http://GW/metrics \\
         --profile profile.json --budget 3 --slo-ttft-ms 1000 --slo-tpot-ms 50 --dry-run
+    pd-planner ... --actuator switch --bootstrap HOST:PORT      # the console script
     python -m scripts.planning.pd_planner ... --actuator kubernetes --namespace pdserve
     python -m scripts.planning.pd_planner ... --record scrapes.jsonl      # keep what it read
     python -m scripts.planning.pd_planner ... --replay scrapes.jsonl      # decide on a record
@@ -26,16 +27,19 @@ for the current split at the measured rate moves the profile's speed (an exponen
 
 Each decision is one JSON line on stdout: its inputs (the window), the predicted attainment of
 every split, the current and target split, the action, the reason, the correction, and whether
-it acted. Actuators: `--dry-run` (decide only); `kubernetes`, which sets the replica counts of
-the prefill and decode Deployments (deploy/k8s) through the official client's scale
-subresource; `local`, which starts the cluster itself (`--cluster-args`, pd-cluster's flags)
-and stops and starts its node processes (a switched node is a new process: it loads its weights
-again). Not done yet: live role switching inside a node (keeping its weights and KV pool).
+it acted. Actuators: `--dry-run` (decide only); `switch` (`--bootstrap HOST:PORT`), which
+switches the roles of the live nodes in place, one at a time, each registered in its new role
+before the next (a node keeps its weights and KV pool: bootstrap/admin.py, what `pdserve-admin
+switch-role` does); `kubernetes`, which sets the replica counts of the prefill and decode
+Deployments (deploy/k8s) through the official client's scale subresource; `local`, which starts
+the cluster itself (`--cluster-args`, pd-cluster's flags) and stops and starts its node
+processes (a new process loads its weights again).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import sys
@@ -48,6 +52,8 @@ from typing import Any, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bootstrap.admin import AdminError, NodeSummary, list_nodes, switch_role
+from bootstrap.security import InternalAuth, add_internal_auth_args, internal_auth_from_args
 from scripts.planning.planner import simulate
 from scripts.planning.profile import NodeProfile
 from scripts.planning.simulator import HostConfig
@@ -307,6 +313,69 @@ class LocalActuator:
         return "; ".join(done) or "nothing to change"
 
 
+@dataclass(frozen=True)
+class RoleChange:
+    node_id: str
+    role: str  # "prefill" | "decode"
+
+
+def plan_role_changes(nodes: list[NodeSummary], target: Split) -> list[RoleChange]:
+    """The fewest switches that give the live nodes `target`'s number of prefill nodes; the
+    others decode (colocated x N: N decode nodes, which prefill their requests themselves when
+    no prefill node is left, as colocated ones do). At least one node keeps decoding. The least
+    busy nodes of the role in surplus switch first (the least to drain)."""
+    live = [n for n in nodes if not n.draining and n.role in ("prefill", "decode", "colocated")]
+    prefill = [n for n in live if n.role == "prefill"]
+    decoding = [n for n in live if n.role != "prefill"]
+    want = min(target.prefill, len(live) - 1)
+    order = lambda n: (n.busy, n.node_id)  # noqa: E731
+    if len(prefill) > want:
+        return [RoleChange(n.node_id, "decode")
+                for n in sorted(prefill, key=order)[: len(prefill) - want]]  # fmt: skip
+    return [RoleChange(n.node_id, "prefill")
+            for n in sorted(decoding, key=order)[: want - len(prefill)]]  # fmt: skip
+
+
+@dataclass
+class SwitchActuator:
+    """Within a fixed budget of running nodes: switches their roles in place through the
+    bootstrap (`plan_role_changes`), one node at a time, waiting until each is registered in
+    its new role before the next, so at most one node is out of service at once. A switch
+    that fails stops the rest; the next decision sees the split that resulted."""
+
+    bootstrap: str
+    budget: int
+    auth: InternalAuth = field(default_factory=InternalAuth)
+    drain_timeout_s: float | None = None  # None: each node's own --drain-timeout
+    timeout_s: float = 120.0  # per node: the switch and its registration
+
+    def apply(self, target: Split) -> str:
+        return asyncio.run(self._apply(target))
+
+    async def _apply(self, target: Split) -> str:
+        try:
+            nodes = await list_nodes(self.bootstrap, self.auth)
+        except AdminError as exc:
+            return f"failed: {exc}"
+        done = []
+        if len(nodes) != self.budget:
+            done.append(f"{len(nodes)} live nodes for a budget of {self.budget}")
+        for change in plan_role_changes(nodes, target):
+            try:
+                outcome = await switch_role(
+                    self.bootstrap, change.node_id, change.role, self.auth,
+                    self.drain_timeout_s, self.timeout_s,
+                )  # fmt: skip
+            except AdminError as exc:
+                done.append(f"failed: {exc}")
+                break
+            done.append(
+                f"switched {outcome.node_id} {outcome.from_role}->{outcome.role} in "
+                f"{outcome.seconds:.2f} s ({outcome.aborted} aborted)"
+            )
+        return "; ".join(done) or "nothing to change"
+
+
 def kubernetes_actuator(args: argparse.Namespace) -> KubernetesActuator:
     from kubernetes import client, config
 
@@ -388,13 +457,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host-cores", type=int, default=0, help="0: a device per node (GPU)")
     parser.add_argument("--threads-per-node", type=int, default=1)
     parser.add_argument("--dry-run", action="store_true", help="decide, never act")
-    parser.add_argument("--actuator", choices=["kubernetes", "local"], default=None)
+    parser.add_argument("--actuator", choices=["switch", "kubernetes", "local"], default=None)
+    parser.add_argument(
+        "--bootstrap",
+        default=None,
+        help="switch: the cluster's bootstrap-server host:port (its live nodes are the budget)",
+    )
+    parser.add_argument(
+        "--switch-drain-timeout",
+        type=float,
+        default=None,
+        help="switch: seconds a node's in-flight requests get before they are moved (default: "
+        "the node's --drain-timeout)",
+    )
+    parser.add_argument(
+        "--switch-timeout", type=float, default=120.0, help="switch: seconds per node"
+    )
     parser.add_argument(
         "--cluster-args",
         default="",
         help="local: start this pd-cluster (its flags, quoted) and plan for it; the budget "
         "defaults to its --prefill + --decode",
     )
+    add_internal_auth_args(parser)  # switch: the token the node and bootstrap calls carry
     parser.add_argument("--namespace", default="pdserve")
     parser.add_argument("--prefill-deployment", default="pdserve-prefill")
     parser.add_argument("--decode-deployment", default="pdserve-decode")
@@ -411,7 +496,11 @@ def main(argv: list[str] | None = None) -> int:
         if (args.gateway_metrics is None) == (args.replay is None):
             raise PlannerError("give one of --gateway-metrics URL and --replay FILE")
         if not args.dry_run and args.actuator is None and args.replay is None:
-            raise PlannerError("give --actuator kubernetes|local, or --dry-run to decide only")
+            raise PlannerError(
+                "give --actuator switch|kubernetes|local, or --dry-run to decide only"
+            )
+        if args.actuator == "switch" and not args.bootstrap:
+            raise PlannerError("--actuator switch needs --bootstrap HOST:PORT")
         if args.budget is None:
             raise PlannerError("give --budget N (nodes to split)")
         config = PlannerConfig(
@@ -427,7 +516,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         planner = Planner(NodeProfile.load(args.profile), config)
         actuator: Actuator | None = None
-        if not args.dry_run and args.actuator == "kubernetes":
+        if not args.dry_run and args.actuator == "switch":
+            actuator = SwitchActuator(args.bootstrap, args.budget, internal_auth_from_args(args),
+                                      args.switch_drain_timeout, args.switch_timeout)  # fmt: skip
+        elif not args.dry_run and args.actuator == "kubernetes":
             actuator = kubernetes_actuator(args)
         elif not args.dry_run and cluster is not None:
             actuator = LocalActuator(cluster.cluster)
