@@ -81,7 +81,13 @@ async def until_disconnected(receive: Receive, work: Awaitable[Payload]) -> Payl
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             raise ClientGone()
-    return task.result()
+    try:
+        return task.result()
+    finally:
+        # A failed task keeps its exception, whose traceback holds this frame, which held the
+        # task: a cycle that kept the handler's locals (a long prompt, its token ids) alive
+        # until the cyclic GC ran, long after the request (issue 25).
+        del task, watch
 
 
 class EventStream(Response):
