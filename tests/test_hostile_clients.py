@@ -115,6 +115,8 @@ def test_parse_body_units() -> None:
     for deep in (MAX_JSON_DEPTH, 2_000, 200_000):
         error = _parse_error(b'{"x": ' + b"[" * deep + b"]" * deep + b"}")
         assert error.code == "body_too_deep" and str(MAX_JSON_DEPTH) in error.message
+    long_then_deep = b'{"x": [' + b"1," * 5000 + b"[" * 40 + b"]" * 40 + b"]}"  # not walked first
+    assert _parse_error(long_then_deep).code == "body_too_deep"
     error = _parse_error(b'{"messages": [{"role": "user", "content": "a\\udbff"}]}')
     assert error.param == "messages[0].content" and error.code == "invalid_text"
     assert _parse_error(b'{"a": {"\\udc00": 1}}').param == "a"
