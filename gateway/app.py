@@ -1,12 +1,13 @@
 """The HTTP layer: a Starlette app (served by uvicorn on uvloop, see server.py).
 
 Every API request goes through `Gateway.serve`: API key (401; 403 for a key without the route's
-scope, see `gateway/config.py`), admission (`max_inflight`, 429
-with Retry-After), body size (413) and JSON (400) checks, then the handler. A handler returns
-either a response object (sent as JSON) or an SSE byte stream (`EventStream`). While a handler
-works and while a stream is sent, the client's connection is watched: when it goes away the
-work is cancelled, which aborts the request on its prefill and decode nodes. Errors are
-answered in OpenAI's error shape, unknown paths and methods included.
+scope, see `gateway/config.py`), body size (413) and JSON (400) checks (a large body is parsed
+off the event loop, gateway/body.py; memory is handed back after a burst of them,
+gateway/memory.py), admission (`max_inflight`, 429 with Retry-After), then the handler. A
+handler returns either a response object (sent as JSON) or an SSE byte stream (`EventStream`).
+While a handler works and while a stream is sent, the client's connection is watched: when it
+goes away the work is cancelled, which aborts the request on its prefill and decode nodes.
+Errors are answered in OpenAI's error shape, unknown paths and methods included.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bootstrap.client import BootstrapClient
-from gateway.body import parse_body
+from gateway.body import LARGE_BODY_BYTES, BodyParser
 from gateway.config import ADMIN, INFERENCE, GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
 from gateway.kv_feed import KVFeeds
+from gateway.memory import MemoryReturn
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.native_api import NativeHandler
 from gateway.nodes import ROLE_NAMES, NodeDirectory
@@ -51,7 +53,6 @@ CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
 # header when not streamed; a stream's headers leave before any timing exists, so it ends with
 # the same value in an SSE comment line before `data: [DONE]` (clients skip comment lines).
 TIMING_HEADER = "Server-Timing"
-TRIM_BODY_BYTES = 1 << 20  # after a body this large, return freed memory to the system
 
 
 class ClientGone(Exception):
@@ -80,7 +81,13 @@ async def until_disconnected(receive: Receive, work: Awaitable[Payload]) -> Payl
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             raise ClientGone()
-    return task.result()
+    try:
+        return task.result()
+    finally:
+        # A failed task keeps its exception, whose traceback holds this frame, which held the
+        # task: a cycle that kept the handler's locals (a long prompt, its token ids) alive
+        # until the cyclic GC ran, long after the request (issue 25).
+        del task, watch
 
 
 class EventStream(Response):
@@ -166,7 +173,13 @@ class Gateway:
             self.directory, config.routing, self.metrics, config.room_tickets, self.prefix_index
         )
         interval = config.stream_interval
-        self.encoder = PromptEncoder(codec, config.model.context_length, config.tokenizer_workers)
+        self.encoder = PromptEncoder(
+            codec, config.model.context_length, config.tokenizer_workers, config.limits.max_n
+        )
+        # Large bodies are parsed off the event loop, one at a time; after a burst of them
+        # the same thread hands the freed memory back (gateway/memory.py).
+        self.bodies = BodyParser()
+        self.memory = MemoryReturn(self.bodies.executor)
         handlers = (codec, self.dispatcher, config.model, config.limits, interval, self.encoder)
         self.openai = OpenAIHandlers(*handlers)
         self.native = NativeHandler(*handlers)
@@ -199,28 +212,12 @@ class Gateway:
             self.authorize(request, INFERENCE)
             # In flight only once the body is complete: a client that trickles its body
             # (or sends headers and stops) never holds a place under --max-inflight.
-            body = await self._read_json(request)
-            if self.draining:
-                raise APIError(
-                    503,
-                    "this gateway is shutting down: retry after the delay in Retry-After (another "
-                    "gateway of the cluster takes the request)",
-                    type_="service_unavailable",
-                    code="shutting_down",
-                    headers={"Retry-After": "1"},
-                )
-            self._admit()
-            try:
-                payload = await until_disconnected(request.receive, handler(body))
-            except BaseException:
-                self._release()
-                raise
-            if isinstance(payload, dict):
-                self._release()
-                timeline = trace.slowest()
-                headers = {TIMING_HEADER: timeline.server_timing()} if timeline else None
-                return JSONResponse(payload, headers=headers)
-            return EventStream(payload, on_close=self._release, trace=trace)
+            data = await self._read_body(request)
+            large = len(data) >= LARGE_BODY_BYTES
+            with self.memory.large() if large else contextlib.nullcontext():
+                body = await self.bodies.parse(data)
+                del data  # a large body's bytes go before its prompt is tokenized
+                return await self._respond(request, handler, body, trace)
         except APIError as exc:
             status = exc.status
             if status == 503:
@@ -236,6 +233,31 @@ class Gateway:
                                            type_="server_error"))  # fmt: skip
         finally:
             self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    async def _respond(
+        self, request: Request, handler: Handler, body: dict[str, Any], trace: RequestTrace
+    ) -> Response:
+        if self.draining:
+            raise APIError(
+                503,
+                "this gateway is shutting down: retry after the delay in Retry-After (another "
+                "gateway of the cluster takes the request)",
+                type_="service_unavailable",
+                code="shutting_down",
+                headers={"Retry-After": "1"},
+            )
+        self._admit()
+        try:
+            payload = await until_disconnected(request.receive, handler(body))
+        except BaseException:
+            self._release()
+            raise
+        if isinstance(payload, dict):
+            self._release()
+            timeline = trace.slowest()
+            headers = {TIMING_HEADER: timeline.server_timing()} if timeline else None
+            return JSONResponse(payload, headers=headers)
+        return EventStream(payload, on_close=self._release, trace=trace)
 
     def authorize(self, request: Request, scope: str) -> None:
         """401 without a known key, 403 for a key that lacks `scope` (gateway/config.py)."""
@@ -280,7 +302,7 @@ class Gateway:
         self.inflight -= 1
         self.metrics.inflight.set(self.inflight)
 
-    async def _read_json(self, request: Request) -> dict[str, Any]:
+    async def _read_body(self, request: Request) -> bytes:
         limit = self.config.limits.max_body_bytes
         too_large = APIError(
             413,
@@ -291,14 +313,14 @@ class Gateway:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_large
-        data = bytearray()
+        pieces: list[bytes] = []  # joined once: no regrowth and copy per piece
+        size = 0
         async for piece in request.stream():
-            data += piece
-            if len(data) > limit:
+            pieces.append(piece)
+            size += len(piece)
+            if size > limit:
                 raise too_large
-        if len(data) >= TRIM_BODY_BYTES:  # its copies are garbage once this task step ends
-            asyncio.get_running_loop().call_soon(self.encoder.trim_soon)
-        return parse_body(bytes(data))
+        return b"".join(pieces)
 
     def health(self) -> JSONResponse:
         counts = {name: self.directory.count(role) for role, name in ROLE_NAMES.items()}
@@ -372,6 +394,7 @@ def build_app(gateway: Gateway) -> Starlette:
             await gateway.directory.close()
             await client.close()
             gateway.encoder.close()
+            gateway.bodies.close()
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),

@@ -14,14 +14,24 @@ Cost: orjson parses first (several times faster than the stdlib on a 4 MB prompt
 it rejects invalid UTF-8, lone surrogates, NaN and integers beyond 64 bits, and stops at 1,024
 levels). Only a body orjson refuses goes through the stdlib parser, which accepts what JSON
 allows and orjson does not, and whose result is checked for text as above, or answers the
-precise error. The depth walk runs only when a C-speed count of brackets allows too deep a
-body, so a long prompt costs no Python loop.
+precise error. The depth of a body whose objects and arrays hold at most `WALK_ITEMS` items
+is measured by walking them (a 4 MB prompt is one item); a body with more is first counted at
+C speed (its brackets), and walked only when the count allows too deep a body, so neither a
+long prompt nor a long list costs a Python loop over its contents.
+
+Where: a body of `LARGE_BODY_BYTES` or more is parsed in one worker thread (`BodyParser`), not
+on the event loop. A 4 MB body costs 5-10 ms of parsing; eight at once, on the loop, would
+hold every other client's requests and streams for all of that. In the thread, orjson still
+holds the GIL while it runs, but the loop gets it back between the steps of the parse, and
+large bodies queue for that one thread instead of competing with each other.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -29,10 +39,12 @@ import orjson
 from gateway.errors import bad_request
 
 MAX_JSON_DEPTH = 32  # nesting levels of objects and arrays
+LARGE_BODY_BYTES = 64 << 10  # parsed off the event loop; memory handed back after (app.py)
+WALK_ITEMS = 4096  # a body whose objects and arrays hold fewer is measured by walking it
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def _too_deep() -> Exception:
+def _too_deep_error() -> Exception:
     return bad_request(
         None,
         f"the request body nests JSON objects and arrays deeper than {MAX_JSON_DEPTH} levels: "
@@ -49,8 +61,8 @@ def parse_body(data: bytes) -> dict[str, Any]:
         body = _parse_leniently(data)
     if not isinstance(body, dict):
         raise bad_request(None, "the request body must be a JSON object")
-    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _depth(body) > MAX_JSON_DEPTH:
-        raise _too_deep()
+    if _too_deep(data, body):
+        raise _too_deep_error()
     return body
 
 
@@ -65,7 +77,7 @@ def _parse_leniently(data: bytes) -> Any:
     try:
         body = json.loads(text)
     except RecursionError:
-        raise _too_deep() from None
+        raise _too_deep_error() from None
     except ValueError as exc:
         raise bad_request(None, f"the request body is not valid JSON: {exc}") from None
     if isinstance(body, dict) and _SURROGATE_ESCAPE.search(data):
@@ -73,15 +85,30 @@ def _parse_leniently(data: bytes) -> Any:
     return body
 
 
-def _depth(value: Any) -> int:
-    """Nesting depth of objects and arrays, without recursion; stops past the limit."""
+def _too_deep(data: bytes, body: dict[str, Any]) -> bool:
+    depth = _depth(body, WALK_ITEMS)
+    if depth is not None:  # a walk over a few items decided it
+        return depth > MAX_JSON_DEPTH
+    # Long lists: a C-speed count of brackets first, the whole walk only if it allows too deep
+    if data.count(b"[") + data.count(b"{") <= MAX_JSON_DEPTH:
+        return False
+    return (_depth(body) or 0) > MAX_JSON_DEPTH
+
+
+def _depth(value: Any, max_items: int | None = None) -> int | None:
+    """Nesting depth of objects and arrays, without recursion; stops past the limit. None when
+    the containers hold more than `max_items` items in all."""
     deepest = 0
+    items = 0
     todo: list[tuple[Any, int]] = [(value, 1)]
     while todo:
         item, depth = todo.pop()
         deepest = max(deepest, depth)
         if deepest > MAX_JSON_DEPTH:
             break
+        items += len(item)
+        if max_items is not None and items > max_items:
+            return None
         children = item.values() if isinstance(item, dict) else item
         todo.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
     return deepest
@@ -121,3 +148,18 @@ def _bad_text(field: str) -> Exception:
         "no Unicode text: send valid text, or a surrogate pair for characters beyond U+FFFF",
         code="invalid_text",
     )
+
+
+class BodyParser:
+    """`parse_body` on the event loop for small bodies, in one worker thread for large ones."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="parse-body")
+
+    async def parse(self, data: bytes) -> dict[str, Any]:
+        if len(data) < LARGE_BODY_BYTES:
+            return parse_body(data)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, parse_body, data)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

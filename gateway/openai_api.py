@@ -143,7 +143,7 @@ class APIHandlers:
         encoder: PromptEncoder | None = None,
     ) -> None:
         self.codec = codec
-        self.encoder = encoder or PromptEncoder(codec, model.context_length, workers=1)
+        self.encoder = encoder or PromptEncoder(codec, model.context_length, 1, limits.max_n)
         self.dispatcher = dispatcher
         self.model = model
         self.limits = limits
@@ -168,6 +168,7 @@ class OpenAIHandlers(APIHandlers):
         return {"object": "list", "data": [card]}
 
     async def completions(self, body: dict[str, Any]) -> Payload:
+        self.encoder.bound_prompts(body.get("prompt"), body.get("n"))
         req = parse_completion(body, self.model.served_name, self.limits)
         jobs: list[ChoiceJob] = []
         prompt_tokens = 0
@@ -211,6 +212,7 @@ class OpenAIHandlers(APIHandlers):
         }
 
     async def chat(self, body: dict[str, Any]) -> Payload:
+        self.encoder.bound_messages(body.get("messages"))
         req = parse_chat(body, self.model.served_name, self.limits)
         ids = await self.encoder.chat(req.messages, req.tools)
         default = self.limits.defaults.chat_max_tokens

@@ -262,15 +262,17 @@ def parse_completion(
     n = _choices(req, limits)
     prompts = _prompts(req.prompt)
     if len(prompts) * n > limits.max_n:
-        raise bad_request(
-            "n", f"{len(prompts)} prompts x n={n} choices exceed the limit of {limits.max_n}"
-        )
+        raise too_many_prompts(len(prompts), n, limits.max_n)
     sampling = _sampling(req, limits, n, req.max_tokens, top is not None, top or 0)
     sampling = with_grammar(sampling, *response_format_grammar(req.response_format))
     if req.echo and top is not None:  # the prompt's tokens get logprobs too
         sampling = replace(sampling, prompt_logprobs=top)
     stream, include_usage = _stream(req)
     return CompletionRequest(prompts, sampling, n, stream, include_usage, bool(req.echo))
+
+
+def too_many_prompts(prompts: int, n: int, max_n: int) -> APIError:
+    return bad_request("n", f"{prompts} prompts x n={n} choices exceed the limit of {max_n}")
 
 
 def parse_chat(body: Mapping[str, Any], served: str, limits: LimitsConfig) -> ChatRequest:

@@ -7,44 +7,33 @@ loop it would delay every other client's stream. Two defences:
    (`TextCodec.max_token_chars`), so a text of C characters has at least ceil(C / that) tokens:
    when that alone exceeds the context, the prompt is rejected at once with the usual
    context-length error, without tokenizing. Token-id lists are counted before they are
-   checked against the vocabulary.
+   checked against the vocabulary, and before validation (`bound_unvalidated`): validating a
+   4 MB body's million token ids, prompts or messages item by item would take the event loop
+   seconds. A chat message costs at least one token (every chat template marks its role), and
+   a batch of prompts counts against --max-n.
 2. The tokenizing itself runs in a bounded thread pool (`--tokenizer-workers`) off the event
    loop (the Rust tokenizer releases the GIL while it works); prompts of at most
-   `INLINE_CHARS` characters are tokenized in place, so a one-token request never queues
-   behind someone else's long prompt. After a long prompt the worker hands the allocator's
-   freed memory back to the system (glibc `malloc_trim`): the tokenizer's transient gigabyte
-   would otherwise stay in the process's arenas for good.
+   `INLINE_CHARS` characters (and chats of at most `INLINE_MESSAGES` messages: rendering the
+   template is Python) are tokenized in place, so a one-token request never queues behind
+   someone else's long prompt. The memory a long prompt took is handed back after the
+   request (gateway/memory.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from gateway.errors import APIError, bad_request
-from gateway.protocol import ChatMessage, Prompt
+from gateway.protocol import ChatMessage, Prompt, too_many_prompts
 from gateway.text import TextCodec
 from gateway.tools import ToolSpec
 
 INLINE_CHARS = 2048  # tokenized on the event loop: well under a millisecond
-TRIM_CHARS = 1 << 16  # after tokenizing this much, return freed memory to the system
+INLINE_MESSAGES = 16
 T = TypeVar("T")
-
-
-def _malloc_trim() -> Callable[[], object]:
-    """glibc's `malloc_trim(0)`, or a no-op elsewhere (musl, macOS)."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    if trim is None:
-        return lambda: None
-    return lambda: trim(0)
-
-
-_TRIM = _malloc_trim()
 
 
 def prompt_too_long(param: str, tokens: int, context_length: int, bound: str = "") -> APIError:
@@ -61,14 +50,38 @@ def prompt_too_long(param: str, tokens: int, context_length: int, bound: str = "
 class PromptEncoder:
     """Bounds, then tokenizes, the prompts of requests for one served model."""
 
-    def __init__(self, codec: TextCodec, context_length: int, workers: int) -> None:
+    def __init__(
+        self, codec: TextCodec, context_length: int, workers: int, max_prompts: int = 1 << 30
+    ) -> None:
         self.codec = codec
         self.context_length = context_length
+        self.max_prompts = max_prompts  # a batch's prompts x n (--max-n)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
 
-    def trim_soon(self) -> None:
-        """Return freed memory to the system once the pool is free (after a large body)."""
-        self._pool.submit(_TRIM)
+    def bound_prompts(self, prompt: Any, n: Any) -> None:
+        """The cheap bound on a completion's `prompt` as parsed, before its validation (see
+        the module docstring): len() of its lists only, no walk over their items."""
+        if not (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)):
+            self.bound_unvalidated(prompt, "prompt")
+            return
+        if len(prompt) > self.max_prompts:  # a batch of prompts
+            n = n if isinstance(n, int) and 0 < n <= self.max_prompts else 1
+            raise too_many_prompts(len(prompt), n, self.max_prompts)
+        for item in prompt:
+            self.bound_unvalidated(item, "prompt")
+
+    def bound_messages(self, messages: Any) -> None:
+        """A chat's `messages` as parsed: every message costs at least one token."""
+        if isinstance(messages, list) and len(messages) >= self.context_length:
+            bound = f"{len(messages)} messages, at least one token each"
+            raise prompt_too_long("messages", len(messages), self.context_length, bound)
+
+    def bound_unvalidated(self, value: Any, param: str) -> None:
+        """A text or token-id list as parsed, before its validation."""
+        if isinstance(value, str):
+            self._bound_chars(len(value), param)
+        elif isinstance(value, list) and len(value) >= self.context_length:
+            raise prompt_too_long(param, len(value), self.context_length)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -85,7 +98,8 @@ class PromptEncoder:
     ) -> list[int]:
         chars = sum(len(m.content) for m in messages)
         self._bound_chars(chars, "messages")
-        return await self._run(chars, lambda: self.codec.chat_prompt(messages, tools))
+        size = chars if len(messages) <= INLINE_MESSAGES else INLINE_CHARS + 1
+        return await self._run(size, lambda: self.codec.chat_prompt(messages, tools))
 
     def _bound_chars(self, chars: int, param: str) -> None:
         per_token = self.codec.max_token_chars
@@ -99,12 +113,4 @@ class PromptEncoder:
     async def _run(self, size: int, work: Callable[[], T]) -> T:
         if size <= INLINE_CHARS:
             return work()
-        return await asyncio.get_running_loop().run_in_executor(self._pool, _trimmed, size, work)
-
-
-def _trimmed(size: int, work: Callable[[], T]) -> T:
-    try:
-        return work()
-    finally:
-        if size >= TRIM_CHARS:
-            _TRIM()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)

@@ -6,7 +6,8 @@ that send what no well-behaved client would:
    or message, bytes that are no UTF-8: each answers 400 in OpenAI's error shape naming the
    limit or the field, in every API;
 2. prompts far beyond the context, as text or token ids: rejected before tokenizing, with the
-   usual context-length error;
+   usual context-length error; lists no request could need (a million prompts, a hundred
+   thousand messages) rejected by their length before their items are validated;
 3. slow connections: headers or a body that never finish (408, and never counted in flight),
    more connections from one address than allowed, a stream the client stops reading (cut,
    its pages freed on both nodes);
@@ -114,6 +115,8 @@ def test_parse_body_units() -> None:
     for deep in (MAX_JSON_DEPTH, 2_000, 200_000):
         error = _parse_error(b'{"x": ' + b"[" * deep + b"]" * deep + b"}")
         assert error.code == "body_too_deep" and str(MAX_JSON_DEPTH) in error.message
+    long_then_deep = b'{"x": [' + b"1," * 5000 + b"[" * 40 + b"]" * 40 + b"]}"  # not walked first
+    assert _parse_error(long_then_deep).code == "body_too_deep"
     error = _parse_error(b'{"messages": [{"role": "user", "content": "a\\udbff"}]}')
     assert error.param == "messages[0].content" and error.code == "invalid_text"
     assert _parse_error(b'{"a": {"\\udc00": 1}}').param == "a"
@@ -200,6 +203,29 @@ def test_a_burst_of_long_prompts_leaves_others_served(cluster: RunningCluster) -
         answers = [f.result() for f in burst]
     for answer in answers:
         _assert_400(answer, "prompt", "context length")
+
+
+def test_huge_lists_are_rejected_by_their_length_while_others_are_served(
+    cluster: RunningCluster,
+) -> None:
+    """4 MB bodies whose lists no request could need: a million one-id prompts (--max-n), a
+    hundred thousand messages (more than the context has tokens). Both are answered by the
+    lists' lengths before their items are validated; their parsing runs off the event loop
+    while a one-token request from another client is served."""
+    compact = {"separators": (",", ":")}
+    batch = {"model": "model", "prompt": [[1]] * 1_000_000, "max_tokens": 1}
+    chat = {"model": "model", "messages": [{"role": "user", "content": ""}] * 100_000}
+    cases = [
+        ("/v1/completions", batch, "n", "1000000 prompts x n=1"),
+        ("/v1/chat/completions", chat, "messages", "100000 messages"),
+    ]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        sent = [pool.submit(_post_raw, cluster, route, json.dumps(body, **compact).encode())
+                for route, body, _, _ in cases]  # fmt: skip
+        _still_serves(cluster)
+        answers = [f.result() for f in sent]
+    for (_, _, param, needle), answer in zip(cases, answers, strict=True):
+        _assert_400(answer, param, needle)
 
 
 # -- 3. slow connections ---------------------------------------------------------------------

@@ -1,0 +1,61 @@
+"""Memory handed back to the system after large requests (issue 25).
+
+A 4 MB body, its parsed copy and a long prompt's tokenization are garbage once their request
+ends, but glibc keeps freed memory in the process's arenas (each thread that allocated has
+one), so the gateway's RSS would stay at its peak after a burst of long prompts.
+`glibc malloc_trim(0)` hands the free pages of every arena back.
+
+When: once the last large request in progress has ended (`MemoryReturn.large`), not after
+each one. During a burst, trimming per request would hand pages back only for the next body
+to fault them in again, and `malloc_trim` holds each arena's lock while it walks it, which
+would stall the event loop's own allocations. It runs in a worker thread (ctypes releases the
+GIL), scheduled from the event loop after the request's objects are gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+
+
+def _malloc_trim() -> Callable[[], object]:
+    """glibc's `malloc_trim(0)`, or a no-op elsewhere (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is None:
+        return lambda: None
+    return lambda: trim(0)
+
+
+malloc_trim = _malloc_trim()
+
+
+class MemoryReturn:
+    """Counts the large requests in progress; trims once when the last one ends."""
+
+    def __init__(self, executor: Executor, trim: Callable[[], object] = malloc_trim) -> None:
+        self._executor = executor
+        self._trim = trim
+        self.in_progress = 0
+        self.trims = 0  # how many times memory was handed back (tests read it)
+
+    @contextlib.contextmanager
+    def large(self) -> Iterator[None]:
+        """Around a large request's handling, on the event loop."""
+        self.in_progress += 1
+        try:
+            yield
+        finally:
+            self.in_progress -= 1
+            if self.in_progress == 0:
+                # call_soon: the request's frame (its body, its token lists) is gone by then
+                asyncio.get_running_loop().call_soon(self._trim_if_idle)
+
+    def _trim_if_idle(self) -> None:
+        if self.in_progress == 0:
+            self.trims += 1
+            self._executor.submit(self._trim)

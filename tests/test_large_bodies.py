@@ -1,0 +1,155 @@
+"""Large bodies without a stalled event loop or memory kept after them (issue 25): units.
+
+- `BodyParser` parses a large body in its worker thread: a small body is parsed and answered
+  on the event loop while a large one is still being parsed;
+- `MemoryReturn` hands memory back once, after the last of overlapping large requests;
+- a handler that fails leaves no reference cycle behind (`until_disconnected`), so its locals
+  (a long prompt, its token ids) are freed at once, not whenever the cyclic GC runs;
+- the cheap bounds before validation look at lengths only and answer the usual errors.
+The same against a real cluster: tests/test_hostile_clients.py; figures:
+scripts/serving/hostile_probe.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import threading
+import weakref
+from concurrent.futures import Executor, Future
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import gateway.body as body_module
+from gateway.app import until_disconnected
+from gateway.body import LARGE_BODY_BYTES, BodyParser
+from gateway.errors import APIError
+from gateway.memory import MemoryReturn
+from gateway.tokenize import PromptEncoder
+
+SMALL = json.dumps({"prompt": "hi"}).encode()
+LARGE = json.dumps({"prompt": "x" * LARGE_BODY_BYTES}).encode()
+
+
+def test_a_small_body_is_answered_while_a_large_one_is_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parse = body_module.parse_body
+    release = threading.Event()
+    threads: dict[int, str] = {}
+
+    def held(data: bytes) -> dict[str, Any]:
+        threads[len(data)] = threading.current_thread().name
+        if len(data) >= LARGE_BODY_BYTES:
+            assert release.wait(30), "the large body was parsed on the event loop"
+        return parse(data)
+
+    monkeypatch.setattr(body_module, "parse_body", held)
+    parser = BodyParser()
+
+    async def clients() -> None:
+        large = asyncio.ensure_future(parser.parse(LARGE))
+        while not threads:  # until the worker has started on the large body
+            await asyncio.sleep(0.01)
+        assert await parser.parse(SMALL) == {"prompt": "hi"}
+        assert not large.done()  # the small one came first: the loop was free
+        release.set()
+        assert (await large)["prompt"] == "x" * LARGE_BODY_BYTES
+
+    try:
+        asyncio.run(clients())
+    finally:
+        release.set()
+        parser.close()
+    assert threads[len(SMALL)] == "MainThread"
+    assert threads[len(LARGE)].startswith("parse-body")
+
+
+class _Inline(Executor):
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+
+
+def test_memory_is_handed_back_once_after_overlapping_large_requests() -> None:
+    trims: list[int] = []
+    memory = MemoryReturn(_Inline(), trim=lambda: trims.append(1))
+
+    async def burst() -> None:
+        with memory.large():
+            with memory.large():
+                pass
+            await asyncio.sleep(0)
+            assert trims == []  # one large request still in progress
+        await asyncio.sleep(0)
+        assert trims == [1]
+        with memory.large():
+            pass
+        await asyncio.sleep(0)
+        assert trims == [1, 1]
+
+    asyncio.run(burst())
+    assert memory.trims == 2 and memory.in_progress == 0
+
+
+def test_a_failed_handler_leaves_no_cycle_holding_its_locals() -> None:
+    class Prompt:
+        pass
+
+    held: list[weakref.ref[Prompt]] = []
+
+    async def handler() -> dict[str, Any]:
+        prompt = Prompt()
+        held.append(weakref.ref(prompt))
+        raise APIError(400, "too long")
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()  # the client never leaves
+        return {}
+
+    async def request() -> None:
+        with contextlib.suppress(APIError):
+            await until_disconnected(receive, handler())
+        assert held[0]() is None, "the handler's locals wait for the cyclic GC"
+
+    gc.disable()
+    try:
+        asyncio.run(request())
+    finally:
+        gc.enable()
+
+
+def _error(call: Any, *args: Any) -> APIError:
+    with pytest.raises(APIError) as caught:
+        call(*args)
+    assert caught.value.status == 400
+    return caught.value
+
+
+def test_bounds_before_validation_look_at_lengths_only() -> None:
+    codec = SimpleNamespace(max_token_chars=10)
+    encoder = PromptEncoder(codec, context_length=100, workers=1, max_prompts=4)  # type: ignore[arg-type]
+    try:
+        for fits in ([1] * 99, [[1] * 99] * 4, ["a" * 990], "a" * 990, None, 5, [], {"x": 1}):
+            encoder.bound_prompts(fits, None)
+        error = _error(encoder.bound_prompts, [1] * 100, None)
+        assert error.param == "prompt" and error.code == "context_length_exceeded"
+        assert "100 tokens" in error.message
+        error = _error(encoder.bound_prompts, [[1]] * 1_000_000, 2)
+        assert error.param == "n" and "1000000 prompts x n=2" in error.message
+        error = _error(encoder.bound_prompts, [[1], [1] * 100], None)
+        assert error.param == "prompt" and "100 tokens" in error.message
+        error = _error(encoder.bound_prompts, ["a", "a" * 1000], None)
+        assert "at least 100 tokens" in error.message
+        error = _error(encoder.bound_unvalidated, [1] * 500, "input_ids")
+        assert error.param == "input_ids" and "500 tokens" in error.message
+        encoder.bound_messages([{}] * 99)
+        error = _error(encoder.bound_messages, [{}] * 100)
+        assert error.param == "messages" and "100 messages" in error.message
+    finally:
+        encoder.close()
