@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,7 @@ def metrics_text(requests: int, prompt: int, completion: int, itl_s: float, itls
         m.node_cached_tokens.labels("decode", "d0").inc(cached)
     for _ in range(requests):
         m.ttft.observe(0.5)
+        m.e2e.observe(1.0)
     for _ in range(itls):
         m.itl.observe(itl_s)
     m.live_nodes.labels("prefill").set(prefill)
@@ -73,6 +75,20 @@ def test_a_window_from_two_scrapes_of_the_gateways_metrics() -> None:
     assert w.ttft_s == pytest.approx(0.5) and w.tpot_s == pytest.approx(0.03)
     assert w.split == Split(1, 2)
     assert Window.between(b, b) is None  # nothing answered: no window
+
+
+def test_lengths_are_per_finished_request_when_streams_queue() -> None:
+    """A 200 is counted when the stream opens, tokens when it ends: in a window where 30
+    streams opened and only 10 finished, the prompts are 400 tokens, not 400 / 3."""
+    a = parse_scrape(metrics_text(10, 4000, 40, 0.03, 30, 1, 2), at=100.0)
+    finished = parse_scrape(metrics_text(20, 8000, 80, 0.03, 60, 1, 2), at=110.0)
+    b = replace(finished, requests=finished.requests + 20)  # 20 more streams still open
+    w = Window.between(a, b)
+    assert w is not None and (b.requests, b.finished) == (40, 20)
+    assert w.rate == pytest.approx(3.0)  # streams opened per second: the offered load
+    assert w.input_len == pytest.approx(400.0) and w.output_len == pytest.approx(4.0)
+    started_only = replace(a, at=105.0, requests=a.requests + 5)
+    assert Window.between(a, started_only) is None  # nothing finished: lengths unknown
 
 
 def _record(path: Path, windows: list[tuple[float, str]]) -> Path:
@@ -122,7 +138,7 @@ def test_prefill_heavy_windows_switch_to_more_prefill_then_cool_down(tmp_path: P
 
 def test_a_budget_too_small_for_the_traffic_is_said() -> None:
     planner = Planner(profile(), PlannerConfig(2, SLO_, sim_seconds=20.0))
-    a, b = (Scrape(at, requests=6 * at, prompt_tokens=2400 * at,
+    a, b = (Scrape(at, requests=6 * at, finished=6 * at, prompt_tokens=2400 * at,
                    completion_tokens=24 * at, prefill_nodes=1, decode_nodes=1)
             for at in (10.0, 20.0))  # fmt: skip
     window = Window.between(a, b)  # 6 req/s of 400-token prompts: far beyond 2 nodes
@@ -153,7 +169,7 @@ def _profile_file(tmp_path: Path) -> Path:
 
 def test_hysteresis_holds_a_small_gain() -> None:
     planner = Planner(profile(), PlannerConfig(3, SLO_, hysteresis=0.99, sim_seconds=20.0))
-    a, b = (Scrape(at, requests=2 * at, prompt_tokens=800 * at,
+    a, b = (Scrape(at, requests=2 * at, finished=2 * at, prompt_tokens=800 * at,
                    completion_tokens=8 * at, prefill_nodes=1, decode_nodes=2)
             for at in (10.0, 20.0))  # fmt: skip
     window = Window.between(a, b)

@@ -9,10 +9,11 @@ simulator with what was measured, and act with hysteresis and a cool-down.
     python -m scripts.planning.pd_planner ... --replay scrapes.jsonl      # decide on a record
 
 One window is the difference of two scrapes of the gateway's /metrics: the requests answered
-(200s), prompt, completion and prefix-cached tokens, the TTFT and inter-token latency
-histograms' sums and counts, and the live prefill and decode nodes (the current split). From it:
-the arrival rate, mean input and output lengths, the cached fraction of the prompts, and the
-measured mean TTFT and TPOT.
+(200s, counted when the stream opens), the requests finished (the end-to-end histogram's count),
+prompt, completion and prefix-cached tokens (counted when a request finishes), the TTFT and
+inter-token latency histograms' sums and counts, and the live prefill and decode nodes (the
+current split). From it: the arrival rate (200s per second), mean input and output lengths (per
+finished request), the cached fraction of the prompts, and the measured mean TTFT and TPOT.
 
 A decision: the simulator (scripts/planning/simulator.py, the node profile scaled by the online
 correction) runs every split of `--budget` (every P:D and colocated) at the window's rate times
@@ -69,7 +70,8 @@ class Scrape:
     """The gateway's cumulative counters at one moment (seconds on the planner's clock)."""
 
     at: float
-    requests: float = 0.0  # answered with 200 on the generation endpoints
+    requests: float = 0.0  # answered with 200 on the generation endpoints (a stream opened)
+    finished: float = 0.0  # requests whose tokens were counted (the e2e histogram's count)
     prompt_tokens: float = 0.0
     completion_tokens: float = 0.0
     cached_tokens: float = 0.0
@@ -90,6 +92,7 @@ COUNTERS = {  # the gateway's cumulative samples -> Scrape fields (summed over t
     "pdserve_gateway_time_to_first_token_seconds_count": "ttft_count",
     "pdserve_gateway_inter_token_latency_seconds_sum": "itl_sum",
     "pdserve_gateway_inter_token_latency_seconds_count": "itl_count",
+    "pdserve_gateway_e2e_seconds_count": "finished",
 }
 
 
@@ -130,18 +133,21 @@ class Window:
     def between(cls, a: Scrape, b: Scrape) -> Window | None:
         """None when no request was answered in between (nothing to plan for)."""
         seconds, requests = b.at - a.at, b.requests - a.requests
-        if seconds <= 0 or requests <= 0:
+        finished = b.finished - a.finished
+        if seconds <= 0 or requests <= 0 or finished <= 0:
             return None
         prompt = b.prompt_tokens - a.prompt_tokens
 
         def mean(s: float, c: float) -> float | None:
             return s / c if c > 0 else None
 
+        # A 200 is counted when the stream opens, the tokens when the request finishes: the
+        # lengths are per finished request, or a backlog's window reads as short prompts.
         return cls(
             seconds=seconds,
             rate=requests / seconds,
-            input_len=prompt / requests,
-            output_len=(b.completion_tokens - a.completion_tokens) / requests,
+            input_len=prompt / finished,
+            output_len=(b.completion_tokens - a.completion_tokens) / finished,
             cached_fraction=(b.cached_tokens - a.cached_tokens) / prompt if prompt > 0 else 0.0,
             ttft_s=mean(b.ttft_sum - a.ttft_sum, b.ttft_count - a.ttft_count),
             tpot_s=mean(b.itl_sum - a.itl_sum, b.itl_count - a.itl_count),
