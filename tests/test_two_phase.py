@@ -113,11 +113,11 @@ def _planner_lines() -> str:
     planner = Planner(_profile(), PlannerConfig(3, SLO(ttft_ms=3000.0, tpot_ms=100.0),
                                                 cooldown_s=60.0, sim_seconds=20.0,
                                                 headroom=1.0))  # fmt: skip
-    scrapes = [Scrape(100.0 + 10 * i, requests=20 * i, prompt_tokens=8000 * i,
+    scrapes = [Scrape(100.0 + 10 * i, requests=20 * i, finished=20 * i, prompt_tokens=8000 * i,
                       completion_tokens=80 * i, itl_sum=1.8 * i, itl_count=60 * i,
                       prefill_nodes=1, decode_nodes=2) for i in range(4)]  # fmt: skip
-    scrapes.append(Scrape(150.0, requests=60, prompt_tokens=24000, completion_tokens=240,
-                          prefill_nodes=1, decode_nodes=2))  # fmt: skip
+    scrapes.append(Scrape(150.0, requests=60, finished=60, prompt_tokens=24000,
+                          completion_tokens=240, prefill_nodes=1, decode_nodes=2))  # fmt: skip
     out = io.StringIO()
     run(planner, iter(scrapes), None, out)
     return out.getvalue()
@@ -183,10 +183,27 @@ def test_the_goals_on_runs() -> None:
 def test_the_planner_gets_the_benchmarks_flags() -> None:
     args = build_parser().parse_args(["--out", "x", "--quick", "--actuator", "switch"])
     config = build_bench(args)
-    assert config.workload.total_s == 150.0 and config.planner is not None
+    assert config.workload.total_s == 120.0 and config.planner is not None
     argv = planner_argv(config, config.planner, config.workload.slo)
     assert argv[argv.index("--actuator") + 1] == "switch"
     assert argv[argv.index("--headroom") + 1] == "1"
     assert argv[argv.index("--interval") + 1] == "10.0"
     with pytest.raises(TwoPhaseError, match="--planner-start"):
         build_bench(build_parser().parse_args(["--out", "x", "--planner-start", "1:1"]))
+
+
+def test_the_predicted_table_compares_the_best_split_per_phase_with_the_best_static() -> None:
+    from scripts.planning.simulator import HostConfig
+    from scripts.planning.sweep import Split
+    from scripts.planning.two_phase_predict import Prediction, predict, prediction_table
+
+    workload = Workload((A, B), SLO(ttft_ms=3000.0, tpot_ms=100.0))
+    rows = predict(_profile(), workload, [Split(1, 2), Split(2, 1)], HostConfig())
+    assert [r.split for r in rows] == ["1P2D", "2P1D"]
+    assert all(0.0 <= a <= 1.0 for r in rows for a in r.attainment)
+    made_up = [Prediction("1P2D", (0.5, 1.0)), Prediction("2P1D", (1.0, 0.5))]
+    # 1P2D: (0.5 x 2 req/s x 20 s + 1.0 x 5 x 10) / 30 s; 2P1D: (40 + 25) / 30
+    assert made_up[0].goodput(workload) == pytest.approx(70 / 30)
+    table = prediction_table(made_up, workload)
+    assert "| best split per phase, switches free | 100% | 100% | 3.000 |" in table
+    assert "ideal planner / best static split: 1.29x" in table  # 90 / 70

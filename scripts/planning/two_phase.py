@@ -2,8 +2,9 @@
 decode-heavy), every static split of the budget against `pd-planner` moving the split while it
 serves.
 
-    python -m scripts.planning.two_phase --out benchmarks/serving-RUN      # ~22 min
-    python -m scripts.planning.two_phase --quick --out /tmp/two-phase       # ~9 min
+    python -m scripts.planning.two_phase --out benchmarks/serving-RUN      # ~20 min
+    python -m scripts.planning.two_phase --quick --out /tmp/two-phase       # ~11 min
+    python -m scripts.planning.two_phase --predict --out /tmp/two-phase     # seconds
 
 For each configuration (`--splits`, default every P:D of `--budget` and colocated; then the
 planner unless `--no-planner`) it starts a cluster (gateway/cluster.py's launcher; every node
@@ -43,7 +44,9 @@ from pathlib import Path
 
 from gateway.cluster import Cluster, ClusterError, build_config
 from gateway.cluster import build_parser as cluster_parser
+from scripts.planning.profile import NodeProfile
 from scripts.planning.sweep import Split, parse_splits
+from scripts.planning.two_phase_predict import CALM_HOST, predict, prediction_table
 from scripts.planning.two_phase_score import (
     Phase,
     RunResult,
@@ -91,6 +94,7 @@ class BenchConfig:
     cluster_args: tuple[str, ...]  # extra pd-cluster flags for every run
     warmup: int
     out: Path
+    request_timeout_s: float = 300.0
 
 
 def cluster_argv(config: BenchConfig, split: Split, log_dir: Path) -> list[str]:
@@ -102,7 +106,8 @@ def cluster_argv(config: BenchConfig, split: Split, log_dir: Path) -> list[str]:
 
 def send(url: str, config: BenchConfig, schedule: Schedule) -> tuple[list[RequestTrace], float]:
     """Warm up, then send the schedule; returns the traces and the load's zero (monotonic)."""
-    client = ClientConfig(url, served_model(url), ignore_eos=True, timeout_s=600.0)
+    client = ClientConfig(url, served_model(url), ignore_eos=True,
+                          timeout_s=config.request_timeout_s)  # fmt: skip
     warm_up = DatasetConfig("random", max(1, config.warmup), seed=config.workload.seed + 99)
     warm(BenchmarkConfig(warm_up, LoadConfig(num_sessions=1), client, config.workload.slo),
          config.warmup)  # fmt: skip
@@ -200,25 +205,29 @@ def run_planner(config: BenchConfig, run: PlannerRun, schedule: Schedule) -> Run
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="two_phase", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON and the table")
-    p.add_argument("--quick", action="store_true", help="phases of 75 s, a faster planner")
+    p.add_argument("--quick", action="store_true", help="phases of 60 s, a faster planner")
     p.add_argument("--budget", type=int, default=3, help="nodes to split")
     p.add_argument("--splits", default="all", help="static splits: 'all' or e.g. 1:2,2:1")
     p.add_argument("--no-planner", action="store_true", help="static splits only")
     p.add_argument("--no-static", action="store_true", help="the planner run only")
+    p.add_argument("--predict", action="store_true",
+                   help="print the simulator's attainment per split and phase (a calm 2-core "
+                   "host, two_phase_predict.py) and exit: seconds, no cluster")  # fmt: skip
     g = p.add_argument_group("workload (phase A prefill-heavy, phase B decode-heavy)")
-    g.add_argument("--a-seconds", type=float, default=150.0)
-    g.add_argument("--a-rate", type=float, default=1.5, help="requests/s, Poisson")
-    g.add_argument("--a-input", type=int, default=512, help="prompt tokens (mean, +-25%%)")
-    g.add_argument("--a-output", type=int, default=8, help="output tokens (mean, +-25%%)")
-    g.add_argument("--b-seconds", type=float, default=150.0)
-    g.add_argument("--b-rate", type=float, default=2.5)
-    g.add_argument("--b-input", type=int, default=64)
-    g.add_argument("--b-output", type=int, default=128)
+    g.add_argument("--a-seconds", type=float, default=120.0)
+    g.add_argument("--a-rate", type=float, default=2.0, help="requests/s, Poisson")
+    g.add_argument("--a-input", type=int, default=384, help="prompt tokens (mean, +-25%%)")
+    g.add_argument("--a-output", type=int, default=4, help="output tokens (mean, +-25%%)")
+    g.add_argument("--b-seconds", type=float, default=120.0)
+    g.add_argument("--b-rate", type=float, default=1.1)
+    g.add_argument("--b-input", type=int, default=16)
+    g.add_argument("--b-output", type=int, default=256)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    g.add_argument("--slo-tpot-ms", type=float, default=60.0)
+    g.add_argument("--slo-ttft-ms", type=float, default=2500.0)
+    g.add_argument("--slo-tpot-ms", type=float, default=80.0)
     g.add_argument("--slo-attainment", type=float, default=0.9)
     g.add_argument("--warmup", type=int, default=3, help="requests before each run")
+    g.add_argument("--request-timeout", type=float, default=300.0, help="s; then lost")
     g = p.add_argument_group("cluster and planner")
     g.add_argument("--threads-per-node", type=int, default=1, help="OMP_NUM_THREADS per node")
     g.add_argument("--cluster-args", default="", help="extra pd-cluster flags (quoted)")
@@ -226,16 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--planner-start", default="1:2", help="the planner run's first split P:D")
     g.add_argument("--profile", type=Path, default=PROFILE)
     g.add_argument("--interval", type=float, default=None, help="s (default 15, --quick 10)")
-    g.add_argument("--cooldown", type=float, default=None, help="s (default 45, --quick 30)")
+    g.add_argument("--cooldown", type=float, default=None, help="s (default 45, --quick 25)")
     g.add_argument("--hysteresis", type=float, default=0.05)
-    g.add_argument("--sim-seconds", type=float, default=30.0)
+    g.add_argument("--sim-seconds", type=float, default=20.0)
     g.add_argument("--host-cores", type=int, default=os.cpu_count() or 1)
     return p
 
 
 def build_bench(args: argparse.Namespace) -> BenchConfig:
     if args.quick:
-        args.a_seconds = args.b_seconds = 75.0
+        args.a_seconds = args.b_seconds = 60.0
     a = Phase("A prefill-heavy", args.a_seconds, args.a_rate, args.a_input, args.a_output)
     b = Phase("B decode-heavy", args.b_seconds, args.b_rate, args.b_input, args.b_output)
     workload = Workload((a, b), SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
@@ -248,7 +257,7 @@ def build_bench(args: argparse.Namespace) -> BenchConfig:
             start=start,
             profile=args.profile,
             interval_s=args.interval or (10.0 if args.quick else 15.0),
-            cooldown_s=args.cooldown or (30.0 if args.quick else 45.0),
+            cooldown_s=args.cooldown or (25.0 if args.quick else 45.0),
             hysteresis=args.hysteresis,
             sim_seconds=args.sim_seconds,
             host_cores=args.host_cores,
@@ -258,7 +267,8 @@ def build_bench(args: argparse.Namespace) -> BenchConfig:
         raise TwoPhaseError(f"--planner-start {start.name} is not {args.budget} nodes (--budget)")
     splits = () if args.no_static else parse_splits(args.splits, args.budget)
     return BenchConfig(workload, args.budget, tuple(splits), planner,
-                       tuple(shlex.split(args.cluster_args)), args.warmup, args.out)  # fmt: skip
+                       tuple(shlex.split(args.cluster_args)), args.warmup, args.out,
+                       args.request_timeout)  # fmt: skip
 
 
 def write_outputs(config: BenchConfig, runs: list[RunResult], uptime: list[str]) -> str:
@@ -321,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"two_phase: error: {exc}", file=sys.stderr)
         return 2
+    if args.predict:
+        splits = config.splits or parse_splits(args.splits, args.budget)
+        rows = predict(NodeProfile.load(args.profile), config.workload, splits, CALM_HOST)
+        print(prediction_table(rows, config.workload))
+        return 0
     os.environ["OMP_NUM_THREADS"] = str(args.threads_per_node)  # inherited by every node
     config.out.mkdir(parents=True, exist_ok=True)
     runs, uptime = [], [uptime_line()]
