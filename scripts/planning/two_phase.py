@@ -18,6 +18,8 @@ from `--planner-start` and stops and starts node processes within the budget); `
 switch` starts the cluster here and runs `pd-planner --actuator switch --bootstrap HOST:PORT`
 (role switches inside the nodes). The planner gets `--interval`, `--cooldown`, the SLOs and
 `--headroom 1`, so that what it predicts for a window is the goodput at the window's rate.
+A run ends `--grace` seconds after the last phase: requests unfinished then are cancelled and
+count as lost (an overloaded split's backlog would otherwise drain for many minutes).
 
 Prints, and writes under `--out` (`two_phase.json`, `two_phase.md`, the planner's decisions as
 `planner_decisions.jsonl` and its log): per run and phase the requests scheduled, those meeting
@@ -42,6 +44,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
+
 from gateway.cluster import Cluster, ClusterError, build_config
 from gateway.cluster import build_parser as cluster_parser
 from scripts.planning.profile import NodeProfile
@@ -64,8 +68,9 @@ from scripts.planning.two_phase_score import (
 )
 from scripts.serving.benchmark import BenchmarkConfig, warm
 from scripts.serving.client import ClientConfig, served_model
-from scripts.serving.datasets import DatasetConfig
-from scripts.serving.load import LoadConfig, Slice, run_slice
+from scripts.serving.client import send as send_one
+from scripts.serving.datasets import DatasetConfig, Session
+from scripts.serving.load import LoadConfig
 from scripts.serving.metrics import SLO, RequestTrace
 
 PROFILE = Path("benchmarks/serving-2026-11-24/node_profile.json")  # one thread a node, this CPU
@@ -95,6 +100,7 @@ class BenchConfig:
     warmup: int
     out: Path
     request_timeout_s: float = 300.0
+    grace_s: float = 60.0  # after the last phase: then unfinished requests count as failed
 
 
 def cluster_argv(config: BenchConfig, split: Split, log_dir: Path) -> list[str]:
@@ -104,17 +110,52 @@ def cluster_argv(config: BenchConfig, split: Split, log_dir: Path) -> list[str]:
             "--log-level", "warning", *config.cluster_args]  # fmt: skip
 
 
-def send(url: str, config: BenchConfig, schedule: Schedule) -> tuple[list[RequestTrace], float]:
+def warm_and_send(
+    url: str, config: BenchConfig, schedule: Schedule
+) -> tuple[list[RequestTrace], float]:
     """Warm up, then send the schedule; returns the traces and the load's zero (monotonic)."""
     client = ClientConfig(url, served_model(url), ignore_eos=True,
                           timeout_s=config.request_timeout_s)  # fmt: skip
     warm_up = DatasetConfig("random", max(1, config.warmup), seed=config.workload.seed + 99)
     warm(BenchmarkConfig(warm_up, LoadConfig(num_sessions=1), client, config.workload.slo),
          config.warmup)  # fmt: skip
-    part = Slice.whole(schedule.times, None)
     zero = time.perf_counter()  # CLOCK_MONOTONIC: the planner's time.monotonic() too
-    result = asyncio.run(run_slice(list(schedule.sessions), client, part, zero, progress=False))
-    return result.traces, zero
+    deadline = config.workload.total_s + config.grace_s
+    return asyncio.run(send_until(schedule, client, zero, deadline)), zero
+
+
+async def send_until(schedule: Schedule, client: ClientConfig, zero: float,
+                     deadline_s: float) -> list[RequestTrace]:  # fmt: skip
+    """Each session at its arrival time (scripts/serving/client.py's `send`); what has not
+    finished `deadline_s` after `zero` is cancelled and recorded as failed ("unfinished"), so
+    an overloaded split's backlog ends the run on time instead of draining for many minutes."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=client.base_url, timeout=client.timeout_s,
+                                 limits=limits) as http:  # fmt: skip
+
+        async def one(index: int, session: Session) -> RequestTrace:
+            trace, _ = await send_one(http, client, session.turns[0], [], zero)
+            trace.session = index
+            return trace
+
+        tasks = []
+        for index, (at, session) in enumerate(zip(schedule.times, schedule.sessions,
+                                                  strict=True)):  # fmt: skip
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - zero)))
+            tasks.append(asyncio.create_task(one(index, session)))
+        left = deadline_s - (time.perf_counter() - zero)
+        await asyncio.wait(tasks, timeout=max(0.0, left))
+        traces = []
+        for index, task in enumerate(tasks):
+            if task.done():
+                traces.append(task.result())
+                continue
+            task.cancel()
+            at = schedule.times[index]
+            traces.append(RequestTrace(sent=at, done=deadline_s, error="unfinished",
+                                       session=index))  # fmt: skip
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return traces
 
 
 def quiet_cluster(argv: list[str]) -> Cluster:
@@ -128,7 +169,7 @@ def run_static(config: BenchConfig, split: Split, schedule: Schedule) -> RunResu
     cluster = quiet_cluster(cluster_argv(config, split, log_dir))
     try:
         url = cluster.start(threading.Event())
-        traces, _ = send(url, config, schedule)
+        traces, _ = warm_and_send(url, config, schedule)
         result.scores = score_run(config.workload, schedule, traces)
     except ClusterError as exc:
         result.error = f"cluster: {exc} (logs in {log_dir})"
@@ -180,7 +221,7 @@ def run_planner(config: BenchConfig, run: PlannerRun, schedule: Schedule) -> Run
             process = subprocess.Popen(argv, stdout=out, stderr=err)
         if cluster is None:
             url = wait_ready(log, process)
-        traces, zero = send(url, config, schedule)
+        traces, zero = warm_and_send(url, config, schedule)
         result.scores = score_run(config.workload, schedule, traces)
         time.sleep(1.0)  # the decision of the window the load ended in
         decisions = read_decisions(decisions_path.read_text())
@@ -227,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--slo-tpot-ms", type=float, default=80.0)
     g.add_argument("--slo-attainment", type=float, default=0.9)
     g.add_argument("--warmup", type=int, default=3, help="requests before each run")
-    g.add_argument("--request-timeout", type=float, default=300.0, help="s; then lost")
+    g.add_argument("--request-timeout", type=float, default=300.0, help="s without a byte")
+    g.add_argument("--grace", type=float, default=60.0,
+                   help="s after the last phase; then unfinished requests are lost")  # fmt: skip
     g = p.add_argument_group("cluster and planner")
     g.add_argument("--threads-per-node", type=int, default=1, help="OMP_NUM_THREADS per node")
     g.add_argument("--cluster-args", default="", help="extra pd-cluster flags (quoted)")
@@ -268,7 +311,7 @@ def build_bench(args: argparse.Namespace) -> BenchConfig:
     splits = () if args.no_static else parse_splits(args.splits, args.budget)
     return BenchConfig(workload, args.budget, tuple(splits), planner,
                        tuple(shlex.split(args.cluster_args)), args.warmup, args.out,
-                       args.request_timeout)  # fmt: skip
+                       args.request_timeout, args.grace)  # fmt: skip
 
 
 def write_outputs(config: BenchConfig, runs: list[RunResult], uptime: list[str]) -> str:
