@@ -22,7 +22,8 @@ A run ends `--grace` seconds after the last phase: requests unfinished then are 
 count as lost (an overloaded split's backlog would otherwise drain for many minutes).
 
 Prints, and writes under `--out` (`two_phase.json`, `two_phase.md`, the planner's decisions as
-`planner_decisions.jsonl` and its log): per run and phase the requests scheduled, those meeting
+`planner_decisions.jsonl`, the metrics it read as `planner_scrapes.jsonl` for `pd-planner
+--replay`, and its log): per run and phase the requests scheduled, those meeting
 both SLOs (TTFT and TPOT, per request), attainment, goodput, requests lost; for the planner its
 actions and per window the predicted vs measured goodput with the mean absolute error; then the
 issue's goals, met or not.
@@ -205,6 +206,7 @@ def run_planner(config: BenchConfig, run: PlannerRun, schedule: Schedule) -> Run
     result = RunResult(name, planner=True)
     log, decisions_path = config.out / "planner.log", config.out / "planner_decisions.jsonl"
     argv = planner_argv(config, run, config.workload.slo)
+    argv += ["--record", str(config.out / "planner_scrapes.jsonl")]  # for --replay
     cluster: Cluster | None = None
     cluster_args = cluster_argv(config, run.start, config.out / "logs" / "planner")
     if run.actuator == "local":
