@@ -189,6 +189,19 @@ def test_the_correction_follows_measured_tpot() -> None:
     assert planner.correction == pytest.approx(2.0, rel=0.1)
 
 
+def test_the_correction_follows_a_host_ten_times_slower_than_its_profile() -> None:
+    """A host shared with other work: decode steps measured 10x the profile's (0.3 s, not
+    0.03 s). The correction gets there (it used to stop at 4) and the prediction follows."""
+    planner = Planner(profile(), PlannerConfig(3, SLO_, sim_seconds=20.0, correction_weight=1.0))
+    a = parse_scrape(metrics_text(10, 500, 1000, 0.3, 990, 1, 2), at=0.0)
+    b = parse_scrape(metrics_text(20, 1000, 2000, 0.3, 1980, 1, 2), at=10.0)
+    window = Window.between(a, b)
+    assert window is not None
+    decision = planner.decide(window, 10.0)
+    assert planner.correction == pytest.approx(10.0, rel=0.1)
+    assert decision.predicted["1P2D"] < 0.5  # TPOT ~0.3 s against the 100 ms SLO
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

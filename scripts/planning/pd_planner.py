@@ -168,6 +168,10 @@ class PlannerConfig:
     headroom: float = 1.1  # plan for this much more traffic than the window saw
     sim_seconds: float = 60.0  # arrivals simulated per split
     correction_weight: float = 0.5  # of each new measured/predicted ratio in the correction
+    # The correction stays within [1 / limit, limit]: a host shared with other work measured
+    # steps 10-40x its profile (benchmarks/serving-2026-11-26-two-phase.md); at the old limit
+    # of 4 every prediction stayed optimistic and the planner never acted.
+    correction_limit: float = 64.0
     host: HostConfig = field(default_factory=HostConfig)
 
     def __post_init__(self) -> None:
@@ -262,7 +266,8 @@ class Planner:
             return
         ratio = window.tpot_s / predicted
         w = self.config.correction_weight
-        self.correction = min(4.0, max(0.25, self.correction * ratio**w))
+        limit = self.config.correction_limit
+        self.correction = min(limit, max(1 / limit, self.correction * ratio**w))
 
 
 # -- acting ----------------------------------------------------------------------------------
