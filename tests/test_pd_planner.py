@@ -78,15 +78,19 @@ def test_a_window_from_two_scrapes_of_the_gateways_metrics() -> None:
 
 
 def test_lengths_are_per_finished_request_when_streams_queue() -> None:
-    """A 200 is counted when the stream opens, tokens when it ends: in a window where 30
-    streams opened and only 10 finished, the prompts are 400 tokens, not 400 / 3."""
+    """A 200 is counted at the first token, tokens when the request ends: in a window where 30
+    requests arrived, 10 finished, 10 are streaming and 10 wait for their prefill, the prompts
+    are 400 tokens (not 400 / 2) and the rate is 3 req/s (not the 2 that got a first token)."""
     a = parse_scrape(metrics_text(10, 4000, 40, 0.03, 30, 1, 2), at=100.0)
     finished = parse_scrape(metrics_text(20, 8000, 80, 0.03, 60, 1, 2), at=110.0)
-    b = replace(finished, requests=finished.requests + 20)  # 20 more streams still open
+    b = replace(finished, requests=finished.requests + 10, inflight=20)  # 10 open, 10 queued
     w = Window.between(a, b)
-    assert w is not None and (b.requests, b.finished) == (40, 20)
-    assert w.rate == pytest.approx(3.0)  # streams opened per second: the offered load
+    assert w is not None and (b.requests, b.finished) == (30, 20)
+    assert w.rate == pytest.approx(3.0)  # admitted (10 finished + 20 in flight) per second
     assert w.input_len == pytest.approx(400.0) and w.output_len == pytest.approx(4.0)
+    gauge = GatewayMetrics()
+    gauge.inflight.set(20)
+    assert parse_scrape(gauge.render().decode(), at=0.0).inflight == 20
     started_only = replace(a, at=105.0, requests=a.requests + 5)
     assert Window.between(a, started_only) is None  # nothing finished: lengths unknown
 

@@ -9,11 +9,13 @@ simulator with what was measured, and act with hysteresis and a cool-down.
     python -m scripts.planning.pd_planner ... --replay scrapes.jsonl      # decide on a record
 
 One window is the difference of two scrapes of the gateway's /metrics: the requests answered
-(200s, counted when the stream opens), the requests finished (the end-to-end histogram's count),
-prompt, completion and prefix-cached tokens (counted when a request finishes), the TTFT and
-inter-token latency histograms' sums and counts, and the live prefill and decode nodes (the
-current split). From it: the arrival rate (200s per second), mean input and output lengths (per
-finished request), the cached fraction of the prompts, and the measured mean TTFT and TPOT.
+(200s, counted at the first token), the requests finished (the end-to-end histogram's count),
+the requests in flight (a gauge), prompt, completion and prefix-cached tokens (counted when a
+request finishes), the TTFT and inter-token latency histograms' sums and counts, and the live
+prefill and decode nodes (the current split). From it: the arrival rate (finished + in flight,
+per second: 200s are counted at the first token, so under a prefill backlog they read the
+split's capacity, not the load), mean input and output lengths (per finished request), the
+cached fraction of the prompts, and the measured mean TTFT and TPOT.
 
 A decision: the simulator (scripts/planning/simulator.py, the node profile scaled by the online
 correction) runs every split of `--budget` (every P:D and colocated) at the window's rate times
@@ -72,6 +74,7 @@ class Scrape:
     at: float
     requests: float = 0.0  # answered with 200 on the generation endpoints (a stream opened)
     finished: float = 0.0  # requests whose tokens were counted (the e2e histogram's count)
+    inflight: float = 0.0  # admitted and not finished (a gauge): queued ones included
     prompt_tokens: float = 0.0
     completion_tokens: float = 0.0
     cached_tokens: float = 0.0
@@ -93,6 +96,7 @@ COUNTERS = {  # the gateway's cumulative samples -> Scrape fields (summed over t
     "pdserve_gateway_inter_token_latency_seconds_sum": "itl_sum",
     "pdserve_gateway_inter_token_latency_seconds_count": "itl_count",
     "pdserve_gateway_e2e_seconds_count": "finished",
+    "pdserve_gateway_inflight": "inflight",
 }
 
 
@@ -121,7 +125,7 @@ class Window:
     """The workload and latencies between two scrapes."""
 
     seconds: float
-    rate: float  # requests answered per second
+    rate: float  # requests admitted per second (the offered load)
     input_len: float  # mean prompt tokens
     output_len: float  # mean completion tokens
     cached_fraction: float  # of the prompt tokens, served from a prefix cache
@@ -141,11 +145,14 @@ class Window:
         def mean(s: float, c: float) -> float | None:
             return s / c if c > 0 else None
 
-        # A 200 is counted when the stream opens, the tokens when the request finishes: the
-        # lengths are per finished request, or a backlog's window reads as short prompts.
+        # A 200 is counted when the stream opens (at the first token), the tokens when the
+        # request finishes: the lengths are per finished request, or a backlog's window reads
+        # as short prompts. The rate is of admissions (finished + in flight): 200s per second
+        # are first tokens per second, which a prefill backlog caps at the split's capacity.
+        admitted = (b.finished + b.inflight) - (a.finished + a.inflight)
         return cls(
             seconds=seconds,
-            rate=requests / seconds,
+            rate=max(admitted, requests) / seconds,
             input_len=prompt / finished,
             output_len=(b.completion_tokens - a.completion_tokens) / finished,
             cached_fraction=(b.cached_tokens - a.cached_tokens) / prompt if prompt > 0 else 0.0,
