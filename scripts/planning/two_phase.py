@@ -2,8 +2,8 @@
 decode-heavy), every static split of the budget against `pd-planner` moving the split while it
 serves.
 
-    python -m scripts.planning.two_phase --out benchmarks/serving-RUN      # ~20 min
-    python -m scripts.planning.two_phase --quick --out /tmp/two-phase       # ~11 min
+    python -m scripts.planning.two_phase --out benchmarks/serving-RUN      # ~23 min
+    python -m scripts.planning.two_phase --quick --out /tmp/two-phase       # ~15 min
     python -m scripts.planning.two_phase --predict --out /tmp/two-phase     # seconds
 
 For each configuration (`--splits`, default every P:D of `--budget` and colocated; then the
