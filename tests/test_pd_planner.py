@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,7 @@ def metrics_text(requests: int, prompt: int, completion: int, itl_s: float, itls
         m.node_cached_tokens.labels("decode", "d0").inc(cached)
     for _ in range(requests):
         m.ttft.observe(0.5)
+        m.e2e.observe(1.0)
     for _ in range(itls):
         m.itl.observe(itl_s)
     m.live_nodes.labels("prefill").set(prefill)
@@ -76,6 +78,24 @@ def test_a_window_from_two_scrapes_of_the_gateways_metrics() -> None:
     assert w.ttft_s == pytest.approx(0.5) and w.tpot_s == pytest.approx(0.03)
     assert w.split == Split(1, 2)
     assert Window.between(b, b) is None  # nothing answered: no window
+
+
+def test_lengths_are_per_finished_request_when_streams_queue() -> None:
+    """A 200 is counted at the first token, tokens when the request ends: in a window where 30
+    requests arrived, 10 finished, 10 are streaming and 10 wait for their prefill, the prompts
+    are 400 tokens (not 400 / 2) and the rate is 3 req/s (not the 2 that got a first token)."""
+    a = parse_scrape(metrics_text(10, 4000, 40, 0.03, 30, 1, 2), at=100.0)
+    finished = parse_scrape(metrics_text(20, 8000, 80, 0.03, 60, 1, 2), at=110.0)
+    b = replace(finished, requests=finished.requests + 10, inflight=20)  # 10 open, 10 queued
+    w = Window.between(a, b)
+    assert w is not None and (b.requests, b.finished) == (30, 20)
+    assert w.rate == pytest.approx(3.0)  # admitted (10 finished + 20 in flight) per second
+    assert w.input_len == pytest.approx(400.0) and w.output_len == pytest.approx(4.0)
+    gauge = GatewayMetrics()
+    gauge.inflight.set(20)
+    assert parse_scrape(gauge.render().decode(), at=0.0).inflight == 20
+    started_only = replace(a, at=105.0, requests=a.requests + 5)
+    assert Window.between(a, started_only) is None  # nothing finished: lengths unknown
 
 
 def _record(path: Path, windows: list[tuple[float, str]]) -> Path:
@@ -125,7 +145,7 @@ def test_prefill_heavy_windows_switch_to_more_prefill_then_cool_down(tmp_path: P
 
 def test_a_budget_too_small_for_the_traffic_is_said() -> None:
     planner = Planner(profile(), PlannerConfig(2, SLO_, sim_seconds=20.0))
-    a, b = (Scrape(at, requests=6 * at, prompt_tokens=2400 * at,
+    a, b = (Scrape(at, requests=6 * at, finished=6 * at, prompt_tokens=2400 * at,
                    completion_tokens=24 * at, prefill_nodes=1, decode_nodes=1)
             for at in (10.0, 20.0))  # fmt: skip
     window = Window.between(a, b)  # 6 req/s of 400-token prompts: far beyond 2 nodes
@@ -156,7 +176,7 @@ def _profile_file(tmp_path: Path) -> Path:
 
 def test_hysteresis_holds_a_small_gain() -> None:
     planner = Planner(profile(), PlannerConfig(3, SLO_, hysteresis=0.99, sim_seconds=20.0))
-    a, b = (Scrape(at, requests=2 * at, prompt_tokens=800 * at,
+    a, b = (Scrape(at, requests=2 * at, finished=2 * at, prompt_tokens=800 * at,
                    completion_tokens=8 * at, prefill_nodes=1, decode_nodes=2)
             for at in (10.0, 20.0))  # fmt: skip
     window = Window.between(a, b)
@@ -174,6 +194,19 @@ def test_the_correction_follows_measured_tpot() -> None:
     assert window is not None and window.tpot_s == pytest.approx(0.06)
     planner.decide(window, 10.0)
     assert planner.correction == pytest.approx(2.0, rel=0.1)
+
+
+def test_the_correction_follows_a_host_ten_times_slower_than_its_profile() -> None:
+    """A host shared with other work: decode steps measured 10x the profile's (0.3 s, not
+    0.03 s). The correction gets there (it used to stop at 4) and the prediction follows."""
+    planner = Planner(profile(), PlannerConfig(3, SLO_, sim_seconds=20.0, correction_weight=1.0))
+    a = parse_scrape(metrics_text(10, 500, 1000, 0.3, 990, 1, 2), at=0.0)
+    b = parse_scrape(metrics_text(20, 1000, 2000, 0.3, 1980, 1, 2), at=10.0)
+    window = Window.between(a, b)
+    assert window is not None
+    decision = planner.decide(window, 10.0)
+    assert planner.correction == pytest.approx(10.0, rel=0.1)
+    assert decision.predicted["1P2D"] < 0.5  # TPOT ~0.3 s against the 100 ms SLO
 
 
 @pytest.mark.parametrize(

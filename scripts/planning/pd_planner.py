@@ -10,10 +10,13 @@ simulator with what was measured, and act with hysteresis and a cool-down.
     python -m scripts.planning.pd_planner ... --replay scrapes.jsonl      # decide on a record
 
 One window is the difference of two scrapes of the gateway's /metrics: the requests answered
-(200s), prompt, completion and prefix-cached tokens, the TTFT and inter-token latency
-histograms' sums and counts, and the live prefill and decode nodes (the current split). From it:
-the arrival rate, mean input and output lengths, the cached fraction of the prompts, and the
-measured mean TTFT and TPOT.
+(200s, counted at the first token), the requests finished (the end-to-end histogram's count),
+the requests in flight (a gauge), prompt, completion and prefix-cached tokens (counted when a
+request finishes), the TTFT and inter-token latency histograms' sums and counts, and the live
+prefill and decode nodes (the current split). From it: the arrival rate (finished + in flight,
+per second: 200s are counted at the first token, so under a prefill backlog they read the
+split's capacity, not the load), mean input and output lengths (per finished request), the
+cached fraction of the prompts, and the measured mean TTFT and TPOT.
 
 A decision: the simulator (scripts/planning/simulator.py, the node profile scaled by the online
 correction) runs every split of `--budget` (every P:D and colocated) at the window's rate times
@@ -75,7 +78,9 @@ class Scrape:
     """The gateway's cumulative counters at one moment (seconds on the planner's clock)."""
 
     at: float
-    requests: float = 0.0  # answered with 200 on the generation endpoints
+    requests: float = 0.0  # answered with 200 on the generation endpoints (a stream opened)
+    finished: float = 0.0  # requests whose tokens were counted (the e2e histogram's count)
+    inflight: float = 0.0  # admitted and not finished (a gauge): queued ones included
     prompt_tokens: float = 0.0
     completion_tokens: float = 0.0
     cached_tokens: float = 0.0
@@ -96,6 +101,8 @@ COUNTERS = {  # the gateway's cumulative samples -> Scrape fields (summed over t
     "pdserve_gateway_time_to_first_token_seconds_count": "ttft_count",
     "pdserve_gateway_inter_token_latency_seconds_sum": "itl_sum",
     "pdserve_gateway_inter_token_latency_seconds_count": "itl_count",
+    "pdserve_gateway_e2e_seconds_count": "finished",
+    "pdserve_gateway_inflight": "inflight",
 }
 
 
@@ -124,7 +131,7 @@ class Window:
     """The workload and latencies between two scrapes."""
 
     seconds: float
-    rate: float  # requests answered per second
+    rate: float  # requests admitted per second (the offered load)
     input_len: float  # mean prompt tokens
     output_len: float  # mean completion tokens
     cached_fraction: float  # of the prompt tokens, served from a prefix cache
@@ -136,18 +143,24 @@ class Window:
     def between(cls, a: Scrape, b: Scrape) -> Window | None:
         """None when no request was answered in between (nothing to plan for)."""
         seconds, requests = b.at - a.at, b.requests - a.requests
-        if seconds <= 0 or requests <= 0:
+        finished = b.finished - a.finished
+        if seconds <= 0 or requests <= 0 or finished <= 0:
             return None
         prompt = b.prompt_tokens - a.prompt_tokens
 
         def mean(s: float, c: float) -> float | None:
             return s / c if c > 0 else None
 
+        # A 200 is counted when the stream opens (at the first token), the tokens when the
+        # request finishes: the lengths are per finished request, or a backlog's window reads
+        # as short prompts. The rate is of admissions (finished + in flight): 200s per second
+        # are first tokens per second, which a prefill backlog caps at the split's capacity.
+        admitted = (b.finished + b.inflight) - (a.finished + a.inflight)
         return cls(
             seconds=seconds,
-            rate=requests / seconds,
-            input_len=prompt / requests,
-            output_len=(b.completion_tokens - a.completion_tokens) / requests,
+            rate=max(admitted, requests) / seconds,
+            input_len=prompt / finished,
+            output_len=(b.completion_tokens - a.completion_tokens) / finished,
             cached_fraction=(b.cached_tokens - a.cached_tokens) / prompt if prompt > 0 else 0.0,
             ttft_s=mean(b.ttft_sum - a.ttft_sum, b.ttft_count - a.ttft_count),
             tpot_s=mean(b.itl_sum - a.itl_sum, b.itl_count - a.itl_count),
@@ -168,6 +181,10 @@ class PlannerConfig:
     headroom: float = 1.1  # plan for this much more traffic than the window saw
     sim_seconds: float = 60.0  # arrivals simulated per split
     correction_weight: float = 0.5  # of each new measured/predicted ratio in the correction
+    # The correction stays within [1 / limit, limit]: a host shared with other work measured
+    # steps 10-40x its profile (benchmarks/serving-2026-11-26-two-phase.md); at the old limit
+    # of 4 every prediction stayed optimistic and the planner never acted.
+    correction_limit: float = 64.0
     host: HostConfig = field(default_factory=HostConfig)
 
     def __post_init__(self) -> None:
@@ -262,7 +279,8 @@ class Planner:
             return
         ratio = window.tpot_s / predicted
         w = self.config.correction_weight
-        self.correction = min(4.0, max(0.25, self.correction * ratio**w))
+        limit = self.config.correction_limit
+        self.correction = min(limit, max(1 / limit, self.correction * ratio**w))
 
 
 # -- acting ----------------------------------------------------------------------------------
