@@ -207,6 +207,8 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
     command += [*(["--model", config.model] if config.model else [])]
     command += ["--workers", str(workers), "--stream-interval", str(interval)]
     command += ["--max-inflight", "100000", "--log-level", "warning"]
+    # Every client is 127.0.0.1: the per-address cap (256 by default) would reset the rest.
+    command += ["--max-connections-per-client", "100000"]
     command += ["--host", LOCALHOST, "--port", str(port)]
     log = config.log_dir / f"gateway-w{workers}-k{interval}.log"
     gateway = ServerProcess.start("gateway", command, address=f"{LOCALHOST}:{port}", log_path=log)
