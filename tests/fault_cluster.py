@@ -23,11 +23,12 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -218,6 +219,17 @@ class FaultCluster:
                 if proc.alive:
                     os.kill(proc.server.pid, signal.SIGCONT)  # a frozen one must hear SIGTERM
                 self.forget(name)
+
+    @classmethod
+    @contextmanager
+    def running(cls, *args: Any, **kwargs: Any) -> Iterator[FaultCluster]:
+        """A started cluster (the arguments are __init__'s), closed on the way out."""
+        cluster = cls(*args, **kwargs)
+        try:
+            cluster.ensure()
+            yield cluster
+        finally:
+            cluster.close()
 
     # ---- checks --------------------------------------------------------------------------
     def settle(self, name: str, timeout: float = 60.0) -> node_pb2.CheckIntegrityResponse:

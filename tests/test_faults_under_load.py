@@ -110,12 +110,8 @@ def cluster(
 ) -> Iterator[FaultCluster]:
     backend: str = request.param
     tmp = tmp_path_factory.mktemp(f"faults-{backend}")
-    cluster = FaultCluster(tmp, text_model, backend, NODES, TIMEOUTS, GATEWAY_ARGS)
-    try:
-        cluster.ensure()
+    with FaultCluster.running(tmp, text_model, backend, NODES, TIMEOUTS, GATEWAY_ARGS) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.fixture(scope="module")

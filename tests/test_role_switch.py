@@ -63,12 +63,8 @@ def cluster(
 ) -> Iterator[FaultCluster]:
     tmp = tmp_path_factory.mktemp("role-switch")
     model = save_tiny_text_model(default_model_dir, tmp / "tiny")
-    cluster = FaultCluster(tmp, model, "mooncake", NODES, Timeouts(), GATEWAY_ARGS)
-    try:
-        cluster.ensure()
+    with FaultCluster.running(tmp, model, "mooncake", NODES, Timeouts(), GATEWAY_ARGS) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.fixture(scope="module")

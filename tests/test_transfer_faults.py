@@ -96,12 +96,10 @@ def cluster(
 ) -> Iterator[FaultCluster]:
     backend: str = request.param
     tmp = tmp_path_factory.mktemp(f"xfer-{backend}")
-    cluster = FaultCluster(tmp, text_model, backend, dict(NODES), Timeouts(), GATEWAY_ARGS)
-    try:
-        cluster.ensure()
+    with FaultCluster.running(
+        tmp, text_model, backend, dict(NODES), Timeouts(), GATEWAY_ARGS
+    ) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.mark.faults

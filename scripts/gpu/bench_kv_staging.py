@@ -54,7 +54,7 @@ from engine.memory.staging import PageStager, StagingSpan
 from kvtransfer import MemoryRegion, PeerInfo, TransferConfig, TransferState, create_engine
 from kvtransfer.base import coalesce_pages
 from scripts.gpu import check_pd
-from scripts.gpu.bench_mooncake_gpu import versions
+from scripts.gpu.bench_mooncake_gpu import receive_rows, versions
 from scripts.gpu.environment import add_site_arg
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
@@ -348,17 +348,7 @@ def run_engine(engine: Engine, setup: Setup, receiver_device: str, repeats: int,
         sender_args = (engine, setup, sender_end, to_parent, endpoint, remote, repeats)
         sender = ctx.Process(target=sender_main, args=sender_args, daemon=True)
         sender.start()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if from_sender.poll(1.0):
-                row = from_sender.recv()
-                if row is None:
-                    break
-                rows.append(row)
-            elif not sender.is_alive():
-                raise RuntimeError(f"sender died (exit code {sender.exitcode})")
-        else:
-            raise RuntimeError(f"timed out after {timeout_s:.0f} s")
+        receive_rows(sender, from_sender, timeout_s, rows)
     except Exception as exc:  # one engine failing must not lose the other
         rows.append(Row(engine.label, "-", error=str(exc)))
     finally:

@@ -36,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -308,17 +309,7 @@ def run_variant(variant: Variant, pool: Pool, shape_list: list[Shape], repeats: 
         )
         sender = ctx.Process(target=_sender, args=sender_args, daemon=True)
         sender.start()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if from_sender.poll(1.0):
-                row = from_sender.recv()
-                if row is None:
-                    break
-                rows.append(row)
-            elif not sender.is_alive():
-                raise RuntimeError(f"sender died (exit code {sender.exitcode})")
-        else:
-            raise RuntimeError(f"timed out after {timeout_s:.0f} s")
+        receive_rows(sender, from_sender, timeout_s, rows)
     except Exception as exc:  # one variant failing must not lose the others
         rows.append(Row(variant.label, 0, "-", 0, 0.0, 0.0, "", 0.0, False, error=str(exc)))
     finally:
@@ -431,6 +422,21 @@ def probe_transports() -> dict[str, str]:
         except subprocess.TimeoutExpired:
             found[f"initialize, {setting or 'no setting'}"] = "timed out after 60 s"
     return found
+
+
+def receive_rows(sender: Any, from_sender: Any, timeout_s: float, rows: list[Any]) -> None:
+    """Append the rows the sender process sends until its None; an error if it dies first or
+    takes longer than `timeout_s` (the rows that came stay in `rows`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if from_sender.poll(1.0):
+            row = from_sender.recv()
+            if row is None:
+                return
+            rows.append(row)
+        elif not sender.is_alive():
+            raise RuntimeError(f"sender died (exit code {sender.exitcode})")
+    raise RuntimeError(f"timed out after {timeout_s:.0f} s")
 
 
 def versions() -> dict[str, str]:
