@@ -105,36 +105,19 @@ def test_conversation_run_against_a_real_cluster(tmp_path: Path, default_model_d
     """The conversation workload through a real 1P1D pd-cluster (tiny llama, real tokenizer):
     every turn completes, the server's cached_tokens reach the report, and the follow-up turns
     find their history in a cache (the per-turn table and the JSON's cache figures)."""
-    import threading
-
-    from gateway.cluster import Cluster, ClusterConfig
     from scripts.tiny_models import save_tiny_text_model
-    from tests.test_bench_serving import run_cli
+    from tests.test_bench_serving import cluster_url, run_cli
 
     model = save_tiny_text_model(default_model_dir, tmp_path / "tiny")
-    config = ClusterConfig(
-        prefill=1,
-        decode=1,
-        backend="mooncake",
-        model=str(model),
-        port=0,
-        max_total_tokens=8192,
-        log_dir=tmp_path / "logs",
-    )
-    with (tmp_path / "cluster.out").open("w") as out:
-        cluster = Cluster(config, out=out)
-        try:
-            url = cluster.start(threading.Event())
-            result = run_cli(
-                "--base-url", url, "--dataset", "conversation", "--num-prompts", "2",
-                "--multiturn-turns", "3", "--conversation-system-len", "200",
-                "--random-input-len", "20", "--random-output-len", "8", "--ignore-eos",
-                "--max-concurrency", "1", "--output-file", str(tmp_path / "out.json"),
-                # No pause between turns: each is routed before the nodes' KV events of the
-                # last one arrive, on the blocks the gateway expects (prefix_index.py).
-            )  # fmt: skip
-        finally:
-            cluster.stop()
+    with cluster_url(tmp_path, model, prefill=1, max_total_tokens=8192) as url:
+        result = run_cli(
+            "--base-url", url, "--dataset", "conversation", "--num-prompts", "2",
+            "--multiturn-turns", "3", "--conversation-system-len", "200",
+            "--random-input-len", "20", "--random-output-len", "8", "--ignore-eos",
+            "--max-concurrency", "1", "--output-file", str(tmp_path / "out.json"),
+            # No pause between turns: each is routed before the nodes' KV events of the
+            # last one arrive, on the blocks the gateway expects (prefix_index.py).
+        )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "| turn | requests | TTFT p50 ms" in result.stdout
     doc = json.loads((tmp_path / "out.json").read_text())

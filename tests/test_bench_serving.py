@@ -12,6 +12,8 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -329,33 +331,40 @@ def test_cli_nonsensical_flags(flags: list[str], message: str) -> None:
 # -- one real run -------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_cli_against_a_real_colocated_cluster(tmp_path: Path, default_model_dir: Path) -> None:
-    """A few requests through a real pd-cluster (one colocated node): exact lengths, JSON."""
+@contextmanager
+def cluster_url(tmp_path: Path, model: Path, prefill: int, max_total_tokens: int) -> Iterator[str]:
+    """A real pd-cluster (Mooncake, `prefill` prefill nodes, one decode node) for the test's
+    length; its gateway URL. Its output goes to tmp_path / cluster.out, its logs to logs/."""
     import threading
 
     from gateway.cluster import Cluster, ClusterConfig
 
     config = ClusterConfig(
-        prefill=0,
+        prefill=prefill,
         decode=1,
         backend="mooncake",
-        model=str(default_model_dir),
+        model=str(model),
         port=0,
-        max_total_tokens=4096,
+        max_total_tokens=max_total_tokens,
         log_dir=tmp_path / "logs",
     )
     with (tmp_path / "cluster.out").open("w") as out:
         cluster = Cluster(config, out=out)
         try:
-            url = cluster.start(threading.Event())
-            result = run_cli(
-                "--base-url", url, "--num-prompts", "3", "--random-input-len", "24",
-                "--random-output-len", "4", "--ignore-eos", "--request-rate", "inf",
-                "--slo-ttft-ms", "60000", "--output-file", str(tmp_path / "out.json"),
-            )  # fmt: skip
+            yield cluster.start(threading.Event())
         finally:
             cluster.stop()
+
+
+@pytest.mark.slow
+def test_cli_against_a_real_colocated_cluster(tmp_path: Path, default_model_dir: Path) -> None:
+    """A few requests through a real pd-cluster (one colocated node): exact lengths, JSON."""
+    with cluster_url(tmp_path, default_model_dir, prefill=0, max_total_tokens=4096) as url:
+        result = run_cli(
+            "--base-url", url, "--num-prompts", "3", "--random-input-len", "24",
+            "--random-output-len", "4", "--ignore-eos", "--request-rate", "inf",
+            "--slo-ttft-ms", "60000", "--output-file", str(tmp_path / "out.json"),
+        )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "Successful requests" in result.stdout
     doc = json.loads((tmp_path / "out.json").read_text())
