@@ -83,15 +83,24 @@ class RoutingConfig:
     prefix_block_tokens: int  # prefix_aware hashes prompts in blocks of this many tokens
     prefix_max_blocks: int  # remembered prefix blocks (LRU)
     prefix_balance_slack: int  # prefix_aware ignores a match this much busier than the idlest
-    # kv_aware: cost = compute weight x prompt tokens to compute + load weight x load tokens
+    # kv_aware: cost = compute weight x prompt tokens to compute + load weight x load tokens.
+    # A prefill node's load is prompt tokens queued for compute (the same unit as the compute
+    # term); a decode node's is the context of its running streams, which costs memory
+    # bandwidth per step, not compute once: a session's history (thousands of tokens) would
+    # outweigh the cache hit, so the decode side weighs it lightly.
     kv_compute_weight: float = 1.0
-    kv_load_weight: float = 1.0
+    prefill_kv_load_weight: float = 1.0
+    decode_kv_load_weight: float = 0.01
     # HTTP/2 pings on the node channels while calls are open (0: off): a node that stops
     # answering (link cut, host down, process frozen) fails its calls within about twice this.
     node_keepalive_s: float = 10.0
     # Times a choice may move to another decode node after its first token was streamed (its
     # node died or gave it up): prompt + streamed tokens are re-issued elsewhere (0: never).
     migration_limit: int = 3
+
+    def kv_load_weight(self, side: str) -> float:
+        """The `kv_aware` load weight of one side (`prefill` or `decode`)."""
+        return self.prefill_kv_load_weight if side == "prefill" else self.decode_kv_load_weight
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -102,7 +111,7 @@ class RoutingConfig:
             raise ValueError(f"--node-keepalive must be >= 0 s, got {self.node_keepalive_s}")
         if self.prefix_block_tokens < 1:
             raise ValueError("--prefix-block-tokens must be >= 1")
-        for name in ("kv_compute_weight", "kv_load_weight"):
+        for name in ("kv_compute_weight", "prefill_kv_load_weight", "decode_kv_load_weight"):
             if getattr(self, name) < 0:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= 0, got {getattr(self, name)}")

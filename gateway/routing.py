@@ -16,10 +16,14 @@ name; the prefill and decode sides each get their own policy instance (flags
 - `kv_aware` (the default of both sides): routes on what the nodes' caches really hold, from
   the global prefix index their KV events feed (gateway/prefix_index.py, gateway/kv_feed.py).
   Each candidate costs `kv_compute_weight` x the prompt tokens it would have to compute (those
-  past its cached prefix) + `kv_load_weight` x its load in tokens (`LiveNode.load_tokens`:
-  running and queued, not the evictable cache), as Dynamo's KV router weighs prefill blocks
-  against active blocks; the cheapest wins. When no candidate publishes events (or none is
-  synced yet) it is the side's old default: `prefix_aware` for prefill, `least_load` for decode.
+  past its cached prefix) + the side's load weight x its load in tokens (`LiveNode.load_tokens`:
+  running and queued, not the evictable cache); the cheapest wins. On the prefill side load is
+  compute queued (weight 1: the same unit as the hit); on the decode side it is the running
+  streams' context, which costs bandwidth per step rather than compute once, so its weight is
+  small (0.01) and a follow-up turn stays with the node holding its history unless that node
+  carries a hundred times the history in extra streams. When no candidate publishes events (or
+  none is synced yet) it is the side's old default: `prefix_aware` for prefill, `least_load`
+  for decode.
 
 `Router.choose` applies them and the conditional disaggregation rule: a prompt of at most
 `local_prefill_max_tokens` tokens (with `kv_aware` on the decode side: tokens beyond what the
@@ -112,16 +116,18 @@ class PrefixAware(RoutingPolicy):
 
 
 class KVAware(RoutingPolicy):
-    def __init__(self, config: RoutingConfig, index: PrefixIndex, fallback: RoutingPolicy) -> None:
+    def __init__(
+        self, config: RoutingConfig, index: PrefixIndex, fallback: RoutingPolicy, side: str
+    ) -> None:
         super().__init__(config)
         self.index = index
         self.fallback = fallback
+        self.load_weight = config.kv_load_weight(side)
         self._tiebreak = itertools.count()
 
     def cost(self, node: LiveNode, prompt_ids: Sequence[int]) -> float:
         to_compute = len(prompt_ids) - self.index.cached_tokens(node.node_id, prompt_ids)
-        c = self.config
-        return c.kv_compute_weight * to_compute + c.kv_load_weight * node.load_tokens
+        return self.config.kv_compute_weight * to_compute + self.load_weight * node.load_tokens
 
     def pick(self, nodes: Sequence[LiveNode], prompt_ids: Sequence[int]) -> LiveNode:
         if not any(self.index.tracked(n.node_id) for n in nodes):
@@ -148,7 +154,7 @@ def make_policy(
         raise ValueError(f"unknown routing policy {name!r}: use one of {sorted(POLICIES)}")
     if name == "kv_aware":
         fallback = make_policy(KV_AWARE_FALLBACK[side], config)
-        return KVAware(config, index if index is not None else PrefixIndex(), fallback)
+        return KVAware(config, index if index is not None else PrefixIndex(), fallback, side)
     return POLICIES[name](config)
 
 

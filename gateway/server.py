@@ -124,10 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="kv_aware: cost per prompt token a node would compute (not in its cache)",
     )
     g.add_argument(
-        "--kv-load-weight",
+        "--prefill-kv-load-weight",
         type=float,
         default=1.0,
-        help="kv_aware: cost per token a node runs or has queued",
+        help="kv_aware: cost per prompt token a prefill node has queued or computing",
+    )
+    g.add_argument(
+        "--decode-kv-load-weight",
+        type=float,
+        default=0.01,
+        help="kv_aware: cost per context token a decode node runs or has queued (its streams' "
+        "histories cost memory bandwidth per step, not compute: keep it well below the compute "
+        "weight, or follow-up turns leave the node holding their history)",
     )
     g = parser.add_argument_group("defaults for what a request leaves out")
     g.add_argument(
@@ -260,7 +268,8 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         prefix_max_blocks=args.prefix_max_blocks,
         prefix_balance_slack=args.prefix_balance_slack,
         kv_compute_weight=args.kv_compute_weight,
-        kv_load_weight=args.kv_load_weight,
+        prefill_kv_load_weight=args.prefill_kv_load_weight,
+        decode_kv_load_weight=args.decode_kv_load_weight,
     )
     return GatewayConfig(
         args.host,

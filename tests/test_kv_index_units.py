@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 import zmq
@@ -104,11 +105,11 @@ def test_expected_blocks_bridge_the_events_lag_until_confirmed_removed_or_expire
 
 def test_kv_aware_weighs_tokens_to_compute_against_load() -> None:
     index = PrefixIndex()
-    policy = make_policy("kv_aware", ROUTING, index, "decode")
-    assert isinstance(policy, KVAware) and isinstance(policy.fallback, LeastLoad)
-    assert isinstance(make_policy("kv_aware", ROUTING, index).fallback, PrefixAware)  # type: ignore[attr-defined]
+    policy = make_policy("kv_aware", ROUTING, index, "prefill")
+    assert isinstance(policy, KVAware) and isinstance(policy.fallback, PrefixAware)
+    assert isinstance(make_policy("kv_aware", ROUTING, index, "decode").fallback, LeastLoad)  # type: ignore[attr-defined]
     prompt = list(range(1, 42))
-    a, b = _node("a", DECODE), _node("b", DECODE)
+    a, b = _node("a", PREFILL), _node("b", PREFILL)
     for node_id in ("a", "b"):
         index.track(node_id, BLOCK)
     index.apply("b", [stored(prompt[:32])])
@@ -117,6 +118,32 @@ def test_kv_aware_weighs_tokens_to_compute_against_load() -> None:
     assert policy.pick([a, b], prompt) is b
     b.inflight_tokens = 33  # the gateway's own count is higher than the heartbeat's
     assert policy.pick([a, b], prompt) is a
+
+
+def test_kv_aware_decode_side_weighs_running_context_lightly() -> None:
+    """A decode node's load is its streams' context (0.01 a token by default): a follow-up
+    stays with the node holding its history until that node runs 100x the hit in extra
+    context."""
+    index = PrefixIndex()
+    policy = make_policy("kv_aware", ROUTING, index, "decode")
+    prompt = list(range(1, 42))
+    a, b = _node("a", DECODE), _node("b", DECODE)
+    for node_id in ("a", "b"):
+        index.track(node_id, BLOCK)
+    index.apply("b", [stored(prompt[:32])])
+    b.load = bootstrap_pb2.NodeLoad(running_tokens=3_000)  # 30 < 32 saved
+    assert policy.pick([a, b], prompt) is b
+    b.load = bootstrap_pb2.NodeLoad(running_tokens=3_300)  # 33 > 32
+    assert policy.pick([a, b], prompt) is a
+    heavy = replace(ROUTING, decode_kv_load_weight=1.0)
+    assert make_policy("kv_aware", heavy, index, "decode").pick([a, b], prompt) is a
+    b.load = bootstrap_pb2.NodeLoad(running_tokens=31)
+    assert make_policy("kv_aware", heavy, index, "decode").pick([a, b], prompt) is b
+
+
+def test_kv_load_weights_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="--decode-kv-load-weight must be >= 0"):
+        replace(ROUTING, decode_kv_load_weight=-1.0)
 
 
 def test_kv_aware_falls_back_when_no_node_publishes_events() -> None:

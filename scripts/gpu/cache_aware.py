@@ -60,8 +60,8 @@ VARIANTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "round_robin": ("round_robin", "round_robin", ()),
     "kv_aware": ("kv_aware", "kv_aware", ()),
     "kv_aware local<=1024": ("kv_aware", "kv_aware", ("--local-prefill-max-tokens", "1024")),
-    "kv_aware load 0.1": ("kv_aware", "kv_aware", ("--kv-load-weight", "0.1")),
-    "kv_aware load 0.01": ("kv_aware", "kv_aware", ("--kv-load-weight", "0.01")),
+    "kv_aware decode load 1": ("kv_aware", "kv_aware", ("--decode-kv-load-weight", "1")),
+    "kv_aware decode load 0.1": ("kv_aware", "kv_aware", ("--decode-kv-load-weight", "0.1")),
     "prefix_aware": ("prefix_aware", "least_load", ()),
 }
 SEGMENTS = ("gateway_queue", "prefill_bootstrap_wait", "prefill_queue", "prefill", "transfer",
