@@ -1,0 +1,174 @@
+"""The pure parts of the `cuda_ipc` backend: its endpoint, and a write planned as equal chunks.
+
+No CUDA here (the tests run it on a CPU):
+
+- `IpcEndpoint`: what the receiver publishes through bootstrap (its `local_endpoint()`): the
+  host it runs on (the kernel's boot id: CUDA IPC and `process_vm_writev` work within one
+  host only), its pid (for the CPU aux slots), and per registered region its address, length,
+  device and, for GPU memory, the CUDA IPC handle of the allocation holding it with the
+  region's offset inside that allocation.
+- `plan_copy`: a write's byte ranges cut into chunks of one size (the largest power of two,
+  at most `MAX_CHUNK_BYTES`, that divides every offset and length), as two lists of chunk
+  indices, source and destination. The copy kernel (kvtransfer/cuda_ipc_kernel.py) runs one
+  program per chunk, so a write is one launch however many pages it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvtransfer.base import MemoryRegion, TransferError
+
+BACKEND_FLAG = "--transfer-backend cuda_ipc"
+MAX_CHUNK_BYTES = 64 << 10  # 2 MiB pages -> 32 programs a page; 512 MiB -> 8,192 programs
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str:
+    """This host's identity for the one-host check ("" where the kernel does not tell)."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class ExportedRegion:
+    name: str
+    addr: int  # in the exporting process
+    length: int
+    device: str  # "cpu" or "cuda:N"
+    ipc_handle: bytes = b""  # cudaIpcMemHandle_t of the allocation holding it (GPU only)
+    offset: int = 0  # of `addr` inside that allocation
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def device_index(self) -> int:
+        return device_index(self.device)
+
+    def contains(self, addr: int, length: int) -> bool:
+        return self.addr <= addr and addr + length <= self.addr + self.length
+
+
+def device_index(device: str) -> int:
+    _, _, index = device.partition(":")
+    return int(index or 0)
+
+
+@dataclass(frozen=True)
+class IpcEndpoint:
+    node_name: str
+    boot_id: str
+    pid: int
+    regions: tuple[ExportedRegion, ...]
+
+    def to_bytes(self) -> bytes:
+        rows = [{**asdict(r), "ipc_handle": r.ipc_handle.hex()} for r in self.regions]
+        raw = {"cuda_ipc": 1, "node_name": self.node_name, "boot_id": self.boot_id,
+               "pid": self.pid, "regions": rows}  # fmt: skip
+        return json.dumps(raw).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, peer_id: str) -> IpcEndpoint:
+        try:
+            raw = json.loads(data)
+            if raw.get("cuda_ipc") != 1:
+                raise ValueError("no cuda_ipc marker")
+            regions = tuple(
+                ExportedRegion(**{**r, "ipc_handle": bytes.fromhex(r["ipc_handle"])})
+                for r in raw["regions"]
+            )
+            return cls(raw["node_name"], raw["boot_id"], int(raw["pid"]), regions)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise TransferError(
+                f"peer {peer_id!r} did not publish a cuda_ipc endpoint ({exc}); start both "
+                f"nodes with {BACKEND_FLAG}"
+            ) from exc
+
+    def check_same_host(self, peer_id: str, local_boot_id: str) -> None:
+        if not self.boot_id or self.boot_id != local_boot_id:
+            raise TransferError(
+                f"peer {peer_id!r} runs on another host (boot id {self.boot_id or 'unknown'} "
+                f"!= {local_boot_id or 'unknown'}): {BACKEND_FLAG} moves KV within one host "
+                "only; use --transfer-backend nixl or mooncake between hosts"
+            )
+
+    def region_for(self, addr: int, length: int) -> ExportedRegion | None:
+        return next((r for r in self.regions if r.contains(addr, length)), None)
+
+
+def check_registrable(region: MemoryRegion) -> None:
+    """GPU memory for the KV pool; CPU memory only for the small aux slots, which this
+    backend copies with the CPU (process_vm_writev), not through CUDA IPC."""
+    if region.device == "cpu" and region.name != "aux":
+        raise TransferError(
+            f"{BACKEND_FLAG} needs the KV pool in GPU memory, but region {region.name!r} "
+            f"({region.length} bytes) is in CPU memory; run the nodes with --device cuda, or "
+            "use --transfer-backend nixl or mooncake for CPU nodes"
+        )
+    if region.device != "cpu" and not region.device.startswith("cuda"):
+        raise TransferError(
+            f"{BACKEND_FLAG}: region {region.name!r} is on {region.device!r}; only 'cpu' "
+            "(aux slots) and 'cuda:N' are supported"
+        )
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """A write as equal chunks: chunk i moves `chunk_bytes` from local offset
+    `src_chunks[i] * chunk_bytes` to peer offset `dst_chunks[i] * chunk_bytes` (both relative
+    to the bases the plan was made against)."""
+
+    chunk_bytes: int
+    src_chunks: np.ndarray  # int64
+    dst_chunks: np.ndarray  # int64
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.src_chunks)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_chunks * self.chunk_bytes
+
+    @property
+    def word_bytes(self) -> int:
+        """The kernel's element: 8 bytes unless the chunks are smaller."""
+        return min(self.chunk_bytes, 8)
+
+
+def chunk_size(values: Sequence[int], max_chunk: int = MAX_CHUNK_BYTES) -> int:
+    """The largest power of two <= `max_chunk` that divides every value (a power of two)."""
+    if max_chunk <= 0 or max_chunk & (max_chunk - 1):
+        raise ValueError(f"max_chunk must be a power of two, got {max_chunk}")
+    common = max_chunk
+    for value in values:
+        common = math.gcd(common, value)
+    return common  # a divisor of a power of two is one
+
+
+def plan_copy(
+    ranges: Sequence[tuple[int, int, int]],
+    align: Sequence[int] = (),
+    max_chunk: int = MAX_CHUNK_BYTES,
+) -> CopyPlan:
+    """`ranges`: (source offset, destination offset, length) in bytes; `align`: more values
+    the chunk size must divide (the base addresses: the kernel's words must be aligned)."""
+    if any(length <= 0 or src < 0 or dst < 0 for src, dst, length in ranges):
+        raise ValueError(f"ranges need non-negative offsets and positive lengths: {ranges[:4]}")
+    chunk = chunk_size([*(v for r in ranges for v in r), *align], max_chunk)
+    counts = np.array([length // chunk for _, _, length in ranges], dtype=np.int64)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - starts
+    src = np.repeat(np.array([s // chunk for s, _, _ in ranges], dtype=np.int64), counts)
+    dst = np.repeat(np.array([d // chunk for _, d, _ in ranges], dtype=np.int64), counts)
+    return CopyPlan(chunk, src + within, dst + within)
