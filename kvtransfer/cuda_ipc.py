@@ -131,6 +131,11 @@ class CudaIpcEngine(KVTransferEngine):
                 if not region.on_gpu:
                     continue
                 if endpoint.pid == os.getpid():  # both engines in one process (tests, benches)
+                    if region.device_index != device:
+                        raise TransferError(
+                            f"both engines are in this process, {region.device} and cuda:"
+                            f"{device}: within one process the copy stays on one GPU"
+                        )
                     mapped.bases[i] = region.addr
                     continue
                 if region.ipc_handle not in by_handle:

@@ -309,3 +309,52 @@ def test_two_processes_move_scattered_pages_and_aux(second_gpu: bool) -> None:
         receiver.join(timeout=60)
     assert landed and untouched
     assert aux_got == aux.tolist()
+
+
+# --- scripts/gpu/bench_kv_staging.py's cuda_ipc parts, on a CPU -------------------------------
+
+
+def test_bench_parses_cuda_ipc_flags_and_picks_its_engines() -> None:
+    from scripts.gpu import bench_kv_staging as bench
+
+    args = bench.build_parser().parse_args(
+        ["--backends", "cuda_ipc", "--pd-backends", "cuda_ipc", "--receiver-device", "cuda:1"]
+    )
+    assert args.backends == ["cuda_ipc"] and args.pd_backends == ["cuda_ipc"]
+    assert bench.engines_to_run(args, {}) == [bench.CUDA_IPC]
+    assert bench.CUDA_IPC.methods == ("contiguous", "scattered")
+    # its own check failing drops its rows only; another check failing drops every row
+    every = bench.build_parser().parse_args([])
+    assert bench.CUDA_IPC in bench.engines_to_run(every, {"nixl-cu13": "1.5.1"})
+    failed = {bench.CUDA_IPC_CHECK: "FAIL", "nixl-cu13": "not installed"}
+    assert [e.backend for e in bench.engines_to_run(every, failed)] == ["mooncake"]
+    assert bench.engines_to_run(every, {"torch page copy == source": "FAIL"}) == []
+    cpu = bench.build_parser().parse_args(["--device", "cpu"])
+    assert bench.engines_to_run(cpu, {}) == list(bench.CPU_ENGINES)
+
+
+def test_bench_table_rates_cuda_ipc_rows_against_its_own_contiguous_row() -> None:
+    from scripts.gpu import bench_kv_staging as bench
+
+    rows = [
+        bench.Row("cuda_ipc kernel", "contiguous", 1, 0.300, "0.29-0.31", 1790.0, True),
+        bench.Row("cuda_ipc kernel", "scattered", 256, 0.320, "0.31-0.33", 1678.0, True),
+        bench.Row("cuda_ipc kernel", "scattered", 256, error="RuntimeError: a | b"),
+    ]
+    table = bench.markdown({bench.CUDA_IPC_CHECK: "PASS"}, rows, [])
+    assert f"- {bench.CUDA_IPC_CHECK}: PASS" in table
+    assert "| cuda_ipc kernel | scattered | 256 | 0.320 | 0.31-0.33 | 1678 | 93.8% |" in table
+    assert "failed: RuntimeError: a / b" in table
+
+
+def test_bench_help_runs_on_a_cpu() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "scripts.gpu.bench_kv_staging", "--help"],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--backends" in out.stdout and "cuda_ipc" in out.stdout

@@ -69,7 +69,9 @@ DECODE_ARGS = ["--disable-prefix-cache"]
 BACKENDS: dict[str, dict[str, str]] = {
     "nixl": {},
     "mooncake": {"MC_FORCE_TCP": "1"},
+    "cuda_ipc": {},  # GPU only; run on request (bench_kv_staging.py --pd-backends cuda_ipc)
 }
+DEFAULT_BACKENDS = ["nixl", "mooncake"]  # this script's and run_all.py's PD trios
 
 
 @dataclass
@@ -244,7 +246,7 @@ def available(backends: list[str]) -> tuple[list[str], list[str]]:
     """The backends whose engine imports here, and a line for each that does not."""
     import importlib.util
 
-    mods = {"nixl": "nixl", "mooncake": "mooncake"}
+    mods = {"nixl": "nixl", "mooncake": "mooncake", "cuda_ipc": "triton"}
     ok = [b for b in backends if importlib.util.find_spec(mods[b]) is not None]
     return ok, [f"{b}: not run, `{mods[b]}` not installed" for b in backends if b not in ok]
 
@@ -255,7 +257,7 @@ def pd_checks(rep: Any, section: Callable[[str, Callable[[], object]], None],
 
     def body() -> None:
         install(carry, wheels, site)
-        backends, missing = available(list(BACKENDS))
+        backends, missing = available(DEFAULT_BACKENDS)
         for line in missing:
             rep.row(f"PD greedy on one GPU, {line.split(':')[0]}", line.split(": ", 1)[1])
         res = run("cuda", backends, Path(tempfile.mkdtemp()))
@@ -283,7 +285,7 @@ def main() -> None:
     parser.add_argument("--wheels", type=Path, help="folder of grpcio / protobuf wheels")
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the flow")
-    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    parser.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, choices=list(BACKENDS))
     add_site_arg(parser)
     args = parser.parse_args()
     install(args.carry, args.wheels, args.site)
