@@ -12,7 +12,8 @@ the room DONE through bootstrap as with the other backends. Each byte crosses on
 no per-descriptor launch.
 
 Ranges in CPU memory on both sides (the aux slots with the first token, kvtransfer/aux.py) are
-copied by `process_vm_writev` into the peer's pid at `write` (a few hundred bytes). A KV pool in
+copied by `process_vm_writev` into the peer's pid at `write` (a few hundred bytes; the receiver
+allows it under Yama's ptrace_scope 1, kvtransfer/process_memory.py). A KV pool in
 CPU memory, a peer on another host (another boot id) or a peer on another backend is refused
 with an error naming `--transfer-backend`. Any range layout works, so heterogeneous TP head
 routes (one range per page and run of heads) move as they do on NIXL and Mooncake.
@@ -49,7 +50,11 @@ from kvtransfer.cuda_ipc_plan import (
     check_registrable,
     plan_copy,
 )
-from kvtransfer.process_memory import ProcessMemoryError, write_process_memory
+from kvtransfer.process_memory import (
+    ProcessMemoryError,
+    allow_peer_writes,
+    write_process_memory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +102,8 @@ class CudaIpcEngine(KVTransferEngine):
                 exported = ExportedRegion(
                     region.name, region.addr, region.length, region.device, handle, offset
                 )
+            else:  # the peer writes our aux slots with process_vm_writev
+                allow_peer_writes()
             self._regions.append(exported)
 
     def local_endpoint(self) -> bytes:

@@ -3,13 +3,16 @@
 The `cuda_ipc` backend moves the KV pool with the GPU, but the nodes' aux slots (the first
 token, kvtransfer/aux.py) are numpy arrays in CPU memory; one slot is ~200 bytes, so one system
 call per write copies them, as UCX's cma transport does for NIXL between two local processes.
-The kernel allows it between processes of one user (Yama `ptrace_scope` 0, or 1 with the writer
-an ancestor); a refused write names the errno.
+The kernel allows it between processes of one user when Yama's `ptrace_scope` is 0, or 1 and the
+target has named its writers (`allow_peer_writes`: the receiving process calls it, as the
+prefill and decode nodes are siblings, not ancestors); `ptrace_scope` 2 or 3 forbids it. A
+refused write names the errno.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -37,6 +40,17 @@ def _libc_writev() -> object:
 
 
 _writev = _libc_writev()
+PR_SET_PTRACER = 0x59616D61  # linux/prctl.h (Yama)
+PR_SET_PTRACER_ANY = ctypes.c_ulong(-1)
+
+
+def allow_peer_writes() -> bool:
+    """Let other processes of this user write into this one under Yama `ptrace_scope` 1
+    (`prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`); False where Yama is absent or refuses."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)) == 0
 
 
 def write_process_memory(pid: int, ranges: Sequence[tuple[int, int, int]]) -> None:
@@ -52,4 +66,6 @@ def write_process_memory(pid: int, ranges: Sequence[tuple[int, int, int]]) -> No
         if done != want:
             err = ctypes.get_errno() if done < 0 else 0
             why = os.strerror(err) if err else f"{done} of {want} bytes written"
+            if err == errno.EPERM:
+                why += " (Yama ptrace_scope above 1? see /proc/sys/kernel/yama/ptrace_scope)"
             raise ProcessMemoryError(err, f"process_vm_writev into pid {pid}: {why}")

@@ -41,7 +41,11 @@ from kvtransfer.cuda_ipc_plan import (
     chunk_size,
     plan_copy,
 )
-from kvtransfer.process_memory import ProcessMemoryError, write_process_memory
+from kvtransfer.process_memory import (
+    ProcessMemoryError,
+    allow_peer_writes,
+    write_process_memory,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -206,6 +210,7 @@ def test_node_flag_accepts_cuda_ipc() -> None:
 
 def _aux_target(conn: Connection) -> None:
     slots = np.zeros(64, dtype=np.uint8)
+    allow_peer_writes()  # what a receiving engine does (needed under Yama ptrace_scope 1)
     conn.send((os.getpid(), int(slots.ctypes.data)))
     conn.recv()
     conn.send(slots.tobytes())
