@@ -129,6 +129,7 @@ class CopyPlan:
     to the bases the plan was made against)."""
 
     chunk_bytes: int
+    word_bytes: int  # the kernel's element: 8 bytes unless the chunks or the bases forbid it
     src_chunks: np.ndarray  # int64
     dst_chunks: np.ndarray  # int64
 
@@ -139,11 +140,6 @@ class CopyPlan:
     @property
     def nbytes(self) -> int:
         return self.num_chunks * self.chunk_bytes
-
-    @property
-    def word_bytes(self) -> int:
-        """The kernel's element: 8 bytes unless the chunks are smaller."""
-        return min(self.chunk_bytes, 8)
 
 
 def chunk_size(values: Sequence[int], max_chunk: int = MAX_CHUNK_BYTES) -> int:
@@ -161,14 +157,15 @@ def plan_copy(
     align: Sequence[int] = (),
     max_chunk: int = MAX_CHUNK_BYTES,
 ) -> CopyPlan:
-    """`ranges`: (source offset, destination offset, length) in bytes; `align`: more values
-    the chunk size must divide (the base addresses: the kernel's words must be aligned)."""
+    """`ranges`: (source offset, destination offset, length) in bytes; `align`: the base
+    addresses the offsets are relative to (the kernel's words must be aligned in memory)."""
     if any(length <= 0 or src < 0 or dst < 0 for src, dst, length in ranges):
         raise ValueError(f"ranges need non-negative offsets and positive lengths: {ranges[:4]}")
-    chunk = chunk_size([*(v for r in ranges for v in r), *align], max_chunk)
+    chunk = chunk_size([v for r in ranges for v in r], max_chunk)
+    word = chunk_size([chunk, *align], max_chunk=8)
     counts = np.array([length // chunk for _, _, length in ranges], dtype=np.int64)
     starts = np.repeat(np.cumsum(counts) - counts, counts)
     within = np.arange(int(counts.sum()), dtype=np.int64) - starts
     src = np.repeat(np.array([s // chunk for s, _, _ in ranges], dtype=np.int64), counts)
     dst = np.repeat(np.array([d // chunk for _, d, _ in ranges], dtype=np.int64), counts)
-    return CopyPlan(chunk, src + within, dst + within)
+    return CopyPlan(chunk, word, src + within, dst + within)

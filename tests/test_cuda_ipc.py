@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -135,8 +136,10 @@ def test_plan_copy_cuts_ranges_into_equal_chunks_in_order() -> None:
     assert plan.src_chunks.tolist() == [0, 1, 4]
     assert plan.dst_chunks.tolist() == [1, 2, 0]
     assert plan.nbytes == 12288
-    # a base address only 4-byte aligned makes 4-byte chunks (and words)
-    assert plan_copy([(0, 0, 64)], align=(0x1004,)).chunk_bytes == 4
+    # a base address only 4-byte aligned makes 4-byte words, the chunks stay as large
+    odd_base = plan_copy([(0, 0, 64)], align=(0x1000, 0x1004))
+    assert (odd_base.chunk_bytes, odd_base.word_bytes) == (64, 4)
+    assert plan_copy([(0, 0, 4096)], align=(0x7F00_0000_0200,)).word_bytes == 8
     assert plan_copy([], max_chunk=64).num_chunks == 0
     with pytest.raises(ValueError, match="positive lengths"):
         plan_copy([(0, 0, 0)])
@@ -206,6 +209,99 @@ def test_node_flag_accepts_cuda_ipc() -> None:
 
     args = build_parser().parse_args(["--model", "m", "--transfer-backend", "cuda_ipc"])
     assert args.transfer_backend == "cuda_ipc"
+
+
+class FakeDriver:
+    """The driver calls of kvtransfer/cuda_driver.py, recorded (no GPU needed)."""
+
+    MAPPED_AT = 0x7F00_0000_0000
+
+    def __init__(self) -> None:
+        self.opened: list[tuple[bytes, int]] = []
+        self.closed: list[int] = []
+
+    def export(self, addr: int, device: int) -> tuple[bytes, int]:
+        return bytes([device + 1] * 64), 512
+
+    def open(self, handle: bytes, device: int) -> int:
+        self.opened.append((handle, device))
+        return self.MAPPED_AT
+
+    def close(self, addr: int, device: int) -> None:
+        self.closed.append(addr)
+
+
+@pytest.fixture
+def fake_gpu_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A CudaIpcEngine whose driver, kernel launch and CPU writes are recorded."""
+    from kvtransfer import cuda_ipc
+
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_ipc, "CudaDriver", FakeDriver)
+    monkeypatch.setattr(cuda_ipc, "boot_id", lambda: "boot-a")
+    engine = cuda_ipc.CudaIpcEngine(TransferConfig(backend="cuda_ipc", node_name="prefill"))
+    launches: list = []
+    cpu_writes: list = []
+    monkeypatch.setattr(engine, "_launch", lambda h, plan, local, base: launches.append(
+        (plan, local.addr, base)))  # fmt: skip
+    monkeypatch.setattr(cuda_ipc, "write_process_memory", lambda pid, rows: cpu_writes.append(
+        (pid, rows)))  # fmt: skip
+    engine.register([MemoryRegion("kv", 0x1000_0000, 1 << 24, "cuda:0"),
+                     MemoryRegion("aux", 0x2000, 4096, "cpu")])  # fmt: skip
+    return engine, launches, cpu_writes
+
+
+def test_engine_maps_the_peer_once_and_plans_one_launch_per_write(fake_gpu_engine) -> None:  # type: ignore[no-untyped-def]
+    engine, launches, cpu_writes = fake_gpu_engine
+    ours = IpcEndpoint.from_bytes(engine.local_endpoint(), "prefill")
+    assert ours.regions[0].ipc_handle == bytes([1] * 64) and ours.regions[0].offset == 512
+    assert ours.regions[1].ipc_handle == b"" and ours.pid == os.getpid()
+    peer = endpoint()  # decode-1: kv on cuda:1 at offset 512 of its allocation, pid 4242
+    peer = IpcEndpoint(peer.node_name, "boot-a", peer.pid, peer.regions)
+    info = PeerInfo("decode-1", peer.to_bytes(), {})
+    engine.connect(info)
+    engine.connect(info)  # idempotent: one mapping
+    assert engine._driver.opened == [(bytes(range(64)), 0)]  # mapped into our GPU, cuda:0
+    kv, aux = peer.regions
+    page = 64 << 10
+    ranges = coalesce_pages([3, 4, 9], [7, 8, 1], page, 0x1000_0000, kv.addr)
+    ranges.append(TransferRange(0x2000 + 128, aux.addr + 256, 200))
+    handle = engine.write("decode-1", ranges)
+    assert engine.poll(handle) is TransferState.DONE  # no kernel was really queued
+    [(plan, src_base, dst_base)] = launches
+    assert (src_base, dst_base) == (0x1000_0000, FakeDriver.MAPPED_AT + 512)
+    assert plan.chunk_bytes == page
+    assert plan.src_chunks.tolist() == [3, 4, 9] and plan.dst_chunks.tolist() == [7, 8, 1]
+    assert cpu_writes == [(4242, [(0x2000 + 128, aux.addr + 256, 200)])]
+    engine.release(handle)
+    restarted = IpcEndpoint("decode-1", "boot-a", 4343, (replace(kv, ipc_handle=bytes(64)),))
+    engine.connect(PeerInfo("decode-1", restarted.to_bytes(), {}))  # the old mapping goes
+    assert engine._driver.closed == [FakeDriver.MAPPED_AT]
+    engine.close()
+    assert engine._driver.closed == [FakeDriver.MAPPED_AT] * 2
+
+
+def test_engine_refuses_bad_writes_and_peers_naming_what_to_do(fake_gpu_engine) -> None:  # type: ignore[no-untyped-def]
+    engine, launches, _ = fake_gpu_engine
+    with pytest.raises(TransferError, match="not connected"):
+        engine.write("decode-1", [])
+    elsewhere = replace(endpoint(), boot_id="boot-b")
+    with pytest.raises(TransferError, match="another host"):
+        engine.connect(PeerInfo("decode-1", elsewhere.to_bytes(), {}))
+    with pytest.raises(TransferError, match="did not publish a cuda_ipc endpoint"):
+        engine.connect(PeerInfo("decode-1", b"nixl agent metadata", {}))
+    peer = replace(endpoint(), boot_id="boot-a")
+    engine.connect(PeerInfo("decode-1", peer.to_bytes(), {}))
+    kv, aux = peer.regions
+    with pytest.raises(TransferError, match="outside every registered local region"):
+        engine.write("decode-1", [TransferRange(0x10, kv.addr, 64)])
+    with pytest.raises(TransferError, match="outside every registered peer 'decode-1' region"):
+        engine.write("decode-1", [TransferRange(0x1000_0000, kv.addr + kv.length, 64)])
+    with pytest.raises(TransferError, match=r"GPU to GPU \(KV\) and CPU to CPU \(aux\) only"):
+        engine.write("decode-1", [TransferRange(0x1000_0000, aux.addr, 64)])
+    with pytest.raises(TransferError, match="KV pool in GPU memory"):
+        engine.register([MemoryRegion("kv", 0x9000, 4096, "cpu")])
+    assert launches == []
 
 
 def _aux_target(conn: Connection) -> None:
