@@ -120,6 +120,31 @@ def test_kernel_moves_what_torch_indexing_moves_under_the_interpreter() -> None:
     assert lines[1].split()[-2:] == ["8", "1024"]  # 8 pages of 1 KiB, chunk = a page
 
 
+def test_kernel_compiles_for_hopper_with_128_bit_loads_and_stores() -> None:
+    """No GPU needed: Triton lowers the kernel to sm_90 PTX and a cubin with its bundled
+    ptxas. 64 KiB chunks of 8-byte words, 16-byte aligned: every copy is a v2.b64 load and
+    store (8 steps x 4 per thread); only the two chunk indices are scalar loads."""
+    pytest.importorskip("triton.backends.nvidia")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvtransfer.cuda_ipc_kernel import _copy_chunks_kernel
+
+    pointers = ("src", "dst", "src_chunks", "dst_chunks")
+    source = ASTSource(
+        fn=_copy_chunks_kernel,
+        signature={**dict.fromkeys(pointers, "*i64"), "CHUNK": "constexpr", "BLOCK": "constexpr"},
+        constexprs={"CHUNK": MAX_CHUNK_BYTES // 8, "BLOCK": 1024},
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))},
+    )
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("st.global.v2.b64") == 32 and ptx.count("ld.global.v2.b64") == 32
+    assert ptx.count("ld.global.b64") == 2 and ptx.count("st.global") == 32
+    assert len(kernel.asm["cubin"]) > 0
+
+
 def test_chunk_size_divides_every_offset_and_length() -> None:
     assert chunk_size([2 << 20, 4 << 20]) == MAX_CHUNK_BYTES
     assert chunk_size([4096, 12288, 8192], max_chunk=1 << 20) == 4096

@@ -524,6 +524,15 @@ def markdown(info: dict[str, str], rows: list[Row], pd: list[check_pd.Check]) ->
     return "\n".join([*head, "", *(checks if pd else []), "", *lines]) + "\n"
 
 
+def _version(package: str) -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version(package)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--carry", type=Path, help="folder from mooncake_wheels.py pack")
@@ -572,6 +581,7 @@ def main() -> None:
     receiver_device = args.receiver_device or args.device
     setup = Setup(args.device, args.pool_pages, args.tokens // LAYOUT.page_size, args.tokens)
     info = {"date (UTC)": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), **versions(),
+            "triton": _version("triton"),
             "sender -> receiver": f"{args.device} -> {receiver_device}",
             "prompt": f"{args.tokens} tokens = {setup.n} pages of {LAYOUT.page_bytes >> 20} MiB "
                       f"(8B shape, bf16), pools of {args.pool_pages} pages"}  # fmt: skip
