@@ -44,7 +44,6 @@ from kvtransfer.cuda_ipc_plan import (
 )
 from kvtransfer.process_memory import (
     ProcessMemoryError,
-    allow_peer_writes,
     write_process_memory,
 )
 
@@ -230,10 +229,13 @@ def test_engine_on_a_host_without_gpus_is_refused_naming_the_flag() -> None:
 
 
 def test_node_flag_accepts_cuda_ipc() -> None:
-    from prefill_node.server import build_parser
+    import argparse
 
-    args = build_parser().parse_args(["--model", "m", "--transfer-backend", "cuda_ipc"])
-    assert args.transfer_backend == "cuda_ipc"
+    from engine.node.args import add_disagg_args
+
+    parser = argparse.ArgumentParser()
+    add_disagg_args(parser)  # both node kinds' transfer flags (no grpc import: runs on GPU hosts)
+    assert parser.parse_args(["--transfer-backend", "cuda_ipc"]).transfer_backend == "cuda_ipc"
 
 
 class FakeDriver:
@@ -329,29 +331,39 @@ def test_engine_refuses_bad_writes_and_peers_naming_what_to_do(fake_gpu_engine) 
     assert launches == []
 
 
-def _aux_target(conn: Connection) -> None:
+AUX_TARGET = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    from kvtransfer.process_memory import allow_peer_writes
     slots = np.zeros(64, dtype=np.uint8)
     allow_peer_writes()  # what a receiving engine does (needed under Yama ptrace_scope 1)
-    conn.send((os.getpid(), int(slots.ctypes.data)))
-    conn.recv()
-    conn.send(slots.tobytes())
+    print(os.getpid(), int(slots.ctypes.data), flush=True)
+    sys.stdin.readline()
+    print(slots.tobytes().hex(), flush=True)
+    """
+)
 
 
 def test_aux_bytes_land_in_another_process() -> None:
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    target = ctx.Process(target=_aux_target, args=(there,), daemon=True)
-    target.start()
+    target = subprocess.Popen(
+        [sys.executable, "-c", AUX_TARGET],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert target.stdin is not None and target.stdout is not None
     try:
-        assert here.poll(60), "the target process did not start"
-        pid, addr = here.recv()
+        pid, addr = map(int, target.stdout.readline().split())
         src = np.arange(1, 33, dtype=np.uint8)
         write_process_memory(pid, [(int(src.ctypes.data), addr + 8, 16),
                                    (int(src.ctypes.data) + 16, addr + 40, 16)])  # fmt: skip
-        here.send("read")
-        got = np.frombuffer(here.recv(), dtype=np.uint8)
+        target.stdin.write("read\n")
+        target.stdin.flush()
+        got = np.frombuffer(bytes.fromhex(target.stdout.readline().strip()), dtype=np.uint8)
     finally:
-        target.join(timeout=30)
+        target.wait(timeout=30)
     expected = np.zeros(64, dtype=np.uint8)
     expected[8:24], expected[40:56] = src[:16], src[16:]
     assert (got == expected).all()
