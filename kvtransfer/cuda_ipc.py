@@ -49,6 +49,7 @@ from kvtransfer.cuda_ipc_plan import (
     IpcEndpoint,
     boot_id,
     check_registrable,
+    group_ranges,
     plan_copy,
 )
 from kvtransfer.process_memory import (
@@ -174,7 +175,8 @@ class CudaIpcEngine(KVTransferEngine):
                 "connected; call connect() with its PeerInfo first"
             )
         handle = CudaIpcHandle(peer_id)
-        for (local_i, peer_i), rows in self._split(peer, ranges).items():
+        groups = group_ranges(ranges, self._regions, peer.endpoint, self.config.node_name)
+        for (local_i, peer_i), rows in groups.items():
             local, remote = self._regions[local_i], peer.endpoint.regions[peer_i]
             if not local.on_gpu:
                 try:
@@ -186,40 +188,6 @@ class CudaIpcEngine(KVTransferEngine):
             offsets = rows - np.array([local.addr, remote.addr, 0], dtype=np.int64)
             self._launch(handle, plan_copy(offsets, align=(local.addr, base)), local, base)
         return handle
-
-    def _split(
-        self, peer: MappedPeer, ranges: Sequence[TransferRange]
-    ) -> dict[tuple[int, int], np.ndarray]:
-        """Rows (source, destination, length) per (local region, peer region), vectorised
-        (a write of 256 pages must cost far less than its 0.3 ms copy); checks every range."""
-        rows = np.array([(r.src_addr, r.dst_addr, r.length) for r in ranges], dtype=np.int64)
-        rows = rows.reshape(-1, 3)
-        local_i = _locate(self._regions, rows[:, 0], rows[:, 2])
-        peer_i = _locate(peer.endpoint.regions, rows[:, 1], rows[:, 2])
-        outside = (local_i < 0) | (peer_i < 0)
-        if outside.any():
-            first = int(np.argmax(outside))
-            side = "local" if local_i[first] < 0 else f"peer {peer.endpoint.node_name!r}"
-            raise TransferError(
-                f"cuda_ipc engine {self.config.node_name!r}: range {ranges[first]} lies outside "
-                f"every registered {side} region (the peer's regions come from its endpoint)"
-            )
-        local_gpu = np.array([r.on_gpu for r in self._regions])[local_i]
-        peer_gpu = np.array([r.on_gpu for r in peer.endpoint.regions])[peer_i]
-        if (local_gpu != peer_gpu).any():
-            first = int(np.argmax(local_gpu != peer_gpu))
-            local, remote = self._regions[local_i[first]], peer.endpoint.regions[peer_i[first]]
-            raise TransferError(
-                f"cuda_ipc engine {self.config.node_name!r}: range {ranges[first]} goes from "
-                f"{local.device} to {remote.device}; {BACKEND_FLAG} copies GPU to GPU (KV) "
-                "and CPU to CPU (aux) only"
-            )
-        key = local_i * len(peer.endpoint.regions) + peer_i
-        groups = {}
-        for k in np.unique(key).tolist():
-            li, pi = divmod(k, len(peer.endpoint.regions))
-            groups[(li, pi)] = rows[key == k]
-        return groups
 
     def _stream(self, device: int) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -291,12 +259,3 @@ class CudaIpcEngine(KVTransferEngine):
         self._peers.clear()
         self._regions.clear()
         self._streams.clear()
-
-
-def _locate(regions: Sequence[ExportedRegion], addr: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """Per row, the index of the region holding [addr, addr + length), or -1."""
-    found = np.full(len(addr), -1, dtype=np.int64)
-    for i, region in enumerate(regions):
-        inside = (addr >= region.addr) & (addr + length <= region.addr + region.length)
-        found[inside & (found < 0)] = i
-    return found

@@ -7,6 +7,8 @@ No CUDA here (the tests run it on a CPU):
   host only), its pid (for the CPU aux slots), and per registered region its address, length,
   device and, for GPU memory, the CUDA IPC handle of the allocation holding it with the
   region's offset inside that allocation.
+- `group_ranges`: a write's ranges as one array per (local region, peer region), each range
+  checked (inside a region on both sides; GPU to GPU or CPU to CPU).
 - `plan_copy`: a write's byte ranges cut into chunks of one size (the largest power of two,
   at most `MAX_CHUNK_BYTES`, that divides every offset and length), as two lists of chunk
   indices, source and destination. The copy kernel (kvtransfer/cuda_ipc_kernel.py) runs one
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtransfer.base import MemoryRegion, TransferError
+from kvtransfer.base import MemoryRegion, TransferError, TransferRange
 
 BACKEND_FLAG = "--transfer-backend cuda_ipc"
 MAX_CHUNK_BYTES = 64 << 10  # 2 MiB pages -> 32 programs a page; 512 MiB -> 8,192 programs
@@ -171,3 +173,50 @@ def plan_copy(
     src = np.repeat(rows[:, 0] // chunk, counts) + within
     dst = np.repeat(rows[:, 1] // chunk, counts) + within
     return CopyPlan(chunk, word, src, dst)
+
+
+def _locate(regions: Sequence[ExportedRegion], addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Per row, the index of the region holding [addr, addr + length), or -1."""
+    found = np.full(len(addr), -1, dtype=np.int64)
+    for i, region in enumerate(regions):
+        inside = (addr >= region.addr) & (addr + length <= region.addr + region.length)
+        found[inside & (found < 0)] = i
+    return found
+
+
+def group_ranges(
+    ranges: Sequence[TransferRange],
+    local: Sequence[ExportedRegion],
+    peer: IpcEndpoint,
+    node_name: str,
+) -> dict[tuple[int, int], np.ndarray]:
+    """A write's ranges as rows (source, destination, length) per (local region index, peer
+    region index), every range checked: inside a region on both sides, GPU to GPU or CPU to
+    CPU. Vectorised: the host side of a 256-page write must cost far less than its copy."""
+    rows = np.array([(r.src_addr, r.dst_addr, r.length) for r in ranges], dtype=np.int64)
+    rows = rows.reshape(-1, 3)
+    local_i = _locate(local, rows[:, 0], rows[:, 2])
+    peer_i = _locate(peer.regions, rows[:, 1], rows[:, 2])
+    outside = (local_i < 0) | (peer_i < 0)
+    if outside.any():
+        first = int(np.argmax(outside))
+        side = "local" if local_i[first] < 0 else f"peer {peer.node_name!r}"
+        raise TransferError(
+            f"cuda_ipc engine {node_name!r}: range {ranges[first]} lies outside every "
+            f"registered {side} region (the peer's regions come from its endpoint)"
+        )
+    crossing = (
+        np.array([r.on_gpu for r in local])[local_i]
+        != np.array([r.on_gpu for r in peer.regions])[peer_i]
+    )
+    if crossing.any():
+        first = int(np.argmax(crossing))
+        src, dst = local[local_i[first]], peer.regions[peer_i[first]]
+        raise TransferError(
+            f"cuda_ipc engine {node_name!r}: range {ranges[first]} goes from {src.device} to "
+            f"{dst.device}; {BACKEND_FLAG} copies GPU to GPU (KV) and CPU to CPU (aux) only"
+        )
+    key = local_i * len(peer.regions) + peer_i
+    if len(key) and (key == key[0]).all():  # the usual write: one pool into the other
+        return {divmod(int(key[0]), len(peer.regions)): rows}
+    return {divmod(k, len(peer.regions)): rows[key == k] for k in np.unique(key).tolist()}

@@ -65,7 +65,7 @@ from engine.memory.kv_cache import KVLayout, PagedKVCache
 from engine.memory.staging import PageStager, StagingSpan
 from kvtransfer import MemoryRegion, PeerInfo, TransferConfig, TransferState, create_engine
 from kvtransfer.base import coalesce_pages
-from kvtransfer.cuda_ipc_plan import plan_copy
+from kvtransfer.cuda_ipc_plan import ExportedRegion, IpcEndpoint, group_ranges, plan_copy
 from scripts.gpu import check_pd
 from scripts.gpu.bench_mooncake_gpu import receive_rows, versions
 from scripts.gpu.environment import add_site_arg
@@ -488,18 +488,21 @@ def cuda_ipc_reference(
 
 
 def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
-    """The host side of a cuda_ipc write before its launch: the scattered pages' ranges cut
-    into the kernel's chunk lists (kvtransfer/cuda_ipc_plan.py), median of `repeats`."""
+    """The host side of a cuda_ipc write before its launch (kvtransfer/cuda_ipc_plan.py):
+    the scattered pages' ranges checked against both pools and cut into the kernel's chunk
+    lists, median of `repeats`; the engine's rows include it."""
     src, dst = setup.pages()["scattered"]
-    base = 1 << 40  # any 64 KiB-aligned bases: the plan depends on the offsets only
-    rows = [(r.src_addr - base, r.dst_addr - base, r.length)
-            for r in coalesce_pages(src, dst, LAYOUT.page_bytes, base, base)]  # fmt: skip
-    times, plan = [], plan_copy(rows)
+    pool_bytes = setup.pool_pages * LAYOUT.page_bytes
+    local = ExportedRegion("kv", 1 << 40, pool_bytes, "cuda:0")  # any aligned bases
+    peer = IpcEndpoint("decode", "", 0, (ExportedRegion("kv", 1 << 41, pool_bytes, "cuda:0"),))
+    ranges = coalesce_pages(src, dst, LAYOUT.page_bytes, local.addr, peer.regions[0].addr)
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        plan = plan_copy(rows, align=(base, base))
+        [rows] = group_ranges(ranges, [local], peer, "bench").values()
+        plan = plan_copy(rows - np.array([local.addr, peer.regions[0].addr, 0]), (1 << 40,))
         times.append((time.perf_counter() - start) * 1e3)
-    key = f"cuda_ipc plan of {len(src)} scattered pages (host, before the launch)"
+    key = f"cuda_ipc host side of a {len(src)}-page scattered write (ranges -> chunk lists)"
     return {key: f"{statistics.median(times):.3f} ms ({plan.num_chunks} chunks of "
                  f"{plan.chunk_bytes >> 10} KiB, {plan.word_bytes}-byte words)"}  # fmt: skip
 
