@@ -194,8 +194,9 @@ class CudaIpcEngine(KVTransferEngine):
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def _launch(self, handle: CudaIpcHandle, plan: CopyPlan, local: ExportedRegion,
-                dst_base: int) -> None:  # fmt: skip
+    def _launch(
+        self, handle: CudaIpcHandle, plan: CopyPlan, local: ExportedRegion, dst_base: int
+    ) -> None:
         """One kernel for the whole plan, after the caller's stream, then its event."""
         device = local.device_index
         gpu = torch.device("cuda", device)
