@@ -29,7 +29,11 @@ CUcontext = ctypes.c_void_p
 
 
 class IpcMemHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES)]
+    """CUipcMemHandle (64 opaque bytes), passed by value to cuIpcOpenMemHandle. Eight
+    scalar words rather than a byte array: ctypes has mishandled arrays inside structures
+    passed by value (bpo-22273); scalars side-step it."""
+
+    _fields_ = [(f"word{i}", ctypes.c_uint64) for i in range(IPC_HANDLE_BYTES // 8)]
 
 
 # name -> (exported symbols, newest first; argument types). The _v2 symbols are the ones

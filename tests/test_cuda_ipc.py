@@ -228,6 +228,31 @@ def test_engine_on_a_host_without_gpus_is_refused_naming_the_flag() -> None:
         create_engine(TransferConfig(backend="cuda_ipc", node_name="prefill"))
 
 
+def test_ipc_handle_struct_keeps_its_64_bytes() -> None:
+    import ctypes
+
+    from kvtransfer.cuda_driver import IpcMemHandle
+
+    raw = bytes(range(64))
+    assert ctypes.sizeof(IpcMemHandle) == 64
+    assert bytes(IpcMemHandle.from_buffer_copy(raw)) == raw
+
+
+def test_driver_on_a_host_without_one_is_refused_naming_the_flag() -> None:
+    import ctypes
+
+    from kvtransfer.cuda_driver import CudaDriver
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        pass
+    else:
+        pytest.skip("this host has the NVIDIA driver")
+    with pytest.raises(TransferError, match=f"{BACKEND_FLAG} needs the NVIDIA driver"):
+        CudaDriver()
+
+
 def test_node_flag_accepts_cuda_ipc() -> None:
     import argparse
 
