@@ -15,11 +15,13 @@ A bootstrap-server, a prefill-server and a decode-server run as real processes o
 a small fp32 dummy-weight Llama, so a difference is a bug and not rounding. Each transfer
 backend gets its own trio: NIXL (UCX: cuda_ipc between the two processes) and Mooncake (its CUDA
 build over TCP, `MC_FORCE_TCP`, which stages GPU memory through host buffers; "nvlink_intra"
-cannot register the nodes' CPU aux slots). Prompts of 5..900 tokens (some longer than the
-256-token chunked-prefill size of both nodes) go greedily through P->D with a room each, over
-gRPC without a gateway (gateway/pd_client.py), once one at a time and once all together; the
-reference is the same decode node prefilling itself (requests without a room), one at a time.
-Afterwards both nodes must be idle with no page in use (CheckIntegrity).
+cannot register the nodes' CPU aux slots); `--backends cuda_ipc` runs one more, both nodes on
+the CUDA IPC backend (kvtransfer/cuda_ipc.py, not in the default set). Prompts of 5..900
+tokens (some longer than the 256-token chunked-prefill size of both nodes) go greedily
+through P->D with a room each, over gRPC without a gateway (gateway/pd_client.py), once one
+at a time and once all together; the reference is the same decode node prefilling itself
+(requests without a room), one at a time. Afterwards both nodes must be idle with no page
+in use (CheckIntegrity).
 
 The GPU image has grpcio and protobuf, but older than the committed stubs need, so the run
 carries grpcio 1.85.1 and protobuf 7.36.2 wheels beside the NIXL / Mooncake ones
