@@ -144,6 +144,22 @@ def test_kernel_compiles_for_hopper_with_128_bit_loads_and_stores() -> None:
     assert len(kernel.asm["cubin"]) > 0
 
 
+def test_device_pointer_is_specialised_like_a_tensor() -> None:
+    """The peer's mapped pool reaches the kernel as a DevicePointer (no torch tensor): Triton
+    must see a 16-byte-aligned int64 pointer, as for a tensor, or it would not vectorise."""
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from kvtransfer.cuda_ipc_kernel import DevicePointer
+
+    def spec(arg: object) -> tuple[str, str]:
+        return tuple(libtriton.native_specialize_impl(CUDABackend, arg, False, True, True))
+
+    assert spec(DevicePointer(1 << 40, torch.int64)) == ("*i64", "D")
+    assert spec(DevicePointer((1 << 40) + 8, torch.int64)) == ("*i64", "")
+    assert spec(DevicePointer(1 << 40, torch.int64)) == spec(torch.zeros(2, dtype=torch.int64))
+
+
 def test_chunk_size_divides_every_offset_and_length() -> None:
     assert chunk_size([2 << 20, 4 << 20]) == MAX_CHUNK_BYTES
     assert chunk_size([4096, 12288, 8192], max_chunk=1 << 20) == 4096
