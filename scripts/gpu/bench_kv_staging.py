@@ -469,7 +469,12 @@ def cuda_ipc_reference(
                 raise RuntimeError(f"a cuda_ipc write ended {state.value}")
 
         a.storage.view(torch.uint8).fill_(POISON)
-        once()
+        try:
+            once()
+        except Exception as exc:  # a write that failed: its message is the finding
+            out[f"cuda_ipc error, {layout}"] = f"{type(exc).__name__}: {exc}"[:400]
+            ok = False
+            break
         _sync(setup.device)
         untouched = torch.ones(a.num_pages, dtype=torch.bool, device=setup.device)
         untouched[torch.tensor(dst, device=setup.device)] = False
