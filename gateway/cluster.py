@@ -392,7 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-cluster", description=__doc__.splitlines()[0])
     parser.add_argument("--prefill", type=int, default=1, help="prefill nodes (0: colocated)")
     parser.add_argument("--decode", type=int, default=1, help="decode nodes")
-    parser.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "nixl"])
+    parser.add_argument(
+        "--transfer-backend", default="mooncake", choices=["mooncake", "nixl", "cuda_ipc"]
+    )
     parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
     parser.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
     parser.add_argument("--max-total-tokens", type=int, default=16384, help="KV tokens per node")

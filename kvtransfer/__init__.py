@@ -1,4 +1,4 @@
-"""KV transfer backends (Mooncake Transfer Engine, NIXL) behind one small interface."""
+"""KV transfer backends (Mooncake Transfer Engine, NIXL, CUDA IPC) behind one small interface."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ TRANSFER_BACKENDS: dict[str, tuple[str, str]] = {
     # name: (module:class, the package to install)
     "mooncake": ("kvtransfer.mooncake:MooncakeEngine", "mooncake-transfer-engine-non-cuda"),
     "nixl": ("kvtransfer.nixl:NixlEngine", "nixl"),
+    # one host only: a kernel writes into the peer's pool mapped through CUDA IPC
+    "cuda_ipc": ("kvtransfer.cuda_ipc:CudaIpcEngine", "triton"),
 }
 
 

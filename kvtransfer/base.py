@@ -27,7 +27,7 @@ class TransferState(Enum):
 
 @dataclass(frozen=True)
 class TransferConfig:
-    backend: str  # "mooncake" | "nixl"
+    backend: str  # "mooncake" | "nixl" | "cuda_ipc" (kvtransfer.TRANSFER_BACKENDS)
     node_name: str  # unique per process: NIXL agent name, log prefix
     host: str = "127.0.0.1"
     protocol: str = "tcp"  # mooncake: "tcp" or "rdma"

@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.engine_loop import LoopConfig
 from engine.models.cpu_linear import LINEAR_KERNELS
 from engine.node.kv_publisher import add_kv_events_args
+from kvtransfer import TRANSFER_BACKENDS
 from kvtransfer.base import TransferConfig
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -203,7 +204,12 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def add_disagg_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("disaggregation")
     g.add_argument("--bootstrap", default=None, help="bootstrap-server address host:port")
-    g.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "nixl"])
+    g.add_argument(
+        "--transfer-backend",
+        default="mooncake",
+        choices=sorted(TRANSFER_BACKENDS),
+        help="cuda_ipc: both nodes on GPUs of one host (docs/architecture.md)",
+    )
     g.add_argument("--transfer-protocol", default="tcp", help="mooncake: tcp or rdma")
     g.add_argument("--transfer-devices", default="", help="mooncake RDMA devices, e.g. mlx5_0")
     g.add_argument("--node-id", default="", help="id to register with (default: assigned)")

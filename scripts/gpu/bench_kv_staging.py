@@ -1,10 +1,14 @@
-"""256 scattered KV pages through the transfer engines: today's path, staging, prepared lists.
+"""256 scattered KV pages through the transfer engines: staging, prepared lists, cuda_ipc.
+
+Commands (the first two made benchmarks/gpu-2026-11-26-kv-staging-h200.md):
 
     python3 -m scripts.gpu.mooncake_wheels pack .mooncake            # here (no index there)
     # grpcio / protobuf wheels for the PD check: see scripts/gpu/check_pd.py (.pdwheels)
     python3 -m scripts.gpu.bench_kv_staging --carry .mooncake --wheels .pdwheels --out "$OUT"
     python3 -m scripts.gpu.bench_kv_staging --carry .mooncake --out "$OUT" \\
         --receiver-device cuda:1 --no-pd-check                                     # GPU0 -> GPU1
+    python3 -m scripts.gpu.bench_kv_staging --backends cuda_ipc --pd-backends cuda_ipc \\
+        --wheels .pdwheels --out "$OUT"              # cuda_ipc alone (needs no NIXL/Mooncake)
 
 A prefill and a decode process (one GPU, or the decode one on `--receiver-device`), each with
 the engine's KV pool of a Llama-3-8B shape (32 layers, 8 KV heads, head dim 128, bf16, 16-token
@@ -22,6 +26,14 @@ one registered region), move a 4k-token prompt (256 pages, 512 MiB) four ways pe
 - `prepped` (NIXL): page tables of both pools prepared once (`prep_xfer_dlist`), each write
   built by page indices (`make_prepped_xfer`); Mooncake has no prepared lists, so its row is
   the binding's own blocking batch call on the 256 descriptors (no waiter thread).
+
+The `cuda_ipc` engine (kvtransfer/cuda_ipc.py: the receiver's pool mapped through CUDA IPC,
+one Triton kernel a write) has the `contiguous` and `scattered` rows only: each is one kernel
+launch whatever the layout, timed from `write` to its event passed in `poll`. Its reference
+checks run first in this process (one GPU only): the engine's kernel between two pools of
+this process against torch indexing, timed for both layouts beside torch's contiguous copy.
+The PD check with `--pd-backends cuda_ipc` runs both nodes on it, without staging (the
+staging flags are forced for the other backends only).
 
 Checks first: the staging kernels against torch indexing on the GPU, torch's copy of the same
 pages between the two pools (the copy ceiling), and for every row one write into a poisoned
@@ -53,6 +65,7 @@ from engine.memory.kv_cache import KVLayout, PagedKVCache
 from engine.memory.staging import PageStager, StagingSpan
 from kvtransfer import MemoryRegion, PeerInfo, TransferConfig, TransferState, create_engine
 from kvtransfer.base import coalesce_pages
+from kvtransfer.cuda_ipc_plan import ExportedRegion, IpcEndpoint, group_ranges, plan_copy
 from scripts.gpu import check_pd
 from scripts.gpu.bench_mooncake_gpu import receive_rows, versions
 from scripts.gpu.environment import add_site_arg
@@ -64,6 +77,7 @@ SEED = 1234
 METHODS = ("contiguous", "scattered", "staged", "staged x4", "prepped")
 PIECES = 4  # "staged x4": gather piece k+1 while the engine moves piece k
 PD_STAGING = ["--kv-staging-pages", "128", "--kv-staging-min-runs", "0"]
+ONE_KERNEL = ("contiguous", "scattered")  # cuda_ipc: the layout does not change the launch
 
 
 @dataclass(frozen=True)
@@ -71,9 +85,16 @@ class Engine:
     label: str
     backend: str
     protocol: str = "tcp"
+    methods: tuple[str, ...] = METHODS
 
 
-ENGINES = (Engine("nixl UCX", "nixl"), Engine("mooncake nvlink_intra", "mooncake", "nvlink_intra"))
+CUDA_IPC = Engine("cuda_ipc kernel", "cuda_ipc", methods=ONE_KERNEL)
+CUDA_IPC_CHECK = "cuda_ipc kernel == torch indexing (one process)"
+ENGINES = (
+    Engine("nixl UCX", "nixl"),
+    Engine("mooncake nvlink_intra", "mooncake", "nvlink_intra"),
+    CUDA_IPC,
+)
 CPU_ENGINES = (Engine("nixl UCX", "nixl"), Engine("mooncake tcp", "mooncake", "tcp"))
 
 
@@ -322,7 +343,7 @@ class Sender:
 def sender_main(engine: Engine, setup: Setup, conn: Any, parent: Any, endpoint: bytes,
                 remote: MemoryRegion, repeats: int) -> None:  # fmt: skip
     sender = Sender(engine, setup, conn, endpoint, remote)
-    for name in METHODS:
+    for name in engine.methods:
         row = sender.row(name, repeats)
         print(row, flush=True)
         parent.send(row)
@@ -374,7 +395,9 @@ def _time_ms(fn: Any, devices: tuple[str, ...], repeats: int) -> float:
     return statistics.median(times[2:])
 
 
-def reference_checks(setup: Setup, receiver_device: str, repeats: int) -> dict[str, str]:
+def reference_checks(
+    setup: Setup, receiver_device: str, repeats: int, with_cuda_ipc: bool = False
+) -> dict[str, str]:
     """The staging kernels against torch indexing, and torch's copy of the pages between two
     pools in this process (the ceiling): each check must pass before its time is printed."""
     out: dict[str, str] = {}
@@ -410,16 +433,98 @@ def reference_checks(setup: Setup, receiver_device: str, repeats: int) -> dict[s
     out["torch page copy == source"] = "PASS" if copy_ok else "FAIL"
     rate = n * LAYOUT.page_bytes / copy / 1e6
     out[f"torch copy, {n} pages as one contiguous copy"] = f"{copy:.3f} ms ({rate:.0f} GB/s)"
+    if with_cuda_ipc and receiver_device == setup.device and setup.device.startswith("cuda"):
+        out.update(cuda_ipc_reference(setup, a, b, repeats))
     return out
 
 
+def cuda_ipc_reference(
+    setup: Setup, a: PagedKVCache, b: PagedKVCache, repeats: int
+) -> dict[str, str]:
+    """The cuda_ipc engine's kernel between two pools of this process (no IPC mapping: the
+    same kernel, launch and event as between processes): byte-exact on a poisoned receiver
+    for both layouts, then timed."""
+    out: dict[str, str] = {}
+    try:
+        sender, receiver = _engine(CUDA_IPC, "ref-prefill"), _engine(CUDA_IPC, "ref-decode")
+        local, remote = _region(b, setup.device), _region(a, setup.device)
+        sender.register([local])
+        receiver.register([remote])
+        sender.connect(PeerInfo("decode", receiver.local_endpoint(), {"kv": remote}))
+    except Exception as exc:  # the backend itself does not start: say why, loudly
+        out[CUDA_IPC_CHECK] = "FAIL"
+        out["cuda_ipc start error"] = f"{type(exc).__name__}: {exc}"[:400]
+        return out
+    a_bytes, b_bytes = _bytes(a), _bytes(b)
+    ok = True
+    for layout, (src, dst) in setup.pages().items():
+        ranges = coalesce_pages(src, dst, LAYOUT.page_bytes, local.addr, remote.addr)
+
+        def once(ranges: list[Any] = ranges) -> None:
+            handle = sender.write("decode", ranges)
+            while (state := sender.poll(handle)) is TransferState.PENDING:
+                pass
+            sender.release(handle)
+            if state is not TransferState.DONE:
+                raise RuntimeError(f"a cuda_ipc write ended {state.value}")
+
+        a.storage.view(torch.uint8).fill_(POISON)
+        try:
+            once()
+        except Exception as exc:  # a write that failed: its message is the finding
+            out[f"cuda_ipc error, {layout}"] = f"{type(exc).__name__}: {exc}"[:400]
+            ok = False
+            break
+        _sync(setup.device)
+        untouched = torch.ones(a.num_pages, dtype=torch.bool, device=setup.device)
+        untouched[torch.tensor(dst, device=setup.device)] = False
+        landed = torch.equal(a_bytes[dst], b_bytes[src])
+        ok = ok and landed and bool((a_bytes[untouched] == POISON).all())
+        if ok:
+            ms = _time_ms(once, (setup.device,), repeats)
+            nbytes = len(src) * LAYOUT.page_bytes
+            out[f"cuda_ipc kernel, {layout}, one process"] = (
+                f"{ms:.3f} ms ({nbytes / ms / 1e6:.0f} GB/s, {len(ranges)} ranges, 1 launch)"
+            )
+    out[CUDA_IPC_CHECK] = "PASS" if ok else "FAIL"
+    sender.close()
+    receiver.close()
+    return out
+
+
+def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
+    """The host side of a cuda_ipc write before its launch (kvtransfer/cuda_ipc_plan.py):
+    the scattered pages' ranges checked against both pools and cut into the kernel's chunk
+    lists, median of `repeats`; the engine's rows include it."""
+    src, dst = setup.pages()["scattered"]
+    pool_bytes = setup.pool_pages * LAYOUT.page_bytes
+    local = ExportedRegion("kv", 1 << 40, pool_bytes, "cuda:0")  # any aligned bases
+    peer = IpcEndpoint("decode", "", 0, (ExportedRegion("kv", 1 << 41, pool_bytes, "cuda:0"),))
+    ranges = coalesce_pages(src, dst, LAYOUT.page_bytes, local.addr, peer.regions[0].addr)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        [rows] = group_ranges(ranges, [local], peer, "bench").values()
+        plan = plan_copy(rows - np.array([local.addr, peer.regions[0].addr, 0]), (1 << 40,))
+        times.append((time.perf_counter() - start) * 1e3)
+    key = f"cuda_ipc host side of a {len(src)}-page scattered write (ranges -> chunk lists)"
+    return {key: f"{statistics.median(times):.3f} ms ({plan.num_chunks} chunks of "
+                 f"{plan.chunk_bytes >> 10} KiB, {plan.word_bytes}-byte words)"}  # fmt: skip
+
+
 def pd_check(device: str, backends: list[str]) -> list[check_pd.Check]:
-    """check_pd's PD trio with staging forced on both nodes."""
+    """check_pd's PD trio per backend: staging forced on both nodes, except for cuda_ipc,
+    whose kernel writes the scattered pages directly."""
     import tempfile
 
     workdir = Path(tempfile.mkdtemp(prefix="kv-staging-pd-"))
-    result = check_pd.run(device, backends, workdir, PD_STAGING, ", staging forced")
-    return result.checks
+    staged = [b for b in backends if b != "cuda_ipc"]
+    checks = []
+    if staged:
+        checks += check_pd.run(device, staged, workdir, PD_STAGING, ", staging forced").checks
+    if "cuda_ipc" in backends:
+        checks += check_pd.run(device, ["cuda_ipc"], workdir).checks
+    return checks
 
 
 def markdown(info: dict[str, str], rows: list[Row], pd: list[check_pd.Check]) -> str:
@@ -445,12 +550,30 @@ def markdown(info: dict[str, str], rows: list[Row], pd: list[check_pd.Check]) ->
     return "\n".join([*head, "", *(checks if pd else []), "", *lines]) + "\n"
 
 
-def main() -> None:
+def _version(package: str) -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version(package)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--carry", type=Path, help="folder from mooncake_wheels.py pack")
     parser.add_argument("--wheels", type=Path, help="grpcio / protobuf wheels (check_pd.py)")
     parser.add_argument("--no-pd-check", action="store_true", help="skip the PD trio check")
-    parser.add_argument("--pd-backends", nargs="+", default=["nixl"], choices=["nixl", "mooncake"])
+    parser.add_argument(
+        "--pd-backends", nargs="+", default=["nixl"], choices=["nixl", "mooncake", "cuda_ipc"]
+    )
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=[e.backend for e in ENGINES],
+        choices=[e.backend for e in ENGINES],
+        help="the engines whose rows run (GPU; the CPU dry run has nixl and mooncake tcp)",
+    )
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
@@ -459,28 +582,49 @@ def main() -> None:
     parser.add_argument("--receiver-device", default=None, help="default: --device")
     parser.add_argument("--pool-pages", type=int, default=POOL_PAGES)
     add_site_arg(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def engines_to_run(args: argparse.Namespace, info: dict[str, str]) -> list[Engine]:
+    """The engines of `--backends` on a GPU (NIXL only where its CUDA wheel is installed,
+    cuda_ipc only if its one-process check passed), both CPU engines on a CPU; none if a
+    check of the other paths failed."""
+    if any(v == "FAIL" for k, v in info.items() if k != CUDA_IPC_CHECK):
+        return []
+    if args.device == "cpu":
+        return list(CPU_ENGINES)
+    skip = {"nixl"} if info.get("nixl-cu13") == "not installed" else set()
+    if info.get(CUDA_IPC_CHECK) == "FAIL":
+        skip.add("cuda_ipc")
+    return [e for e in ENGINES if e.backend in args.backends and e.backend not in skip]
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     check_pd.install(args.carry, args.wheels, args.site)  # the spawned processes too
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     receiver_device = args.receiver_device or args.device
     setup = Setup(args.device, args.pool_pages, args.tokens // LAYOUT.page_size, args.tokens)
     info = {"date (UTC)": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), **versions(),
+            "triton": _version("triton"),
             "sender -> receiver": f"{args.device} -> {receiver_device}",
             "prompt": f"{args.tokens} tokens = {setup.n} pages of {LAYOUT.page_bytes >> 20} MiB "
                       f"(8B shape, bf16), pools of {args.pool_pages} pages"}  # fmt: skip
     pd = [] if args.no_pd_check else pd_check(args.device, args.pd_backends)
-    info.update(reference_checks(setup, receiver_device, args.repeats))
+    with_cuda_ipc = "cuda_ipc" in args.backends
+    if with_cuda_ipc:
+        info.update(plan_cost(setup, args.repeats))
+    info.update(reference_checks(setup, receiver_device, args.repeats, with_cuda_ipc))
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()  # the checks' pools: each process needs its own now
     print(json.dumps(info, indent=1), flush=True)
     rows: list[Row] = []
-    if all(v != "FAIL" for v in info.values()):
-        for engine in CPU_ENGINES if args.device == "cpu" else ENGINES:
-            no_nixl = engine.backend == "nixl" and info.get("nixl-cu13") == "not installed"
-            if no_nixl and args.device != "cpu":
-                continue
-            rows += run_engine(engine, setup, receiver_device, args.repeats, args.engine_timeout)
+    engines = engines_to_run(args, info)
+    if any(v == "FAIL" for v in info.values()):
+        print("a reference check FAILED: its engines have no rows (see the lines above)")
+    for engine in engines:
+        rows += run_engine(engine, setup, receiver_device, args.repeats, args.engine_timeout)
     table = markdown(info, rows, pd)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_staging.md").write_text(table)

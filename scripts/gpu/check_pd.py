@@ -15,11 +15,13 @@ A bootstrap-server, a prefill-server and a decode-server run as real processes o
 a small fp32 dummy-weight Llama, so a difference is a bug and not rounding. Each transfer
 backend gets its own trio: NIXL (UCX: cuda_ipc between the two processes) and Mooncake (its CUDA
 build over TCP, `MC_FORCE_TCP`, which stages GPU memory through host buffers; "nvlink_intra"
-cannot register the nodes' CPU aux slots). Prompts of 5..900 tokens (some longer than the
-256-token chunked-prefill size of both nodes) go greedily through P->D with a room each, over
-gRPC without a gateway (gateway/pd_client.py), once one at a time and once all together; the
-reference is the same decode node prefilling itself (requests without a room), one at a time.
-Afterwards both nodes must be idle with no page in use (CheckIntegrity).
+cannot register the nodes' CPU aux slots); `--backends cuda_ipc` runs one more, both nodes on
+the CUDA IPC backend (kvtransfer/cuda_ipc.py, not in the default set). Prompts of 5..900
+tokens (some longer than the 256-token chunked-prefill size of both nodes) go greedily
+through P->D with a room each, over gRPC without a gateway (gateway/pd_client.py), once one
+at a time and once all together; the reference is the same decode node prefilling itself
+(requests without a room), one at a time. Afterwards both nodes must be idle with no page
+in use (CheckIntegrity).
 
 The GPU image has grpcio and protobuf, but older than the committed stubs need, so the run
 carries grpcio 1.85.1 and protobuf 7.36.2 wheels beside the NIXL / Mooncake ones
@@ -69,7 +71,9 @@ DECODE_ARGS = ["--disable-prefix-cache"]
 BACKENDS: dict[str, dict[str, str]] = {
     "nixl": {},
     "mooncake": {"MC_FORCE_TCP": "1"},
+    "cuda_ipc": {},  # GPU only; run on request (bench_kv_staging.py --pd-backends cuda_ipc)
 }
+DEFAULT_BACKENDS = ["nixl", "mooncake"]  # this script's and run_all.py's PD trios
 
 
 @dataclass
@@ -244,7 +248,7 @@ def available(backends: list[str]) -> tuple[list[str], list[str]]:
     """The backends whose engine imports here, and a line for each that does not."""
     import importlib.util
 
-    mods = {"nixl": "nixl", "mooncake": "mooncake"}
+    mods = {"nixl": "nixl", "mooncake": "mooncake", "cuda_ipc": "triton"}
     ok = [b for b in backends if importlib.util.find_spec(mods[b]) is not None]
     return ok, [f"{b}: not run, `{mods[b]}` not installed" for b in backends if b not in ok]
 
@@ -255,7 +259,7 @@ def pd_checks(rep: Any, section: Callable[[str, Callable[[], object]], None],
 
     def body() -> None:
         install(carry, wheels, site)
-        backends, missing = available(list(BACKENDS))
+        backends, missing = available(DEFAULT_BACKENDS)
         for line in missing:
             rep.row(f"PD greedy on one GPU, {line.split(':')[0]}", line.split(": ", 1)[1])
         res = run("cuda", backends, Path(tempfile.mkdtemp()))
@@ -283,7 +287,7 @@ def main() -> None:
     parser.add_argument("--wheels", type=Path, help="folder of grpcio / protobuf wheels")
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the flow")
-    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    parser.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, choices=list(BACKENDS))
     add_site_arg(parser)
     args = parser.parse_args()
     install(args.carry, args.wheels, args.site)

@@ -189,7 +189,7 @@ def main() -> int:
     expected = hf_greedy(model, batch, MAX_NEW, device=args.device)
     if not args.skip_colocated:
         rows += colocated(model, batch, expected, args.device)
-    backends, missing = check_pd.available(list(check_pd.BACKENDS))
+    backends, missing = check_pd.available(check_pd.DEFAULT_BACKENDS)
     rows += [Row(f"PD {m.split(':')[0]}", False, m.split(": ", 1)[1]) for m in missing]
     for backend in backends:
         for p_tp, d_tp in PD_SPLITS:

@@ -1,0 +1,539 @@
+"""The `cuda_ipc` transfer backend: its kernel, its plans, its endpoint and its refusals.
+
+On a CPU: the copy kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`, in a child
+process: the switch is read when a kernel is decorated) on CPU tensors and must move exactly the
+pages torch indexing moves (scattered whole pages, partial pages, runs of heads, suffixes); the
+chunk planning, the endpoint encoding and every refusal are plain Python; the aux path
+(`process_vm_writev`) writes into a real second process. With a CUDA GPU, two processes move
+scattered pages and an aux slot through the engine itself, byte for byte.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvtransfer import (
+    MemoryRegion,
+    PeerInfo,
+    TransferConfig,
+    TransferError,
+    TransferRange,
+    TransferState,
+    coalesce_pages,
+    create_engine,
+)
+from kvtransfer.cuda_ipc_plan import (
+    BACKEND_FLAG,
+    MAX_CHUNK_BYTES,
+    ExportedRegion,
+    IpcEndpoint,
+    check_registrable,
+    chunk_size,
+    plan_copy,
+)
+from kvtransfer.process_memory import (
+    ProcessMemoryError,
+    write_process_memory,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Runs in a child with TRITON_INTERPRET=1. Each case: a source and a poisoned destination pool
+# of `pages` pages of `page_bytes`, the ranges of a write, the expected destination built with
+# torch indexing from the same ranges, and the kernel's result compared byte for byte.
+KERNEL_CASES = textwrap.dedent(
+    """
+    import random
+    import torch
+    from kvtransfer.base import coalesce_pages
+    from kvtransfer.cuda_ipc_kernel import WORD_DTYPES, copy_chunks
+    from kvtransfer.cuda_ipc_plan import plan_copy
+    from kvtransfer.head_routes import RankKV, plan_routes, route_pages
+
+    def run(name, src, dst, ranges, max_chunk):
+        expected = dst.clone()
+        for s, d, n in ranges:
+            expected[d : d + n] = src[s : s + n]
+        plan = plan_copy(ranges, max_chunk=max_chunk)
+        word = WORD_DTYPES[plan.word_bytes]
+        copy_chunks(src.view(word), dst.view(word), torch.from_numpy(plan.src_chunks),
+                    torch.from_numpy(plan.dst_chunks), plan.chunk_bytes // plan.word_bytes)
+        assert torch.equal(dst, expected), name
+        print(name, plan.num_chunks, plan.chunk_bytes)
+
+    rng = random.Random(3)
+    page, pages = 1024, 48
+    src = torch.randint(0, 256, (pages * page,), dtype=torch.uint8)
+    def poisoned():
+        return torch.full((pages * page,), 0xA5, dtype=torch.uint8)
+
+    s_pages, d_pages = rng.sample(range(pages), 20), rng.sample(range(pages), 20)
+    scattered = [(r.src_addr, r.dst_addr, r.length)
+                 for r in coalesce_pages(s_pages, d_pages, page, 0, 0)]
+    run("scattered pages", src, poisoned(), scattered, 256)
+    runs = [(r.src_addr, r.dst_addr, r.length)
+            for r in coalesce_pages(list(range(4, 12)), [30, 31, 32, 2, 3, 40, 41, 42], page, 0, 0)]
+    run("runs of pages, big chunks", src, poisoned(), runs, 4096)
+    run("suffix only (pages 5.. of a prompt)", src, poisoned(), scattered[5:], 256)
+    run("odd bytes (1-byte words)", src, poisoned(), [(3, 1001, 77), (2000, 5, 9)], 256)
+    run("2-byte words", src, poisoned(), [(2, 4094, 6), (100, 200, 30)], 256)
+    # TP 2 -> 1 with 4 KV heads: one range per (page, run of heads) from each prefill rank
+    head = page // 4
+    prefill = [RankKV(0, "", 0, range(0, 2), head), RankKV(1, "", 0, range(2, 4), head)]
+    decode = [RankKV(0, "d", 0, range(0, 4), head)]
+    plan = route_pages(plan_routes(prefill, decode), s_pages[:6], d_pages[:6])
+    dst = poisoned()
+    for rank, by_peer in sorted(plan.items()):
+        rank_src = torch.randint(0, 256, (pages * page // 2,), dtype=torch.uint8)
+        rows = [(r.src_addr, r.dst_addr, r.length) for r in by_peer["d"]]
+        run(f"tp 2->1 head routes, rank {rank}", rank_src, dst, rows, 256)
+    """
+)
+
+
+def test_kernel_moves_what_torch_indexing_moves_under_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", KERNEL_CASES],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 7, out.stdout
+    assert lines[0].startswith("scattered pages") and lines[0].endswith(" 256")
+    assert lines[1].split()[-2:] == ["8", "1024"]  # 8 pages of 1 KiB, chunk = a page
+
+
+def test_kernel_compiles_for_hopper_with_128_bit_loads_and_stores() -> None:
+    """No GPU needed: Triton lowers the kernel to sm_90 PTX and a cubin with its bundled
+    ptxas. 64 KiB chunks of 8-byte words, 16-byte aligned: every copy is a v2.b64 load and
+    store (8 steps x 4 per thread); only the two chunk indices are scalar loads."""
+    pytest.importorskip("triton.backends.nvidia")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvtransfer.cuda_ipc_kernel import _copy_chunks_kernel
+
+    pointers = ("src", "dst", "src_chunks", "dst_chunks")
+    source = ASTSource(
+        fn=_copy_chunks_kernel,
+        signature={**dict.fromkeys(pointers, "*i64"), "CHUNK": "constexpr", "BLOCK": "constexpr"},
+        constexprs={"CHUNK": MAX_CHUNK_BYTES // 8, "BLOCK": 1024},
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))},
+    )
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("st.global.v2.b64") == 32 and ptx.count("ld.global.v2.b64") == 32
+    assert ptx.count("ld.global.b64") == 2 and ptx.count("st.global") == 32
+    assert len(kernel.asm["cubin"]) > 0
+
+
+def test_device_pointer_is_specialised_like_a_tensor() -> None:
+    """The peer's mapped pool reaches the kernel as a DevicePointer (no torch tensor): Triton
+    must see a 16-byte-aligned int64 pointer, as for a tensor, or it would not vectorise."""
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from kvtransfer.cuda_ipc_kernel import DevicePointer
+
+    def spec(arg: object) -> tuple[str, str]:
+        return tuple(libtriton.native_specialize_impl(CUDABackend, arg, False, True, True))
+
+    assert spec(DevicePointer(1 << 40, torch.int64)) == ("*i64", "D")
+    assert spec(DevicePointer((1 << 40) + 8, torch.int64)) == ("*i64", "")
+    assert spec(DevicePointer(1 << 40, torch.int64)) == spec(torch.zeros(2, dtype=torch.int64))
+
+
+def test_chunk_size_divides_every_offset_and_length() -> None:
+    assert chunk_size([2 << 20, 4 << 20]) == MAX_CHUNK_BYTES
+    assert chunk_size([4096, 12288, 8192], max_chunk=1 << 20) == 4096
+    assert chunk_size([48, 16]) == 16
+    assert chunk_size([3, 8]) == 1
+    assert chunk_size([]) == MAX_CHUNK_BYTES
+    with pytest.raises(ValueError, match="power of two"):
+        chunk_size([8], max_chunk=24)
+
+
+def test_plan_copy_cuts_ranges_into_equal_chunks_in_order() -> None:
+    plan = plan_copy([(0, 4096, 8192), (16384, 0, 4096)], max_chunk=4096)
+    assert plan.chunk_bytes == 4096 and plan.word_bytes == 8
+    assert plan.src_chunks.tolist() == [0, 1, 4]
+    assert plan.dst_chunks.tolist() == [1, 2, 0]
+    assert plan.nbytes == 12288
+    # a base address only 4-byte aligned makes 4-byte words, the chunks stay as large
+    odd_base = plan_copy([(0, 0, 64)], align=(0x1000, 0x1004))
+    assert (odd_base.chunk_bytes, odd_base.word_bytes) == (64, 4)
+    assert plan_copy([(0, 0, 4096)], align=(0x7F00_0000_0200,)).word_bytes == 8
+    assert plan_copy([], max_chunk=64).num_chunks == 0
+    with pytest.raises(ValueError, match="positive lengths"):
+        plan_copy([(0, 0, 0)])
+
+
+def test_plan_copy_of_256_scattered_2mib_pages_is_one_list_of_chunks() -> None:
+    page = 2 << 20
+    rng = np.random.default_rng(0)
+    src, dst = rng.permutation(1024)[:256].tolist(), rng.permutation(1024)[:256].tolist()
+    ranges = coalesce_pages(src, dst, page, 0, 0)
+    plan = plan_copy([(r.src_addr, r.dst_addr, r.length) for r in ranges])
+    per_page = page // MAX_CHUNK_BYTES
+    assert plan.num_chunks == 256 * per_page and plan.nbytes == 256 * page
+    got = plan.src_chunks.reshape(256, per_page)[:, 0] // per_page
+    assert got.tolist() == src
+    assert (np.diff(plan.dst_chunks.reshape(256, per_page), axis=1) == 1).all()
+
+
+def endpoint() -> IpcEndpoint:
+    return IpcEndpoint(
+        "decode-1",
+        "boot-a",
+        4242,
+        (
+            ExportedRegion("kv", 0x7F0000000000, 1 << 30, "cuda:1", bytes(range(64)), 512),
+            ExportedRegion("aux", 0x5500, 4096, "cpu"),
+        ),
+    )
+
+
+def test_endpoint_round_trips_and_finds_regions() -> None:
+    ep = endpoint()
+    back = IpcEndpoint.from_bytes(ep.to_bytes(), "decode-1")
+    assert back == ep
+    assert back.regions[0].device_index == 1 and back.regions[0].on_gpu
+    assert back.region_for(0x7F0000000000 + 4096, 4096) == ep.regions[0]
+    assert back.region_for(0x5500 + 4000, 200) is None  # past the aux region's end
+    ep.check_same_host("decode-1", "boot-a")
+
+
+def test_endpoint_of_another_backend_or_host_is_refused_naming_the_flag() -> None:
+    with pytest.raises(TransferError, match=f"did not publish a cuda_ipc endpoint.*{BACKEND_FLAG}"):
+        IpcEndpoint.from_bytes(b"127.0.0.1:15001", "decode-1")  # a Mooncake endpoint
+    with pytest.raises(TransferError, match="did not publish"):
+        IpcEndpoint.from_bytes(b'{"cuda_ipc": 1, "regions": [{"name": "kv"}]}', "decode-1")
+    with pytest.raises(TransferError, match=r"another host.*one host only.*nixl or mooncake"):
+        endpoint().check_same_host("decode-1", "boot-b")
+
+
+def test_cpu_kv_pool_is_refused_aux_slots_are_not() -> None:
+    check_registrable(MemoryRegion("aux", 0x1000, 4096, "cpu"))
+    check_registrable(MemoryRegion("kv", 0x1000, 4096, "cuda:0"))
+    with pytest.raises(TransferError, match=r"KV pool in GPU memory.*--device cuda"):
+        check_registrable(MemoryRegion("kv", 0x1000, 4096, "cpu"))
+    with pytest.raises(TransferError, match="only 'cpu'"):
+        check_registrable(MemoryRegion("kv", 0x1000, 4096, "mps"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a host without GPUs")
+def test_engine_on_a_host_without_gpus_is_refused_naming_the_flag() -> None:
+    with pytest.raises(TransferError, match=f"{BACKEND_FLAG} needs CUDA GPUs.*nixl or mooncake"):
+        create_engine(TransferConfig(backend="cuda_ipc", node_name="prefill"))
+
+
+def test_ipc_handle_struct_keeps_its_64_bytes() -> None:
+    import ctypes
+
+    from kvtransfer.cuda_driver import IpcMemHandle
+
+    raw = bytes(range(64))
+    assert ctypes.sizeof(IpcMemHandle) == 64
+    assert bytes(IpcMemHandle.from_buffer_copy(raw)) == raw
+
+
+def test_driver_on_a_host_without_one_is_refused_naming_the_flag() -> None:
+    import ctypes
+
+    from kvtransfer.cuda_driver import CudaDriver
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        pass
+    else:
+        pytest.skip("this host has the NVIDIA driver")
+    with pytest.raises(TransferError, match=f"{BACKEND_FLAG} needs the NVIDIA driver"):
+        CudaDriver()
+
+
+def test_node_flag_accepts_cuda_ipc() -> None:
+    import argparse
+
+    from engine.node.args import add_disagg_args
+
+    parser = argparse.ArgumentParser()
+    add_disagg_args(parser)  # both node kinds' transfer flags (no grpc import: runs on GPU hosts)
+    assert parser.parse_args(["--transfer-backend", "cuda_ipc"]).transfer_backend == "cuda_ipc"
+
+
+class FakeDriver:
+    """The driver calls of kvtransfer/cuda_driver.py, recorded (no GPU needed)."""
+
+    MAPPED_AT = 0x7F00_0000_0000
+
+    def __init__(self) -> None:
+        self.opened: list[tuple[bytes, int]] = []
+        self.closed: list[int] = []
+
+    def export(self, addr: int, device: int) -> tuple[bytes, int]:
+        return bytes([device + 1] * 64), 512
+
+    def open(self, handle: bytes, device: int) -> int:
+        self.opened.append((handle, device))
+        return self.MAPPED_AT
+
+    def close(self, addr: int, device: int) -> None:
+        self.closed.append(addr)
+
+
+@pytest.fixture
+def fake_gpu_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A CudaIpcEngine whose driver, kernel launch and CPU writes are recorded."""
+    from kvtransfer import cuda_ipc
+
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_ipc, "CudaDriver", FakeDriver)
+    monkeypatch.setattr(cuda_ipc, "boot_id", lambda: "boot-a")
+    engine = cuda_ipc.CudaIpcEngine(TransferConfig(backend="cuda_ipc", node_name="prefill"))
+    launches: list = []
+    cpu_writes: list = []
+    monkeypatch.setattr(engine, "_launch", lambda h, plan, local, base: launches.append(
+        (plan, local.addr, base)))  # fmt: skip
+    monkeypatch.setattr(cuda_ipc, "write_process_memory", lambda pid, rows: cpu_writes.append(
+        (pid, rows)))  # fmt: skip
+    engine.register([MemoryRegion("kv", 0x1000_0000, 1 << 24, "cuda:0"),
+                     MemoryRegion("aux", 0x2000, 4096, "cpu")])  # fmt: skip
+    return engine, launches, cpu_writes
+
+
+def test_engine_maps_the_peer_once_and_plans_one_launch_per_write(fake_gpu_engine) -> None:  # type: ignore[no-untyped-def]
+    engine, launches, cpu_writes = fake_gpu_engine
+    ours = IpcEndpoint.from_bytes(engine.local_endpoint(), "prefill")
+    assert ours.regions[0].ipc_handle == bytes([1] * 64) and ours.regions[0].offset == 512
+    assert ours.regions[1].ipc_handle == b"" and ours.pid == os.getpid()
+    peer = endpoint()  # decode-1: kv on cuda:1 at offset 512 of its allocation, pid 4242
+    peer = IpcEndpoint(peer.node_name, "boot-a", peer.pid, peer.regions)
+    info = PeerInfo("decode-1", peer.to_bytes(), {})
+    engine.connect(info)
+    engine.connect(info)  # idempotent: one mapping
+    assert engine._driver.opened == [(bytes(range(64)), 0)]  # mapped into our GPU, cuda:0
+    kv, aux = peer.regions
+    page = 64 << 10
+    ranges = coalesce_pages([3, 4, 9], [7, 8, 1], page, 0x1000_0000, kv.addr)
+    ranges.append(TransferRange(0x2000 + 128, aux.addr + 256, 200))
+    handle = engine.write("decode-1", ranges)
+    assert engine.poll(handle) is TransferState.DONE  # no kernel was really queued
+    [(plan, src_base, dst_base)] = launches
+    assert (src_base, dst_base) == (0x1000_0000, FakeDriver.MAPPED_AT + 512)
+    assert plan.chunk_bytes == page
+    assert plan.src_chunks.tolist() == [3, 4, 9] and plan.dst_chunks.tolist() == [7, 8, 1]
+    assert cpu_writes == [(4242, [(0x2000 + 128, aux.addr + 256, 200)])]
+    engine.release(handle)
+    restarted = IpcEndpoint("decode-1", "boot-a", 4343, (replace(kv, ipc_handle=bytes(64)),))
+    engine.connect(PeerInfo("decode-1", restarted.to_bytes(), {}))  # the old mapping goes
+    assert engine._driver.closed == [FakeDriver.MAPPED_AT]
+    engine.close()
+    assert engine._driver.closed == [FakeDriver.MAPPED_AT] * 2
+
+
+def test_engine_refuses_bad_writes_and_peers_naming_what_to_do(fake_gpu_engine) -> None:  # type: ignore[no-untyped-def]
+    engine, launches, _ = fake_gpu_engine
+    with pytest.raises(TransferError, match="not connected"):
+        engine.write("decode-1", [])
+    elsewhere = replace(endpoint(), boot_id="boot-b")
+    with pytest.raises(TransferError, match="another host"):
+        engine.connect(PeerInfo("decode-1", elsewhere.to_bytes(), {}))
+    with pytest.raises(TransferError, match="did not publish a cuda_ipc endpoint"):
+        engine.connect(PeerInfo("decode-1", b"nixl agent metadata", {}))
+    peer = replace(endpoint(), boot_id="boot-a")
+    engine.connect(PeerInfo("decode-1", peer.to_bytes(), {}))
+    kv, aux = peer.regions
+    with pytest.raises(TransferError, match="outside every registered local region"):
+        engine.write("decode-1", [TransferRange(0x10, kv.addr, 64)])
+    with pytest.raises(TransferError, match="outside every registered peer 'decode-1' region"):
+        engine.write("decode-1", [TransferRange(0x1000_0000, kv.addr + kv.length, 64)])
+    with pytest.raises(TransferError, match=r"GPU to GPU \(KV\) and CPU to CPU \(aux\) only"):
+        engine.write("decode-1", [TransferRange(0x1000_0000, aux.addr, 64)])
+    with pytest.raises(TransferError, match="KV pool in GPU memory"):
+        engine.register([MemoryRegion("kv", 0x9000, 4096, "cpu")])
+    assert launches == []
+
+
+AUX_TARGET = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    from kvtransfer.process_memory import allow_peer_writes
+    slots = np.zeros(64, dtype=np.uint8)
+    allow_peer_writes()  # what a receiving engine does (needed under Yama ptrace_scope 1)
+    print(os.getpid(), int(slots.ctypes.data), flush=True)
+    sys.stdin.readline()
+    print(slots.tobytes().hex(), flush=True)
+    """
+)
+
+
+def test_aux_bytes_land_in_another_process() -> None:
+    target = subprocess.Popen(
+        [sys.executable, "-c", AUX_TARGET],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert target.stdin is not None and target.stdout is not None
+    try:
+        pid, addr = map(int, target.stdout.readline().split())
+        src = np.arange(1, 33, dtype=np.uint8)
+        write_process_memory(pid, [(int(src.ctypes.data), addr + 8, 16),
+                                   (int(src.ctypes.data) + 16, addr + 40, 16)])  # fmt: skip
+        target.stdin.write("read\n")
+        target.stdin.flush()
+        got = np.frombuffer(bytes.fromhex(target.stdout.readline().strip()), dtype=np.uint8)
+    finally:
+        target.wait(timeout=30)
+    expected = np.zeros(64, dtype=np.uint8)
+    expected[8:24], expected[40:56] = src[:16], src[16:]
+    assert (got == expected).all()
+
+
+def test_aux_write_into_a_gone_process_fails_with_errno() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    src = np.zeros(8, dtype=np.uint8)
+    with pytest.raises(ProcessMemoryError, match=f"pid {proc.pid}"):
+        write_process_memory(proc.pid, [(int(src.ctypes.data), 0x1000, 8)])
+
+
+# --- with a GPU: two processes through the engine itself --------------------------------------
+
+PAGE_BYTES = 64 << 10
+POOL_PAGES = 64
+POISON = 0xA5
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _pool(device: str, fill: int | None) -> torch.Tensor:
+    if fill is None:
+        gen = torch.Generator(device=device).manual_seed(5)
+        return torch.randint(0, 256, (POOL_PAGES, PAGE_BYTES), dtype=torch.uint8,
+                             device=device, generator=gen)  # fmt: skip
+    return torch.full((POOL_PAGES, PAGE_BYTES), fill, dtype=torch.uint8, device=device)
+
+
+def _receiver(device: str, conn: Connection) -> None:
+    torch.cuda.set_device(device)
+    pool = _pool(device, POISON)
+    aux = np.zeros(256, dtype=np.uint8)
+    engine = create_engine(TransferConfig(backend="cuda_ipc", node_name="decode"))
+    regions = [MemoryRegion("kv", pool.data_ptr(), pool.numel(), device),
+               MemoryRegion("aux", int(aux.ctypes.data), aux.nbytes, "cpu")]  # fmt: skip
+    engine.register(regions)
+    conn.send((engine.local_endpoint(), regions))
+    src_pages, dst_pages = conn.recv()
+    torch.cuda.synchronize()
+    expected = _pool(device, None)[src_pages]
+    untouched = [p for p in range(POOL_PAGES) if p not in set(dst_pages)]
+    landed = torch.equal(pool[dst_pages], expected)
+    conn.send((landed, bool((pool[untouched] == POISON).all()), aux[:16].tolist()))
+    engine.close()
+
+
+@needs_cuda
+@pytest.mark.parametrize("second_gpu", [False, True])
+def test_two_processes_move_scattered_pages_and_aux(second_gpu: bool) -> None:
+    if second_gpu and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    receiver_device = "cuda:1" if second_gpu else "cuda:0"
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    receiver = ctx.Process(target=_receiver, args=(receiver_device, there), daemon=True)
+    receiver.start()
+    try:
+        assert here.poll(120), "the receiver did not start"
+        endpoint_bytes, regions = here.recv()
+        pool = _pool("cuda:0", None)
+        aux = np.arange(1, 17, dtype=np.uint8)
+        engine = create_engine(TransferConfig(backend="cuda_ipc", node_name="prefill"))
+        engine.register([MemoryRegion("kv", pool.data_ptr(), pool.numel(), "cuda:0"),
+                         MemoryRegion("aux", int(aux.ctypes.data), aux.nbytes, "cpu")])  # fmt: skip
+        engine.connect(PeerInfo("decode", endpoint_bytes, {r.name: r for r in regions}))
+        rng = np.random.default_rng(1)
+        src_pages = rng.permutation(POOL_PAGES)[:24].tolist()
+        dst_pages = rng.permutation(POOL_PAGES)[:24].tolist()
+        ranges = coalesce_pages(src_pages, dst_pages, PAGE_BYTES, pool.data_ptr(), regions[0].addr)
+        ranges.append(TransferRange(int(aux.ctypes.data), regions[1].addr, 16))
+        handle = engine.write("decode", ranges)
+        while (state := engine.poll(handle)) is TransferState.PENDING:
+            pass
+        engine.release(handle)
+        assert state is TransferState.DONE
+        here.send((src_pages, dst_pages))
+        landed, untouched, aux_got = here.recv()
+        engine.close()
+    finally:
+        receiver.join(timeout=60)
+    assert landed and untouched
+    assert aux_got == aux.tolist()
+
+
+# --- scripts/gpu/bench_kv_staging.py's cuda_ipc parts, on a CPU -------------------------------
+
+
+def test_bench_parses_cuda_ipc_flags_and_picks_its_engines() -> None:
+    from scripts.gpu import bench_kv_staging as bench
+
+    args = bench.build_parser().parse_args(
+        ["--backends", "cuda_ipc", "--pd-backends", "cuda_ipc", "--receiver-device", "cuda:1"]
+    )
+    assert args.backends == ["cuda_ipc"] and args.pd_backends == ["cuda_ipc"]
+    assert bench.engines_to_run(args, {}) == [bench.CUDA_IPC]
+    assert bench.CUDA_IPC.methods == ("contiguous", "scattered")
+    # its own check failing drops its rows only; another check failing drops every row
+    every = bench.build_parser().parse_args([])
+    assert bench.CUDA_IPC in bench.engines_to_run(every, {"nixl-cu13": "1.5.1"})
+    failed = {bench.CUDA_IPC_CHECK: "FAIL", "nixl-cu13": "not installed"}
+    assert [e.backend for e in bench.engines_to_run(every, failed)] == ["mooncake"]
+    assert bench.engines_to_run(every, {"torch page copy == source": "FAIL"}) == []
+    cpu = bench.build_parser().parse_args(["--device", "cpu"])
+    assert bench.engines_to_run(cpu, {}) == list(bench.CPU_ENGINES)
+
+
+def test_bench_table_rates_cuda_ipc_rows_against_its_own_contiguous_row() -> None:
+    from scripts.gpu import bench_kv_staging as bench
+
+    rows = [
+        bench.Row("cuda_ipc kernel", "contiguous", 1, 0.300, "0.29-0.31", 1790.0, True),
+        bench.Row("cuda_ipc kernel", "scattered", 256, 0.320, "0.31-0.33", 1678.0, True),
+        bench.Row("cuda_ipc kernel", "scattered", 256, error="RuntimeError: a | b"),
+    ]
+    table = bench.markdown({bench.CUDA_IPC_CHECK: "PASS"}, rows, [])
+    assert f"- {bench.CUDA_IPC_CHECK}: PASS" in table
+    assert "| cuda_ipc kernel | scattered | 256 | 0.320 | 0.31-0.33 | 1678 | 93.8% |" in table
+    assert "failed: RuntimeError: a / b" in table
+
+
+def test_bench_help_runs_on_a_cpu() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "scripts.gpu.bench_kv_staging", "--help"],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--backends" in out.stdout and "cuda_ipc" in out.stdout
