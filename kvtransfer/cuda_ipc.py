@@ -4,7 +4,7 @@ For two nodes on one host. The receiver exports a CUDA IPC handle of the allocat
 KV pool with its endpoint (`local_endpoint`, published through bootstrap like every backend's);
 the sender maps that allocation into its own GPU's context on `connect` (lazy peer access, so
 GPU0 -> GPU1 works where the two GPUs can reach each other). A `write` then plans its ranges as
-equal chunks (kvtransfer/cuda_ipc_plan.py) and copies them all with ONE kernel launch
+rows of equal chunks (kvtransfer/cuda_ipc_plan.py) and copies them all with ONE kernel launch
 (kvtransfer/cuda_ipc_kernel.py) on a stream of the engine's own, which first waits for the
 caller's current stream (the prefill that wrote the pages). An event recorded after the kernel
 is the write's completion: `poll` answers DONE once it has passed, and the node then reports
@@ -41,7 +41,7 @@ from kvtransfer.base import (
     TransferState,
 )
 from kvtransfer.cuda_driver import CudaDriver
-from kvtransfer.cuda_ipc_kernel import WORD_DTYPES, DevicePointer, copy_chunks
+from kvtransfer.cuda_ipc_kernel import WORD_DTYPES, DevicePointer, copy_rows
 from kvtransfer.cuda_ipc_plan import (
     BACKEND_FLAG,
     CopyPlan,
@@ -73,7 +73,7 @@ class MappedPeer:
 class CudaIpcHandle(TransferHandle):
     peer_id: str
     events: list[Any] = field(default_factory=list)  # torch.cuda.Event after each kernel
-    keep: list[Any] = field(default_factory=list)  # the kernels' chunk lists, until done
+    keep: list[Any] = field(default_factory=list)  # the kernels' row tables, until done
     error: str = ""
 
 
@@ -199,29 +199,27 @@ class CudaIpcEngine(KVTransferEngine):
     ) -> None:
         """One kernel for the whole plan, after the caller's stream, then its event."""
         device = local.device_index
-        gpu = torch.device("cuda", device)
         stream = self._stream(device)
         word = WORD_DTYPES[plan.word_bytes]
-        host = torch.from_numpy(np.stack([plan.src_chunks, plan.dst_chunks])).pin_memory()
+        host = torch.from_numpy(plan.rows).pin_memory()
         try:
-            with torch.cuda.device(device):
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    chunks = host.to(gpu, non_blocking=True)  # one copy: both lists
-                    copy_chunks(
-                        DevicePointer(local.addr, word),
-                        DevicePointer(dst_base, word),
-                        chunks[0],
-                        chunks[1],
-                        plan.chunk_bytes // plan.word_bytes,
-                    )
-                    done = torch.cuda.Event()
-                    done.record(stream)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):  # the stream's device too
+                rows = host.to(stream.device, non_blocking=True)
+                copy_rows(
+                    DevicePointer(local.addr, word),
+                    DevicePointer(dst_base, word),
+                    rows,
+                    plan.chunk_words,
+                    plan.max_chunks,
+                )
+                done = torch.cuda.Event()
+                done.record(stream)
         except Exception as exc:  # a launch the runtime refused: this write fails, loudly
             self._fail(handle, f"copy kernel launch: {type(exc).__name__}: {exc}")
             return
         handle.events.append(done)
-        handle.keep += [host, chunks]
+        handle.keep += [host, rows]
 
     def _fail(self, handle: CudaIpcHandle, reason: str) -> None:
         if not handle.error:

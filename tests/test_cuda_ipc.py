@@ -57,20 +57,20 @@ KERNEL_CASES = textwrap.dedent(
     import random
     import torch
     from kvtransfer.base import coalesce_pages
-    from kvtransfer.cuda_ipc_kernel import WORD_DTYPES, copy_chunks
+    from kvtransfer.cuda_ipc_kernel import WORD_DTYPES, copy_rows
     from kvtransfer.cuda_ipc_plan import plan_copy
     from kvtransfer.head_routes import RankKV, plan_routes, route_pages
 
-    def run(name, src, dst, ranges, max_chunk):
+    def run(name, src, dst, ranges, max_chunk, max_piece=1 << 20):
         expected = dst.clone()
         for s, d, n in ranges:
             expected[d : d + n] = src[s : s + n]
-        plan = plan_copy(ranges, max_chunk=max_chunk)
+        plan = plan_copy(ranges, max_chunk=max_chunk, max_piece=max_piece)
         word = WORD_DTYPES[plan.word_bytes]
-        copy_chunks(src.view(word), dst.view(word), torch.from_numpy(plan.src_chunks),
-                    torch.from_numpy(plan.dst_chunks), plan.chunk_bytes // plan.word_bytes)
+        copy_rows(src.view(word), dst.view(word), torch.from_numpy(plan.rows),
+                  plan.chunk_words, plan.max_chunks)
         assert torch.equal(dst, expected), name
-        print(name, plan.num_chunks, plan.chunk_bytes)
+        print(name, plan.num_rows, plan.chunk_bytes)
 
     rng = random.Random(3)
     page, pages = 1024, 48
@@ -85,6 +85,7 @@ KERNEL_CASES = textwrap.dedent(
     runs = [(r.src_addr, r.dst_addr, r.length)
             for r in coalesce_pages(list(range(4, 12)), [30, 31, 32, 2, 3, 40, 41, 42], page, 0, 0)]
     run("runs of pages, big chunks", src, poisoned(), runs, 4096)
+    run("long runs cut into pieces", src, poisoned(), runs, 256, max_piece=1024)
     run("suffix only (pages 5.. of a prompt)", src, poisoned(), scattered[5:], 256)
     run("odd bytes (1-byte words)", src, poisoned(), [(3, 1001, 77), (2000, 5, 9)], 256)
     run("2-byte words", src, poisoned(), [(2, 4094, 6), (100, 200, 30)], 256)
@@ -114,33 +115,37 @@ def test_kernel_moves_what_torch_indexing_moves_under_the_interpreter() -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert len(lines) == 7, out.stdout
+    assert len(lines) == 8, out.stdout
     assert lines[0].startswith("scattered pages") and lines[0].endswith(" 256")
-    assert lines[1].split()[-2:] == ["8", "1024"]  # 8 pages of 1 KiB, chunk = a page
+    assert lines[1].split()[-2:] == ["3", "1024"]  # 3 runs of 1 KiB pages, chunk = a page
+    assert lines[2].split()[-2:] == ["8", "256"]  # the same runs cut into 1 KiB pieces
 
 
 def test_kernel_compiles_for_hopper_with_128_bit_loads_and_stores() -> None:
     """No GPU needed: Triton lowers the kernel to sm_90 PTX and a cubin with its bundled
-    ptxas. 64 KiB chunks of 8-byte words, 16-byte aligned: every copy is a v2.b64 load and
-    store (8 steps x 4 per thread); only the two chunk indices are scalar loads."""
+    ptxas. 16 KiB chunks of 8-byte words, 16-byte aligned, 4 KiB steps over 256 threads: every
+    copy is a v2.b64 load and store (4 steps x 1 per thread); only the row's three words are
+    scalar loads."""
     pytest.importorskip("triton.backends.nvidia")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvtransfer.cuda_ipc_kernel import _copy_chunks_kernel
+    from kvtransfer.cuda_ipc_kernel import MAX_BLOCK_BYTES, NUM_WARPS, _copy_rows_kernel
 
-    pointers = ("src", "dst", "src_chunks", "dst_chunks")
+    pointers = ("src", "dst", "rows")
     source = ASTSource(
-        fn=_copy_chunks_kernel,
+        fn=_copy_rows_kernel,
         signature={**dict.fromkeys(pointers, "*i64"), "CHUNK": "constexpr", "BLOCK": "constexpr"},
-        constexprs={"CHUNK": MAX_CHUNK_BYTES // 8, "BLOCK": 1024},
+        constexprs={"CHUNK": MAX_CHUNK_BYTES // 8, "BLOCK": MAX_BLOCK_BYTES // 8},
         attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))},
     )
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    target = GPUTarget("cuda", 90, 32)
+    kernel = triton.compile(source, target=target, options={"num_warps": NUM_WARPS})
     ptx = kernel.asm["ptx"]
-    assert ptx.count("st.global.v2.b64") == 32 and ptx.count("ld.global.v2.b64") == 32
-    assert ptx.count("ld.global.b64") == 2 and ptx.count("st.global") == 32
+    steps = MAX_CHUNK_BYTES // MAX_BLOCK_BYTES
+    assert ptx.count("st.global.v2.b64") == steps and ptx.count("ld.global.v2.b64") == steps
+    assert ptx.count("ld.global.b64") == 3 and ptx.count("st.global") == steps
     assert len(kernel.asm["cubin"]) > 0
 
 
@@ -170,32 +175,39 @@ def test_chunk_size_divides_every_offset_and_length() -> None:
         chunk_size([8], max_chunk=24)
 
 
-def test_plan_copy_cuts_ranges_into_equal_chunks_in_order() -> None:
+def test_plan_copy_gives_one_row_of_chunks_a_range() -> None:
     plan = plan_copy([(0, 4096, 8192), (16384, 0, 4096)], max_chunk=4096)
-    assert plan.chunk_bytes == 4096 and plan.word_bytes == 8
-    assert plan.src_chunks.tolist() == [0, 1, 4]
-    assert plan.dst_chunks.tolist() == [1, 2, 0]
-    assert plan.nbytes == 12288
+    assert plan.chunk_bytes == 4096 and plan.word_bytes == 8 and plan.chunk_words == 512
+    assert plan.rows.tolist() == [[0, 1, 2], [4, 0, 1]]  # in chunks: offsets and lengths
+    assert plan.nbytes == 12288 and plan.max_chunks == 2
     # a base address only 4-byte aligned makes 4-byte words, the chunks stay as large
     odd_base = plan_copy([(0, 0, 64)], align=(0x1000, 0x1004))
     assert (odd_base.chunk_bytes, odd_base.word_bytes) == (64, 4)
     assert plan_copy([(0, 0, 4096)], align=(0x7F00_0000_0200,)).word_bytes == 8
-    assert plan_copy([], max_chunk=64).num_chunks == 0
+    assert plan_copy([], max_chunk=64).num_rows == 0
     with pytest.raises(ValueError, match="positive lengths"):
         plan_copy([(0, 0, 0)])
 
 
-def test_plan_copy_of_256_scattered_2mib_pages_is_one_list_of_chunks() -> None:
+def test_plan_copy_cuts_long_ranges_into_pieces() -> None:
+    """A grid is (longest row's chunks x rows): a long range beside short ones is cut so that
+    few programs have nothing to do."""
+    plan = plan_copy([(0, 1 << 20, 10 << 10), (64 << 10, 0, 4 << 10)], max_chunk=2048,
+                     max_piece=4096)  # fmt: skip
+    assert plan.rows.tolist() == [[0, 512, 2], [2, 514, 2], [4, 516, 1], [32, 0, 2]]
+    assert plan.max_chunks == 2 and plan.nbytes == 14 << 10
+
+
+def test_plan_copy_of_256_scattered_2mib_pages_is_a_row_a_page() -> None:
     page = 2 << 20
     rng = np.random.default_rng(0)
     src, dst = rng.permutation(1024)[:256].tolist(), rng.permutation(1024)[:256].tolist()
     ranges = coalesce_pages(src, dst, page, 0, 0)
     plan = plan_copy([(r.src_addr, r.dst_addr, r.length) for r in ranges])
     per_page = page // MAX_CHUNK_BYTES
-    assert plan.num_chunks == 256 * per_page and plan.nbytes == 256 * page
-    got = plan.src_chunks.reshape(256, per_page)[:, 0] // per_page
-    assert got.tolist() == src
-    assert (np.diff(plan.dst_chunks.reshape(256, per_page), axis=1) == 1).all()
+    assert plan.num_rows == 256 and plan.nbytes == 256 * page and plan.max_chunks == per_page
+    assert (plan.rows[:, 0] // per_page).tolist() == src
+    assert (plan.rows[:, 1] // per_page).tolist() == dst
 
 
 def endpoint() -> IpcEndpoint:
@@ -338,8 +350,10 @@ def test_engine_maps_the_peer_once_and_plans_one_launch_per_write(fake_gpu_engin
     assert engine.poll(handle) is TransferState.DONE  # no kernel was really queued
     [(plan, src_base, dst_base)] = launches
     assert (src_base, dst_base) == (0x1000_0000, FakeDriver.MAPPED_AT + 512)
-    assert plan.chunk_bytes == page
-    assert plan.src_chunks.tolist() == [3, 4, 9] and plan.dst_chunks.tolist() == [7, 8, 1]
+    per_page = page // MAX_CHUNK_BYTES  # pages 3-4 -> 7-8 are one row, 9 -> 1 another
+    assert plan.chunk_bytes == MAX_CHUNK_BYTES
+    assert plan.rows.tolist() == [[3 * per_page, 7 * per_page, 2 * per_page],
+                                  [9 * per_page, 1 * per_page, per_page]]  # fmt: skip
     assert cpu_writes == [(4242, [(0x2000 + 128, aux.addr + 256, 200)])]
     engine.release(handle)
     restarted = IpcEndpoint("decode-1", "boot-a", 4343, (replace(kv, ipc_handle=bytes(64)),))

@@ -507,8 +507,8 @@ def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
         [rows] = group_ranges(ranges, [local], peer, "bench").values()
         plan = plan_copy(rows - np.array([local.addr, peer.regions[0].addr, 0]), (1 << 40,))
         times.append((time.perf_counter() - start) * 1e3)
-    key = f"cuda_ipc host side of a {len(src)}-page scattered write (ranges -> chunk lists)"
-    return {key: f"{statistics.median(times):.3f} ms ({plan.num_chunks} chunks of "
+    key = f"cuda_ipc host side of a {len(src)}-page scattered write (ranges -> row table)"
+    return {key: f"{statistics.median(times):.3f} ms ({plan.num_rows} rows of chunks of "
                  f"{plan.chunk_bytes >> 10} KiB, {plan.word_bytes}-byte words)"}  # fmt: skip
 
 
