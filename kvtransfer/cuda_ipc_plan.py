@@ -213,6 +213,22 @@ def _locate(regions: Sequence[ExportedRegion], addr: np.ndarray, length: np.ndar
     return found
 
 
+def _one_pair(
+    rows: np.ndarray, local: Sequence[ExportedRegion], peer: Sequence[ExportedRegion]
+) -> tuple[int, int] | None:
+    """(local region, peer region) holding every row, both GPU or both CPU; None when the
+    rows span regions (or none holds them: the per-row checks then say which row)."""
+    if not len(rows) or (rows[:, 2] <= 0).any():
+        return None
+    src_lo, dst_lo = int(rows[:, 0].min()), int(rows[:, 1].min())
+    src_hi, dst_hi = int((rows[:, 0] + rows[:, 2]).max()), int((rows[:, 1] + rows[:, 2]).max())
+    li = next((i for i, r in enumerate(local) if r.contains(src_lo, src_hi - src_lo)), None)
+    pi = next((i for i, r in enumerate(peer) if r.contains(dst_lo, dst_hi - dst_lo)), None)
+    if li is None or pi is None or local[li].on_gpu != peer[pi].on_gpu:
+        return None
+    return li, pi
+
+
 def group_ranges(
     ranges: Sequence[TransferRange],
     local: Sequence[ExportedRegion],
@@ -224,6 +240,9 @@ def group_ranges(
     CPU. Vectorised: the host side of a 256-page write must cost far less than its copy."""
     fields = map(_RANGE_FIELDS, ranges)  # C-level: no Python frame a range
     rows = np.fromiter(chain.from_iterable(fields), np.int64, 3 * len(ranges)).reshape(-1, 3)
+    pair = _one_pair(rows, local, peer.regions)
+    if pair is not None:  # the usual write: one pool into the other, checked by its bounds
+        return {pair: rows}
     local_i = _locate(local, rows[:, 0], rows[:, 2])
     peer_i = _locate(peer.regions, rows[:, 1], rows[:, 2])
     outside = (local_i < 0) | (peer_i < 0)
@@ -246,6 +265,4 @@ def group_ranges(
             f"{dst.device}; {BACKEND_FLAG} copies GPU to GPU (KV) and CPU to CPU (aux) only"
         )
     key = local_i * len(peer.regions) + peer_i
-    if len(key) and (key == key[0]).all():  # the usual write: one pool into the other
-        return {divmod(int(key[0]), len(peer.regions)): rows}
     return {divmod(k, len(peer.regions)): rows[key == k] for k in np.unique(key).tolist()}

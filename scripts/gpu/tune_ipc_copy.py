@@ -206,13 +206,11 @@ def phase_split(sender: Any, local: Any, remote: Any, pages: Any, writes: int) -
         device = loc.device_index
         stream = sender._stream(device)
         word = WORD_DTYPES[plan.word_bytes]
-        host = torch.from_numpy(plan.rows).pin_memory()
-        marks.append(("pin_memory", time.perf_counter()))
         stream.wait_stream(torch.cuda.current_stream(device))
         marks.append(("wait_stream", time.perf_counter()))
         with torch.cuda.stream(stream):
-            table = host.to(stream.device, non_blocking=True)
-            marks.append(("stream ctx + H2D", time.perf_counter()))
+            table, _ = sender._upload(device).send(plan.rows, stream)
+            marks.append(("stream ctx + row upload", time.perf_counter()))
             copy_rows(DevicePointer(loc.addr, word), DevicePointer(base, word), table,
                       plan.chunk_words, plan.max_chunks)  # fmt: skip
             marks.append(("triton launch", time.perf_counter()))
