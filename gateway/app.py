@@ -28,7 +28,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bootstrap.client import BootstrapClient
-from gateway.body import LARGE_BODY_BYTES, BodyParser
+from gateway.body import LARGE_BODY_BYTES, BodyParser, container_limit
 from gateway.config import ADMIN, INFERENCE, GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
@@ -178,7 +178,7 @@ class Gateway:
         )
         # Large bodies are parsed off the event loop, one at a time; after a burst of them
         # the same thread hands the freed memory back (gateway/memory.py).
-        self.bodies = BodyParser()
+        self.bodies = BodyParser(container_limit(config.model.context_length))
         self.memory = MemoryReturn(self.bodies.executor)
         handlers = (codec, self.dispatcher, config.model, config.limits, interval, self.encoder)
         self.openai = OpenAIHandlers(*handlers)

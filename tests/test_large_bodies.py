@@ -42,11 +42,11 @@ def test_a_small_body_is_answered_while_a_large_one_is_parsed(
     release = threading.Event()
     threads: dict[int, str] = {}
 
-    def held(data: bytes) -> dict[str, Any]:
+    def held(data: bytes, max_containers: int) -> dict[str, Any]:
         threads[len(data)] = threading.current_thread().name
         if len(data) >= LARGE_BODY_BYTES:
             assert release.wait(30), "the large body was parsed on the event loop"
-        return parse(data)
+        return parse(data, max_containers)
 
     monkeypatch.setattr(body_module, "parse_body", held)
     parser = BodyParser()
