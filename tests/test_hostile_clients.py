@@ -31,7 +31,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from gateway.body import MAX_JSON_DEPTH, MIN_CONTAINERS, parse_body
+from gateway.body import MAX_JSON_DEPTH, MIN_CONTAINERS, container_limit, parse_body
 from gateway.errors import APIError
 from scripts.tiny_models import tiny_chat_model
 from tests.hardening import assert_openai_error, cluster_process
@@ -119,6 +119,7 @@ def test_parse_body_units() -> None:
     assert _parse_error(long_then_deep).code == "body_too_deep"
     # More containers than the limit: refused before parsing, brackets in strings not counted
     limit = MIN_CONTAINERS
+    assert container_limit(1024) == limit and container_limit(131_072) == 4 * 131_072
     batch = b'{"prompt": [' + b"[1]," * limit + b"[1]]}"
     error = _parse_error(batch)
     assert error.code == "body_too_many_items" and str(limit) in error.message

@@ -5,7 +5,8 @@
 - `MemoryReturn` hands memory back once, after the last of overlapping large requests;
 - a handler that fails leaves no reference cycle behind (`until_disconnected`), so its locals
   (a long prompt, its token ids) are freed at once, not whenever the cyclic GC runs;
-- the cheap bounds before validation look at lengths only and answer the usual errors.
+- the cheap bounds before validation look at lengths only and answer the usual errors;
+- a body holding more JSON containers than any request needs is refused before it is parsed.
 The same against a real cluster: tests/test_hostile_clients.py; figures:
 scripts/serving/hostile_probe.py.
 """
@@ -153,3 +154,20 @@ def test_bounds_before_validation_look_at_lengths_only() -> None:
         assert error.param == "messages" and "100 messages" in error.message
     finally:
         encoder.close()
+
+
+def test_too_many_containers_are_refused_before_any_object_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A million one-id prompts would be a million lists, built by orjson holding the GIL and
+    pinning arenas after the request: the body is refused from its bracket count instead."""
+
+    def no_parse(data: bytes) -> Any:
+        raise AssertionError("the body was parsed")
+
+    batch = json.dumps({"prompt": [[1]] * 1_000_000}, separators=(",", ":")).encode()
+    monkeypatch.setattr(body_module.orjson, "loads", no_parse)
+    monkeypatch.setattr(body_module.json, "loads", no_parse)
+    with pytest.raises(APIError) as caught:
+        body_module.parse_body(batch, body_module.container_limit(8192))
+    assert caught.value.status == 400 and caught.value.code == "body_too_many_items"
