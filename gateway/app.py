@@ -33,7 +33,7 @@ from gateway.config import ADMIN, INFERENCE, GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
 from gateway.kv_feed import KVFeeds
-from gateway.memory import MemoryReturn
+from gateway.memory import MemoryReturn, freeze_startup_objects
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.native_api import NativeHandler
 from gateway.nodes import ROLE_NAMES, NodeDirectory
@@ -384,6 +384,8 @@ def build_app(gateway: Gateway) -> Starlette:
         watch = asyncio.create_task(gateway.directory.watch(client), name="watch-nodes")
         watch.add_done_callback(_report_watch_end)
         logger.info("following nodes at bootstrap %s", gateway.config.bootstrap)
+        frozen = freeze_startup_objects()  # full collections no longer walk them (memory.py)
+        logger.info("%d start-up objects frozen out of the cyclic GC", frozen)
         try:
             yield
         finally:

@@ -6,7 +6,8 @@
 - a handler that fails leaves no reference cycle behind (`until_disconnected`), so its locals
   (a long prompt, its token ids) are freed at once, not whenever the cyclic GC runs;
 - the cheap bounds before validation look at lengths only and answer the usual errors;
-- a body holding more JSON containers than any request needs is refused before it is parsed.
+- a body holding more JSON containers than any request needs is refused before it is parsed;
+- start-up objects are frozen out of the cyclic GC after start-up garbage is collected.
 The same against a real cluster: tests/test_hostile_clients.py; figures:
 scripts/serving/hostile_probe.py.
 """
@@ -29,7 +30,7 @@ import gateway.body as body_module
 from gateway.app import until_disconnected
 from gateway.body import LARGE_BODY_BYTES, BodyParser
 from gateway.errors import APIError
-from gateway.memory import MemoryReturn
+from gateway.memory import MemoryReturn, freeze_startup_objects
 from gateway.tokenize import PromptEncoder
 
 SMALL = json.dumps({"prompt": "hi"}).encode()
@@ -171,3 +172,23 @@ def test_too_many_containers_are_refused_before_any_object_is_built(
     with pytest.raises(APIError) as caught:
         body_module.parse_body(batch, body_module.container_limit(8192))
     assert caught.value.status == 400 and caught.value.code == "body_too_many_items"
+
+
+def test_startup_objects_are_frozen_after_their_garbage_is_collected() -> None:
+    class Node:
+        pass
+
+    gc.disable()  # the cycle below must wait for freeze_startup_objects' collection
+    try:
+        garbage = Node()
+        garbage.self = garbage  # type: ignore[attr-defined]
+        collected = weakref.ref(garbage)
+        del garbage
+        kept = Node()
+        frozen = freeze_startup_objects()
+        assert collected() is None, "start-up garbage was frozen instead of collected"
+        assert frozen == gc.get_freeze_count() > 0
+        assert not any(o is kept for o in gc.get_objects()), "a live object was not frozen"
+    finally:
+        gc.unfreeze()
+        gc.enable()

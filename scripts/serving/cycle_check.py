@@ -9,9 +9,10 @@ alive until the cyclic GC ran. This check looks for such garbage in a real gatew
 cyclic GC is off (this module, `--gateway`); after each class of requests (completions,
 complete streams, streams the client leaves, rejected requests, a stream aborted by
 `--stream-stall-timeout`) the gateway runs a collection with `gc.DEBUG_SAVEALL` and prints what
-it would have freed: objects by type, frames by function, exceptions by type. Counts add up
-from class to class (the garbage found is kept); an exception or a frame in the garbage is a
-cycle like the one above.
+it would have freed: objects by type, frames by function, exceptions by type, and how long
+that full collection took over how many objects (start-up objects frozen out of it since
+gateway/memory.py's `freeze_startup_objects`). Counts add up from class to class (the
+garbage found is kept); an exception or a frame in the garbage is a cycle like the one above.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ STALL_TIMEOUT_S = 3
 
 def _report_garbage(signum: int, frame: Any) -> None:
     gc.set_debug(gc.DEBUG_SAVEALL)
+    tracked = len(gc.get_objects())  # the permanent generation (gc.freeze) left out
+    start = time.perf_counter()
     found = gc.collect()
+    took_ms = (time.perf_counter() - start) * 1000
     kinds = collections.Counter(type(o).__name__ for o in gc.garbage)
     frames = collections.Counter(
         o.f_code.co_qualname for o in gc.garbage if isinstance(o, types.FrameType)
@@ -52,6 +56,8 @@ def _report_garbage(signum: int, frame: Any) -> None:
         type(o).__name__ for o in gc.garbage if isinstance(o, BaseException)
     )
     with open(os.environ[REPORT_ENV], "a") as out:
+        out.write(f"  full collection: {took_ms:.1f} ms over {tracked} objects "
+                  f"({gc.get_freeze_count()} frozen)\n")  # fmt: skip
         out.write(f"  garbage: {found} objects; most: {kinds.most_common(8)}\n")
         out.write(f"  frames: {dict(frames)}; exceptions: {dict(errors)}\n")
     gc.set_debug(0)  # gc.garbage keeps what was found: the next report counts it again
