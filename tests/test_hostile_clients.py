@@ -130,9 +130,9 @@ def test_parse_body_units() -> None:
     assert _parse_error(chat).code == "body_too_many_items"
     text = b'{"prompt": "' + b"[{" * limit + b'", "stop": ["\\"[", "{"]}'
     assert parse_body(text)["stop"] == ['"[', "{"]
-    for deep in (b'{"x": ' + b"[" * limit + b"1" + b"]" * limit + b"}",
+    for nest in (b'{"x": ' + b"[" * limit + b"1" + b"]" * limit + b"}",
                  b'{"a": ' * limit + b"1" + b"}" * (limit + 1)):  # fmt: skip
-        assert _parse_error(deep).code == "body_too_deep"
+        assert _parse_error(nest).code == "body_too_deep"
     error = _parse_error(b'{"messages": [{"role": "user", "content": "a\\udbff"}]}')
     assert error.param == "messages[0].content" and error.code == "invalid_text"
     assert _parse_error(b'{"a": {"\\udc00": 1}}').param == "a"
