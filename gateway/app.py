@@ -28,12 +28,12 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bootstrap.client import BootstrapClient
-from gateway.body import LARGE_BODY_BYTES, BodyParser
+from gateway.body import LARGE_BODY_BYTES, BodyParser, container_limit
 from gateway.config import ADMIN, INFERENCE, GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
 from gateway.kv_feed import KVFeeds
-from gateway.memory import MemoryReturn
+from gateway.memory import MemoryReturn, freeze_startup_objects
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.native_api import NativeHandler
 from gateway.nodes import ROLE_NAMES, NodeDirectory
@@ -178,7 +178,7 @@ class Gateway:
         )
         # Large bodies are parsed off the event loop, one at a time; after a burst of them
         # the same thread hands the freed memory back (gateway/memory.py).
-        self.bodies = BodyParser()
+        self.bodies = BodyParser(container_limit(config.model.context_length))
         self.memory = MemoryReturn(self.bodies.executor)
         handlers = (codec, self.dispatcher, config.model, config.limits, interval, self.encoder)
         self.openai = OpenAIHandlers(*handlers)
@@ -384,6 +384,8 @@ def build_app(gateway: Gateway) -> Starlette:
         watch = asyncio.create_task(gateway.directory.watch(client), name="watch-nodes")
         watch.add_done_callback(_report_watch_end)
         logger.info("following nodes at bootstrap %s", gateway.config.bootstrap)
+        frozen = freeze_startup_objects()  # full collections no longer walk them (memory.py)
+        logger.info("%d start-up objects frozen out of the cyclic GC", frozen)
         try:
             yield
         finally:

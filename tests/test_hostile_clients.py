@@ -31,7 +31,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from gateway.body import MAX_JSON_DEPTH, parse_body
+from gateway.body import MAX_JSON_DEPTH, MIN_CONTAINERS, container_limit, parse_body
 from gateway.errors import APIError
 from scripts.tiny_models import tiny_chat_model
 from tests.hardening import assert_openai_error, cluster_process
@@ -117,6 +117,22 @@ def test_parse_body_units() -> None:
         assert error.code == "body_too_deep" and str(MAX_JSON_DEPTH) in error.message
     long_then_deep = b'{"x": [' + b"1," * 5000 + b"[" * 40 + b"]" * 40 + b"]}"  # not walked first
     assert _parse_error(long_then_deep).code == "body_too_deep"
+    # More containers than the limit: refused before parsing, brackets in strings not counted
+    limit = MIN_CONTAINERS
+    assert container_limit(1024) == limit and container_limit(131_072) == 4 * 131_072
+    batch = b'{"prompt": [' + b"[1]," * limit + b"[1]]}"
+    error = _parse_error(batch)
+    assert error.code == "body_too_many_items" and str(limit) in error.message
+    assert len(parse_body(batch, limit + 3)["prompt"]) == limit + 1  # the object, 2 lists
+    with pytest.raises(APIError):
+        parse_body(batch, limit + 2)
+    chat = b'{"messages": [' + b'{"role": "user", "content": "[{"},' * limit + b"{}]}"
+    assert _parse_error(chat).code == "body_too_many_items"
+    text = b'{"prompt": "' + b"[{" * limit + b'", "stop": ["\\"[", "{"]}'
+    assert parse_body(text)["stop"] == ['"[', "{"]
+    for nest in (b'{"x": ' + b"[" * limit + b"1" + b"]" * limit + b"}",
+                 b'{"a": ' * limit + b"1" + b"}" * (limit + 1)):  # fmt: skip
+        assert _parse_error(nest).code == "body_too_deep"
     error = _parse_error(b'{"messages": [{"role": "user", "content": "a\\udbff"}]}')
     assert error.param == "messages[0].content" and error.code == "invalid_text"
     assert _parse_error(b'{"a": {"\\udc00": 1}}').param == "a"
@@ -208,24 +224,31 @@ def test_a_burst_of_long_prompts_leaves_others_served(cluster: RunningCluster) -
 def test_huge_lists_are_rejected_by_their_length_while_others_are_served(
     cluster: RunningCluster,
 ) -> None:
-    """4 MB bodies whose lists no request could need: a million one-id prompts (--max-n), a
-    hundred thousand messages (more than the context has tokens). Both are answered by the
-    lists' lengths before their items are validated; their parsing runs off the event loop
-    while a one-token request from another client is served."""
+    """4 MB bodies whose lists no request could need: a million one-id prompts, a hundred
+    thousand messages, hold more JSON objects and arrays than any request that fits the context
+    and are refused before they are parsed; shorter ones (50,000 prompts, 50,000 messages) are
+    answered by the lists' lengths before their items are validated (--max-n, more messages
+    than the context has tokens). All of it runs off the event loop while a one-token request
+    from another client is served."""
     compact = {"separators": (",", ":")}
-    batch = {"model": "model", "prompt": [[1]] * 1_000_000, "max_tokens": 1}
-    chat = {"model": "model", "messages": [{"role": "user", "content": ""}] * 100_000}
+    prompts = {"model": "model", "max_tokens": 1}
+    message = {"role": "user", "content": ""}
+    many = "body_too_many_items"
     cases = [
-        ("/v1/completions", batch, "n", "1000000 prompts x n=1"),
-        ("/v1/chat/completions", chat, "messages", "100000 messages"),
-    ]
+        ("/v1/completions", {**prompts, "prompt": [[1]] * 1_000_000}, None, many),
+        ("/v1/chat/completions", {"model": "model", "messages": [message] * 100_000}, None, many),
+        ("/v1/completions", {**prompts, "prompt": [[1]] * 50_000}, "n", "50000 prompts x n=1"),
+        ("/v1/chat/completions", {"model": "model", "messages": [message] * 50_000}, "messages",
+         "50000 messages"),
+    ]  # fmt: skip
     with ThreadPoolExecutor(len(cases)) as pool:
         sent = [pool.submit(_post_raw, cluster, route, json.dumps(body, **compact).encode())
                 for route, body, _, _ in cases]  # fmt: skip
         _still_serves(cluster)
         answers = [f.result() for f in sent]
     for (_, _, param, needle), answer in zip(cases, answers, strict=True):
-        _assert_400(answer, param, needle)
+        error = _assert_400(answer, param)
+        assert needle in (error["code"] if needle == many else error["message"]), error
 
 
 # -- 3. slow connections ---------------------------------------------------------------------

@@ -5,7 +5,9 @@
 - `MemoryReturn` hands memory back once, after the last of overlapping large requests;
 - a handler that fails leaves no reference cycle behind (`until_disconnected`), so its locals
   (a long prompt, its token ids) are freed at once, not whenever the cyclic GC runs;
-- the cheap bounds before validation look at lengths only and answer the usual errors.
+- the cheap bounds before validation look at lengths only and answer the usual errors;
+- a body holding more JSON containers than any request needs is refused before it is parsed;
+- start-up objects are frozen out of the cyclic GC after start-up garbage is collected.
 The same against a real cluster: tests/test_hostile_clients.py; figures:
 scripts/serving/hostile_probe.py.
 """
@@ -28,7 +30,7 @@ import gateway.body as body_module
 from gateway.app import until_disconnected
 from gateway.body import LARGE_BODY_BYTES, BodyParser
 from gateway.errors import APIError
-from gateway.memory import MemoryReturn
+from gateway.memory import MemoryReturn, freeze_startup_objects
 from gateway.tokenize import PromptEncoder
 
 SMALL = json.dumps({"prompt": "hi"}).encode()
@@ -42,11 +44,11 @@ def test_a_small_body_is_answered_while_a_large_one_is_parsed(
     release = threading.Event()
     threads: dict[int, str] = {}
 
-    def held(data: bytes) -> dict[str, Any]:
+    def held(data: bytes, max_containers: int) -> dict[str, Any]:
         threads[len(data)] = threading.current_thread().name
         if len(data) >= LARGE_BODY_BYTES:
             assert release.wait(30), "the large body was parsed on the event loop"
-        return parse(data)
+        return parse(data, max_containers)
 
     monkeypatch.setattr(body_module, "parse_body", held)
     parser = BodyParser()
@@ -153,3 +155,40 @@ def test_bounds_before_validation_look_at_lengths_only() -> None:
         assert error.param == "messages" and "100 messages" in error.message
     finally:
         encoder.close()
+
+
+def test_too_many_containers_are_refused_before_any_object_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A million one-id prompts would be a million lists, built by orjson holding the GIL and
+    pinning arenas after the request: the body is refused from its bracket count instead."""
+
+    def no_parse(data: bytes) -> Any:
+        raise AssertionError("the body was parsed")
+
+    batch = json.dumps({"prompt": [[1]] * 1_000_000}, separators=(",", ":")).encode()
+    monkeypatch.setattr(body_module.orjson, "loads", no_parse)
+    monkeypatch.setattr(body_module.json, "loads", no_parse)
+    with pytest.raises(APIError) as caught:
+        body_module.parse_body(batch, body_module.container_limit(8192))
+    assert caught.value.status == 400 and caught.value.code == "body_too_many_items"
+
+
+def test_startup_objects_are_frozen_after_their_garbage_is_collected() -> None:
+    class Node:
+        pass
+
+    gc.disable()  # the cycle below must wait for freeze_startup_objects' collection
+    try:
+        garbage = Node()
+        garbage.self = garbage  # type: ignore[attr-defined]
+        collected = weakref.ref(garbage)
+        del garbage
+        kept = Node()
+        frozen = freeze_startup_objects()
+        assert collected() is None, "start-up garbage was frozen instead of collected"
+        assert frozen == gc.get_freeze_count() > 0
+        assert not any(o is kept for o in gc.get_objects()), "a live object was not frozen"
+    finally:
+        gc.unfreeze()
+        gc.enable()

@@ -1,7 +1,7 @@
 """Hostile and careless clients against a real cluster, measured (issue 25).
 
     python -m scripts.serving.hostile_probe [--model DIR] [--slow-connections 1000] [--rounds 3]
-        [--bursts-only]
+        [--bursts-only] [--sender-nice N] [--no-sink]
 
 Starts `pd-cluster --prefill 1 --decode 1` (the default model unless --model) and prints, next to
 each goal:
@@ -11,6 +11,12 @@ each goal:
   batches of a million one-token-id prompts (rejected by --max-n). Each burst runs --rounds
   times (idle requests, then the burst), from 8 sender processes started beforehand; the
   latencies are the medians over all rounds;
+- the same 3.9 MB burst sent to a bare sink instead (scripts/serving/sink.py, another process
+  that reads and discards the bodies): the one-token latency it leaves is the floor set by the
+  senders and the loopback transfer on this host, without the gateway's work (--no-sink skips
+  it). The senders run at `--sender-nice` (default 0; 19 approximates clients on another
+  machine: their CPU, and the kernel's copies made on their behalf, no longer compete with
+  the cluster's);
 - the gateway's RSS before the first round and 1 s after the last (goal: at most 10% above;
   below is memory handed back that the gateway held before, e.g. since its start-up), and
   how far that is from the RSS at the probe's start;
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import socket
@@ -165,7 +172,8 @@ class BurstResult:
 _SENDER_BODY: dict[str, bytes] = {}
 
 
-def _start_sender(url: str, body: bytes) -> None:
+def _start_sender(url: str, body: bytes, nice: int = 0) -> None:
+    os.nice(nice)
     _SENDER_BODY[url] = body
 
 
@@ -175,17 +183,26 @@ def _post_status(url: str) -> int:
     return httpx.post(url, content=body, headers=headers, timeout=120).status_code
 
 
-def burst(probe: Probe, name: str, body: dict[str, object], rounds: int) -> BurstResult:
+def burst(
+    probe: Probe,
+    name: str,
+    body: dict[str, object],
+    rounds: int,
+    nice: int = 0,
+    target: str | None = None,
+) -> BurstResult:
     """`rounds` times: IDLE_REQUESTS one-token requests, then one-token requests one after
-    the other while BURST processes each send `body` once. The senders are started and hold
-    their body before anything is measured: only their requests overlap the measurement."""
-    url = probe.url + "/v1/completions"
+    the other while BURST processes (at niceness `nice`) each send `body` once, to the gateway
+    or to `target`. The senders are started and hold their body before anything is measured:
+    only their requests overlap the measurement."""
+    url = target or probe.url + "/v1/completions"
     content = json.dumps({"model": probe.model, **body}, separators=(",", ":")).encode()
     idle: list[float] = []
     during: list[float] = []
     statuses: dict[int, int] = {}
     # Other processes: the burst's clients must not share the GIL with the one-token client.
-    with ProcessPoolExecutor(BURST, initializer=_start_sender, initargs=(url, content)) as pool:
+    start = (url, content, nice)
+    with ProcessPoolExecutor(BURST, initializer=_start_sender, initargs=start) as pool:
         list(pool.map(abs, range(BURST * 4)))  # every process started
         rss_before = probe.rss_mb()
         for _ in range(rounds):
@@ -199,7 +216,7 @@ def burst(probe: Probe, name: str, body: dict[str, object], rounds: int) -> Burs
         time.sleep(SETTLE_S)
         rss_after = probe.rss_mb()
     with probe.lock:
-        for status, count in statuses.items():
+        for status, count in statuses.items() if target is None else ():
             probe.statuses[status] = probe.statuses.get(status, 0) + count
     return BurstResult(
         name,
@@ -211,6 +228,31 @@ def burst(probe: Probe, name: str, body: dict[str, object], rounds: int) -> Burs
         rss_after,
         statuses,
     )
+
+
+@contextmanager
+def sink() -> Iterator[str]:
+    """The URL of a bare sink (scripts/serving/sink.py) in another process."""
+    port = free_port()
+    command = [sys.executable, "-m", "scripts.serving.sink", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while not _answers(url):
+            if process.poll() is not None:
+                raise RuntimeError(f"the sink exited: {shlex.join(command)}")
+            time.sleep(0.2)
+        yield url + "/"
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.post(url, content=b"{}", timeout=5).status_code == 400
+    except httpx.HTTPError:
+        return False
 
 
 def slow_connections(probe: Probe, count: int, normal: int) -> tuple[int, int, int]:
@@ -274,17 +316,25 @@ def _row(what: str, value: str, goal: str, met: bool) -> str:
     return f"| {what} | {value} | {goal} | {'yes' if met else 'NO'} |"
 
 
+def _latency(b: BurstResult) -> str:
+    ratio = b.during_s / b.idle_s
+    return (f"{b.idle_s * 1000:.0f} ms vs {b.during_s * 1000:.0f} ms (x{ratio:.2f}; "
+            f"n={b.during_count}, max {b.during_max_s * 1000:.0f} ms)")  # fmt: skip
+
+
 def report(bursts: list[BurstResult], slow: tuple[int, int, int], stall_s: float,
-           five_xx: int, slow_count: int) -> list[str]:  # fmt: skip
+           five_xx: int, slow_count: int,
+           sunk: BurstResult | None = None) -> list[str]:  # fmt: skip
     lines = ["| measure | value | goal | met |", "|---|---|---|---|"]
     start_rss_mb = bursts[0].rss_before_mb
     for b in bursts:
         ratio = b.during_s / b.idle_s
         growth = (b.rss_after_mb - b.rss_before_mb) / b.rss_before_mb
-        lines.append(_row(f"one-token latency, idle vs during {b.name}",
-                          f"{b.idle_s * 1000:.0f} ms vs {b.during_s * 1000:.0f} ms "
-                          f"(x{ratio:.2f}; n={b.during_count}, max "
-                          f"{b.during_max_s * 1000:.0f} ms)", "<= 2x", ratio <= 2))  # fmt: skip
+        lines.append(_row(f"one-token latency, idle vs during {b.name}", _latency(b), "<= 2x",
+                          ratio <= 2))  # fmt: skip
+        if sunk is not None and sunk.name == b.name:
+            lines.append(f"| the same, the burst sent to a bare sink instead | {_latency(sunk)} "
+                         "| (the floor on this host) | - |")  # fmt: skip
         since_start = (b.rss_after_mb - start_rss_mb) / start_rss_mb
         lines.append(_row(f"gateway RSS before/after {b.name}",
                           f"{b.rss_before_mb:.0f} MB -> {b.rss_after_mb:.0f} MB "
@@ -317,19 +367,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--log", type=Path, default=None, help="pd-cluster's output")
     parser.add_argument("--bursts-only", action="store_true", help="skip the other classes")
+    parser.add_argument(
+        "--sender-nice", type=int, default=0, help="niceness of the burst's sender processes"
+    )
+    parser.add_argument("--no-sink", action="store_true", help="skip the sink's baseline")
     args = parser.parse_args(argv)
     say: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
     log = args.log or Path(tempfile.gettempdir()) / "hostile-probe-cluster.log"
     with cluster(args.model, log) as probe:
         say(f"cluster up: {probe.url}, gateway pid {probe.gateway_pid}, nodes {probe.nodes}")
-        rounds = args.rounds
+        rounds, nice = args.rounds, args.sender_nice
+        largest = "8 x 3.9 MB prompts"
         bursts = [
-            burst(probe, "8 x 3.9 MB prompts", _text(3_900_000), rounds),
-            burst(probe, "8 x 600k-char prompts", _text(600_000), rounds),
+            burst(probe, largest, _text(3_900_000), rounds, nice),
+            burst(probe, "8 x 600k-char prompts", _text(600_000), rounds, nice),
             # [[1], [1], ...]: one million prompts of one token id each, in 4 MB
             burst(probe, "8 x 4 MB batches of 1M prompts", {"prompt": [[1]] * 1_000_000,
-                                                             "max_tokens": 1}, rounds),
+                                                             "max_tokens": 1}, rounds, nice),
         ]  # fmt: skip
+        sunk = None
+        if not args.no_sink:
+            with sink() as url:
+                sunk = burst(probe, largest, _text(3_900_000), rounds, nice, target=url)
         say("bursts done")
         slow, stall_s = (0, 0, 0), float("nan")
         if not args.bursts_only:
@@ -337,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             say("slow connections done")
             stall_s = stalled_stream(probe)
         five_xx = sum(v for k, v in probe.statuses.items() if k >= 500)
-        lines = report(bursts, slow, stall_s, five_xx, args.slow_connections)
+        lines = report(bursts, slow, stall_s, five_xx, args.slow_connections, sunk)
     command = ["python", "-m", "scripts.serving.hostile_probe", *sys.argv[1:]]
     say(f"command: {shlex.join(command)}")
     for line in lines:
