@@ -65,6 +65,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bootstrap.admin import AdminError, NodeSummary, list_nodes, switch_role
 from bootstrap.security import InternalAuth, add_internal_auth_args, internal_auth_from_args
+from scripts.planning.plan_capacity import host_config
 from scripts.planning.planner import simulate
 from scripts.planning.profile import NodeProfile
 from scripts.planning.simulator import HostConfig
@@ -528,6 +529,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--correction-weight", type=float, default=0.5)
     parser.add_argument("--host-cores", type=int, default=0, help="0: a device per node (GPU)")
     parser.add_argument("--threads-per-node", type=int, default=1)
+    parser.add_argument("--slowdown", type=float, default=1.0, help="scales every step time")
+    parser.add_argument(
+        "--co-runner-slowdown",
+        type=float,
+        default=0.0,
+        help="fraction each other step in flight slows a step by (plan_capacity.py's flag)",
+    )
+    parser.add_argument(
+        "--host-overhead-ms",
+        type=float,
+        default=0.0,
+        help="host CPU ms per streamed token outside steps, colocated (plan_capacity.py host)",
+    )
+    parser.add_argument(
+        "--host-overhead-pd-ms",
+        type=float,
+        default=None,
+        help="the same with prefill nodes (default: --host-overhead-ms)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="decide, never act")
     parser.add_argument("--actuator", choices=["switch", "kubernetes", "local"], default=None)
     parser.add_argument(
@@ -585,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
             sim_seconds=args.sim_seconds,
             sim_warmup_s=args.sim_warmup,
             correction_weight=args.correction_weight,
-            host=HostConfig(host_cores=args.host_cores, threads_per_node=args.threads_per_node),
+            host=host_config(args),  # plan_capacity.py's host model, validated on 11-24
         )
         planner = Planner(node_profile(args), config)
         actuator: Actuator | None = None

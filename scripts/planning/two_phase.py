@@ -50,6 +50,7 @@ import httpx
 from gateway.cluster import Cluster, ClusterError, build_config
 from gateway.cluster import build_parser as cluster_parser
 from scripts.planning.profile import NodeProfile
+from scripts.planning.simulator import HostConfig
 from scripts.planning.sweep import Split, parse_splits
 from scripts.planning.two_phase_predict import CALM_HOST, predict, prediction_table
 from scripts.planning.two_phase_score import (
@@ -217,7 +218,15 @@ def planner_argv(config: BenchConfig, run: PlannerRun, slo: SLO) -> list[str]:
             "--sim-seconds", str(run.sim_seconds), "--slo-ttft-ms", str(slo.ttft_ms),
             "--slo-tpot-ms", str(slo.tpot_ms), "--host-cores", str(run.host_cores),
             "--threads-per-node", str(run.threads_per_node), "--sim-warmup",
-            str(run.sim_warmup_s), *config.nodes.planner_args()]  # fmt: skip
+            str(run.sim_warmup_s), *config.nodes.planner_args(), *host_args(CALM_HOST)]  # fmt: skip
+
+
+def host_args(host: HostConfig) -> list[str]:
+    """pd-planner's host model flags: the one `--predict` uses (validated on 11-24)."""
+    pd = host.overhead(disaggregated=True)
+    return ["--slowdown", str(host.slowdown), "--co-runner-slowdown", str(host.co_runner),
+            "--host-overhead-ms", f"{host.overhead_s_per_token * 1000:g}",
+            "--host-overhead-pd-ms", f"{pd * 1000:g}"]  # fmt: skip
 
 
 def wait_ready(log: Path, process: subprocess.Popen[bytes], timeout_s: float = 600.0) -> str:
