@@ -263,3 +263,20 @@ def test_the_predicted_table_compares_the_best_split_per_phase_with_the_best_sta
     table = prediction_table(made_up, workload)
     assert "| best split per phase, switches free | 100% | 100% | 3.000 |" in table
     assert "ideal planner / best static split: 1.29x" in table  # 90 / 70
+
+
+def test_the_search_ranks_pairings_by_what_an_ideal_planner_gains() -> None:
+    from scripts.planning.two_phase_search import Pairing, rank
+
+    a = Phase("A", 60.0, 1.0, 768, 4)  # 60 requests
+    b = Phase("B", 120.0, 0.25, 128, 384)  # 30 requests
+    good = Pairing(a, b, {"1P2D": 0.3, "2P1D": 1.0, "colocated x3": 0.5},
+                   {"1P2D": 1.0, "2P1D": 0.2, "colocated x3": 0.6})  # fmt: skip
+    # ideal: 60 + 30 met; best static 2P1D: 60 + 6 -> 90 / 66
+    assert good.ratio == pytest.approx(90 / 66) and good.qualifies(0.9)
+    assert good.goodput("1P2D") == pytest.approx((18 + 30) / 180)
+    easy = Pairing(a, b, {"1P2D": 0.3, "2P1D": 1.0, "colocated x3": 0.5},
+                   {"1P2D": 1.0, "2P1D": 0.95, "colocated x3": 0.6})  # fmt: skip
+    assert not easy.qualifies(0.9)  # 2P1D meets 90% in both phases
+    assert rank([easy, good], 0.9) == [good, easy]
+    assert "1.36x" in good.line() and "2P1D: 100%/20%" in good.line()
