@@ -219,6 +219,18 @@ def test_the_goals_on_runs() -> None:
     assert goals.goodput_ratio == pytest.approx(19 / 15) and goals.planner_lost == 0
     assert goals.mean_abs_error is None  # no windows
     assert any("1.27x" in line and "NO" in line for line in goals.lines(0.9))
+    # Windows where 0 was predicted and 0 met the SLO agree exactly, and say nothing: said.
+    from scripts.planning.two_phase_score import WindowCheck
+
+    zeros = [WindowCheck(0.0, 15.0, "1P2D", 0.4, 0.0, 6, 0),
+             WindowCheck(15.0, 30.0, "1P2D", 0.4, 0.0, 6, 0)]  # fmt: skip
+    runs[2].checks = zeros
+    goals = check_goals(runs, 0.9)
+    assert goals.mean_abs_error == 0.0 and (goals.error_windows, goals.informative_windows) == (
+        2,
+        0,
+    )
+    assert any("on no window with any goodput" in line for line in goals.lines(0.9))
 
 
 def test_the_planner_gets_the_benchmarks_flags() -> None:

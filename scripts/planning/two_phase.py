@@ -16,8 +16,12 @@ phase A `--a-seconds` of Poisson arrivals at `--a-rate` of `--a-input`-token pro
 `--actuator local` runs `pd-planner --actuator local --cluster-args ...` (it starts the cluster
 from `--planner-start` and stops and starts node processes within the budget); `--actuator
 switch` starts the cluster here and runs `pd-planner --actuator switch --bootstrap HOST:PORT`
-(role switches inside the nodes). The planner gets `--interval`, `--cooldown`, the SLOs and
-`--headroom 1`, so that what it predicts for a window is the goodput at the window's rate.
+(role switches inside the nodes). The planner gets `--interval`, `--cooldown`, the SLOs,
+`--headroom 1`, `--sim-warmup` (its steady state) and the host model `--predict` uses, so that
+what it predicts for a window is the goodput of the window's own requests at its rate.
+`--max-total-tokens` and `--max-running-requests` set every node's KV pool and running cap (a
+node holds pool / (prompt + output) long streams: the memory a decode-heavy phase needs), and
+the same values go to the planner's simulator and to `--predict`.
 A run ends `--grace` seconds after the last phase: requests unfinished then are cancelled and
 count as lost (an overloaded split's backlog would otherwise drain for many minutes).
 
@@ -25,8 +29,10 @@ Prints, and writes under `--out` (`two_phase.json`, `two_phase.md`, the planner'
 `planner_decisions.jsonl`, the metrics it read as `planner_scrapes.jsonl` for `pd-planner
 --replay`, and its log): per run and phase the requests scheduled, those meeting
 both SLOs (TTFT and TPOT, per request), attainment, goodput, requests lost; for the planner its
-actions and per window the predicted vs measured goodput with the mean absolute error; then the
-issue's goals, met or not.
+actions and per window the predicted vs measured goodput of the requests admitted in the
+window (two_phase_score.py: windows within `--settle` s of a switch or a phase change are
+transient and left out of the mean absolute error, and counted); then the issue's goals, met
+or not. `python -m scripts.planning.two_phase_search` looks for phase shapes to run.
 """
 
 from __future__ import annotations

@@ -396,6 +396,8 @@ class Goals:
     goodput_ratio: float | None  # planner's whole-run goodput / the best static split's
     planner_lost: int | None
     mean_abs_error: float | None
+    error_windows: int = 0  # the steady-state windows the mean error is over
+    informative_windows: int = 0  # of those, the ones where either side is above 0
 
     def lines(self, attainment: float) -> list[str]:
         def yes(v: bool | None) -> str:
@@ -411,8 +413,11 @@ class Goals:
             f"{yes(None if self.goodput_ratio is None else self.goodput_ratio >= 1.3)})",
             f"- planner requests lost: {'n/a' if self.planner_lost is None else self.planner_lost}"
             " (goal 0)",
-            f"- predicted vs measured goodput per window, mean |error|: {mae} (goal <= 10%: "
-            f"{yes(None if self.mean_abs_error is None else self.mean_abs_error <= 0.10)})",
+            f"- predicted vs measured goodput per window, mean |error|: {mae} over "
+            f"{self.error_windows} steady-state windows, {self.informative_windows} of them "
+            "with some goodput predicted or measured (goal <= 10%: "
+            f"{yes(None if self.mean_abs_error is None else self.mean_abs_error <= 0.10)}"
+            f"{'' if self.informative_windows else ', but on no window with any goodput'})",
         ]
 
 
@@ -422,6 +427,7 @@ def check_goals(runs: Sequence[RunResult], attainment: float) -> Goals:
     miss = all(any(s.attainment < attainment for s in r.phases()) for r in statics)
     best = max((w.goodput for r in statics if (w := r.whole) is not None), default=None)
     whole = planner.whole if planner is not None else None
+    counted = [c for c in (planner.checks if planner else []) if c.scored and c.error is not None]
     return Goals(
         statics_each_miss_a_phase=miss if statics else None,
         planner_meets_every_phase=(
@@ -432,4 +438,8 @@ def check_goals(runs: Sequence[RunResult], attainment: float) -> Goals:
         goodput_ratio=(whole.goodput / best if whole is not None and best else None),
         planner_lost=whole.lost if whole is not None else None,
         mean_abs_error=mean_abs_error(planner.checks) if planner is not None else None,
+        error_windows=len(counted),
+        informative_windows=sum(
+            1 for c in counted if c.measured_goodput > 0 or (c.predicted_goodput or 0.0) > 0
+        ),
     )
