@@ -21,7 +21,9 @@ from scripts.planning.pd_planner import (
     RoleChange,
     Scrape,
     Window,
+    build_parser,
     main,
+    node_profile,
     parse_scrape,
     plan_role_changes,
     run,
@@ -110,7 +112,9 @@ def _prefill_heavy(path: Path) -> Path:
 
 
 def test_prefill_heavy_windows_switch_to_more_prefill_then_cool_down(tmp_path: Path) -> None:
-    planner = Planner(profile(), PlannerConfig(3, SLO_, cooldown_s=60.0, sim_seconds=20.0))
+    # From an empty cluster (no warm-up): the arithmetic below; steady state is the next test.
+    config = PlannerConfig(3, SLO_, cooldown_s=60.0, sim_seconds=20.0, sim_warmup_s=0.0)
+    planner = Planner(profile(), config)
     calls: list[tuple[str, str, dict[str, object]]] = []
 
     class Apps:  # the official client's AppsV1Api, recording what would be sent
@@ -141,6 +145,47 @@ def test_prefill_heavy_windows_switch_to_more_prefill_then_cool_down(tmp_path: P
     assert lines[0]["window"]["rate"] == pytest.approx(2.0) and "2P1D" in lines[0]["reason"]
     assert third.correction == pytest.approx(second.correction, rel=0.2)
     assert "add nodes" not in first.reason  # 2P1D meets the SLO for all of them
+
+
+def test_the_prediction_is_the_steady_state_at_the_windows_rate(tmp_path: Path) -> None:
+    """Simulated from an empty cluster, 1P2D at 2.2 req/s (its one prefill node does ~1.25)
+    meets the SLO for the first 29% of 20 s of arrivals, before its queue grows past the TTFT
+    SLO; after 30 s of warm-up arrivals (the default), for none, which is what a window in the
+    middle of such traffic sees. 2P1D (~2.5 req/s) is loaded 88% there: its queue grows at
+    times too. Each decision also predicts the goodput of its own window's requests: the live
+    split's attainment at the window's rate (headroom 1) x that rate."""
+    record = _prefill_heavy(tmp_path / "rec.jsonl")
+    cold = run(Planner(profile(), PlannerConfig(3, SLO_, sim_seconds=20.0, sim_warmup_s=0.0)),
+               scrapes_recorded(record), None, io.StringIO())[0]  # fmt: skip
+    warm = run(Planner(profile(), PlannerConfig(3, SLO_, sim_seconds=20.0)),
+               scrapes_recorded(record), None, io.StringIO())[0]  # fmt: skip
+    assert cold.predicted["1P2D"] == pytest.approx(0.29, abs=0.01)
+    assert warm.predicted["1P2D"] == 0.0
+    assert warm.predicted["2P1D"] < cold.predicted["2P1D"] == 1.0
+    # headroom 1.1: the window's own prediction is simulated again at its rate, 2 req/s
+    assert warm.window["admitted"] == pytest.approx(20.0) and warm.window["rate"] == 2.0
+    assert warm.predicted_goodput is not None and 0.0 <= warm.predicted_goodput <= 2.0
+    level = PlannerConfig(3, SLO_, sim_seconds=20.0, headroom=1.0)
+    (same, *_) = run(Planner(profile(), level), scrapes_recorded(record), None, io.StringIO())
+    assert same.predicted_goodput == pytest.approx(same.predicted["1P2D"] * 2.0)
+    assert json.loads(same.json())["predicted_goodput"] == same.predicted_goodput
+    with pytest.raises(PlannerError, match="--sim-warmup"):
+        PlannerConfig(3, SLO_, sim_warmup_s=-1.0)
+
+
+def test_the_nodes_kv_pool_and_running_cap_replace_the_profiles(tmp_path: Path) -> None:
+    """A decode node holds pool / (prompt + output) long streams: the nodes' flags, not the
+    profiled host's, bound how many the simulator lets each node hold."""
+    path = tmp_path / "profile.json"
+    profile().save(path)
+    base = ["--profile", str(path), "--budget", "3"]
+    assert node_profile(build_parser().parse_args(base)) == profile()
+    args = build_parser().parse_args(
+        [*base, "--node-max-total-tokens", "3072", "--node-max-running-requests", "3"]
+    )
+    capped = node_profile(args)
+    assert (capped.max_total_tokens, capped.max_running_requests) == (3072, 3)
+    assert args.sim_warmup == 30.0
 
 
 def test_a_budget_too_small_for_the_traffic_is_said() -> None:

@@ -240,10 +240,11 @@ def test_the_planner_switches_roles_through_the_bootstrap(
 
     before = listed_roles(cluster)
     assert sorted(before.values()) == ["decode", "decode", "prefill"]
+    # --sim-warmup 0: from an empty cluster, the arithmetic of test_pd_planner's record
     argv = ["--replay", str(_prefill_heavy(tmp_path / "rec.jsonl")),
             "--profile", str(_profile_file(tmp_path)), "--budget", "3", "--slo-ttft-ms", "3000",
             "--slo-tpot-ms", "100", "--sim-seconds", "20", "--actuator", "switch",
-            "--bootstrap", cluster.bootstrap_address]  # fmt: skip
+            "--bootstrap", cluster.bootstrap_address, "--sim-warmup", "0"]  # fmt: skip
     assert main(argv) == 0
     decisions = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [d["action"] for d in decisions] == ["switch", "hold", "hold"]

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 
 from scripts.planning.pd_planner import Planner, PlannerConfig, Scrape, run
 from scripts.planning.profile import NodeProfile
-from scripts.planning.two_phase import build_bench, build_parser, planner_argv
+from scripts.planning.two_phase import build_bench, build_parser, cluster_argv, planner_argv
 from scripts.planning.two_phase_score import (
     Phase,
     RunResult,
@@ -20,7 +21,9 @@ from scripts.planning.two_phase_score import (
     actions,
     build_schedule,
     check_goals,
+    error_summary,
     mean_abs_error,
+    planner_tables,
     read_decisions,
     score_run,
     score_table,
@@ -123,29 +126,67 @@ def _planner_lines() -> str:
     return out.getvalue()
 
 
-def test_predicted_vs_measured_goodput_per_window_from_the_planners_lines() -> None:
+def test_each_window_is_scored_by_the_requests_admitted_in_it() -> None:
+    """Both sides count the window's admissions: the planner predicts the goodput of the
+    requests that arrive in it, the client scores those requests once they finish, however
+    late (a completion-counting window would give the long ones to the next window)."""
     decisions = read_decisions(_planner_lines())
     assert len(decisions) == 3 and decisions[0]["action"] == "switch"
     zero = 100.0  # the load started at the planner's 100 s
-    # Measured: in 0-10 s 20 requests met the SLO; in 10-20 s 10 of 20; in 20-30 s none met.
-    traces = [_trace(0, t, 0.5, 0.03, 4) for t in [0.1 * i for i in range(1, 21)]]
-    traces += [_trace(0, 10 + 0.4 * i, 0.5 if i % 2 else 5.0, 0.03, 4) for i in range(20)]
-    traces += [_trace(0, 20 + 0.4 * i, 5.0, 0.03, 4) for i in range(10)]
+    # 0-10 s: 20 sent, all meet the SLO; the odd ones stream 100 tokens 90 ms apart, ending in
+    # the next window. 10-20 s: 20 sent, every other one misses TTFT. 20-30 s: 10, all miss.
+    traces = [_trace(0, 0.5 * i, 0.5, 0.09 if i % 2 else 0.03, 100 if i % 2 else 4)
+              for i in range(1, 21)]  # fmt: skip
+    assert sum(1 for t in traces if t.done > 10) == 10
+    traces += [_trace(0, 10 + 0.5 * i, 0.5 if i % 2 else 5.0, 0.03, 4) for i in range(1, 21)]
+    traces += [_trace(0, 20 + i, 5.0, 0.03, 4) for i in range(1, 11)]
+    traces.append(_trace(0, 29.5, 0, 0, 0, error="unfinished"))  # lost: sent, never met
     checks = window_checks(decisions, traces, zero, end_s=30.0, slo=SLO_)
     assert [(c.start_s, c.end_s) for c in checks] == [(0, 10), (10, 20), (20, 30)]
     first, second, third = checks
+    assert [(c.sent, c.met) for c in checks] == [(20, 20), (20, 10), (11, 0)]
     assert first.split == "1P2D" and first.rate == pytest.approx(2.0)
-    predicted = decisions[0]["predicted"]["1P2D"]
-    assert first.predicted_goodput == pytest.approx(predicted * 2.0)
-    # done = sent + TTFT + 3 gaps: each request ends inside the window it was sent in
+    # The planner's own figure for its window: the live split's attainment x the rate.
+    predicted = decisions[0]["predicted_goodput"]
+    assert predicted == pytest.approx(decisions[0]["predicted"]["1P2D"] * 2.0)
+    assert first.predicted_goodput == pytest.approx(predicted)
     assert (first.measured_goodput, second.measured_goodput) == (2.0, 1.0)
-    assert first.error == pytest.approx((predicted * 2.0 - 2.0) / 2.0)
-    assert third.measured_goodput == 0 and third.error is None  # nothing met: no error
-    errors = [abs(c.error) for c in (first, second) if c.error is not None]
-    assert mean_abs_error(checks) == pytest.approx(sum(errors) / len(errors))
+    assert first.error == pytest.approx((predicted - 2.0) / 2.0)
+    assert third.measured_goodput == 0.0
+    assert third.error == (0.0 if third.predicted_goodput == 0 else None)
+    scored = [c for c in checks if c.scored and c.error is not None]
+    assert mean_abs_error(checks) == pytest.approx(
+        sum(abs(c.error or 0.0) for c in scored) / len(scored)
+    )
     # A window that starts before the load, or ends after it, is not the load's.
     assert len(window_checks(decisions, traces, zero + 5, 30.0, SLO_)) == 2
     assert len(window_checks(decisions, traces, zero, 25.0, SLO_)) == 2
+
+
+def test_windows_after_a_switch_or_a_phase_change_and_empty_ones_are_left_out() -> None:
+    decisions = read_decisions(_planner_lines())
+    decisions[0]["acted"] = True  # switched at 10 s (the load's clock)
+    traces = [_trace(0, 0.5 * i, 0.5, 0.03, 4) for i in range(1, 41)]  # in 0-20 s, none later
+    checks = window_checks(decisions, traces, 100.0, 30.0, SLO_, boundaries=[20.0],
+                           settle_s=15.0)  # fmt: skip
+    first, second, third = checks
+    assert first.transient == "" and first.scored
+    assert second.transient == "switch at 10 s" and not second.scored  # its 15 s of settling
+    assert third.transient == "switch at 10 s; phase at 20 s" and third.empty
+    assert mean_abs_error(checks) == pytest.approx(abs(first.error or 0.0))
+    later = window_checks(decisions, traces, 100.0, 30.0, SLO_, settle_s=5.0)
+    assert later[1].transient == "switch at 10 s"  # the switch ran during the window
+    assert later[2].transient == "" and later[2].empty  # nothing sent: left out all the same
+    summary = error_summary(checks)
+    assert "over 1 steady-state windows" in summary and "1 transient" in summary
+    assert "1 empty" in summary
+    table = planner_tables(RunResult("planner", True, checks=checks))
+    assert "| 10-20 | 1P2D | 2.00 | 20 | 20 |" in table and "switch at 10 s |" in table
+    # Lines of a planner before `predicted_goodput`: the live split's attainment x the rate.
+    old = {k: v for k, v in decisions[0].items() if k != "predicted_goodput"}
+    assert window_checks([old], traces, 100.0, 30.0, SLO_)[0].predicted_goodput == (
+        pytest.approx(decisions[0]["predicted_goodput"])
+    )
 
 
 def test_actions_are_the_decisions_that_acted() -> None:
@@ -178,6 +219,18 @@ def test_the_goals_on_runs() -> None:
     assert goals.goodput_ratio == pytest.approx(19 / 15) and goals.planner_lost == 0
     assert goals.mean_abs_error is None  # no windows
     assert any("1.27x" in line and "NO" in line for line in goals.lines(0.9))
+    # Windows where 0 was predicted and 0 met the SLO agree exactly, and say nothing: said.
+    from scripts.planning.two_phase_score import WindowCheck
+
+    zeros = [WindowCheck(0.0, 15.0, "1P2D", 0.4, 0.0, 6, 0),
+             WindowCheck(15.0, 30.0, "1P2D", 0.4, 0.0, 6, 0)]  # fmt: skip
+    runs[2].checks = zeros
+    goals = check_goals(runs, 0.9)
+    assert goals.mean_abs_error == 0.0 and (goals.error_windows, goals.informative_windows) == (
+        2,
+        0,
+    )
+    assert any("on no window with any goodput" in line for line in goals.lines(0.9))
 
 
 def test_the_planner_gets_the_benchmarks_flags() -> None:
@@ -188,6 +241,21 @@ def test_the_planner_gets_the_benchmarks_flags() -> None:
     assert argv[argv.index("--actuator") + 1] == "switch"
     assert argv[argv.index("--headroom") + 1] == "1"
     assert argv[argv.index("--interval") + 1] == "10.0"
+    assert argv[argv.index("--sim-warmup") + 1] == "30.0"
+    assert argv[argv.index("--node-max-total-tokens") + 1] == "16384"
+    assert "--node-max-running-requests" not in argv
+    # The nodes' KV pool and running cap: the cluster, the planner and --predict get the same.
+    capped = build_bench(build_parser().parse_args(
+        ["--out", "x", "--max-total-tokens", "3072", "--max-running-requests", "3"]))  # fmt: skip
+    assert capped.planner is not None
+    argv = planner_argv(capped, capped.planner, capped.workload.slo)
+    assert argv[argv.index("--node-max-total-tokens") + 1] == "3072"
+    assert argv[argv.index("--node-max-running-requests") + 1] == "3"
+    cluster = cluster_argv(capped, capped.planner.start, Path("logs"))
+    assert cluster[cluster.index("--max-total-tokens") + 1] == "3072"
+    assert cluster[cluster.index("--node-args") + 1] == "--max-running-requests 3"
+    node = capped.nodes.profile(_profile())
+    assert (node.max_total_tokens, node.max_running_requests) == (3072, 3)
     with pytest.raises(TwoPhaseError, match="--planner-start"):
         build_bench(build_parser().parse_args(["--out", "x", "--planner-start", "1:1"]))
 
@@ -207,3 +275,20 @@ def test_the_predicted_table_compares_the_best_split_per_phase_with_the_best_sta
     table = prediction_table(made_up, workload)
     assert "| best split per phase, switches free | 100% | 100% | 3.000 |" in table
     assert "ideal planner / best static split: 1.29x" in table  # 90 / 70
+
+
+def test_the_search_ranks_pairings_by_what_an_ideal_planner_gains() -> None:
+    from scripts.planning.two_phase_search import Pairing, rank
+
+    a = Phase("A", 60.0, 1.0, 768, 4)  # 60 requests
+    b = Phase("B", 120.0, 0.25, 128, 384)  # 30 requests
+    good = Pairing(a, b, {"1P2D": 0.3, "2P1D": 1.0, "colocated x3": 0.5},
+                   {"1P2D": 1.0, "2P1D": 0.2, "colocated x3": 0.6})  # fmt: skip
+    # ideal: 60 + 30 met; best static 2P1D: 60 + 6 -> 90 / 66
+    assert good.ratio == pytest.approx(90 / 66) and good.qualifies(0.9)
+    assert good.goodput("1P2D") == pytest.approx((18 + 30) / 180)
+    easy = Pairing(a, b, {"1P2D": 0.3, "2P1D": 1.0, "colocated x3": 0.5},
+                   {"1P2D": 1.0, "2P1D": 0.95, "colocated x3": 0.6})  # fmt: skip
+    assert not easy.qualifies(0.9)  # 2P1D meets 90% in both phases
+    assert rank([easy, good], 0.9) == [good, easy]
+    assert "1.36x" in good.line() and "2P1D: 100%/20%" in good.line()

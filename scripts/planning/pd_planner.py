@@ -19,9 +19,12 @@ split's capacity, not the load), mean input and output lengths (per finished req
 cached fraction of the prompts, and the measured mean TTFT and TPOT.
 
 A decision: the simulator (scripts/planning/simulator.py, the node profile scaled by the online
-correction) runs every split of `--budget` (every P:D and colocated) at the window's rate times
-`--headroom`, for `--sim-seconds` of arrivals of the window's lengths (its cached fraction as a
-shared prefix); the split with the highest predicted SLO attainment is the target. The planner
+correction, with the nodes' KV pool and running-request cap: `--node-max-total-tokens`,
+`--node-max-running-requests`) runs every split of `--budget` (every P:D and colocated) at the
+window's rate times `--headroom`, for `--sim-warmup` then `--sim-seconds` of arrivals of the
+window's lengths (its cached fraction as a shared prefix), and scores the requests of the
+`--sim-seconds` only: the steady state at that rate, queues and batches filled; the split with
+the highest predicted SLO attainment is the target. The planner
 switches only when the target beats the current split by at least `--hysteresis` (attainment,
 absolute) and the last action is at least `--cooldown` seconds old; otherwise it holds and says
 why. The correction: after each window the ratio of the measured mean TPOT to the one predicted
@@ -30,7 +33,12 @@ for the current split at the measured rate moves the profile's speed (an exponen
 
 Each decision is one JSON line on stdout: its inputs (the window), the predicted attainment of
 every split, the current and target split, the action, the reason, the correction, and whether
-it acted. Actuators: `--dry-run` (decide only); `switch` (`--bootstrap HOST:PORT`), which
+it acted; and `predicted_goodput`, the window's own prediction: the requests *admitted* in the
+window (`window.admitted`, at `window.rate`) that will meet the SLO, per second of the window =
+the live split's steady-state attainment at the window's rate (headroom 1) x that rate. What
+to compare it with is the same requests' outcome once they finish (two_phase_score.py's
+`window_checks`), not the completions inside the window, which trail the admissions by a
+request's life. Actuators: `--dry-run` (decide only); `switch` (`--bootstrap HOST:PORT`), which
 switches the roles of the live nodes in place, one at a time, each registered in its new role
 before the next (a node keeps its weights and KV pool: bootstrap/admin.py, what `pdserve-admin
 switch-role` does); `kubernetes`, which sets the replica counts of the prefill and decode
@@ -57,6 +65,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bootstrap.admin import AdminError, NodeSummary, list_nodes, switch_role
 from bootstrap.security import InternalAuth, add_internal_auth_args, internal_auth_from_args
+from scripts.planning.plan_capacity import host_config
 from scripts.planning.planner import simulate
 from scripts.planning.profile import NodeProfile
 from scripts.planning.simulator import HostConfig
@@ -131,6 +140,7 @@ class Window:
     """The workload and latencies between two scrapes."""
 
     seconds: float
+    admitted: float  # requests that reached the gateway in the window
     rate: float  # requests admitted per second (the offered load)
     input_len: float  # mean prompt tokens
     output_len: float  # mean completion tokens
@@ -158,6 +168,7 @@ class Window:
         admitted = (b.finished + b.inflight) - (a.finished + a.inflight)
         return cls(
             seconds=seconds,
+            admitted=max(admitted, requests),
             rate=max(admitted, requests) / seconds,
             input_len=prompt / finished,
             output_len=(b.completion_tokens - a.completion_tokens) / finished,
@@ -179,7 +190,9 @@ class PlannerConfig:
     hysteresis: float = 0.05  # the target must beat the current split by this much attainment
     cooldown_s: float = 120.0  # no action sooner than this after the last one
     headroom: float = 1.1  # plan for this much more traffic than the window saw
-    sim_seconds: float = 60.0  # arrivals simulated per split
+    sim_seconds: float = 60.0  # arrivals simulated and scored per split
+    # arrivals simulated before those, not scored: the steady state at the window's rate
+    sim_warmup_s: float = 30.0
     correction_weight: float = 0.5  # of each new measured/predicted ratio in the correction
     # The correction stays within [1 / limit, limit]: a host shared with other work measured
     # steps 10-40x its profile (benchmarks/serving-2026-11-26-two-phase.md); at the old limit
@@ -194,6 +207,11 @@ class PlannerConfig:
             raise PlannerError("give at least one of --slo-ttft-ms, --slo-tpot-ms, --slo-e2e-ms")
         if not 0 <= self.hysteresis < 1:
             raise PlannerError(f"--hysteresis must be in [0, 1), got {self.hysteresis}")
+        if self.sim_seconds <= 0 or self.sim_warmup_s < 0:
+            raise PlannerError(
+                f"--sim-seconds must be > 0 and --sim-warmup >= 0, got {self.sim_seconds} and "
+                f"{self.sim_warmup_s}"
+            )
         if not 0 < self.correction_weight <= 1:
             raise PlannerError(
                 f"--correction-weight must be in (0, 1], got {self.correction_weight}"
@@ -210,6 +228,10 @@ class Decision:
     reason: str
     predicted: dict[str, float]  # split name -> predicted SLO attainment
     correction: float  # the step-time factor the predictions used
+    # The requests admitted in the window (window.admitted) meeting the SLO per second: the live
+    # split's predicted attainment at window.rate (headroom 1) x window.rate; None when the live
+    # split is none of the budget's (a switch under way).
+    predicted_goodput: float | None = None
     acted: bool = False
     actuator: str = ""  # what the actuator did
 
@@ -248,8 +270,20 @@ class Planner:
             reason += f"; no split of {c.budget} nodes meets the SLO for {c.attainment:.0%}: "
             reason += "add nodes (--budget)"
         window_doc = {**asdict(window), "split": current}
+        goodput = self._window_goodput(window, predicted)
         return Decision(now, window_doc, current, target, action, reason, predicted,
-                        round(self.correction, 4))  # fmt: skip
+                        round(self.correction, 4), goodput)  # fmt: skip
+
+    def _window_goodput(self, window: Window, predicted: dict[str, float]) -> float | None:
+        """The predicted goodput of the window's own requests: see `Decision`."""
+        live = window.split.name
+        if live not in self.splits:
+            return None
+        if self.config.headroom == 1.0:
+            attainment = predicted[live]  # simulated at window.rate already
+        else:
+            attainment = self._attainment(self.splits[live], window, window.rate)
+        return round(attainment * window.rate, 6)
 
     def acted(self, now: float) -> None:
         self.last_action_at = now
@@ -263,9 +297,12 @@ class Planner:
         return DatasetConfig("random", 1000, input_len=prompt, output_len=out)
 
     def _run(self, split: Split, window: Window, rate: float) -> Any:
-        load = LoadConfig(request_rate=rate, num_sessions=None, duration_s=self.config.sim_seconds)
-        host = replace(self.config.host, slowdown=self.config.host.slowdown * self.correction)
-        return simulate(self.profile, split, self._workload(window), load, self.config.slo, host)
+        c = self.config
+        load = LoadConfig(request_rate=rate, num_sessions=None,
+                          duration_s=c.sim_warmup_s + c.sim_seconds)  # fmt: skip
+        host = replace(c.host, slowdown=c.host.slowdown * self.correction)
+        return simulate(self.profile, split, self._workload(window), load, c.slo, host,
+                        score_after_s=c.sim_warmup_s)  # fmt: skip
 
     def _attainment(self, split: Split, window: Window, rate: float) -> float:
         return float(self._run(split, window, rate).slo_attainment or 0.0)
@@ -437,7 +474,7 @@ def run(planner: Planner, scrapes: Iterator[Scrape], actuator: Actuator | None,
     an actuator (a dry run) a switch still starts the cool-down, so the decisions printed are
     the ones a planner that acts would make."""
     out = out or sys.stdout
-    decisions = []
+    decisions: list[Decision] = []
     previous = None
     for scrape in scrapes:
         window = Window.between(previous, scrape) if previous is not None else None
@@ -470,10 +507,47 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hysteresis", type=float, default=0.05)
     parser.add_argument("--cooldown", type=float, default=120.0, help="seconds between actions")
     parser.add_argument("--headroom", type=float, default=1.1, help="plan for rate x this")
-    parser.add_argument("--sim-seconds", type=float, default=60.0)
+    parser.add_argument("--sim-seconds", type=float, default=60.0, help="arrivals scored")
+    parser.add_argument(
+        "--sim-warmup",
+        type=float,
+        default=30.0,
+        help="seconds of arrivals simulated before the scored ones (the steady state)",
+    )
+    parser.add_argument(
+        "--node-max-total-tokens",
+        type=int,
+        default=None,
+        help="the nodes' KV pool in tokens (their --max-total-tokens; default: the profile's)",
+    )
+    parser.add_argument(
+        "--node-max-running-requests",
+        type=int,
+        default=None,
+        help="the nodes' --max-running-requests (default: the profile's)",
+    )
     parser.add_argument("--correction-weight", type=float, default=0.5)
     parser.add_argument("--host-cores", type=int, default=0, help="0: a device per node (GPU)")
     parser.add_argument("--threads-per-node", type=int, default=1)
+    parser.add_argument("--slowdown", type=float, default=1.0, help="scales every step time")
+    parser.add_argument(
+        "--co-runner-slowdown",
+        type=float,
+        default=0.0,
+        help="fraction each other step in flight slows a step by (plan_capacity.py's flag)",
+    )
+    parser.add_argument(
+        "--host-overhead-ms",
+        type=float,
+        default=0.0,
+        help="host CPU ms per streamed token outside steps, colocated (plan_capacity.py host)",
+    )
+    parser.add_argument(
+        "--host-overhead-pd-ms",
+        type=float,
+        default=None,
+        help="the same with prefill nodes (default: --host-overhead-ms)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="decide, never act")
     parser.add_argument("--actuator", choices=["switch", "kubernetes", "local"], default=None)
     parser.add_argument(
@@ -529,10 +603,11 @@ def main(argv: list[str] | None = None) -> int:
             cooldown_s=args.cooldown,
             headroom=args.headroom,
             sim_seconds=args.sim_seconds,
+            sim_warmup_s=args.sim_warmup,
             correction_weight=args.correction_weight,
-            host=HostConfig(host_cores=args.host_cores, threads_per_node=args.threads_per_node),
+            host=host_config(args),  # plan_capacity.py's host model, validated on 11-24
         )
-        planner = Planner(NodeProfile.load(args.profile), config)
+        planner = Planner(node_profile(args), config)
         actuator: Actuator | None = None
         if not args.dry_run and args.actuator == "switch":
             actuator = SwitchActuator(args.bootstrap, args.budget, internal_auth_from_args(args),
@@ -554,6 +629,18 @@ def main(argv: list[str] | None = None) -> int:
         if cluster is not None:
             cluster.cluster.stop()
     return 0
+
+
+def node_profile(args: argparse.Namespace) -> NodeProfile:
+    """`--profile` with the nodes' KV pool and running cap where given: a node's capacity in
+    streams (a decode node holds pool / (prompt + output) long requests) is the node's flag,
+    not the profiled host's."""
+    profile = NodeProfile.load(args.profile)
+    if args.node_max_total_tokens is not None:
+        profile = replace(profile, max_total_tokens=args.node_max_total_tokens)
+    if args.node_max_running_requests is not None:
+        profile = replace(profile, max_running_requests=args.node_max_running_requests)
+    return profile
 
 
 @dataclass

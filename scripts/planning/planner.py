@@ -52,11 +52,16 @@ def simulate(
     load: LoadConfig,
     slo: SLO,
     host: HostConfig,
+    score_after_s: float = 0.0,
 ) -> Summary:
+    """The simulated run's summary. With `score_after_s`, only the requests that arrive from
+    then on are scored (the earlier ones fill the queues and batches: a steady state, where a
+    run from an empty cluster flatters an overloaded split)."""
     sim = Simulation(profile, split.prefill, split.decode, host, load.max_concurrency)
     traces = sim.run(arrivals(dataset, load))
-    duration = max(t.done for t in traces)
-    return summarize(traces, duration, slo)
+    scored = [t for t in traces if t.sent >= score_after_s] or traces[-1:]
+    duration = max(t.done for t in scored) - min(score_after_s, min(t.sent for t in scored))
+    return summarize(scored, max(duration, 1e-9), slo)
 
 
 def max_rate(

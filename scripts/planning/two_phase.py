@@ -16,8 +16,12 @@ phase A `--a-seconds` of Poisson arrivals at `--a-rate` of `--a-input`-token pro
 `--actuator local` runs `pd-planner --actuator local --cluster-args ...` (it starts the cluster
 from `--planner-start` and stops and starts node processes within the budget); `--actuator
 switch` starts the cluster here and runs `pd-planner --actuator switch --bootstrap HOST:PORT`
-(role switches inside the nodes). The planner gets `--interval`, `--cooldown`, the SLOs and
-`--headroom 1`, so that what it predicts for a window is the goodput at the window's rate.
+(role switches inside the nodes). The planner gets `--interval`, `--cooldown`, the SLOs,
+`--headroom 1`, `--sim-warmup` (its steady state) and the host model `--predict` uses, so that
+what it predicts for a window is the goodput of the window's own requests at its rate.
+`--max-total-tokens` and `--max-running-requests` set every node's KV pool and running cap (a
+node holds pool / (prompt + output) long streams: the memory a decode-heavy phase needs), and
+the same values go to the planner's simulator and to `--predict`.
 A run ends `--grace` seconds after the last phase: requests unfinished then are cancelled and
 count as lost (an overloaded split's backlog would otherwise drain for many minutes).
 
@@ -25,8 +29,10 @@ Prints, and writes under `--out` (`two_phase.json`, `two_phase.md`, the planner'
 `planner_decisions.jsonl`, the metrics it read as `planner_scrapes.jsonl` for `pd-planner
 --replay`, and its log): per run and phase the requests scheduled, those meeting
 both SLOs (TTFT and TPOT, per request), attainment, goodput, requests lost; for the planner its
-actions and per window the predicted vs measured goodput with the mean absolute error; then the
-issue's goals, met or not.
+actions and per window the predicted vs measured goodput of the requests admitted in the
+window (two_phase_score.py: windows within `--settle` s of a switch or a phase change are
+transient and left out of the mean absolute error, and counted); then the issue's goals, met
+or not. `python -m scripts.planning.two_phase_search` looks for phase shapes to run.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -50,6 +56,7 @@ import httpx
 from gateway.cluster import Cluster, ClusterError, build_config
 from gateway.cluster import build_parser as cluster_parser
 from scripts.planning.profile import NodeProfile
+from scripts.planning.simulator import HostConfig
 from scripts.planning.sweep import Split, parse_splits
 from scripts.planning.two_phase_predict import CALM_HOST, predict, prediction_table
 from scripts.planning.two_phase_score import (
@@ -87,8 +94,35 @@ class PlannerRun:
     cooldown_s: float
     hysteresis: float
     sim_seconds: float
+    sim_warmup_s: float
     host_cores: int
     threads_per_node: int
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """Every node's KV pool and running cap (pd-cluster's --max-total-tokens, the nodes'
+    --max-running-requests), given to the cluster, to the planner and to `--predict` alike."""
+
+    max_total_tokens: int = 16384  # pd-cluster's default
+    max_running_requests: int | None = None  # None: the node's default (256)
+
+    def cluster_args(self) -> list[str]:
+        args = ["--max-total-tokens", str(self.max_total_tokens)]
+        if self.max_running_requests is not None:
+            args += ["--node-args", f"--max-running-requests {self.max_running_requests}"]
+        return args
+
+    def planner_args(self) -> list[str]:
+        args = ["--node-max-total-tokens", str(self.max_total_tokens)]
+        if self.max_running_requests is not None:
+            args += ["--node-max-running-requests", str(self.max_running_requests)]
+        return args
+
+    def profile(self, profile: NodeProfile) -> NodeProfile:
+        running = self.max_running_requests or profile.max_running_requests
+        return replace(profile, max_total_tokens=self.max_total_tokens,
+                       max_running_requests=running)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -102,13 +136,16 @@ class BenchConfig:
     out: Path
     request_timeout_s: float = 300.0
     grace_s: float = 60.0  # after the last phase: then unfinished requests count as failed
+    settle_s: float = 15.0  # a planner window this soon after a switch or phase is transient
+    nodes: NodeCapacity = field(default_factory=NodeCapacity)
 
 
 def cluster_argv(config: BenchConfig, split: Split, log_dir: Path) -> list[str]:
     """pd-cluster's flags for a split: every prompt through a prefill node when there is one."""
     return ["--prefill", str(split.prefill), "--decode", str(split.decode),
             "--gateway-args", "--local-prefill-max-tokens 0", "--log-dir", str(log_dir),
-            "--log-level", "warning", *config.cluster_args]  # fmt: skip
+            "--log-level", "warning", *config.nodes.cluster_args(),
+            *config.cluster_args]  # fmt: skip
 
 
 def warm_and_send(
@@ -186,7 +223,16 @@ def planner_argv(config: BenchConfig, run: PlannerRun, slo: SLO) -> list[str]:
             "--hysteresis", str(run.hysteresis), "--headroom", "1",
             "--sim-seconds", str(run.sim_seconds), "--slo-ttft-ms", str(slo.ttft_ms),
             "--slo-tpot-ms", str(slo.tpot_ms), "--host-cores", str(run.host_cores),
-            "--threads-per-node", str(run.threads_per_node)]  # fmt: skip
+            "--threads-per-node", str(run.threads_per_node), "--sim-warmup",
+            str(run.sim_warmup_s), *config.nodes.planner_args(), *host_args(CALM_HOST)]  # fmt: skip
+
+
+def host_args(host: HostConfig) -> list[str]:
+    """pd-planner's host model flags: the one `--predict` uses (validated on 11-24)."""
+    pd = host.overhead(disaggregated=True)
+    return ["--slowdown", str(host.slowdown), "--co-runner-slowdown", str(host.co_runner),
+            "--host-overhead-ms", f"{host.overhead_s_per_token * 1000:g}",
+            "--host-overhead-pd-ms", f"{pd * 1000:g}"]  # fmt: skip
 
 
 def wait_ready(log: Path, process: subprocess.Popen[bytes], timeout_s: float = 600.0) -> str:
@@ -227,8 +273,10 @@ def run_planner(config: BenchConfig, run: PlannerRun, schedule: Schedule) -> Run
         result.scores = score_run(config.workload, schedule, traces)
         time.sleep(1.0)  # the decision of the window the load ended in
         decisions = read_decisions(decisions_path.read_text())
-        end_s = config.workload.total_s
-        result.checks = window_checks(decisions, traces, zero, end_s, config.workload.slo)
+        w = config.workload
+        boundaries = [w.start_of(i) for i in range(1, len(w.phases))]
+        result.checks = window_checks(decisions, traces, zero, w.total_s, w.slo, boundaries,
+                                      config.settle_s)  # fmt: skip
         result.actions = actions(decisions, zero)
     except (ClusterError, TwoPhaseError) as exc:
         result.error = str(exc)
@@ -283,6 +331,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cooldown", type=float, default=None, help="s (default 45, --quick 25)")
     g.add_argument("--hysteresis", type=float, default=0.05)
     g.add_argument("--sim-seconds", type=float, default=20.0)
+    g.add_argument("--sim-warmup", type=float, default=30.0,
+                   help="pd-planner's --sim-warmup (its steady state)")  # fmt: skip
+    g.add_argument("--max-total-tokens", type=int, default=16384,
+                   help="every node's KV pool in tokens (pd-cluster's flag; the planner and "
+                   "--predict get it too)")  # fmt: skip
+    g.add_argument("--max-running-requests", type=int, default=None,
+                   help="every node's running-request cap (default: the node's, 256)")  # fmt: skip
+    g.add_argument("--settle", type=float, default=15.0,
+                   help="s after a switch or a phase change in which a planner window is "
+                   "transient (left out of the mean prediction error)")  # fmt: skip
     g.add_argument("--host-cores", type=int, default=os.cpu_count() or 1)
     return p
 
@@ -305,6 +363,7 @@ def build_bench(args: argparse.Namespace) -> BenchConfig:
             cooldown_s=args.cooldown or (25.0 if args.quick else 45.0),
             hysteresis=args.hysteresis,
             sim_seconds=args.sim_seconds,
+            sim_warmup_s=args.sim_warmup,
             host_cores=args.host_cores,
             threads_per_node=args.threads_per_node,
         )
@@ -313,7 +372,8 @@ def build_bench(args: argparse.Namespace) -> BenchConfig:
     splits = () if args.no_static else parse_splits(args.splits, args.budget)
     return BenchConfig(workload, args.budget, tuple(splits), planner,
                        tuple(shlex.split(args.cluster_args)), args.warmup, args.out,
-                       args.request_timeout, args.grace)  # fmt: skip
+                       args.request_timeout, args.grace, args.settle,
+                       NodeCapacity(args.max_total_tokens, args.max_running_requests))  # fmt: skip
 
 
 def write_outputs(config: BenchConfig, runs: list[RunResult], uptime: list[str]) -> str:
@@ -353,6 +413,8 @@ def write_outputs(config: BenchConfig, runs: list[RunResult], uptime: list[str])
             "profile": str(config.planner.profile),
         },
         "cluster_args": list(config.cluster_args),
+        "nodes": asdict(config.nodes),
+        "settle_s": config.settle_s,
         "load": uptime,
         "runs": [r.to_json() for r in runs],
         "goals": asdict(goals),
@@ -378,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.predict:
         splits = config.splits or parse_splits(args.splits, args.budget)
-        rows = predict(NodeProfile.load(args.profile), config.workload, splits, CALM_HOST)
+        profile = config.nodes.profile(NodeProfile.load(args.profile))
+        rows = predict(profile, config.workload, splits, CALM_HOST)
         print(prediction_table(rows, config.workload))
         return 0
     os.environ["OMP_NUM_THREADS"] = str(args.threads_per_node)  # inherited by every node
