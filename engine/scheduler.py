@@ -296,7 +296,9 @@ class Scheduler:
         return batch, lens
 
     def _can_admit(self, num_decoding: int) -> bool:
-        if len(self.running) >= self.config.max_running_requests:
+        # Parked requests (a prefill node's while their KV writes settle, a decode node's
+        # while their prompt's KV arrives) hold a slot of the table too.
+        if len(self.running) + len(self._parked) >= self.config.max_running_requests:
             return False
         # Keep a page per decoding request for its next step, so admission does not
         # immediately force a retraction.
