@@ -55,7 +55,11 @@ MIN_CONTAINERS = 1 << 16  # objects and arrays a body may hold, whatever the con
 CONTAINERS_PER_TOKEN = 4  # a message (an object, its content array and parts) per token
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"\s*:?')  # a string, or a key and its colon
-_NESTED = re.compile(rb"[\[{]{%d}" % (MAX_JSON_DEPTH + 1))  # in a body's structure (see below)
+# A plain nest in a body's structure: more than MAX_JSON_DEPTH openers in a row, `{` read as `[`
+# (a translation and a substring search, C speed; a regular expression took 47 ms on 4 MB,
+# holding the GIL in one call the event loop could not preempt).
+_OPENERS_AS_ONE = bytes.maketrans(b"{", b"[")
+_NEST = b"[" * (MAX_JSON_DEPTH + 1)
 
 
 def container_limit(context_length: int) -> int:
@@ -104,7 +108,7 @@ def _count_containers(data: bytes, limit: int) -> None:
     structure = _JSON_STRING.sub(b"", data).translate(None, b" \t\r\n")
     if structure.count(b"[") + structure.count(b"{") <= limit:
         return
-    if _NESTED.search(structure):
+    if _NEST in structure.translate(_OPENERS_AS_ONE):
         raise _too_deep_error()
     raise _too_many_error(limit)
 
