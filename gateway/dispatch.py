@@ -28,6 +28,7 @@ import grpc
 from bootstrap.security import RoomTickets
 from gateway.config import RoutingConfig
 from gateway.errors import APIError, GenerationFailed, bad_request, unavailable
+from gateway.lane import TokenLane
 from gateway.metrics import GatewayMetrics
 from gateway.migration import Progress
 from gateway.nodes import NodeDirectory
@@ -66,9 +67,13 @@ class Dispatcher:
         self.metrics = metrics
 
     def generation(
-        self, prompt_ids: list[int], sampling: node_pb2.SamplingParams, rid: str
+        self,
+        prompt_ids: list[int],
+        sampling: node_pb2.SamplingParams,
+        rid: str,
+        lane: TokenLane | None = None,
     ) -> Generation:
-        return Generation(self, prompt_ids, sampling, rid)
+        return Generation(self, prompt_ids, sampling, rid, lane)
 
     def enter(self, route: Route, prompt_tokens: int = 0) -> None:
         for node in route.nodes:
@@ -93,8 +98,12 @@ class Generation:
         prompt_ids: list[int],
         sampling: node_pb2.SamplingParams,
         rid: str,
+        lane: TokenLane | None = None,
     ) -> None:
+        """`lane`: the streamed choice's fast lane (gateway/lane.py); each attempt puts its
+        per-chunk bookkeeping on it."""
         self.dispatcher = dispatcher
+        self.lane = lane
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.rid = rid
@@ -133,7 +142,10 @@ class Generation:
                 rid=f"{self.rid}-{self.attempts - 1}",
                 tickets=d.tickets,
                 resumed_tokens=resumed,
+                lane=self.lane,
             )
+            if self.lane is not None:
+                self.lane.observers = (stream.record, self._observe_chunk)
             self.finished = None
             failure: AttemptFailure | None = None
             d.enter(route, len(self.prompt_ids))
@@ -149,6 +161,8 @@ class Generation:
             except grpc.aio.AioRpcError as exc:
                 failure = self._decode_failed(exc, route, len(progress.streamed) > resumed)
             finally:
+                if self.lane is not None:
+                    self.lane.observers = ()
                 d.leave(route, len(self.prompt_ids))
             if failure is None:
                 assert self.finished is not None
