@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from gateway.choices import ChoiceEvent, ChoiceJob, choice_events, lane_takes
-from gateway.lane import TokenLane
+from gateway.lane import ChunkedWriter, TokenLane
 from gateway.pd_client import RequestInbox
 from gateway.sse import ChunkFrames, TextFrames, sse
 from gateway.text import TextCodec
@@ -330,3 +330,49 @@ def test_a_failing_lane_fails_its_request_not_the_reader() -> None:
         assert "gateway stream lane failed" in str(inbox.end) and inbox.lane is None
 
     asyncio.run(run())
+
+
+def test_chunked_writer_frames_as_uvicorn_does() -> None:
+    """Under the installed uvicorn (httptools, as gateway/server.py runs it) the writer is found
+    behind `send` once the response started, and what it writes reads as the same chunked body
+    as frames sent through `send`; before the start there is none."""
+    import httpx
+    import uvicorn
+
+    from engine.ports import LOCALHOST, free_port
+
+    found: list[bool] = []
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        assert scope["type"] == "http"
+        found.append(ChunkedWriter.for_send(send) is None)  # type: ignore[arg-type]
+        start = {"type": "http.response.start", "status": 200, "headers": []}
+        await send(start)  # type: ignore[operator]
+        writer = ChunkedWriter.for_send(send)  # type: ignore[arg-type]
+        found.append(writer is not None and writer.writable)
+        assert writer is not None
+        writer.write(b"data: one\n\n")
+        await send({"type": "http.response.body", "body": b"data: two\n\n", "more_body": True})  # type: ignore[operator]
+        writer.write("data: caf\u00e9\n\n".encode())
+        await send({"type": "http.response.body", "body": b"", "more_body": False})  # type: ignore[operator]
+
+    port = free_port()
+    config = uvicorn.Config(app, host=LOCALHOST, port=port, http="httptools", lifespan="off",
+                            log_level="warning")  # fmt: skip
+    server = uvicorn.Server(config)
+
+    async def run() -> str:
+        serving = asyncio.ensure_future(server.serve())
+        try:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(timeout=10) as client:
+                answer = await client.get(f"http://{LOCALHOST}:{port}/")
+                assert answer.headers["transfer-encoding"] == "chunked"
+                return answer.text
+        finally:
+            server.should_exit = True
+            await serving
+
+    assert asyncio.run(run()) == "data: one\n\ndata: two\n\ndata: caf\u00e9\n\n"
+    assert found == [True, True]
