@@ -1,6 +1,6 @@
 """The pure parts of the gateway benchmarks (scripts/bench/fake_node.py, gateway_cpu.py,
-stream_path.py, pinning.py): what the fake node sends per step, the figures the tables print,
-and which cores each process is pinned to."""
+stream_path.py, pinning.py, profile_split.py): what the fake node sends per step, the figures the
+tables print, which cores each process is pinned to, and where a profile's samples go."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from scripts.bench.fake_node import FakeNodeConfig, FakeRequest, StepSource
 from scripts.bench.fake_node import build_config as fake_node_config
 from scripts.bench.gateway_cpu import Row, build_config, table
 from scripts.bench.pinning import group_cores, parse_cpu_list, pinned, plan_cpus
+from scripts.bench.profile_split import IDLE, split
+from scripts.bench.profile_split import table as profile_table
 from scripts.bench.stream_path import _field_one
 
 
@@ -126,3 +128,31 @@ def test_pinned_processes_inherit_the_cpu_set() -> None:
         )
     assert child.stdout.strip() == f"[{cpu}]"
     assert os.sched_getaffinity(0) == before  # restored
+
+
+def test_profile_split_buckets() -> None:
+    root = "<module> (gateway-server:8);Runner.run (asyncio/runners.py:1)"
+    lines = [
+        f"{root};run_forever (loop.c:1);epoll_wait (libc.so.6) 50",
+        f"{root};GenerateMux._read (gateway/pd_client.py:1);"
+        "ChunkedWriter.write (gateway/lane.py:1);write (libc.so.6) 30",
+        f"{root};GenerateMux._read (gateway/pd_client.py:1);_read (grpc/aio/_call.py:384);"
+        "write (libc.so.6) 20",
+        "Thread._bootstrap (threading.py:1);0x1 (grpc/_cython/cygrpc.so);syscall (libc.so.6) 10",
+        f"{root};TokenLane.deliver (gateway/lane.py:65) 25",
+        f"{root};gc_collect_main (libpython3.11.so) 5",
+        f"{root};send (uvicorn/protocols/http/httptools_impl.py:1) 5",
+        f"{root};run_forever (loop.c:1) 5",
+        "",
+    ]
+    samples = split(lines)
+    assert samples[IDLE] == 50
+    assert samples["HTTP frame writes (socket syscalls)"] == 30
+    assert samples["gRPC receive on the event loop (read, wake-up syscalls, parse)"] == 20
+    assert samples["gRPC C-core thread (poller; futex waits included)"] == 10
+    assert samples["gateway Python (stream path, handlers)"] == 25
+    assert samples["cyclic GC"] == samples["uvicorn / Starlette / httptools"] == 5
+    assert samples["other (event loop callbacks, interpreter)"] == 5
+    printed = profile_table(samples)
+    assert "| HTTP frame writes (socket syscalls) | 30% |" in printed
+    assert printed.endswith("| (non-idle samples) | 100 |")
