@@ -135,19 +135,16 @@ class EventStream(Response):
                 async for frame in frames:
                     if frame == DONE and self.trace and (timeline := self.trace.slowest()):
                         comment = f": {TIMING_HEADER}: {timeline.server_timing()}\n\n".encode()
-                        await self._body(body_send, writer, comment)
-                    await self._body(body_send, writer, frame)
+                        frame = comment + frame
+                    if writer is not None and writer.writable:
+                        writer.write(frame)
+                    else:  # uvicorn's send waits while the client reads slowly
+                        await body_send({"type": "http.response.body", "body": frame,
+                                         "more_body": True})  # fmt: skip
         finally:
             if lane is not None:
                 lane.writer = None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    @staticmethod
-    async def _body(body_send: Send, writer: ChunkedWriter | None, frame: bytes) -> None:
-        if writer is not None and writer.writable:
-            writer.write(frame)
-        else:  # uvicorn's send waits while the client reads slowly
-            await body_send({"type": "http.response.body", "body": frame, "more_body": True})
 
 
 SERVER_SEND = "pdserve.server_send"
