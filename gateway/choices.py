@@ -97,6 +97,10 @@ class PendingTokens:
         if self.per_chunk:
             self.text += self.trimmer.push(self.detokenizer.push(chunk.token_ids))
 
+    def add_ids(self, token_ids: list[int]) -> None:
+        """`add` for a chunk of a choice that `lane_takes` (no logprobs, no stop strings)."""
+        self.token_ids += token_ids
+
     def take(self, index: int, end: ChoiceEnd | None = None) -> ChoiceEvent:
         """An event with everything pending (at the end: the detokenizer's and trimmer's rest)."""
         text = self.text
@@ -133,8 +137,8 @@ async def choice_events(
     pending = PendingTokens(codec.detokenizer(job.prompt_ids), StopTrimmer(job.sampling.stop))
     generation = dispatcher.generation(job.prompt_ids, job.sampling, f"{rid}-{job.index}", lane)
 
-    def lane_event(chunk: node_pb2.TokenChunk) -> ChoiceEvent | None:
-        pending.add(chunk)
+    def lane_event(token_ids: list[int]) -> ChoiceEvent | None:
+        pending.add_ids(token_ids)
         return pending.take(job.index) if len(pending.token_ids) >= interval else None
 
     first = True

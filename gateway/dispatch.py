@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -145,7 +145,7 @@ class Generation:
                 lane=self.lane,
             )
             if self.lane is not None:
-                self.lane.observers = (stream.record, self._observe_chunk)
+                self.lane.observers = (stream.record, self._observe)
             self.finished = None
             failure: AttemptFailure | None = None
             d.enter(route, len(self.prompt_ids))
@@ -153,7 +153,7 @@ class Generation:
                 async with contextlib.aclosing(aiter(stream)) as responses:
                     async for response in responses:
                         if response.HasField("chunk"):
-                            self._observe_chunk(response.chunk)
+                            self._observe(response.chunk.token_ids)
                             yield response.chunk
                         else:
                             self.finished = response.finished
@@ -205,7 +205,8 @@ class Generation:
         self._migrate(failure)
         return False
 
-    def _observe_chunk(self, chunk: node_pb2.TokenChunk) -> None:
+    def _observe(self, token_ids: Sequence[int]) -> None:
+        """A chunk of tokens arrived (by the chain or the lane)."""
         m = self.dispatcher.metrics
         now = time.monotonic()
         if self.progress.started:
@@ -216,7 +217,7 @@ class Generation:
         if self._moved_at is not None:  # the first token from the node it moved to
             m.migration_gap.observe(now - self._moved_at)
             self._moved_at = None
-        self.progress.streamed.extend(chunk.token_ids)
+        self.progress.streamed.extend(token_ids)
 
     def _choose(self, excluded: set[str]) -> Route:
         try:

@@ -32,7 +32,7 @@ import logging
 import secrets
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeAlias
 
@@ -147,7 +147,7 @@ class PDStream:
         try:
             async for response in call:
                 if response.HasField("chunk"):
-                    self.record(response.chunk)
+                    self.record(response.chunk.token_ids)
                 else:
                     result.finished = response.finished
                     result.finished_at = time.monotonic()
@@ -164,10 +164,10 @@ class PDStream:
                 aborted = result.finished is not None and result.finished.finish_reason == "abort"
                 await _prefill_answer(prefill_task, PREFILL_ANSWER_GRACE_S if aborted else None)
 
-    def record(self, chunk: node_pb2.TokenChunk) -> None:
+    def record(self, token_ids: Sequence[int]) -> None:
         """Note a chunk of D's tokens (by the chain or the lane)."""
         result = self.result
-        result.token_ids.extend(chunk.token_ids)
+        result.token_ids.extend(token_ids)
         result.last_chunk_at = time.monotonic()
         result.first_chunk_at = result.first_chunk_at or result.last_chunk_at
 

@@ -204,7 +204,7 @@ class LaneReplayGeneration(ReplayGeneration):
         self.rng = rng
         self.share = rng.choice((0.3, 1.0))
         self.observed: list[int] = []
-        lane.observers = (lambda chunk: self.observed.extend(chunk.token_ids),)
+        lane.observers = (self.observed.extend,)
 
     async def _replay(self) -> AsyncGenerator[node_pb2.TokenChunk, None]:
         for ids in self.chunks:
