@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ from proto import node_pb2
 from scripts.bench.fake_node import FakeNodeConfig, FakeRequest, StepSource
 from scripts.bench.fake_node import build_config as fake_node_config
 from scripts.bench.gateway_cpu import Row, build_config, table
-from scripts.bench.pinning import group_cores, parse_cpu_list, pinned, plan_cpus
+from scripts.bench.pinning import group_cores, parse_cpu_list, pin_process, pinned, plan_cpus
 from scripts.bench.profile_split import IDLE, split
 from scripts.bench.profile_split import table as profile_table
 from scripts.bench.stream_path import _field_one
@@ -91,18 +92,19 @@ def test_cpu_plan_gives_each_gateway_worker_a_core_of_its_own() -> None:
     cores = group_cores(list(range(16)), siblings)
     assert cores[:2] == [(0, 8), (1, 9)] and len(cores) == 8
     plan = plan_cpus(cores, gateway=4, nodes=1)
-    assert plan.gateway == (0, 1, 2, 3) and plan.idle == (8, 9, 10, 11)
+    assert plan.gateway == ((0, 8), (1, 9), (2, 10), (3, 11))
+    assert plan.gateway_cpus == (0, 8, 1, 9, 2, 10, 3, 11)
     assert plan.nodes == ((4, 12),)
     assert plan.clients == (5, 13, 6, 14, 7, 15)
-    every = [*plan.gateway, *plan.idle, *(c for core in plan.nodes for c in core), *plan.clients]
+    every = [*plan.gateway_cpus, *(c for core in plan.nodes for c in core), *plan.clients]
     assert sorted(every) == list(range(16))  # each thread in exactly one set
-    assert "gateway CPUs 0,1,2,3" in plan.describe()
+    assert "gateway workers 0,8 1,9 2,10 3,11" in plan.describe()
     # two token sources: a core each
     assert plan_cpus(cores, gateway=2, nodes=2).nodes == ((2, 10), (3, 11))
     # no SMT, or an affinity mask that leaves one thread of a core: single-thread cores
     assert group_cores([0, 1, 2, 9], siblings) == [(0,), (1, 9), (2,)]
     flat = plan_cpus(group_cores(list(range(4)), {}), gateway=2, nodes=1)
-    assert flat.gateway == (0, 1) and flat.nodes == ((2,),) and flat.clients == (3,)
+    assert flat.gateway == ((0,), (1,)) and flat.nodes == ((2,),) and flat.clients == (3,)
     with pytest.raises(ValueError, match="needs 4 physical cores; this host has 2"):
         plan_cpus([(0,), (1,)], gateway=2, nodes=1)
     assert parse_cpu_list("0-3,8,10-11\n") == (0, 1, 2, 3, 8, 10, 11)
@@ -128,6 +130,27 @@ def test_pinned_processes_inherit_the_cpu_set() -> None:
         )
     assert child.stdout.strip() == f"[{cpu}]"
     assert os.sched_getaffinity(0) == before  # restored
+
+
+def test_pin_process_moves_every_thread() -> None:
+    cpu = min(os.sched_getaffinity(0))
+    code = (
+        "import os, sys, threading\n"
+        "threading.Thread(target=sys.stdin.readline, daemon=True).start()\n"
+        "print('up', flush=True); sys.stdin.readline()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        pin_process(child.pid, [cpu])
+        tasks = list(Path(f"/proc/{child.pid}/task").iterdir())
+        assert len(tasks) >= 2
+        assert all(os.sched_getaffinity(int(task.name)) == {cpu} for task in tasks)
+    finally:
+        child.kill()
+        child.wait()
+    pin_process(child.pid, [cpu])  # gone: nothing to do
 
 
 def test_profile_split_buckets() -> None:

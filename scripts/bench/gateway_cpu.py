@@ -26,7 +26,7 @@ printed too (every gateway process, the token source, each client: CPU s per wal
 row where a client or the fake node was the limit says so.
 
 With `--pin` (scripts/bench/pinning.py) every gateway worker gets a physical core of its own
-(its SMT siblings left idle), the fake nodes a core each, the clients the cores left, planned
+(all its hardware threads), the fake nodes a core each, the clients the cores left, planned
 once for the largest `--workers` so that every row runs on the same cores; `--clients-per-worker`
 sizes the client processes to each row's workers.
 
@@ -63,7 +63,7 @@ from gateway.launcher import (
     running_node,
     session_pids,
 )
-from scripts.bench.pinning import CpuPlan, host_cores, pinned, plan_cpus
+from scripts.bench.pinning import CpuPlan, host_cores, pin_process, pinned, plan_cpus
 from scripts.serving.procstat import cpu_seconds as process_cpu_seconds
 
 GOAL_US_PER_TOKEN = 25.0
@@ -231,12 +231,14 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
     command += ["--host", LOCALHOST, "--port", str(port)]
     log = config.log_dir / f"gateway-w{workers}-k{interval}.log"
     plan = source.plan
-    with pinned(plan.gateway[:workers] if plan else None):
+    with pinned(_cpus(plan.gateway[:workers]) if plan else None):
         gateway = ServerProcess.start(
             "gateway", command, address=f"{LOCALHOST}:{port}", log_path=log
         )
     try:
         _wait_gateway(gateway, f"http://{LOCALHOST}:{port}", config.fake_nodes)
+        if plan is not None:
+            _pin_workers(gateway.pid, plan.gateway[:workers])
         body = {
             "model": _served_name(port),
             "prompt": list(range(1000, 1016)),
@@ -250,6 +252,33 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
         return _load(config, source, gateway, port, request, (workers, interval))
     finally:
         gateway.stop(15)
+
+
+def _cpus(cores: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    return tuple(c for core in cores for c in core)
+
+
+def _pin_workers(leader: int, cores: tuple[tuple[int, ...], ...]) -> None:
+    """Each gateway worker (the server itself when it has one; else the supervisor's spawned
+    children) onto a core of its own; all of them started inside the cores' union."""
+    if len(cores) == 1:
+        served = [leader]
+    else:
+        served = sorted(pid for pid in session_pids(leader) if pid != leader and _spawned(pid))
+    if len(served) != len(cores):
+        print(f"  --pin: found {len(served)} gateway workers, not {len(cores)}: they share "
+              f"CPUs {_cpus(cores)}", flush=True)  # fmt: skip
+        return
+    for core, pid in zip(cores, served, strict=True):
+        pin_process(pid, core)
+
+
+def _spawned(pid: int) -> bool:
+    """A multiprocessing `spawn` child (a gateway worker), not its resource tracker."""
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _served_name(port: int) -> str:
@@ -449,8 +478,8 @@ def build_config(argv: list[str] | None) -> BenchConfig:
     parser.add_argument(
         "--pin",
         action="store_true",
-        help="gateway workers on cores of their own (SMT siblings idle), the fake nodes a core "
-        "each, the clients the rest (Linux; needs workers + fake nodes + 1 physical cores)",
+        help="each gateway worker on a physical core of its own, the fake nodes a core each, the "
+        "clients the rest (Linux; needs workers + fake nodes + 1 physical cores)",
     )
     parser.add_argument("--streams", type=int, default=32, help="open streams per client")
     parser.add_argument("--tokens", type=int, default=512, help="tokens per request")

@@ -4,13 +4,16 @@ On a host with SMT (e.g. 8 cores x 2 hardware threads) two processes on sibling 
 each other down as two on one core do, and the kernel places client processes next to gateway
 workers as it likes: per-worker CPU per token then rises with the number of workers for reasons
 that are not the gateway's. `plan_cpus` gives each gateway worker a physical core of its own
-(one hardware thread; its siblings stay idle), each token-source process a core of its own (all
-its threads), and the client processes every hardware thread left. `pinned` starts processes
-inside a CPU set: what a process starts inherits its affinity, threads and children included.
+(all its hardware threads: the worker's event loop on one, its gRPC threads free to use the
+other), each token-source process a core of its own, and the client processes every hardware
+thread left. `pinned` starts processes inside a CPU set (what a process starts inherits its
+affinity, threads and children included); `pin_process` moves a running process, every thread.
 
     plan = plan_cpus(host_cores(), gateway=4, nodes=1)
-    with pinned(plan.gateway):
+    with pinned(plan.gateway_cpus):
         start the gateway
+    for core, worker in zip(plan.gateway, worker_pids):
+        pin_process(worker, core)
 """
 
 from __future__ import annotations
@@ -26,16 +29,19 @@ Core = tuple[int, ...]  # the hardware threads (logical CPUs) of one physical co
 
 @dataclass(frozen=True)
 class CpuPlan:
-    gateway: tuple[int, ...]  # one thread per worker, each on its own core
+    gateway: tuple[Core, ...]  # a whole core per worker
     nodes: tuple[Core, ...]  # a whole core per token source
     clients: tuple[int, ...]  # every thread of the cores left
-    idle: tuple[int, ...]  # the gateway cores' other threads
+
+    @property
+    def gateway_cpus(self) -> tuple[int, ...]:
+        return tuple(c for core in self.gateway for c in core)
 
     def describe(self) -> str:
         return (
-            f"gateway CPUs {_cpu_list(self.gateway)}, token sources "
-            f"{' '.join(_cpu_list(core) for core in self.nodes)}, "
-            f"clients {_cpu_list(self.clients)}, left idle {_cpu_list(self.idle) or '-'}"
+            f"gateway workers {' '.join(_cpu_list(core) for core in self.gateway)}, "
+            f"token sources {' '.join(_cpu_list(core) for core in self.nodes)}, "
+            f"clients {_cpu_list(self.clients)}"
         )
 
 
@@ -54,10 +60,9 @@ def plan_cpus(cores: Sequence[Core], gateway: int, nodes: int) -> CpuPlan:
     gateway_cores, rest = ordered[:gateway], ordered[gateway:]
     node_cores, client_cores = rest[:nodes], rest[nodes:]
     return CpuPlan(
-        gateway=tuple(core[0] for core in gateway_cores),
+        gateway=tuple(gateway_cores),
         nodes=tuple(node_cores),
         clients=tuple(c for core in client_cores for c in core),
-        idle=tuple(c for core in gateway_cores for c in core[1:]),
     )
 
 
@@ -95,6 +100,15 @@ def parse_cpu_list(text: str) -> Core:
 
 def _cpu_list(cpus: Sequence[int]) -> str:
     return ",".join(str(c) for c in cpus)
+
+
+def pin_process(pid: int, cpus: Sequence[int]) -> None:
+    """Every thread of a running process onto `cpus` (the threads it starts later inherit it).
+    A thread or process that exits meanwhile is skipped."""
+    with contextlib.suppress(FileNotFoundError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(task.name), cpus)
 
 
 @contextlib.contextmanager
