@@ -116,7 +116,7 @@ class PendingTokens:
 def lane_takes(sampling: node_pb2.SamplingParams) -> bool:
     """Whether a choice's chunks may take a fast lane (gateway/lane.py): its events are text
     only (no logprobs) and a chunk never ends it (no stop strings, which are matched per chunk)."""
-    return not (sampling.stop or sampling.logprobs)
+    return not (sampling.stop or sampling.logprobs or sampling.top_logprobs)
 
 
 async def choice_events(

@@ -251,6 +251,7 @@ def test_lane_streams_what_the_chain_streams(codec: TextCodec) -> None:
     assert lane_takes(node_pb2.SamplingParams())
     assert not lane_takes(node_pb2.SamplingParams(stop=["x"]))
     assert not lane_takes(node_pb2.SamplingParams(logprobs=True))
+    assert not lane_takes(node_pb2.SamplingParams(top_logprobs=2))
     rng = random.Random(5)
     used = 0
     for _ in range(40):
