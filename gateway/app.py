@@ -33,6 +33,7 @@ from gateway.config import ADMIN, INFERENCE, GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
 from gateway.kv_feed import KVFeeds
+from gateway.lane import ChunkedWriter, LaneFrames
 from gateway.memory import MemoryReturn, freeze_startup_objects
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.native_api import NativeHandler
@@ -97,7 +98,7 @@ class EventStream(Response):
 
     def __init__(
         self,
-        frames: AsyncGenerator[bytes, None],
+        frames: AsyncGenerator[bytes, None] | LaneFrames,
         on_close: Callable[[], None],
         trace: RequestTrace | None = None,
     ) -> None:
@@ -123,13 +124,26 @@ class EventStream(Response):
 
     async def _pump(self, send: Send, body_send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        async with contextlib.aclosing(self.frames) as frames:
-            async for frame in frames:
-                if frame == DONE and self.trace and (timeline := self.trace.slowest()):
-                    comment = f": {TIMING_HEADER}: {timeline.server_timing()}\n\n".encode()
-                    await body_send({"type": "http.response.body", "body": comment,
-                                     "more_body": True})  # fmt: skip
-                await body_send({"type": "http.response.body", "body": frame, "more_body": True})
+        # Body frames go straight onto uvicorn's transport while it takes writes, and so may
+        # the lane's (gateway/lane.py): no ASGI message and coroutine per frame.
+        writer = ChunkedWriter.for_send(body_send)
+        lane = self.frames.lane if isinstance(self.frames, LaneFrames) else None
+        if lane is not None:
+            lane.writer = writer
+        try:
+            async with contextlib.aclosing(self.frames) as frames:
+                async for frame in frames:
+                    if frame == DONE and self.trace and (timeline := self.trace.slowest()):
+                        comment = f": {TIMING_HEADER}: {timeline.server_timing()}\n\n".encode()
+                        frame = comment + frame
+                    if writer is not None and writer.writable:
+                        writer.write(frame)
+                    else:  # uvicorn's send waits while the client reads slowly
+                        await body_send({"type": "http.response.body", "body": frame,
+                                         "more_body": True})  # fmt: skip
+        finally:
+            if lane is not None:
+                lane.writer = None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

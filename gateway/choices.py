@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from gateway.dispatch import Dispatcher
+from gateway.lane import TokenLane
 from gateway.text import IncrementalDetokenizer, StopTrimmer, TextCodec
 from gateway.timeline import Timeline
 from proto import node_pb2
@@ -96,6 +97,10 @@ class PendingTokens:
         if self.per_chunk:
             self.text += self.trimmer.push(self.detokenizer.push(chunk.token_ids))
 
+    def add_ids(self, token_ids: list[int]) -> None:
+        """`add` for a chunk of a choice that `lane_takes` (no logprobs, no stop strings)."""
+        self.token_ids += token_ids
+
     def take(self, index: int, end: ChoiceEnd | None = None) -> ChoiceEvent:
         """An event with everything pending (at the end: the detokenizer's and trimmer's rest)."""
         text = self.text
@@ -108,24 +113,49 @@ class PendingTokens:
         return event
 
 
+def lane_takes(sampling: node_pb2.SamplingParams) -> bool:
+    """Whether a choice's chunks may take a fast lane (gateway/lane.py): its events are text
+    only (no logprobs) and a chunk never ends it (no stop strings, which are matched per chunk)."""
+    return not (sampling.stop or sampling.logprobs or sampling.top_logprobs)
+
+
 async def choice_events(
-    job: ChoiceJob, codec: TextCodec, dispatcher: Dispatcher, rid: str, interval: int = 1
+    job: ChoiceJob,
+    codec: TextCodec,
+    dispatcher: Dispatcher,
+    rid: str,
+    interval: int = 1,
+    lane: TokenLane | None = None,
 ) -> AsyncGenerator[ChoiceEvent, None]:
     """The choice's events: the first token at once, then one event per `interval` tokens (or
-    as soon as a stop string matched), and a last one with the rest and the `ChoiceEnd`."""
+    as soon as a stop string matched), and a last one with the rest and the `ChoiceEnd`.
+
+    With a `lane` (only for a choice that `lane_takes`) the events after the first may leave by
+    it: `pending` then also fills from the lane, and the end takes whatever it left pending."""
     if job.echo_text:
         yield ChoiceEvent(job.index, job.echo_text)
     pending = PendingTokens(codec.detokenizer(job.prompt_ids), StopTrimmer(job.sampling.stop))
-    generation = dispatcher.generation(job.prompt_ids, job.sampling, f"{rid}-{job.index}")
+    generation = dispatcher.generation(job.prompt_ids, job.sampling, f"{rid}-{job.index}", lane)
+
+    def lane_event(token_ids: list[int]) -> ChoiceEvent | None:
+        pending.add_ids(token_ids)
+        return pending.take(job.index) if len(pending.token_ids) >= interval else None
+
     first = True
-    async with contextlib.aclosing(aiter(generation)) as chunks:
-        async for chunk in chunks:
-            if pending.stopped:
-                continue  # the text ended at a stop string; the node stops right after
-            pending.add(chunk)
-            if first or pending.stopped or len(pending.token_ids) >= interval:
-                first = False
-                yield pending.take(job.index)
+    try:
+        async with contextlib.aclosing(aiter(generation)) as chunks:
+            async for chunk in chunks:
+                if pending.stopped:
+                    continue  # the text ended at a stop string; the node stops right after
+                pending.add(chunk)
+                if first or pending.stopped or len(pending.token_ids) >= interval:
+                    if first and lane is not None:
+                        lane.event = lane_event  # from the next chunk on
+                    first = False
+                    yield pending.take(job.index)
+    finally:
+        if lane is not None:
+            lane.event = None
     finished = generation.finished
     assert finished is not None
     stopped = pending.stopped or finished.finish_reason == "stop"

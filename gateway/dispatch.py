@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -28,6 +28,7 @@ import grpc
 from bootstrap.security import RoomTickets
 from gateway.config import RoutingConfig
 from gateway.errors import APIError, GenerationFailed, bad_request, unavailable
+from gateway.lane import TokenLane
 from gateway.metrics import GatewayMetrics
 from gateway.migration import Progress
 from gateway.nodes import NodeDirectory
@@ -66,9 +67,13 @@ class Dispatcher:
         self.metrics = metrics
 
     def generation(
-        self, prompt_ids: list[int], sampling: node_pb2.SamplingParams, rid: str
+        self,
+        prompt_ids: list[int],
+        sampling: node_pb2.SamplingParams,
+        rid: str,
+        lane: TokenLane | None = None,
     ) -> Generation:
-        return Generation(self, prompt_ids, sampling, rid)
+        return Generation(self, prompt_ids, sampling, rid, lane)
 
     def enter(self, route: Route, prompt_tokens: int = 0) -> None:
         for node in route.nodes:
@@ -93,8 +98,12 @@ class Generation:
         prompt_ids: list[int],
         sampling: node_pb2.SamplingParams,
         rid: str,
+        lane: TokenLane | None = None,
     ) -> None:
+        """`lane`: the streamed choice's fast lane (gateway/lane.py); each attempt puts its
+        per-chunk bookkeeping on it."""
         self.dispatcher = dispatcher
+        self.lane = lane
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.rid = rid
@@ -133,7 +142,10 @@ class Generation:
                 rid=f"{self.rid}-{self.attempts - 1}",
                 tickets=d.tickets,
                 resumed_tokens=resumed,
+                lane=self.lane,
             )
+            if self.lane is not None:
+                self.lane.observers = (stream.record, self._observe)
             self.finished = None
             failure: AttemptFailure | None = None
             d.enter(route, len(self.prompt_ids))
@@ -141,7 +153,7 @@ class Generation:
                 async with contextlib.aclosing(aiter(stream)) as responses:
                     async for response in responses:
                         if response.HasField("chunk"):
-                            self._observe_chunk(response.chunk)
+                            self._observe(response.chunk.token_ids)
                             yield response.chunk
                         else:
                             self.finished = response.finished
@@ -149,6 +161,8 @@ class Generation:
             except grpc.aio.AioRpcError as exc:
                 failure = self._decode_failed(exc, route, len(progress.streamed) > resumed)
             finally:
+                if self.lane is not None:
+                    self.lane.observers = ()
                 d.leave(route, len(self.prompt_ids))
             if failure is None:
                 assert self.finished is not None
@@ -191,7 +205,8 @@ class Generation:
         self._migrate(failure)
         return False
 
-    def _observe_chunk(self, chunk: node_pb2.TokenChunk) -> None:
+    def _observe(self, token_ids: Sequence[int]) -> None:
+        """A chunk of tokens arrived (by the chain or the lane)."""
         m = self.dispatcher.metrics
         now = time.monotonic()
         if self.progress.started:
@@ -202,7 +217,7 @@ class Generation:
         if self._moved_at is not None:  # the first token from the node it moved to
             m.migration_gap.observe(now - self._moved_at)
             self._moved_at = None
-        self.progress.streamed.extend(chunk.token_ids)
+        self.progress.streamed.extend(token_ids)
 
     def _choose(self, excluded: set[str]) -> Route:
         try:

@@ -22,12 +22,14 @@ from gateway.choices import (
     ChoiceResult,
     choice_events,
     collect,
+    lane_takes,
     merge,
     usage,
 )
 from gateway.config import LimitsConfig, ModelInfo
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, bad_request
+from gateway.lane import LaneFrames, TokenLane
 from gateway.protocol import SamplingOptions, parse_chat, parse_completion
 from gateway.sse import DONE, ChunkFrames, TextFrames, sse
 from gateway.text import TextCodec
@@ -39,7 +41,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # A non-streamed choice is decoded in one go at its end (unless it has stop strings).
 WHOLE_CHOICE = 1 << 62
 
-Payload = dict[str, Any] | AsyncGenerator[bytes, None]
+Payload = dict[str, Any] | AsyncGenerator[bytes, None] | LaneFrames
 
 
 def token_budget(
@@ -189,11 +191,15 @@ class OpenAIHandlers(APIHandlers):
                 sampling = req.sampling.to_proto(budget, c)
                 jobs.append(ChoiceJob(p_index * req.n + c, ids, sampling, echo))
         rid = "cmpl-" + secrets.token_hex(12)
-        streams = self._run(jobs, rid, req.stream)
+        lane = self._lane(jobs, req.stream)
+        streams = self._run(jobs, rid, req.stream, lane)
         with grammar_refusal(req.sampling):
             if req.stream:
                 events = await primed(merge(streams))
-                return self._completion_stream(events, rid, req.include_usage, prompt_tokens)
+                frames = self._completion_stream(
+                    events, rid, req.include_usage, prompt_tokens, lane
+                )
+                return frames if lane is None else LaneFrames(frames, lane)
             results = await collect(streams)
         return {
             **self._header(rid, "text_completion"),
@@ -219,13 +225,17 @@ class OpenAIHandlers(APIHandlers):
         budget = token_budget(self.model, len(ids), req.sampling.max_tokens, default, "messages")
         jobs = [ChoiceJob(c, ids, req.sampling.to_proto(budget, c)) for c in range(req.n)]
         rid = "chatcmpl-" + secrets.token_hex(12)
-        streams = self._run(jobs, rid, req.stream)
+        tool_calls = req.tools is not None and req.tools.parses_calls  # text held to its end
+        lane = None if tool_calls else self._lane(jobs, req.stream)
+        streams = self._run(jobs, rid, req.stream, lane)
         with grammar_refusal(req.sampling):
             if req.stream:
                 events = await primed(merge(streams))
-                if req.tools is not None and req.tools.parses_calls:
+                if tool_calls:
+                    assert req.tools is not None
                     return self._tool_stream(events, rid, req.tools, req.include_usage, len(ids))
-                return self._chat_stream(events, rid, req.n, req.include_usage, len(ids))
+                frames = self._chat_stream(events, rid, req.n, req.include_usage, len(ids), lane)
+                return frames if lane is None else LaneFrames(frames, lane)
             results = await collect(streams)
         return {
             **self._header(rid, "chat.completion"),
@@ -241,10 +251,17 @@ class OpenAIHandlers(APIHandlers):
         }
 
     def _run(
-        self, jobs: Sequence[ChoiceJob], rid: str, stream: bool
+        self, jobs: Sequence[ChoiceJob], rid: str, stream: bool, lane: TokenLane | None = None
     ) -> list[AsyncGenerator[ChoiceEvent, None]]:
         interval = self.stream_interval if stream else WHOLE_CHOICE
-        return [choice_events(job, self.codec, self.dispatcher, rid, interval) for job in jobs]
+        return [
+            choice_events(job, self.codec, self.dispatcher, rid, interval, lane) for job in jobs
+        ]
+
+    @staticmethod
+    def _lane(jobs: Sequence[ChoiceJob], stream: bool) -> TokenLane | None:
+        """A fast lane (gateway/lane.py) for a stream of one text-only choice."""
+        return TokenLane() if stream and len(jobs) == 1 and lane_takes(jobs[0].sampling) else None
 
     def _header(self, rid: str, kind: str) -> dict[str, Any]:
         return {
@@ -260,11 +277,14 @@ class OpenAIHandlers(APIHandlers):
         rid: str,
         include_usage: bool,
         prompt_tokens: int,
+        lane: TokenLane | None = None,
     ) -> AsyncGenerator[bytes, None]:
         header = self._header(rid, "text_completion")
         frames = ChunkFrames.for_header(header)
         texts = TextFrames(frames, _completion_text)
         state = StreamState()
+        if lane is not None:
+            lane.frame = texts.event_frame
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -305,12 +325,15 @@ class OpenAIHandlers(APIHandlers):
         n: int,
         include_usage: bool,
         prompt_tokens: int,
+        lane: TokenLane | None = None,
     ) -> AsyncGenerator[bytes, None]:
         header = self._header(rid, "chat.completion.chunk")
         if include_usage:
             header["usage"] = None
         frames = ChunkFrames.for_header(header)
         texts = TextFrames(frames, _chat_text)
+        if lane is not None:
+            lane.frame = texts.event_frame
         ends = []
         for index in range(n):
             delta = {"role": "assistant", "content": ""}

@@ -28,17 +28,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeAlias
 
 import grpc
 
 from bootstrap.security import RoomTickets
+from gateway.lane import TokenLane
 from proto import node_pb2, node_pb2_grpc
+
+logger = logging.getLogger("pdserve.gateway.pd_client")
 
 # After D aborted, P normally answers within milliseconds (it reported the failure itself).
 PREFILL_ANSWER_GRACE_S = 2.0
@@ -94,10 +98,14 @@ class PDStream:
         rid: str = "",
         tickets: RoomTickets | None = None,
         resumed_tokens: int = 0,
+        lane: TokenLane | None = None,
     ) -> None:
         """`resumed_tokens`: the last this many `input_ids` were generated for the request on
-        another node (a migrated request, gateway/migration.py)."""
+        another node (a migrated request, gateway/migration.py). `lane`: the streamed choice's
+        fast lane (gateway/lane.py), which the mux's reader may hand this call's chunks to;
+        whoever gave it puts `record` among its observers."""
         self.decode = decode
+        self.lane = lane
         self.prefill = prefill
         room = (room or new_room()) if prefill is not None else 0
         self.rid = rid or f"r{room or new_room()}"
@@ -132,16 +140,14 @@ class PDStream:
     async def _responses(self) -> AsyncGenerator[Response, None]:
         result = self.result
         result.sent_at = time.monotonic()
-        call = GenerateMux.for_stub(self.decode.stub).open(self._generate)
+        call = GenerateMux.for_stub(self.decode.stub).open(self._generate, self.lane)
         prefill_task = None
         if self.prefill is not None and self._prefill_request is not None:
             prefill_task = asyncio.create_task(self._run_prefill(self.prefill, call))
         try:
             async for response in call:
                 if response.HasField("chunk"):
-                    result.token_ids.extend(response.chunk.token_ids)
-                    result.last_chunk_at = time.monotonic()
-                    result.first_chunk_at = result.first_chunk_at or result.last_chunk_at
+                    self.record(response.chunk.token_ids)
                 else:
                     result.finished = response.finished
                     result.finished_at = time.monotonic()
@@ -157,6 +163,13 @@ class PDStream:
             if prefill_task is not None:
                 aborted = result.finished is not None and result.finished.finish_reason == "abort"
                 await _prefill_answer(prefill_task, PREFILL_ANSWER_GRACE_S if aborted else None)
+
+    def record(self, token_ids: Sequence[int]) -> None:
+        """Note a chunk of D's tokens (by the chain or the lane)."""
+        result = self.result
+        result.token_ids.extend(token_ids)
+        result.last_chunk_at = time.monotonic()
+        result.first_chunk_at = result.first_chunk_at or result.last_chunk_at
 
     async def _run_prefill(self, prefill: NodeTarget, decode_call: object) -> None:
         result = self.result
@@ -191,20 +204,41 @@ class RequestInbox:
     the consumer reads after the chunks before it. Lighter than an `asyncio.Queue`, and the
     consumer takes every chunk that arrived since it last looked in one go: when it falls
     behind, the tokens of several steps travel on as one chunk (as a decode node merges them
-    when its gateway reads slowly, engine/node/multiplex.py) instead of one frame each.
+    when its gateway reads slowly, engine/node/multiplex.py) instead of one frame each. With a
+    `lane` (gateway/lane.py) a plain chunk that comes while the consumer waits for it goes to
+    the client by the lane, in the reader's turn, and wakes nobody.
     """
 
-    __slots__ = ("_loop", "_waiter", "chunks", "end")
+    __slots__ = ("_loop", "_waiter", "chunks", "end", "lane")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, lane: TokenLane | None = None) -> None:
         self.chunks: list[node_pb2.RequestDelta] = []
         self.end: _End | None = None
+        self.lane = lane
         self._loop = loop
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, delta: node_pb2.RequestDelta) -> None:
+        if self.end is not None:
+            return  # ended (its lane failed): nothing after the last word
+        lane = self.lane
+        # The lane only while the consumer waits with nothing before this chunk: the chain
+        # above it is parked too, so the lane's frame is the next one on the socket.
+        if lane is not None and self._waiter is not None and not self.chunks and lane.open:
+            try:
+                lane.deliver(delta.chunk)
+            except Exception as exc:
+                self._lane_failed(exc)
+            return
         self.chunks.append(delta)
         self._wake()
+
+    def _lane_failed(self, exc: Exception) -> None:
+        """A bug on the lane must not stop the mux's reader (every request on the node): this
+        request fails as if its node had, and is moved (gateway/dispatch.py)."""
+        logger.exception("the stream fast lane failed (a gateway bug): failing the request")
+        self.lane = None
+        self.close(_rpc_error(grpc.StatusCode.INTERNAL, f"gateway stream lane failed: {exc!r}"))
 
     def close(self, end: _End) -> None:
         """The request's last item; a later one (a cancel after the end came) is ignored."""
@@ -260,12 +294,12 @@ class GenerateMux:
             mux = cls._by_stub[stub] = cls(stub)
         return mux
 
-    def open(self, request: node_pb2.GenerateRequest) -> MuxedCall:
+    def open(self, request: node_pb2.GenerateRequest, lane: TokenLane | None = None) -> MuxedCall:
         """Start `request` (its rid must be unique on this node); iterate the answer for its
-        responses, as a `Generate` call's."""
+        responses, as a `Generate` call's. Its plain chunks may take `lane` (see `RequestInbox`)."""
         if not self.supported:
             return MuxedCall(self, request, None)
-        inbox = RequestInbox(self._loop)
+        inbox = RequestInbox(self._loop, lane)
         self._requests[request.rid] = inbox
         self._send(node_pb2.StreamRequest(open=request))
         return MuxedCall(self, request, inbox)

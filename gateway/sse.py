@@ -66,3 +66,8 @@ class TextFrames:
                 raise ValueError("the choice must hold its text as a value")
             parts = self._parts[index] = (before, after)
         return parts[0] + orjson.dumps(text) + parts[1]
+
+    def event_frame(self, event: Any) -> bytes | None:
+        """The frame of a text-only event (a `ChoiceEvent` without logprobs or end); None when
+        it has no text (gateway/lane.py's `frame` stage)."""
+        return self.frame(event.index, event.text) if event.text else None

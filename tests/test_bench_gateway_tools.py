@@ -1,9 +1,14 @@
 """The pure parts of the gateway benchmarks (scripts/bench/fake_node.py, gateway_cpu.py,
-stream_path.py): what the fake node sends per step, and the figures the tables print."""
+stream_path.py, pinning.py, profile_split.py): what the fake node sends per step, the figures the
+tables print, which cores each process is pinned to, and where a profile's samples go."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +16,9 @@ from proto import node_pb2
 from scripts.bench.fake_node import FakeNodeConfig, FakeRequest, StepSource
 from scripts.bench.fake_node import build_config as fake_node_config
 from scripts.bench.gateway_cpu import Row, build_config, table
+from scripts.bench.pinning import group_cores, parse_cpu_list, pin_process, pinned, plan_cpus
+from scripts.bench.profile_split import IDLE, split
+from scripts.bench.profile_split import table as profile_table
 from scripts.bench.stream_path import _field_one
 
 
@@ -76,3 +84,98 @@ def test_in_process_node_wire_is_a_stream_batch() -> None:
     delta = node_pb2.RequestDelta(rid="r" * 200, chunk=node_pb2.TokenChunk(token_ids=[1, 2]))
     wire = _field_one(delta.SerializeToString()) * 2
     assert node_pb2.StreamBatch.FromString(wire) == node_pb2.StreamBatch(deltas=[delta, delta])
+
+
+def test_cpu_plan_gives_each_gateway_worker_a_core_of_its_own() -> None:
+    # 8 cores x 2 threads, numbered as Linux does on x86 (siblings n and n + 8)
+    siblings = {cpu: (cpu % 8, cpu % 8 + 8) for cpu in range(16)}
+    cores = group_cores(list(range(16)), siblings)
+    assert cores[:2] == [(0, 8), (1, 9)] and len(cores) == 8
+    plan = plan_cpus(cores, gateway=4, nodes=1)
+    assert plan.gateway == ((0, 8), (1, 9), (2, 10), (3, 11))
+    assert plan.gateway_cpus == (0, 8, 1, 9, 2, 10, 3, 11)
+    assert plan.nodes == ((4, 12),)
+    assert plan.clients == (5, 13, 6, 14, 7, 15)
+    every = [*plan.gateway_cpus, *(c for core in plan.nodes for c in core), *plan.clients]
+    assert sorted(every) == list(range(16))  # each thread in exactly one set
+    assert "gateway workers 0,8 1,9 2,10 3,11" in plan.describe()
+    # two token sources: a core each
+    assert plan_cpus(cores, gateway=2, nodes=2).nodes == ((2, 10), (3, 11))
+    # no SMT, or an affinity mask that leaves one thread of a core: single-thread cores
+    assert group_cores([0, 1, 2, 9], siblings) == [(0,), (1, 9), (2,)]
+    flat = plan_cpus(group_cores(list(range(4)), {}), gateway=2, nodes=1)
+    assert flat.gateway == ((0,), (1,)) and flat.nodes == ((2,),) and flat.clients == (3,)
+    with pytest.raises(ValueError, match="needs 4 physical cores; this host has 2"):
+        plan_cpus([(0,), (1,)], gateway=2, nodes=1)
+    assert parse_cpu_list("0-3,8,10-11\n") == (0, 1, 2, 3, 8, 10, 11)
+
+
+def test_gateway_cpu_sizes_clients_to_the_workers() -> None:
+    config = build_config(["--clients-per-worker", "2", "--pin"])
+    assert config.pin and config.client_processes(4) == 8 and config.client_processes(1) == 2
+    assert build_config(["--clients", "3"]).client_processes(4) == 3
+    with pytest.raises(SystemExit):
+        build_config(["--clients-per-worker", "-1"])
+
+
+def test_pinned_processes_inherit_the_cpu_set() -> None:
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    with pinned([cpu]):
+        child = subprocess.run(
+            [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    assert child.stdout.strip() == f"[{cpu}]"
+    assert os.sched_getaffinity(0) == before  # restored
+
+
+def test_pin_process_moves_every_thread() -> None:
+    cpu = min(os.sched_getaffinity(0))
+    code = (
+        "import os, sys, threading\n"
+        "threading.Thread(target=sys.stdin.readline, daemon=True).start()\n"
+        "print('up', flush=True); sys.stdin.readline()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        pin_process(child.pid, [cpu])
+        tasks = list(Path(f"/proc/{child.pid}/task").iterdir())
+        assert len(tasks) >= 2
+        assert all(os.sched_getaffinity(int(task.name)) == {cpu} for task in tasks)
+    finally:
+        child.kill()
+        child.wait()
+    pin_process(child.pid, [cpu])  # gone: nothing to do
+
+
+def test_profile_split_buckets() -> None:
+    root = "<module> (gateway-server:8);Runner.run (asyncio/runners.py:1)"
+    lines = [
+        f"{root};run_forever (loop.c:1);epoll_wait (libc.so.6) 50",
+        f"{root};GenerateMux._read (gateway/pd_client.py:1);"
+        "ChunkedWriter.write (gateway/lane.py:1);write (libc.so.6) 30",
+        f"{root};GenerateMux._read (gateway/pd_client.py:1);_read (grpc/aio/_call.py:384);"
+        "write (libc.so.6) 20",
+        "Thread._bootstrap (threading.py:1);0x1 (grpc/_cython/cygrpc.so);syscall (libc.so.6) 10",
+        f"{root};TokenLane.deliver (gateway/lane.py:65) 25",
+        f"{root};gc_collect_main (libpython3.11.so) 5",
+        f"{root};send (uvicorn/protocols/http/httptools_impl.py:1) 5",
+        f"{root};run_forever (loop.c:1) 5",
+        "",
+    ]
+    samples = split(lines)
+    assert samples[IDLE] == 50
+    assert samples["HTTP frame writes (socket syscalls)"] == 30
+    assert samples["gRPC receive on the event loop (read, wake-up syscalls, parse)"] == 20
+    assert samples["gRPC C-core thread (poller; futex waits included)"] == 10
+    assert samples["gateway Python (stream path, handlers)"] == 25
+    assert samples["cyclic GC"] == samples["uvicorn / Starlette / httptools"] == 5
+    assert samples["other (event loop callbacks, interpreter)"] == 5
+    printed = profile_table(samples)
+    assert "| HTTP frame writes (socket syscalls) | 30% |" in printed
+    assert printed.endswith("| (non-idle samples) | 100 |")

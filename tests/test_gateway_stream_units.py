@@ -4,7 +4,9 @@ the SSE frames.
 `choice_events` runs over a fake generation that replays node chunks (random token ids of the
 default model's tokenizer, one or several per chunk, as a decode node sends them); for every
 interval the events must carry the same text, token ids, finish reason and matched stop string
-as interval 1, with the first token alone in the first event.
+as interval 1, with the first token alone in the first event. The same holds when the chunks
+after the first go to the client by the choice's fast lane (gateway/lane.py), some or all of
+them, and a request's inbox hands a chunk to its lane only while its consumer waits for it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.choices import ChoiceEvent, ChoiceJob, choice_events
+from gateway.choices import ChoiceEvent, ChoiceJob, choice_events, lane_takes
+from gateway.lane import ChunkedWriter, TokenLane
 from gateway.pd_client import RequestInbox
 from gateway.sse import ChunkFrames, TextFrames, sse
 from gateway.text import TextCodec
@@ -52,7 +55,9 @@ class ReplayDispatcher:
     def __init__(self, chunks: list[list[int]]) -> None:
         self.chunks = chunks
 
-    def generation(self, prompt_ids: list[int], sampling: object, rid: str) -> ReplayGeneration:
+    def generation(
+        self, prompt_ids: list[int], sampling: object, rid: str, lane: object = None
+    ) -> ReplayGeneration:
         return ReplayGeneration(self.chunks)
 
 
@@ -176,3 +181,199 @@ def test_inbox_merges_what_came_since_the_last_take() -> None:
         assert woke is not None and list(woke.chunk.token_ids) == [8]
 
     asyncio.run(run())
+
+
+class ListWriter:
+    """A `ChunkedWriter` stand-in: what the lane writes, in order."""
+
+    def __init__(self, out: list[bytes]) -> None:
+        self.out = out
+        self.writable = True
+
+    def write(self, body: bytes) -> None:
+        self.out.append(body)
+
+
+class LaneReplayGeneration(ReplayGeneration):
+    """Replays its chunks as an inbox would: a chunk takes the lane (when it is open) with
+    probability `share`, else the chain; the observers see the lane's chunks only."""
+
+    def __init__(self, chunks: list[list[int]], lane: TokenLane, rng: random.Random) -> None:
+        super().__init__(chunks)
+        self.lane = lane
+        self.rng = rng
+        self.share = rng.choice((0.3, 1.0))
+        self.observed: list[int] = []
+        lane.observers = (self.observed.extend,)
+
+    async def _replay(self) -> AsyncGenerator[node_pb2.TokenChunk, None]:
+        for ids in self.chunks:
+            chunk = node_pb2.TokenChunk(token_ids=ids)
+            if self.lane.open and self.rng.random() < self.share:
+                self.lane.deliver(chunk)
+            else:
+                yield chunk
+        count = sum(len(ids) for ids in self.chunks)
+        self.finished = node_pb2.Finished(
+            finish_reason="length", usage=node_pb2.Usage(completion_tokens=count)
+        )
+
+
+def _lane_events(
+    codec: TextCodec, chunks: list[list[int]], interval: int, rng: random.Random
+) -> tuple[list[tuple[str, list[int]]], LaneReplayGeneration, TokenLane]:
+    """(text, ids) of every event in the order the client gets them, by the lane or the chain."""
+    lane, written = TokenLane(), list[bytes]()
+    lane.writer = ListWriter(written)  # type: ignore[assignment]
+    lane.frame = lambda event: orjson.dumps([event.text, list(event.token_ids)])
+    generation = LaneReplayGeneration(chunks, lane, rng)
+    dispatcher = ReplayDispatcher(chunks)
+    dispatcher.generation = lambda *args, **kwargs: generation  # type: ignore[method-assign]
+    job = ChoiceJob(0, [1, 2, 3], node_pb2.SamplingParams())
+
+    async def run() -> list[tuple[str, list[int]]]:
+        out: list[tuple[str, list[int]]] = []
+        events = choice_events(job, codec, dispatcher, "r", interval, lane)  # type: ignore[arg-type]
+        async for event in events:
+            out += [tuple(orjson.loads(frame)) for frame in written]  # type: ignore[misc]
+            written.clear()
+            out.append((event.text, list(event.token_ids)))
+            last = event
+        assert last.end is not None and last.end.reason == "length"
+        return out
+
+    return asyncio.run(run()), generation, lane
+
+
+def test_lane_streams_what_the_chain_streams(codec: TextCodec) -> None:
+    """Frames by the lane and by the chain interleave to the chain-only stream's text, ids and
+    end, whatever the interval; the lane starts after the first event and ends with the stream."""
+    assert lane_takes(node_pb2.SamplingParams())
+    assert not lane_takes(node_pb2.SamplingParams(stop=["x"]))
+    assert not lane_takes(node_pb2.SamplingParams(logprobs=True))
+    assert not lane_takes(node_pb2.SamplingParams(top_logprobs=2))
+    rng = random.Random(5)
+    used = 0
+    for _ in range(40):
+        chunks = _random_chunks(rng, codec.vocab_size)
+        each = _events(codec, chunks, [], 1)
+        for interval in (1, 3, 8):
+            got, generation, lane = _lane_events(codec, chunks, interval, rng)
+            assert "".join(text for text, _ in got) == "".join(e.text for e in each)
+            assert [t for _, ids in got for t in ids] == [t for c in chunks for t in c]
+            assert got[0][1] == chunks[0]  # the first chunk went by the chain, at once
+            if generation.share == 1.0:  # every chunk after the first took the lane
+                assert generation.observed == [t for c in chunks[1:] for t in c]
+            used += len(generation.observed)
+            assert lane.event is None  # off the lane once the stream ended
+    assert used > 1000
+
+
+class RecordingLane(TokenLane):
+    def __init__(self) -> None:
+        super().__init__()
+        self.delivered: list[list[int]] = []
+        self.accepting = True
+
+    @property
+    def open(self) -> bool:
+        return self.accepting
+
+    def deliver(self, chunk: node_pb2.TokenChunk) -> None:
+        self.delivered.append(list(chunk.token_ids))
+
+
+async def _parked() -> None:
+    """Let a consumer task (under `wait_for`) reach its wait."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_inbox_hands_the_lane_only_what_a_waiting_consumer_would_take_next() -> None:
+    async def run() -> None:
+        lane = RecordingLane()
+        inbox = RequestInbox(asyncio.get_running_loop(), lane)
+        inbox.put(_delta("r", [1]))  # nobody waits (the chain is busy above): the chain's
+        assert lane.delivered == [] and len(inbox.chunks) == 1
+        first = await inbox.take()
+        assert first is not None and list(first.chunk.token_ids) == [1]
+        waiting = asyncio.ensure_future(asyncio.wait_for(inbox.take(), 5))
+        await _parked()
+        inbox.put(_delta("r", [2]))
+        inbox.put(_delta("r", [3, 4]))
+        assert lane.delivered == [[2], [3, 4]] and not inbox.chunks and not waiting.done()
+        lane.accepting = False  # e.g. the client reads slowly: the chain, which waits for it
+        inbox.put(_delta("r", [5]))
+        lane.accepting = True
+        inbox.put(_delta("r", [6]))  # behind a chunk the chain has not taken: the chain's too
+        woke = await waiting
+        assert woke is not None and list(woke.chunk.token_ids) == [5, 6]
+        assert lane.delivered == [[2], [3, 4]]
+        end = _delta("r", [7], finished=True)
+        inbox.close(end)
+        inbox.put(_delta("r", [8]))  # nothing after the last word
+        assert await inbox.take() is None and inbox.end is end and lane.delivered[-1] == [3, 4]
+
+    asyncio.run(run())
+
+
+def test_a_failing_lane_fails_its_request_not_the_reader() -> None:
+    class BrokenLane(RecordingLane):
+        def deliver(self, chunk: node_pb2.TokenChunk) -> None:
+            raise RuntimeError("bug")
+
+    async def run() -> None:
+        inbox = RequestInbox(asyncio.get_running_loop(), BrokenLane())
+        waiting = asyncio.ensure_future(asyncio.wait_for(inbox.take(), 5))
+        await _parked()
+        inbox.put(_delta("r", [1]))  # does not raise into the mux's reader
+        assert await waiting is None
+        assert "gateway stream lane failed" in str(inbox.end) and inbox.lane is None
+
+    asyncio.run(run())
+
+
+def test_chunked_writer_frames_as_uvicorn_does() -> None:
+    """Under the installed uvicorn (httptools, as gateway/server.py runs it) the writer is found
+    behind `send` once the response started, and what it writes reads as the same chunked body
+    as frames sent through `send`; before the start there is none."""
+    import httpx
+    import uvicorn
+
+    from engine.ports import LOCALHOST, free_port
+
+    found: list[bool] = []
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        assert scope["type"] == "http"
+        found.append(ChunkedWriter.for_send(send) is None)  # type: ignore[arg-type]
+        start = {"type": "http.response.start", "status": 200, "headers": []}
+        await send(start)  # type: ignore[operator]
+        writer = ChunkedWriter.for_send(send)  # type: ignore[arg-type]
+        found.append(writer is not None and writer.writable)
+        assert writer is not None
+        writer.write(b"data: one\n\n")
+        await send({"type": "http.response.body", "body": b"data: two\n\n", "more_body": True})  # type: ignore[operator]
+        writer.write("data: caf\u00e9\n\n".encode())
+        await send({"type": "http.response.body", "body": b"", "more_body": False})  # type: ignore[operator]
+
+    port = free_port()
+    config = uvicorn.Config(app, host=LOCALHOST, port=port, http="httptools", lifespan="off",
+                            log_level="warning")  # fmt: skip
+    server = uvicorn.Server(config)
+
+    async def run() -> str:
+        serving = asyncio.ensure_future(server.serve())
+        try:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(timeout=10) as client:
+                answer = await client.get(f"http://{LOCALHOST}:{port}/")
+                assert answer.headers["transfer-encoding"] == "chunked"
+                return answer.text
+        finally:
+            server.should_exit = True
+            await serving
+
+    assert asyncio.run(run()) == "data: one\n\ndata: two\n\ndata: caf\u00e9\n\n"
+    assert found == [True, True]

@@ -21,9 +21,17 @@ requests. Printed per row: gateway CPU us per streamed token, tokens/s in all an
 how busy the workers were (CPU s per wall s per worker: near 1.0 means the gateway was the
 bottleneck), tokens per SSE frame (1.0 at stream interval 1 while the gateway keeps up; more
 when a slow gateway or the node merged steps), and the ratios to the goals: <= 25 us per token,
->= 40k tokens/s for one worker, N workers >= 0.8 * N times one.
+>= 40k tokens/s for one worker, N workers >= 0.8 * N times one. Each process's own CPU is
+printed too (every gateway process, the token source, each client: CPU s per wall s), so that a
+row where a client or the fake node was the limit says so.
+
+With `--pin` (scripts/bench/pinning.py) every gateway worker gets a physical core of its own
+(all its hardware threads), the fake nodes a core each, the clients the cores left, planned
+once for the largest `--workers` so that every row runs on the same cores; `--clients-per-worker`
+sizes the client processes to each row's workers.
 
     python -m scripts.bench.gateway_cpu [--workers 1,2] [--intervals 1,8] [--duration 10]
+    python -m scripts.bench.gateway_cpu --pin --workers 1,4 --clients-per-worker 2
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import json
 import multiprocessing
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -54,6 +63,7 @@ from gateway.launcher import (
     running_node,
     session_pids,
 )
+from scripts.bench.pinning import CpuPlan, host_cores, pin_process, pinned, plan_cpus
 from scripts.serving.procstat import cpu_seconds as process_cpu_seconds
 
 GOAL_US_PER_TOKEN = 25.0
@@ -82,12 +92,18 @@ class BenchConfig:
     fake_nodes: int
     model: str | None
     log_dir: Path
+    pin: bool = False  # processes on cores of their own (scripts/bench/pinning.py)
+    clients_per_worker: int = 0  # > 0: this many client processes per gateway worker
+
+    def client_processes(self, workers: int) -> int:
+        return self.clients_per_worker * workers if self.clients_per_worker else self.clients
 
 
 @dataclass(frozen=True)
 class TokenSource:
     bootstrap: str  # host:port of the bootstrap-server
     node_pids: tuple[int, ...]
+    plan: CpuPlan | None = None  # with --pin
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,8 @@ class Row:
     cpu_s: float
     node_cpu_s: float  # the fake nodes' (the token source must not be the bottleneck)
     client_busy: float = float("nan")  # the busiest client process's CPU s per wall s
+    process_busy: tuple[float, ...] = ()  # each gateway process's CPU s per wall s, busiest first
+    clients: int = 0  # client processes
 
     @property
     def us_per_token(self) -> float:
@@ -157,7 +175,7 @@ async def _one_request(port: int, request: bytes) -> tuple[int, int]:
     return (int(found[-1]) if found else 0), frames - _NOT_TOKEN_FRAMES
 
 
-async def _client(port: int, request: bytes, streams: int, until: float) -> tuple[int, ...]:
+async def _client(port: int, request: bytes, streams: int, until: float) -> tuple[float, ...]:
     tokens = requests = frames = 0
 
     async def stream() -> None:
@@ -171,11 +189,12 @@ async def _client(port: int, request: bytes, streams: int, until: float) -> tupl
                 break
 
     await asyncio.gather(*(stream() for _ in range(streams)))
-    return tokens, requests, frames
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return tokens, requests, frames, usage.ru_utime + usage.ru_stime
 
 
 def _client_main(
-    port: int, request: bytes, streams: int, until: float, results: Queue[tuple[int, ...]]
+    port: int, request: bytes, streams: int, until: float, results: Queue[tuple[float, ...]]
 ) -> None:
     results.put(asyncio.run(_client(port, request, streams, until)))
 
@@ -211,9 +230,15 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
     command += ["--max-connections-per-client", "100000"]
     command += ["--host", LOCALHOST, "--port", str(port)]
     log = config.log_dir / f"gateway-w{workers}-k{interval}.log"
-    gateway = ServerProcess.start("gateway", command, address=f"{LOCALHOST}:{port}", log_path=log)
+    plan = source.plan
+    with pinned(_cpus(plan.gateway[:workers]) if plan else None):
+        gateway = ServerProcess.start(
+            "gateway", command, address=f"{LOCALHOST}:{port}", log_path=log
+        )
     try:
         _wait_gateway(gateway, f"http://{LOCALHOST}:{port}", config.fake_nodes)
+        if plan is not None:
+            _pin_workers(gateway.pid, plan.gateway[:workers])
         body = {
             "model": _served_name(port),
             "prompt": list(range(1000, 1016)),
@@ -227,6 +252,33 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
         return _load(config, source, gateway, port, request, (workers, interval))
     finally:
         gateway.stop(15)
+
+
+def _cpus(cores: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    return tuple(c for core in cores for c in core)
+
+
+def _pin_workers(leader: int, cores: tuple[tuple[int, ...], ...]) -> None:
+    """Each gateway worker (the server itself when it has one; else the supervisor's spawned
+    children) onto a core of its own; all of them started inside the cores' union."""
+    if len(cores) == 1:
+        served = [leader]
+    else:
+        served = sorted(pid for pid in session_pids(leader) if pid != leader and _spawned(pid))
+    if len(served) != len(cores):
+        print(f"  --pin: found {len(served)} gateway workers, not {len(cores)}: they share "
+              f"CPUs {_cpus(cores)}", flush=True)  # fmt: skip
+        return
+    for core, pid in zip(cores, served, strict=True):
+        pin_process(pid, core)
+
+
+def _spawned(pid: int) -> bool:
+    """A multiprocessing `spawn` child (a gateway worker), not its resource tracker."""
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _served_name(port: int) -> str:
@@ -257,16 +309,18 @@ def _bench_serving_load(
     """The load from `bench_serving --workers <clients>` (the project's load tool), with its
     own CPU report: can it drive this many tokens/s, and does it say when it cannot?"""
     out = config.log_dir / f"bench_serving-w{row[0]}-k{row[1]}.json"
-    concurrency = config.clients * config.streams
     command = [sys.executable, "-m", "scripts.serving.bench_serving", "--no-progress"]
     command += ["--base-url", f"http://{LOCALHOST}:{port}", "--dataset", "random"]
     command += ["--random-input-len", "16", "--random-output-len", str(config.tokens)]
-    command += ["--random-range-ratio", "0", "--ignore-eos", "--workers", str(config.clients)]
+    clients = config.client_processes(row[0])
+    concurrency = clients * config.streams
+    command += ["--random-range-ratio", "0", "--ignore-eos", "--workers", str(clients)]
     command += ["--max-concurrency", str(concurrency), "--output-file", str(out)]
     command += ["--num-prompts", str(concurrency * config.waves)]
     pids, nodes = session_pids(gateway.pid), list(source.node_pids)
     cpu_before, node_before = cpu_seconds(pids), cpu_seconds(nodes)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    with pinned(source.plan.clients if source.plan else None):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
     cpu, node_cpu = cpu_seconds(pids) - cpu_before, cpu_seconds(nodes) - node_before
     if done.returncode != 0:
         raise RuntimeError(f"bench_serving failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -275,8 +329,8 @@ def _bench_serving_load(
             print(f"  bench_serving {line}", flush=True)
     doc = json.loads(out.read_text())
     summary = doc["summary"]
-    clients = [u for u in doc["cpu"] if u["name"].startswith("client")]
-    for u in clients:
+    client_units = [u for u in doc["cpu"] if u["name"].startswith("client")]
+    for u in client_units:
         lag = u.get("loop_lag_p99_ms") or 0.0
         late = f"event loop {lag:.0f} ms late (p99)"
         print(f"  {u['name']}: {u['core_fraction']:.0%} of a core, {late}", flush=True)
@@ -289,7 +343,8 @@ def _bench_serving_load(
         wall_s=summary["duration_s"],
         cpu_s=cpu,
         node_cpu_s=node_cpu,
-        client_busy=max((u["core_fraction"] for u in clients), default=float("nan")),
+        client_busy=max((u["core_fraction"] for u in client_units), default=float("nan")),
+        clients=clients,
     )
 
 
@@ -302,25 +357,39 @@ def _raw_load(
     row: tuple[int, int],
 ) -> Row:
     context = multiprocessing.get_context("spawn")
-    results: Queue[tuple[int, ...]] = context.Queue()
+    results: Queue[tuple[float, ...]] = context.Queue()
     pids = session_pids(gateway.pid)
     nodes = list(source.node_pids)
-    cpu_before, node_before = cpu_seconds(pids), cpu_seconds(nodes)
+    before = {pid: cpu_seconds([pid]) for pid in pids}
+    node_before = cpu_seconds(nodes)
     started = time.monotonic()
     until = started + config.duration_s
     clients = [
         context.Process(target=_client_main, args=(port, request, config.streams, until, results))
-        for _ in range(config.clients)
+        for _ in range(config.client_processes(row[0]))
     ]
-    for client in clients:
-        client.start()
+    with pinned(source.plan.clients if source.plan else None):
+        for client in clients:
+            client.start()
     totals = [results.get() for _ in clients]
-    wall, cpu = time.monotonic() - started, cpu_seconds(pids) - cpu_before
+    wall = time.monotonic() - started
+    used = {pid: cpu_seconds([pid]) - before[pid] for pid in pids}
     node_cpu = cpu_seconds(nodes) - node_before
     for client in clients:
         client.join()
-    tokens, requests, frames = (sum(column) for column in zip(*totals, strict=True))
-    return Row(*row, tokens, requests, frames, wall, cpu, node_cpu)
+    tokens, requests, frames = (int(sum(column)) for column in list(zip(*totals, strict=True))[:3])
+    return Row(
+        *row,
+        tokens,
+        requests,
+        frames,
+        wall,
+        sum(used.values()),
+        node_cpu,
+        client_busy=max(total[3] for total in totals) / wall,
+        process_busy=tuple(sorted((cpu / wall for cpu in used.values()), reverse=True)),
+        clients=len(clients),
+    )
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -338,11 +407,19 @@ def _token_ids(model: str | None) -> list[int]:
 def token_source(config: BenchConfig) -> Iterator[TokenSource]:
     """A bootstrap-server and the fake nodes registered with it; yields the bootstrap address."""
     ids = ",".join(str(t) for t in _token_ids(config.model))
+    plan = None
+    if config.pin:
+        try:
+            plan = plan_cpus(host_cores(), max(config.workers), config.fake_nodes)
+        except ValueError as exc:
+            raise SystemExit(f"--pin: {exc}") from None
+        print(f"pinned: {plan.describe()}", flush=True)
     with contextlib.ExitStack() as stack:
-        bootstrap = stack.enter_context(
-            running_node("bootstrap-server", [], config.log_dir / "bootstrap.log",
-                         probe=bootstrap_ready)
-        )  # fmt: skip
+        with pinned(plan.nodes[0] if plan else None):  # idle while the load runs
+            bootstrap = stack.enter_context(
+                running_node("bootstrap-server", [], config.log_dir / "bootstrap.log",
+                             probe=bootstrap_ready)
+            )  # fmt: skip
         node = [sys.executable, "-m", "scripts.bench.fake_node"]
         node += ["--bootstrap", bootstrap.address, "--token-ids", ids]
         node += ["--tokens-per-message", str(config.tokens_per_message)]
@@ -350,12 +427,13 @@ def token_source(config: BenchConfig) -> Iterator[TokenSource]:
         node += ["--per-request-streams"] if config.per_request_streams else []
         fakes = []
         for i in range(config.fake_nodes):
-            fake = stack.enter_context(
-                running_node(node[0], node[1:], config.log_dir / f"fake-node-{i}.log",
-                             probe=node_registered)
-            )  # fmt: skip
+            with pinned(plan.nodes[i] if plan else None):
+                fake = stack.enter_context(
+                    running_node(node[0], node[1:], config.log_dir / f"fake-node-{i}.log",
+                                 probe=node_registered)
+                )  # fmt: skip
             fakes.append(fake.pid)
-        yield TokenSource(bootstrap.address, tuple(fakes))
+        yield TokenSource(bootstrap.address, tuple(fakes), plan)
 
 
 def table(rows: list[Row]) -> str:
@@ -363,8 +441,8 @@ def table(rows: list[Row]) -> str:
     lines = [
         "| workers | stream interval | gateway CPU us/token | goal 25 us | tokens/s | "
         "tokens/s per worker | vs 1 worker | goal 0.8 x N | workers busy | node busy | "
-        "tokens / frame | busiest client | requests |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "tokens / frame | clients | busiest client | gateway processes busy | requests |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         one = ones.get(r.interval)
@@ -379,7 +457,8 @@ def table(rows: list[Row]) -> str:
             f"| {r.workers} | {r.interval} | {r.us_per_token:.1f} | "
             f"{GOAL_US_PER_TOKEN / r.us_per_token:.2f} | {r.tokens_s:,.0f} | {per_worker:,.0f} | "
             f"{scale:.2f}x | {goal_rate} | {r.busy:.2f} | {r.node_cpu_s / r.wall_s:.2f} | "
-            f"{r.tokens_per_frame:.2f} | {r.client_busy:.2f} | {r.requests} |"
+            f"{r.tokens_per_frame:.2f} | {r.clients} | {r.client_busy:.2f} | "
+            f"{' '.join(f'{b:.2f}' for b in r.process_busy) or '-'} | {r.requests} |"
         )
     return "\n".join(lines)
 
@@ -390,6 +469,18 @@ def build_config(argv: list[str] | None) -> BenchConfig:
     parser.add_argument("--intervals", default="1,8", help="--stream-interval values")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load per row")
     parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument(
+        "--clients-per-worker",
+        type=int,
+        default=0,
+        help="client processes per gateway worker of each row (instead of --clients)",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="each gateway worker on a physical core of its own, the fake nodes a core each, the "
+        "clients the rest (Linux; needs workers + fake nodes + 1 physical cores)",
+    )
     parser.add_argument("--streams", type=int, default=32, help="open streams per client")
     parser.add_argument("--tokens", type=int, default=512, help="tokens per request")
     parser.add_argument("--fake-nodes", type=int, default=1, help="token source processes")
@@ -423,6 +514,8 @@ def build_config(argv: list[str] | None) -> BenchConfig:
     args = parser.parse_args(argv)
     numbers = [int(v) for v in f"{args.workers},{args.intervals}".split(",")]
     numbers += [args.clients, args.streams, args.tokens, args.tokens_per_message, args.fake_nodes]
+    if args.clients_per_worker < 0:
+        raise SystemExit("--clients-per-worker must be >= 0")
     if min(numbers) < 1:
         raise SystemExit(
             "--workers, --intervals, --clients, --streams, --tokens, --tokens-per-message and "
@@ -443,6 +536,8 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         fake_nodes=args.fake_nodes,
         model=args.model,
         log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-gateway-cpu-")),
+        pin=args.pin,
+        clients_per_worker=args.clients_per_worker,
     )
 
 
@@ -458,7 +553,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"workers {workers} interval {interval}: {row.us_per_token:.1f} us/token, "
                     f"{row.tokens_s:,.0f} tokens/s, busy {row.busy:.2f}, "
-                    f"{row.tokens_per_frame:.2f} tokens/frame",
+                    f"{row.tokens_per_frame:.2f} tokens/frame, node busy "
+                    f"{row.node_cpu_s / row.wall_s:.2f}, busiest of {row.clients} clients "
+                    f"{row.client_busy:.2f}",
                     flush=True,
                 )
                 rows.append(row)

@@ -4,7 +4,10 @@ A real gateway app (gateway/app.py, the OpenAI handlers, the dispatcher, `Genera
 encoding) serves `--streams` streaming `/v1/completions` requests called straight through ASGI;
 its one node is an in-process stand-in whose `GenerateStream` answers with one serialized
 `StreamBatch` per step (a token for every open request, parsed again as gRPC would), a step
-whenever the gateway asks for the next batch. The ASGI `send` only counts the bytes. Printed:
+whenever the gateway asks for the next batch. The ASGI `send` only counts the bytes; it is the
+bound method of a stand-in for uvicorn's httptools `RequestResponseCycle`, whose transport
+counts them too, so that frames take the fast lane (gateway/lane.py) as under uvicorn (with
+`--asgi-send` a plain function: every frame through the chain and `send`). Printed:
 process CPU time (`time.process_time`, which another process's load does not inflate the way it
 does wall time) per streamed token, frames, tokens per frame.
 
@@ -106,8 +109,43 @@ class StreamCount:
     frames: int = 0
     body_bytes: int = 0
 
+    def add(self, body: bytes) -> None:
+        self.frames += body.count(b"data: ")
+        self.body_bytes += len(body)
 
-async def _one_stream(app: Any, body: bytes, count: StreamCount) -> None:
+
+class _Flow:
+    write_paused = False
+
+
+class _Transport:
+    def __init__(self, count: StreamCount) -> None:
+        self.write = count.add  # the chunk framing's bytes count too: a few per frame
+
+
+class RequestResponseCycle:
+    """What gateway/lane.py's `ChunkedWriter` needs of uvicorn's httptools cycle."""
+
+    def __init__(self, count: StreamCount, done: asyncio.Event) -> None:
+        self.flow = _Flow()
+        self.transport = _Transport(count)
+        self.scope = {"method": "POST"}
+        self.chunked_encoding = True
+        self.response_started = self.response_complete = self.disconnected = False
+        self._count = count
+        self._done = done
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.response_started = True
+        elif message["type"] == "http.response.body":
+            self._count.add(message.get("body", b""))
+            if not message.get("more_body", False):
+                self.response_complete = True
+                self._done.set()
+
+
+async def _one_stream(app: Any, body: bytes, count: StreamCount, plain_send: bool) -> None:
     done = asyncio.Event()
     sent_body = False
 
@@ -119,13 +157,13 @@ async def _one_stream(app: Any, body: bytes, count: StreamCount) -> None:
         await done.wait()
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def plain(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.body":
-            chunk = message.get("body", b"")
-            count.frames += chunk.count(b"data: ")
-            count.body_bytes += len(chunk)
+            count.add(message.get("body", b""))
             if not message.get("more_body", False):
                 done.set()
+
+    send = plain if plain_send else RequestResponseCycle(count, done).send
 
     scope = {
         "type": "http",
@@ -148,7 +186,9 @@ async def _one_stream(app: Any, body: bytes, count: StreamCount) -> None:
     await app(scope, receive, send)
 
 
-async def run_round(streams: int, tokens: int, interval: int) -> tuple[float, int, int]:
+async def run_round(
+    streams: int, tokens: int, interval: int, plain_send: bool = False
+) -> tuple[float, int, int]:
     """CPU seconds, tokens and token frames of `streams` concurrent requests."""
     from engine.model_fetch import resolve_model
     from gateway.app import Gateway, build_app, with_server_send
@@ -177,9 +217,9 @@ async def run_round(streams: int, tokens: int, interval: int) -> tuple[float, in
     }
     raw = json.dumps(body).encode()
     count = StreamCount()
-    await _one_stream(app, raw, StreamCount())  # warm-up
+    await _one_stream(app, raw, StreamCount(), plain_send)  # warm-up
     cpu = time.process_time()
-    await asyncio.gather(*(_one_stream(app, raw, count) for _ in range(streams)))
+    await asyncio.gather(*(_one_stream(app, raw, count, plain_send) for _ in range(streams)))
     cpu = time.process_time() - cpu
     frames = count.frames - 2 * streams  # the usage chunk and [DONE] of each
     return cpu, streams * tokens, frames
@@ -191,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--interval", type=int, default=1, help="--stream-interval")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--asgi-send",
+        action="store_true",
+        help="a plain ASGI send: no fast lane, every frame through the chain and `send`",
+    )
     args = parser.parse_args(argv)
     try:
         import uvloop
@@ -200,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         runner = asyncio.run
     per_token = []
     for _ in range(args.rounds):
-        cpu, tokens, frames = runner(run_round(args.streams, args.tokens, args.interval))
+        cpu, tokens, frames = runner(
+            run_round(args.streams, args.tokens, args.interval, args.asgi_send)
+        )
         per_token.append(cpu / tokens * 1e6)
         print(
             f"{args.streams} streams x {args.tokens} tokens, interval {args.interval}: "
