@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from engine.ports import free_port
-from scripts.serving.hostile_probe import _healthy, cluster
+from scripts.serving.hostile_probe import _healthy, cluster, wait_until
 
 REPORT_ENV = "PDSERVE_CYCLE_REPORT"
 STALL_TIMEOUT_S = 3
@@ -157,10 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         gateway = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            while not _healthy(url):
-                if gateway.poll() is not None:
-                    raise RuntimeError(f"the gateway exited: see {tmp / 'gateway.log'}")
-                time.sleep(0.5)
+            died = f"the gateway exited: see {tmp / 'gateway.log'}"
+            wait_until(lambda: _healthy(url), gateway, died)
             for name, send in _requests(url, probe.model).items():
                 send()
                 with report.open("a") as out:

@@ -117,10 +117,7 @@ def cluster(model: str | None, log_path: Path) -> Iterator[Probe]:
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        while not _healthy(url):
-            if process.poll() is not None:
-                raise RuntimeError(f"pd-cluster exited: see {log_path}")
-            time.sleep(0.5)
+        wait_until(lambda: _healthy(url), process, f"pd-cluster exited: see {log_path}")
         text = log_path.read_text(errors="replace")
         nodes = {
             name: f"127.0.0.1:{p}"
@@ -132,6 +129,14 @@ def cluster(model: str | None, log_path: Path) -> Iterator[Probe]:
         process.terminate()
         process.wait(60)
         log.close()
+
+
+def wait_until(ready: Callable[[], bool], process: subprocess.Popen[bytes], died: str) -> None:
+    """Poll `ready` until it holds; RuntimeError(`died`) if `process` exits first."""
+    while not ready():
+        if process.poll() is not None:
+            raise RuntimeError(died)
+        time.sleep(0.2)
 
 
 def _healthy(url: str) -> bool:
@@ -238,10 +243,7 @@ def sink() -> Iterator[str]:
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        while not _answers(url):
-            if process.poll() is not None:
-                raise RuntimeError(f"the sink exited: {shlex.join(command)}")
-            time.sleep(0.2)
+        wait_until(lambda: _answers(url), process, f"the sink exited: {shlex.join(command)}")
         yield url + "/"
     finally:
         process.terminate()
