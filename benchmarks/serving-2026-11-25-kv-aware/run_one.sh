@@ -3,10 +3,11 @@
 #   benchmarks/serving-2026-11-25-kv-aware/run_one.sh LABEL PREFILL_POLICY DECODE_POLICY \
 #       KV_TOKENS_PER_NODE SESSIONS [more gateway flags]
 # Starts a 2P2D pd-cluster, runs the conversation workload, keeps the gateway's cache metrics.
+# OUT_ROOT (default: this folder) is where the run's folder goes; later reports set it.
 set -u
 export OMP_NUM_THREADS=1
 LABEL=$1; PP=$2; DP=$3; MTT=$4; N=$5; shift 5
-OUT=benchmarks/serving-2026-11-25-kv-aware/$LABEL
+OUT=${OUT_ROOT:-benchmarks/serving-2026-11-25-kv-aware}/$LABEL
 mkdir -p "$OUT"
 PORT=$(.venv/bin/python -c "from engine.ports import free_port; print(free_port())")
 .venv/bin/pd-cluster --prefill 2 --decode 2 --port "$PORT" --max-total-tokens "$MTT" \
