@@ -14,16 +14,21 @@ the end) keep many streams open: `POST /v1/completions`, `stream: true`, `ignore
 number of tokens per request.
 
 For each (workers, stream interval) a fresh `gateway-server --workers W --stream-interval K`
-serves the load for `--duration` seconds (each stream then finishes its request). The gateway's
-CPU is read from /proc (utime + stime of every process of its session: the supervisor and its
-workers, all threads) before and after; tokens are the completion tokens of the finished
-requests. Printed per row: gateway CPU us per streamed token, tokens/s in all and per worker,
-how busy the workers were (CPU s per wall s per worker: near 1.0 means the gateway was the
-bottleneck), tokens per SSE frame (1.0 at stream interval 1 while the gateway keeps up; more
-when a slow gateway or the node merged steps), and the ratios to the goals: <= 25 us per token,
->= 40k tokens/s for one worker, N workers >= 0.8 * N times one. Each process's own CPU is
-printed too (every gateway process, the token source, each client: CPU s per wall s), so that a
-row where a client or the fake node was the limit says so.
+serves the load, measured over a steady window of `--duration` seconds that starts `--warmup`
+seconds after the clients (so every stream is open, and the streams' ragged end, each finishing
+its last request after the window, is not counted: a tail of fewer and fewer streams would
+shrink the batches a worker sees). The gateway's CPU is read from /proc (utime + stime of every
+process of its session: the supervisor and its workers, all threads) at the window's edges;
+tokens are the frames the clients received inside it, times the run's tokens per frame (from
+the usage of the finished requests). `--py-spy S` records every gateway worker for S seconds of
+the window and prints each one's busiest functions. Printed per row: gateway CPU us per
+streamed token, tokens/s in all and per worker, how busy the workers were (CPU s per wall s per
+worker: near 1.0 means the gateway was the bottleneck), tokens per SSE frame (1.0 at stream
+interval 1 while the gateway keeps up; more when a slow gateway or the node merged steps), and
+the ratios to the goals: <= 25 us per token, >= 40k tokens/s for one worker, N workers >=
+0.8 * N times one. Each process's own CPU is printed too (every gateway process, the token
+source, each client: CPU s per wall s), so that a row where a client or the fake node was the
+limit says so.
 
 With `--pin` (scripts/bench/pinning.py) every gateway worker gets a physical core of its own
 (all its hardware threads), the fake nodes a core each, the clients the cores left, planned
@@ -44,6 +49,7 @@ import multiprocessing
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,7 +86,7 @@ _USAGE = re.compile(rb'"completion_tokens":(\d+)')
 class BenchConfig:
     workers: tuple[int, ...]
     intervals: tuple[int, ...]
-    duration_s: float
+    duration_s: float  # the measured window (raw load)
     clients: int  # client processes
     streams: int  # open streams per client process
     tokens: int  # per request
@@ -94,6 +100,8 @@ class BenchConfig:
     log_dir: Path
     pin: bool = False  # processes on cores of their own (scripts/bench/pinning.py)
     clients_per_worker: int = 0  # > 0: this many client processes per gateway worker
+    warmup_s: float = 3.0  # raw load: from the clients' start to the measured window
+    py_spy_s: float = 0.0  # > 0: profile every gateway worker this long inside the window
 
     def client_processes(self, workers: int) -> int:
         return self.clients_per_worker * workers if self.clients_per_worker else self.clients
@@ -153,50 +161,64 @@ _FRAME = b"data: "
 _NOT_TOKEN_FRAMES = 2  # the usage chunk and [DONE]
 
 
-async def _one_request(port: int, request: bytes) -> tuple[int, int]:
-    """Send one streaming request; its completion tokens (from the usage chunk) and the number
-    of frames that carried them."""
+Window = tuple[float, float]  # [start, end) on the monotonic clock, shared by every process
+
+
+async def _one_request(
+    port: int, request: bytes, window: Window = (0.0, 0.0)
+) -> tuple[int, int, int]:
+    """Send one streaming request; its completion tokens (from the usage chunk), the number of
+    frames that carried them, and how many of those arrived inside `window`."""
     reader, writer = await asyncio.open_connection(LOCALHOST, port)
-    frames = 0
+    frames = inside = 0
+    start, end = window
     try:
         writer.write(request)
         head = tail = await reader.read(1 << 16)
-        frames = head.count(_FRAME)
-        while piece := await reader.read(1 << 16):
+        piece = head
+        while piece:
             # a frame marker split over two reads is counted once: the 5 bytes before a piece
             # cannot hold a whole marker
-            frames += (tail[-5:] + piece).count(_FRAME)
-            tail = (tail + piece)[-4096:]
+            count = head.count(_FRAME) if piece is head else (tail[-5:] + piece).count(_FRAME)
+            if piece is not head:
+                tail = (tail + piece)[-4096:]
+            frames += count
+            if start <= time.monotonic() < end:
+                inside += count - (_NOT_TOKEN_FRAMES if b"data: [DONE]" in piece else 0)
+            piece = await reader.read(1 << 16)
     finally:
         writer.close()
     if not head.startswith(b"HTTP/1.1 200") or b"data: [DONE]" not in tail:
         raise RuntimeError(f"a stream failed: {head[:300]!r} ... {tail[-300:]!r}")
     found = _USAGE.findall(tail)
-    return (int(found[-1]) if found else 0), frames - _NOT_TOKEN_FRAMES
+    return (int(found[-1]) if found else 0), frames - _NOT_TOKEN_FRAMES, max(inside, 0)
 
 
-async def _client(port: int, request: bytes, streams: int, until: float) -> tuple[float, ...]:
-    tokens = requests = frames = 0
+async def _client(port: int, request: bytes, streams: int, window: Window) -> tuple[float, ...]:
+    """Keep `streams` requests open until the window ends; (tokens, requests, frames, frames
+    inside the window, CPU seconds)."""
+    tokens = requests = frames = inside = 0
 
     async def stream() -> None:
-        nonlocal tokens, requests, frames
+        nonlocal tokens, requests, frames, inside
         while True:  # at least one request: a client may start late on a busy host
-            got, framed = await _one_request(port, request)
+            got, framed, counted = await _one_request(port, request, window)
             tokens += got
             frames += framed
+            inside += counted
             requests += 1
-            if time.monotonic() >= until:
+            if time.monotonic() >= window[1]:
                 break
 
     await asyncio.gather(*(stream() for _ in range(streams)))
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return tokens, requests, frames, usage.ru_utime + usage.ru_stime
+    return tokens, requests, frames, inside, usage.ru_utime + usage.ru_stime
 
 
 def _client_main(
-    port: int, request: bytes, streams: int, until: float, results: Queue[tuple[float, ...]]
+    port: int, request: bytes, streams: int, window: Window, results: Queue[tuple[float, ...]]
 ) -> None:
-    results.put(asyncio.run(_client(port, request, streams, until)))
+    results.put(asyncio.run(_client(port, request, streams, window)))
 
 
 # ---- one measurement --------------------------------------------------------------------------
@@ -261,16 +283,21 @@ def _cpus(cores: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
 def _pin_workers(leader: int, cores: tuple[tuple[int, ...], ...]) -> None:
     """Each gateway worker (the server itself when it has one; else the supervisor's spawned
     children) onto a core of its own; all of them started inside the cores' union."""
-    if len(cores) == 1:
-        served = [leader]
-    else:
-        served = sorted(pid for pid in session_pids(leader) if pid != leader and _spawned(pid))
+    served = _worker_pids(leader, len(cores))
     if len(served) != len(cores):
         print(f"  --pin: found {len(served)} gateway workers, not {len(cores)}: they share "
               f"CPUs {_cpus(cores)}", flush=True)  # fmt: skip
         return
     for core, pid in zip(cores, served, strict=True):
         pin_process(pid, core)
+
+
+def _worker_pids(leader: int, workers: int) -> list[int]:
+    """The processes serving a `gateway-server --workers N`: the server itself for one, else
+    the supervisor's spawned children."""
+    if workers == 1:
+        return [leader]
+    return sorted(pid for pid in session_pids(leader) if pid != leader and _spawned(pid))
 
 
 def _spawned(pid: int) -> bool:
@@ -356,40 +383,98 @@ def _raw_load(
     request: bytes,
     row: tuple[int, int],
 ) -> Row:
+    """The clients' load, measured over a steady window: from `--warmup` seconds after the
+    clients start (every stream open) for `--duration` seconds. CPU is read at the window's
+    edges and the clients count the frames that arrive inside it, so neither the streams'
+    start nor their ragged end (each finishes its last request after the window) is counted."""
     context = multiprocessing.get_context("spawn")
     results: Queue[tuple[float, ...]] = context.Queue()
     pids = session_pids(gateway.pid)
     nodes = list(source.node_pids)
-    before = {pid: cpu_seconds([pid]) for pid in pids}
-    node_before = cpu_seconds(nodes)
-    started = time.monotonic()
-    until = started + config.duration_s
+    window = (time.monotonic() + config.warmup_s, 0.0)
+    window = (window[0], window[0] + config.duration_s)
     clients = [
-        context.Process(target=_client_main, args=(port, request, config.streams, until, results))
+        context.Process(target=_client_main, args=(port, request, config.streams, window, results))
         for _ in range(config.client_processes(row[0]))
     ]
     with pinned(source.plan.clients if source.plan else None):
         for client in clients:
             client.start()
-    totals = [results.get() for _ in clients]
-    wall = time.monotonic() - started
+    time.sleep(max(0.0, window[0] - time.monotonic()))
+    before = {pid: cpu_seconds([pid]) for pid in pids}
+    node_before = cpu_seconds(nodes)
+    profiles = _start_profiles(config, gateway, row[0])
+    time.sleep(max(0.0, window[1] - time.monotonic()))
     used = {pid: cpu_seconds([pid]) - before[pid] for pid in pids}
     node_cpu = cpu_seconds(nodes) - node_before
+    wall = config.duration_s
+    totals = [results.get() for _ in clients]
     for client in clients:
         client.join()
-    tokens, requests, frames = (int(sum(column)) for column in list(zip(*totals, strict=True))[:3])
+    _report_profiles(profiles)
+    tokens, requests, frames, inside = (
+        int(sum(column)) for column in list(zip(*totals, strict=True))[:4]
+    )
+    per_frame = tokens / frames if frames else 1.0
     return Row(
         *row,
-        tokens,
+        round(inside * per_frame),
         requests,
-        frames,
+        inside,
         wall,
         sum(used.values()),
         node_cpu,
-        client_busy=max(total[3] for total in totals) / wall,
+        client_busy=max(total[4] for total in totals) / (wall + config.warmup_s),
         process_busy=tuple(sorted((cpu / wall for cpu in used.values()), reverse=True)),
         clients=len(clients),
     )
+
+
+def _start_profiles(
+    config: BenchConfig, gateway: ServerProcess, workers: int
+) -> list[tuple[Path, subprocess.Popen[bytes]]]:
+    """With --py-spy S: `py-spy record` on every gateway worker for S seconds of the window."""
+    if not config.py_spy_s:
+        return []
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        print("  --py-spy: no py-spy found (pip install py-spy): not profiled", flush=True)
+        return []
+    served = _worker_pids(gateway.pid, workers)
+    started = []
+    for pid in served:
+        out = config.log_dir / f"py-spy-w{workers}-{pid}.txt"
+        command = [spy, "record", "--pid", str(pid), "--rate", "200", "--nonblocking"]
+        command += ["--duration", f"{config.py_spy_s:g}", "--format", "raw", "-o", str(out)]
+        started.append((out, subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL)))  # fmt: skip
+    return started
+
+
+def _report_profiles(profiles: list[tuple[Path, subprocess.Popen[bytes]]]) -> None:
+    """Each profiled worker's busiest functions (own samples), grouped by file."""
+    for out, spy in profiles:
+        spy.wait(timeout=120)
+        if not out.exists():
+            print(f"  py-spy wrote nothing for {out.name}", flush=True)
+            continue
+        print(f"  {out.name}: {profile_summary(out.read_text())}", flush=True)
+
+
+def profile_summary(raw: str, top: int = 10) -> str:
+    """`py-spy --format raw` text -> the `top` files (modules) by own samples, as shares."""
+    own: dict[str, int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        leaf = stack.rsplit(";", 1)[-1]
+        where = re.sub(r"^(.*) \((.*?)(:\d+)?\)$", r"\1 (\2)", leaf)
+        own[where] = own.get(where, 0) + int(count)
+        total += int(count)
+    ranked = sorted(own.items(), key=lambda item: item[1], reverse=True)[:top]
+    return f"{total} samples; " + "; ".join(f"{n / total:.0%} {k}" for k, n in ranked)
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -467,7 +552,22 @@ def build_config(argv: list[str] | None) -> BenchConfig:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="1,2", help="gateway workers to measure")
     parser.add_argument("--intervals", default="1,8", help="--stream-interval values")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds of load per row")
+    parser.add_argument(
+        "--duration", type=float, default=10.0, help="seconds of load measured per row"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=3.0,
+        help="raw load: seconds from the clients' start to the measured window",
+    )
+    parser.add_argument(
+        "--py-spy",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="profile every gateway worker for S seconds inside the window (py-spy, if found)",
+    )
     parser.add_argument("--clients", type=int, default=2, help="client processes")
     parser.add_argument(
         "--clients-per-worker",
@@ -538,6 +638,8 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-gateway-cpu-")),
         pin=args.pin,
         clients_per_worker=args.clients_per_worker,
+        warmup_s=args.warmup,
+        py_spy_s=args.py_spy,
     )
 
 
