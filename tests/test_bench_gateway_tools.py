@@ -179,3 +179,18 @@ def test_profile_split_buckets() -> None:
     printed = profile_table(samples)
     assert "| HTTP frame writes (socket syscalls) | 30% |" in printed
     assert printed.endswith("| (non-idle samples) | 100 |")
+
+
+def test_fake_node_hand_encoding_is_protobufs() -> None:
+    """The hand-encoded deltas parse as protobuf builds them: multi-byte varints (ids past 127
+    and 16,383) and a rid whose length needs two bytes."""
+    config = FakeNodeConfig("b:1", "a:2", (5, 300, 70_000, 128_255), tokens_per_message=3)
+    source = StepSource(config)
+    long_rid = "r" * 200
+    source.open[long_rid] = FakeRequest(wanted=7, prompt_tokens=1)
+    source.open["s"] = FakeRequest(wanted=3, prompt_tokens=1)
+    source.step()
+    assert _batch(source) == {long_rid: ([5, 300, 70_000], ""), "s": ([5, 300, 70_000], "length")}
+    source.step()
+    source.step()
+    assert _batch(source) == {long_rid: ([128_255, 5, 300, 70_000], "length")}

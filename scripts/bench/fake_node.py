@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ class FakeRequest:
     prompt_tokens: int
     generated: int = 0  # tokens its steps produced
     sent: int = 0  # tokens already in a delta
+    rid_field: bytes = b""  # its `RequestDelta.rid`, encoded once (see `StepSource.batch`)
 
     @property
     def done(self) -> bool:
@@ -73,25 +75,65 @@ class StepSource:
             self.ready.set()
 
     def batch(self) -> bytes:
-        """One serialized `StreamBatch` with each request's unsent tokens (then its end)."""
+        """One serialized `StreamBatch` with each request's unsent tokens (then its end).
+
+        The deltas of requests still running are encoded by hand (protobuf's wire format: the
+        rid field encoded once per request, a one-token chunk once per id), so that the
+        source costs ~1 us a token instead of ~8 with message objects and can feed several
+        gateway workers from one process, in batches as large as a decode node's; a request's
+        last delta (its usage) goes through protobuf."""
         from proto import node_pb2
 
-        ids = self.config.token_ids
-        deltas = []
+        ids, one_token = self.config.token_ids, self._one_token_chunks
+        parts = []
         for rid, request in list(self.open.items()):
-            if request.generated == request.sent:
+            first, last = request.sent, request.generated
+            if first == last:
                 continue
-            tokens = [ids[i % len(ids)] for i in range(request.sent, request.generated)]
-            delta = node_pb2.RequestDelta(rid=rid, chunk=node_pb2.TokenChunk(token_ids=tokens))
-            request.sent = request.generated
-            if request.done:
+            request.sent = last
+            if not request.done:
+                if not request.rid_field:
+                    request.rid_field = _field(1, rid.encode())
+                if last - first == 1:
+                    chunk = one_token[first % len(ids)]
+                else:
+                    packed = b"".join([_varint(ids[i % len(ids)]) for i in range(first, last)])
+                    chunk = _field(2, _field(1, packed))
+                delta = request.rid_field + chunk
+            else:
                 usage = node_pb2.Usage(
                     prompt_tokens=request.prompt_tokens, completion_tokens=request.wanted
                 )
-                delta.finished.CopyFrom(node_pb2.Finished(finish_reason="length", usage=usage))
+                tokens = [ids[i % len(ids)] for i in range(first, last)]
+                delta = node_pb2.RequestDelta(
+                    rid=rid,
+                    chunk=node_pb2.TokenChunk(token_ids=tokens),
+                    finished=node_pb2.Finished(finish_reason="length", usage=usage),
+                ).SerializeToString()
                 del self.open[rid]
-            deltas.append(delta)
-        return node_pb2.StreamBatch(deltas=deltas).SerializeToString()
+            size = len(delta)
+            parts.append(b"\x0a%c%b" % (size, delta) if size < 0x80 else _field(1, delta))
+        return b"".join(parts)
+
+    @functools.cached_property
+    def _one_token_chunks(self) -> list[bytes]:
+        """`RequestDelta.chunk` holding one token id, encoded, for each id of the cycle."""
+        return [_field(2, _field(1, _varint(token))) for token in self.config.token_ids]
+
+
+def _varint(value: int) -> bytes:
+    """Protobuf's base-128 varint of a non-negative int."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
 async def _clock(source: StepSource, step_s: float) -> None:

@@ -70,6 +70,7 @@ from gateway.launcher import (
     session_pids,
 )
 from scripts.bench.pinning import CpuPlan, host_cores, pin_process, pinned, plan_cpus
+from scripts.serving.procstat import CLOCK_TICKS
 from scripts.serving.procstat import cpu_seconds as process_cpu_seconds
 
 GOAL_US_PER_TOKEN = 25.0
@@ -225,6 +226,33 @@ def _client_main(
 def cpu_seconds(pids: Sequence[int]) -> float:
     """utime + stime of these processes (all their threads); gone ones count 0."""
     return sum(process_cpu_seconds(pid) or 0.0 for pid in pids)
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """Each thread of `pid`: (its name, utime + stime seconds); {} if the process is gone."""
+    threads = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        threads[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+    return threads
+
+
+def _thread_split(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall: float
+) -> str:
+    """The busiest threads between two `thread_cpu` readings, as cores (the main thread is the
+    process's own id; a thread started meanwhile counts from 0)."""
+    used = [
+        (cpu - before.get(tid, (name, 0.0))[1], name, tid) for tid, (name, cpu) in after.items()
+    ]
+    used.sort(reverse=True)
+    top = [f"{name}[{tid}] {cpu / wall:.2f}" for cpu, name, tid in used[:3] if cpu > 0]
+    rest = [cpu for cpu, _, _ in used[3:] if cpu > 0]
+    return ", ".join([*top, *([f"{len(rest)} others {sum(rest) / wall:.2f}"] if rest else [])])
 
 
 def _wait_gateway(gateway: ServerProcess, url: str, nodes: int) -> None:
@@ -403,11 +431,16 @@ def _raw_load(
     time.sleep(max(0.0, window[0] - time.monotonic()))
     before = {pid: cpu_seconds([pid]) for pid in pids}
     node_before = cpu_seconds(nodes)
+    served = _worker_pids(gateway.pid, row[0])
+    threads_before = {pid: thread_cpu(pid) for pid in served}
     profiles = _start_profiles(config, gateway, row[0])
     time.sleep(max(0.0, window[1] - time.monotonic()))
     used = {pid: cpu_seconds([pid]) - before[pid] for pid in pids}
     node_cpu = cpu_seconds(nodes) - node_before
     wall = config.duration_s
+    for pid in served:
+        split = _thread_split(threads_before[pid], thread_cpu(pid), wall)
+        print(f"  worker {pid} threads (cores): {split}", flush=True)
     totals = [results.get() for _ in clients]
     for client in clients:
         client.join()
