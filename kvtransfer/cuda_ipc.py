@@ -11,6 +11,13 @@ is the write's completion: `poll` answers DONE once it has passed, and the node 
 the room DONE through bootstrap as with the other backends. Each byte crosses once: no staging,
 no per-descriptor launch.
 
+Host time is the cost that is left once the kernel runs at the copy's speed, so a write does
+little in Python: its ranges are checked by their bounds (one pool into the other, a few numpy
+reductions), planned into a pinned buffer reused from a few slots (`RowTables`), uploaded by
+one asynchronous copy on the caller's stream, and the kernel is launched through its compiled
+form (`CopyLauncher`). `write_pages` (page ids and a page size instead of ranges) skips the
+range objects too: its checks are the smallest and largest page id on each side.
+
 Ranges in CPU memory on both sides (the aux slots with the first token, kvtransfer/aux.py) are
 copied by `process_vm_writev` into the peer's pid at `write` (a few hundred bytes; the receiver
 allows it under Yama's ptrace_scope 1, kvtransfer/process_memory.py). A KV pool in
@@ -39,9 +46,10 @@ from kvtransfer.base import (
     TransferHandle,
     TransferRange,
     TransferState,
+    coalesce_pages,
 )
 from kvtransfer.cuda_driver import CudaDriver
-from kvtransfer.cuda_ipc_kernel import WORD_DTYPES, DevicePointer, copy_rows
+from kvtransfer.cuda_ipc_kernel import MAX_GRID_ROWS, WORD_DTYPES, CopyLauncher
 from kvtransfer.cuda_ipc_plan import (
     BACKEND_FLAG,
     CopyPlan,
@@ -50,7 +58,9 @@ from kvtransfer.cuda_ipc_plan import (
     boot_id,
     check_registrable,
     group_ranges,
-    plan_copy,
+    lowest_bit,
+    plan_columns,
+    plan_pages,
 )
 from kvtransfer.process_memory import (
     ProcessMemoryError,
@@ -59,6 +69,7 @@ from kvtransfer.process_memory import (
 )
 
 logger = logging.getLogger(__name__)
+ROW_BYTES = 3 * 8  # one row of the kernel's table: three int64
 
 
 @dataclass
@@ -77,36 +88,54 @@ class CudaIpcHandle(TransferHandle):
     error: str = ""
 
 
-class RowUpload:
-    """A write's row table to the GPU without allocating: a pinned host buffer and a device
-    buffer, reused. The device buffer is safe to reuse in stream order (the engine's stream
-    runs one write's kernel before the next one's upload); the host buffer once the last
-    upload from it has run (its event). A table too big, or one arriving while the last
-    upload is still queued, takes fresh buffers instead (`keep` holds them until the write
-    is done)."""
+@dataclass
+class TableSlot:
+    """A pinned host buffer and a device buffer for one kernel's row table, and the event
+    after the last kernel that read it (its upload ran before that kernel)."""
 
+    host: torch.Tensor  # pinned int64 [CAPACITY, 3]
+    host_rows: np.ndarray  # the same memory, for numpy to plan into
+    device: torch.Tensor  # int64 [CAPACITY, 3] on the GPU
+    done: Any = None  # torch.cuda.Event
+    views: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (n, host[:n], device[:n])
+
+    def free(self) -> bool:
+        return self.done is None or bool(self.done.query())
+
+    def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host[:n], device[:n]), kept for the next write of as many rows (slicing a
+        tensor costs more host time than the rest of the upload)."""
+        if self.views is None or self.views[0] != n:
+            self.views = (n, self.host[:n], self.device[:n])
+        return self.views[1], self.views[2]
+
+
+class RowTables:
+    """Row tables to the GPU without allocating: `SLOTS` pairs of pinned host and device
+    buffers, taken in turn. A slot is reused only once the event after its last kernel has
+    passed, so neither the host buffer (read by the upload) nor the device one (read by the
+    kernel) can change under a write in flight; with every slot busy, or a table over
+    `CAPACITY` rows, a write takes fresh buffers (the handle keeps them until done)."""
+
+    SLOTS = 4
     CAPACITY = 4096  # rows: a write of up to 4,096 ranges (8 GiB of 2 MiB pages)
 
     def __init__(self, device: torch.device) -> None:
-        self.host = torch.empty((self.CAPACITY, 3), dtype=torch.int64).pin_memory()
-        self.host_rows = self.host.numpy()
-        self.device_rows = torch.empty((self.CAPACITY, 3), dtype=torch.int64, device=device)
-        self.uploaded: Any = None  # the event after the last upload from `host`
+        self.slots = []
+        for _ in range(self.SLOTS):
+            host = torch.empty((self.CAPACITY, 3), dtype=torch.int64).pin_memory()
+            device_rows = torch.empty((self.CAPACITY, 3), dtype=torch.int64, device=device)
+            self.slots.append(TableSlot(host, host.numpy(), device_rows))
+        self._next = 0
 
-    def send(self, rows: np.ndarray, stream: Any) -> tuple[torch.Tensor, list[Any]]:
-        """(the rows on the device, what to keep alive until the kernel is done); queued on
-        `stream`, the current stream."""
-        n = len(rows)
-        if n > self.CAPACITY or (self.uploaded is not None and not self.uploaded.query()):
-            host = torch.from_numpy(rows).pin_memory()
-            device_rows = host.to(stream.device, non_blocking=True)
-            return device_rows, [host, device_rows]
-        self.host_rows[:n] = rows
-        device_rows = self.device_rows[:n]
-        device_rows.copy_(self.host[:n], non_blocking=True)
-        self.uploaded = torch.cuda.Event()
-        self.uploaded.record(stream)
-        return device_rows, []
+    def take(self) -> TableSlot | None:
+        """A free slot (round robin), or None."""
+        for i in range(self.SLOTS):
+            slot = self.slots[(self._next + i) % self.SLOTS]
+            if slot.free():
+                self._next = (self._next + i + 1) % self.SLOTS
+                return slot
+        return None
 
 
 class CudaIpcEngine(KVTransferEngine):
@@ -124,7 +153,9 @@ class CudaIpcEngine(KVTransferEngine):
         self._regions: list[ExportedRegion] = []
         self._peers: dict[str, MappedPeer] = {}
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._uploads: dict[int, RowUpload] = {}
+        self._row_tables: dict[int, RowTables] = {}
+        self._ready: dict[int, Any] = {}  # per device: an event on the caller's stream
+        self._launcher = CopyLauncher()
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         for region in regions:
@@ -200,26 +231,73 @@ class CudaIpcEngine(KVTransferEngine):
                 logger.warning("%s: %s", self.config.node_name, exc)
         peer.opened.clear()
 
-    def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
+    def _peer(self, peer_id: str) -> MappedPeer:
         peer = self._peers.get(peer_id)
         if peer is None:
             raise TransferError(
                 f"cuda_ipc engine {self.config.node_name!r}: peer {peer_id!r} is not "
                 "connected; call connect() with its PeerInfo first"
             )
+        return peer
+
+    def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
+        peer = self._peer(peer_id)
         handle = CudaIpcHandle(peer_id)
         groups = group_ranges(ranges, self._regions, peer.endpoint, self.config.node_name)
-        for (local_i, peer_i), rows in groups.items():
+        for (local_i, peer_i), columns in groups.items():
             local, remote = self._regions[local_i], peer.endpoint.regions[peer_i]
             if not local.on_gpu:
+                rows = [tuple(r) for r in columns.T.tolist()]
                 try:
-                    write_process_memory(peer.endpoint.pid, [tuple(r) for r in rows.tolist()])
+                    write_process_memory(peer.endpoint.pid, rows)
                 except ProcessMemoryError as exc:
                     self._fail(handle, f"CPU write of {len(rows)} ranges: {exc}")
                 continue
             base = peer.bases[peer_i]
-            offsets = rows - np.array([local.addr, remote.addr, 0], dtype=np.int64)
-            self._launch(handle, plan_copy(offsets, align=(local.addr, base)), local, base)
+            columns[0] -= local.addr  # offsets into both regions (the columns are ours)
+            columns[1] -= remote.addr
+            slot = self._tables(local.device_index).take()
+            out = None if slot is None else slot.host_rows
+            plan = plan_columns(columns, align=(local.addr, base), out=out)
+            self._launch(handle, plan, local, base, slot)
+        return handle
+
+    def write_pages(
+        self,
+        peer_id: str,
+        src_pages: Sequence[int] | np.ndarray,
+        dst_pages: Sequence[int] | np.ndarray,
+        page_bytes: int,
+        src_base: int,
+        dst_base: int,
+    ) -> TransferHandle:
+        """Whole pages of one pool into the peer's, checked by the smallest and largest page
+        id and planned straight from the ids (kvtransfer/cuda_ipc_plan.py's `plan_pages`):
+        no range object, no per-range check. Anything else (pages beyond a pool, CPU
+        memory) takes the range path, which refuses it naming the range."""
+        peer = self._peer(peer_id)
+        device = self._kernel_device()
+        slot = self._tables(device).take()
+        planned = plan_pages(
+            src_pages,
+            dst_pages,
+            page_bytes,
+            (src_base, dst_base),
+            self._regions,
+            peer.endpoint.regions,
+            out=None if slot is None else slot.host_rows,
+        )
+        if planned is None:
+            src, dst = np.asarray(src_pages).tolist(), np.asarray(dst_pages).tolist()
+            return self.write(peer_id, coalesce_pages(src, dst, page_bytes, src_base, dst_base))
+        local = self._regions[planned.local_index]
+        base = peer.bases[planned.peer_index]
+        plan = planned.plan
+        word = lowest_bit(plan.chunk_bytes | local.addr | base, 8)
+        if word != plan.word_bytes:  # the mapped base is less aligned than the peer's own
+            plan = CopyPlan(plan.chunk_bytes, word, plan.rows)
+        handle = CudaIpcHandle(peer_id)
+        self._launch(handle, plan, local, base, slot if local.device_index == device else None)
         return handle
 
     def _stream(self, device: int) -> torch.cuda.Stream:
@@ -227,36 +305,97 @@ class CudaIpcEngine(KVTransferEngine):
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
+    def _tables(self, device: int) -> RowTables:
+        if device not in self._row_tables:
+            self._row_tables[device] = RowTables(torch.device("cuda", device))
+        return self._row_tables[device]
+
     def _launch(
-        self, handle: CudaIpcHandle, plan: CopyPlan, local: ExportedRegion, dst_base: int
+        self,
+        handle: CudaIpcHandle,
+        plan: CopyPlan,
+        local: ExportedRegion,
+        dst_base: int,
+        slot: TableSlot | None,
     ) -> None:
-        """One kernel for the whole plan, after the caller's stream, then its event."""
+        """Upload the plan's rows on the caller's stream (after the work that wrote the
+        pages), let the engine's stream wait for it, and queue one kernel there, then its
+        event. `slot`: the table slot the rows were planned into, if any."""
+        if not plan.num_rows:
+            return
         device = local.device_index
-        stream = self._stream(device)
-        word = WORD_DTYPES[plan.word_bytes]
         try:
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):  # the stream's device too
-                rows, keep = self._upload(device).send(plan.rows, stream)
-                copy_rows(
-                    DevicePointer(local.addr, word),
-                    DevicePointer(dst_base, word),
-                    rows,
-                    plan.chunk_words,
-                    plan.max_chunks,
-                )
-                done = torch.cuda.Event()
-                done.record(stream)
+            if torch.cuda.current_device() != device:  # Triton launches on the current one
+                with torch.cuda.device(device):
+                    self._queue(handle, plan, local.addr, dst_base, device, slot)
+            else:
+                self._queue(handle, plan, local.addr, dst_base, device, slot)
         except Exception as exc:  # a launch the runtime refused: this write fails, loudly
             self._fail(handle, f"copy kernel launch: {type(exc).__name__}: {exc}")
-            return
-        handle.events.append(done)
-        handle.keep += keep
 
-    def _upload(self, device: int) -> RowUpload:
-        if device not in self._uploads:
-            self._uploads[device] = RowUpload(torch.device("cuda", device))
-        return self._uploads[device]
+    def _queue(
+        self,
+        handle: CudaIpcHandle,
+        plan: CopyPlan,
+        src_base: int,
+        dst_base: int,
+        device: int,
+        slot: TableSlot | None,
+    ) -> None:
+        rows = self._upload(handle, plan, device, slot)
+        stream = self._after_caller(device)
+        self._kernel(handle, plan, (src_base, dst_base, rows.data_ptr()), device, stream, slot)
+
+    def _upload(
+        self, handle: CudaIpcHandle, plan: CopyPlan, device: int, slot: TableSlot | None
+    ) -> torch.Tensor:
+        """The plan's rows on the device, copied on the caller's stream (queued after the
+        work that wrote the pages, which the kernel waits for anyway)."""
+        n = plan.num_rows
+        if slot is not None and n <= len(slot.host_rows):  # the plan went into the slot
+            host, rows = slot.first(n)
+        else:  # no free slot, or a table too big: fresh buffers, kept until done
+            host = torch.from_numpy(np.ascontiguousarray(plan.rows)).pin_memory()
+            rows = torch.empty_like(host, device=torch.device("cuda", device))
+            handle.keep += [host, rows]
+        rows.copy_(host, non_blocking=True)
+        return rows
+
+    def _after_caller(self, device: int) -> torch.cuda.Stream:
+        """The engine's stream of `device`, made to wait for the caller's current stream
+        (the pages' writes and the table's upload) through one reused event: a wait holds
+        the record made before it."""
+        ready = self._ready.get(device)
+        if ready is None:
+            ready = self._ready[device] = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        stream = self._stream(device)
+        stream.wait_event(ready)
+        return stream
+
+    def _kernel(
+        self,
+        handle: CudaIpcHandle,
+        plan: CopyPlan,
+        addrs: tuple[int, int, int],
+        device: int,
+        stream: torch.cuda.Stream,
+        slot: TableSlot | None,
+    ) -> None:
+        """The copy on the engine's stream (one launch per `MAX_GRID_ROWS` rows), then the
+        event that completes the write and frees the table's slot."""
+        src, dst, table = addrs
+        word = WORD_DTYPES[plan.word_bytes]
+        n = plan.num_rows
+        for first in range(0, n, MAX_GRID_ROWS):
+            grid = (plan.max_chunks, min(MAX_GRID_ROWS, n - first))
+            part = (src, dst, table + first * ROW_BYTES)
+            self._launcher.launch(stream.cuda_stream, device, word, part, plan.chunk_words, grid)
+        done = torch.cuda.Event()
+        done.record(stream)
+        handle.events.append(done)
+        if slot is not None:
+            slot.done = done
 
     def _fail(self, handle: CudaIpcHandle, reason: str) -> None:
         if not handle.error:
@@ -295,4 +434,5 @@ class CudaIpcEngine(KVTransferEngine):
         self._peers.clear()
         self._regions.clear()
         self._streams.clear()
-        self._uploads.clear()
+        self._row_tables.clear()
+        self._ready.clear()

@@ -36,11 +36,16 @@ from kvtransfer import (
 from kvtransfer.cuda_ipc_plan import (
     BACKEND_FLAG,
     MAX_CHUNK_BYTES,
+    CopyPlan,
     ExportedRegion,
     IpcEndpoint,
     check_registrable,
     chunk_size,
+    group_ranges,
+    plan_columns,
     plan_copy,
+    plan_pages,
+    split_rows,
 )
 from kvtransfer.process_memory import (
     ProcessMemoryError,
@@ -210,6 +215,192 @@ def test_plan_copy_of_256_scattered_2mib_pages_is_a_row_a_page() -> None:
     assert (plan.rows[:, 1] // per_page).tolist() == dst
 
 
+# --- the vectorised checks and plans against the per-range reference ---------------------------
+# The first version of the backend checked and planned a write range by range; these are that
+# logic, kept as the reference the vectorised code (bounds, columns, page ids) must agree with
+# on random writes, refusals included.
+
+
+def reference_group(
+    ranges: list[TransferRange], local: tuple[ExportedRegion, ...], peer: IpcEndpoint
+) -> dict[tuple[int, int], list[tuple[int, int, int]]] | str:
+    """Per range: the regions holding it on both sides, GPU to GPU or CPU to CPU; the groups
+    in order, or why the first bad range is refused ("outside" or "crossing")."""
+    groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for r in ranges:
+        li = next((i for i, g in enumerate(local) if g.contains(r.src_addr, r.length)), None)
+        pi = next((i for i, g in enumerate(peer.regions) if g.contains(r.dst_addr, r.length)),
+                  None)  # fmt: skip
+        if li is None or pi is None:
+            return "outside"
+        if local[li].on_gpu != peer.regions[pi].on_gpu:
+            return "crossing"
+        groups.setdefault((li, pi), []).append((r.src_addr, r.dst_addr, r.length))
+    return groups
+
+
+def reference_plan_copy(
+    ranges: list[tuple[int, int, int]], align: tuple[int, ...], max_chunk: int, max_piece: int
+) -> tuple[int, int, list[list[int]]]:
+    """(chunk, word, rows) as plan_copy made them before the column form."""
+    rows = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)
+    if (rows[:, 2] <= 0).any() or (rows[:, :2] < 0).any():
+        raise ValueError("ranges need non-negative offsets and positive lengths")
+    chunk = chunk_size(rows.ravel(), max_chunk)
+    word = chunk_size([chunk, *align], max_chunk=8)
+    piece = max(max_piece - max_piece % chunk, chunk)
+    if len(rows) and rows[:, 2].max() > piece:
+        rows = split_rows(rows, piece)
+    return chunk, word, (rows // chunk).tolist()
+
+
+def apply_rows(src: np.ndarray, dst: np.ndarray, plan: CopyPlan) -> None:
+    """What the kernel does with a plan, in numpy (offsets from the regions' starts)."""
+    c = plan.chunk_bytes
+    for s, d, n in plan.rows.tolist():
+        dst[d * c : (d + n) * c] = src[s * c : (s + n) * c]
+
+
+POOLS = {  # synthetic address spaces: (local regions, peer regions), none overlapping
+    "one pool each": (
+        (ExportedRegion("kv", 0x10_0000, 64 << 10, "cuda:0"), ExportedRegion("aux", 0x2000, 512, "cpu")),
+        (ExportedRegion("kv", 0x40_0000, 48 << 10, "cuda:1"), ExportedRegion("aux", 0x9000, 512, "cpu")),
+    ),
+    "two peer pools": (
+        (ExportedRegion("kv", 0x10_0400, 64 << 10, "cuda:0"),),
+        (ExportedRegion("kv", 0x40_0000, 32 << 10, "cuda:0"),
+         ExportedRegion("staging", 0x50_0000, 16 << 10, "cuda:0")),
+    ),
+}  # fmt: skip
+
+
+def random_ranges(rng: np.random.Generator, local: tuple, peer: tuple) -> list[TransferRange]:
+    """Pages of one pool into another (some odd pieces, some aux slots, now and then into a
+    second pool); in one write of six a range past a region's end, before its start, or from GPU memory into CPU memory."""
+    page = int(rng.choice([256, 1024]))
+    gpu_peer = [r for r in peer if r.on_gpu]
+    n = int(rng.integers(1, 24))
+    kinds = rng.choice(["page", "odd", "aux"], n, p=[0.9, 0.05, 0.05]).tolist()
+    if rng.random() < 1 / 6:
+        kinds[int(rng.integers(n))] = str(rng.choice(["past", "before", "cross"]))
+    out = []
+    usual = gpu_peer[int(rng.integers(len(gpu_peer)))]  # the write's pool; now and then another
+    for kind in kinds:
+        src_r = local[0]
+        dst_r = usual if rng.random() < 0.95 else gpu_peer[int(rng.integers(len(gpu_peer)))]
+        if kind == "aux" and not local[-1].on_gpu and not peer[-1].on_gpu:
+            src_r, dst_r = local[-1], peer[-1]
+        if kind == "cross":
+            dst_r = peer[-1] if not peer[-1].on_gpu else dst_r
+            src_r = local[-1] if peer[-1].on_gpu and not local[-1].on_gpu else src_r
+        length = min(page if kind != "odd" else int(rng.integers(1, 300)), src_r.length,
+                     dst_r.length)  # fmt: skip
+        s = src_r.addr + int(rng.integers(0, (src_r.length - length) // page + 1)) * page
+        d = dst_r.addr + int(rng.integers(0, (dst_r.length - length) // page + 1)) * page
+        if kind == "odd":
+            s = src_r.addr + int(rng.integers(0, src_r.length - length + 1))
+            d = dst_r.addr + int(rng.integers(0, dst_r.length - length + 1))
+        if kind == "past":
+            d = dst_r.addr + dst_r.length - length + int(rng.integers(1, 64))
+        if kind == "before":
+            s = src_r.addr - int(rng.integers(1, 64))
+        out.append(TransferRange(s, d, length))
+    return out
+
+
+@pytest.mark.parametrize("pools", sorted(POOLS))
+def test_group_ranges_agrees_with_the_per_range_checks(pools: str) -> None:
+    local, peer_regions = POOLS[pools]
+    peer = IpcEndpoint("decode", "boot", 1, peer_regions)
+    rng = np.random.default_rng(7)
+    refused = fast = 0
+    for _ in range(400):
+        ranges = random_ranges(rng, local, peer_regions)
+        expected = reference_group(ranges, local, peer)
+        if isinstance(expected, str):
+            with pytest.raises(TransferError) as err:
+                group_ranges(ranges, local, peer, "prefill")
+            named = next(r for r in ranges if str(r) in str(err.value))
+            assert isinstance(reference_group([named], local, peer), str), err.value
+            refused += 1
+            continue
+        got = group_ranges(ranges, local, peer, "prefill")
+        assert {k: v.T.tolist() for k, v in got.items()} == {
+            k: [list(r) for r in v] for k, v in expected.items()
+        }
+        fast += len(got) == 1
+    assert refused > 20 and fast > 100  # both paths and the refusals were exercised
+
+
+def test_plan_columns_makes_the_plans_of_the_per_range_version() -> None:
+    rng = np.random.default_rng(11)
+    for case in range(500):
+        n = int(rng.integers(0, 40))
+        unit = int(rng.choice([1, 2, 8, 64, 4096, 16384]))
+        rows = np.stack([rng.integers(0, 1 << 12, n) * unit, rng.integers(0, 1 << 12, n) * unit,
+                         rng.integers(1, 600, n) * unit], axis=1)  # fmt: skip
+        if case % 50 == 0 and n:
+            rows[int(rng.integers(n)), int(rng.integers(3))] *= -1 if case % 100 else 0
+        align = tuple(int(a) for a in rng.choice([0x1000, 0x1004, 0x1002, 0x1001], 2))
+        max_chunk, max_piece = int(rng.choice([256, 16384])), int(rng.choice([4096, 2 << 20]))
+        try:
+            chunk, word, expected = reference_plan_copy(rows.tolist(), align, max_chunk, max_piece)
+        except ValueError:
+            with pytest.raises(ValueError, match="positive lengths"):
+                plan_columns(rows.T, align, max_chunk, max_piece)
+            continue
+        out = np.full((64, 3), -1, dtype=np.int64)
+        for target in (None, out):
+            plan = plan_columns(np.ascontiguousarray(rows.T), align, max_chunk, max_piece, target)
+            assert (plan.chunk_bytes, plan.word_bytes) == (chunk, word)
+            assert plan.rows.tolist() == expected
+            assert plan_copy(rows, align, max_chunk, max_piece).rows.tolist() == expected
+            if target is not None and 0 < len(expected) <= len(out):
+                assert np.shares_memory(plan.rows, out)
+
+
+@pytest.mark.parametrize("pools", sorted(POOLS))
+def test_plan_pages_moves_the_bytes_of_the_checked_ranges(pools: str) -> None:
+    """Page ids planned straight into rows: taken exactly when the page ranges are one GPU
+    pool into another, and then moving the same bytes as the ranges would."""
+    local, peer_regions = POOLS[pools]
+    peer = IpcEndpoint("decode", "boot", 1, peer_regions)
+    rng = np.random.default_rng(5)
+    taken = 0
+    for _ in range(300):
+        page = int(rng.choice([64, 256, 1024, 3 * 256]))
+        src_r, dst_r = local[0], peer_regions[int(rng.integers(len(peer_regions)))]
+        src_base = src_r.addr + int(rng.choice([0, 0, 128, -page]))
+        dst_base = dst_r.addr + int(rng.choice([0, 0, 512]))
+        n = int(rng.integers(0, 20))
+        src_top, dst_top = max(src_r.length // page, 1), max(dst_r.length // page, 1)
+        src = rng.integers(-1 if rng.random() < 0.1 else 0, src_top + (rng.random() < 0.1), n)
+        dst = rng.integers(0, dst_top + (rng.random() < 0.1), n)
+        ranges = coalesce_pages(src.tolist(), dst.tolist(), page, src_base, dst_base)
+        expected = reference_group(ranges, local, peer)
+        out = np.zeros((32, 3), dtype=np.int64)
+        planned = plan_pages(src, dst, page, (src_base, dst_base), local, peer_regions, (), out)
+        one_gpu_pair = isinstance(expected, dict) and len(expected) == 1 and local[
+            next(iter(expected))[0]].on_gpu  # fmt: skip
+        assert (planned is not None) == (one_gpu_pair and n > 0), (src, dst, expected)
+        if planned is None:
+            continue
+        taken += 1
+        [(li, pi)] = expected
+        assert (planned.local_index, planned.peer_index) == (li, pi)
+        src_bytes = rng.integers(0, 256, local[li].length, dtype=np.uint8)
+        want = np.full(peer_regions[pi].length, 0xA5, dtype=np.uint8)
+        got = want.copy()
+        for s, d, length in expected[(li, pi)]:
+            s, d = s - local[li].addr, d - peer_regions[pi].addr
+            want[d : d + length] = src_bytes[s : s + length]
+        apply_rows(src_bytes, got, planned.plan)
+        assert np.array_equal(got, want)
+    assert taken > 100
+    with pytest.raises(ValueError, match="destination pages"):
+        plan_pages([1, 2], [3], 64, (0, 0), local, peer_regions)
+
+
 def endpoint() -> IpcEndpoint:
     return IpcEndpoint(
         "decode-1",
@@ -311,6 +502,19 @@ class FakeDriver:
         self.closed.append(addr)
 
 
+class CpuTables:
+    """RowTables' slots in CPU memory (no pinning without a GPU)."""
+
+    def __init__(self) -> None:
+        from kvtransfer.cuda_ipc import TableSlot
+
+        host = torch.zeros((64, 3), dtype=torch.int64)
+        self.slot = TableSlot(host, host.numpy(), torch.zeros_like(host))
+
+    def take(self):  # type: ignore[no-untyped-def]
+        return self.slot
+
+
 @pytest.fixture
 def fake_gpu_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     """A CudaIpcEngine whose driver, kernel launch and CPU writes are recorded."""
@@ -322,8 +526,10 @@ def fake_gpu_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped
     engine = cuda_ipc.CudaIpcEngine(TransferConfig(backend="cuda_ipc", node_name="prefill"))
     launches: list = []
     cpu_writes: list = []
-    monkeypatch.setattr(engine, "_launch", lambda h, plan, local, base: launches.append(
-        (plan, local.addr, base)))  # fmt: skip
+    tables = CpuTables()
+    monkeypatch.setattr(engine, "_tables", lambda device: tables)
+    monkeypatch.setattr(engine, "_launch", lambda h, plan, local, base, slot: launches.append(
+        (plan, local.addr, base, slot)))  # fmt: skip
     monkeypatch.setattr(cuda_ipc, "write_process_memory", lambda pid, rows: cpu_writes.append(
         (pid, rows)))  # fmt: skip
     engine.register([MemoryRegion("kv", 0x1000_0000, 1 << 24, "cuda:0"),
@@ -348,13 +554,25 @@ def test_engine_maps_the_peer_once_and_plans_one_launch_per_write(fake_gpu_engin
     ranges.append(TransferRange(0x2000 + 128, aux.addr + 256, 200))
     handle = engine.write("decode-1", ranges)
     assert engine.poll(handle) is TransferState.DONE  # no kernel was really queued
-    [(plan, src_base, dst_base)] = launches
+    [(plan, src_base, dst_base, slot)] = launches
     assert (src_base, dst_base) == (0x1000_0000, FakeDriver.MAPPED_AT + 512)
     per_page = page // MAX_CHUNK_BYTES  # pages 3-4 -> 7-8 are one row, 9 -> 1 another
     assert plan.chunk_bytes == MAX_CHUNK_BYTES
     assert plan.rows.tolist() == [[3 * per_page, 7 * per_page, 2 * per_page],
                                   [9 * per_page, 1 * per_page, per_page]]  # fmt: skip
+    assert np.shares_memory(plan.rows, slot.host_rows)  # planned into the upload buffer
     assert cpu_writes == [(4242, [(0x2000 + 128, aux.addr + 256, 200)])]
+    engine.release(handle)
+    # the page-index form: the same rows, one a page (no coalescing needed)
+    launches.clear()
+    handle = engine.write_pages("decode-1", [3, 4, 9], np.array([7, 8, 1]), page,
+                                0x1000_0000, kv.addr)  # fmt: skip
+    [(pages_plan, src_base, dst_base, _)] = launches
+    assert (src_base, dst_base) == (0x1000_0000, FakeDriver.MAPPED_AT + 512)
+    assert pages_plan.rows.tolist() == [[3 * per_page, 7 * per_page, per_page],
+                                        [4 * per_page, 8 * per_page, per_page],
+                                        [9 * per_page, 1 * per_page, per_page]]  # fmt: skip
+    assert pages_plan.word_bytes == 8
     engine.release(handle)
     restarted = IpcEndpoint("decode-1", "boot-a", 4343, (replace(kv, ipc_handle=bytes(64)),))
     engine.connect(PeerInfo("decode-1", restarted.to_bytes(), {}))  # the old mapping goes
@@ -383,6 +601,15 @@ def test_engine_refuses_bad_writes_and_peers_naming_what_to_do(fake_gpu_engine) 
         engine.write("decode-1", [TransferRange(0x1000_0000, aux.addr, 64)])
     with pytest.raises(TransferError, match="KV pool in GPU memory"):
         engine.register([MemoryRegion("kv", 0x9000, 4096, "cpu")])
+    # page ids past either pool: the range path refuses them, naming the range
+    page = 64 << 10
+    past_local = (1 << 24) // page
+    with pytest.raises(TransferError, match="outside every registered local region"):
+        engine.write_pages("decode-1", [0, past_local], [1, 2], page, 0x1000_0000, kv.addr)
+    with pytest.raises(TransferError, match="outside every registered peer 'decode-1' region"):
+        engine.write_pages("decode-1", [0, 1], [-1, 2], page, 0x1000_0000, kv.addr)
+    with pytest.raises(TransferError, match=r"GPU to GPU \(KV\) and CPU to CPU \(aux\) only"):
+        engine.write_pages("decode-1", [0], [0], 64, 0x1000_0000, aux.addr)
     assert launches == []
 
 
