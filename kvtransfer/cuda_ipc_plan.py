@@ -367,8 +367,7 @@ def plan_pages(
     nothing to write): the caller then takes the range path, whose per-range checks name the
     offending range. `align`: the base addresses the kernel's words are relative to; `out`:
     an int64 [>= n, 3] buffer to plan into (a pinned upload buffer), else a new array."""
-    src = np.asarray(src_pages, dtype=np.int64)
-    dst = np.asarray(dst_pages, dtype=np.int64)
+    src, dst = _page_ids(src_pages), _page_ids(dst_pages)
     if src.ndim != 1 or src.shape != dst.shape:
         raise ValueError(f"{src.shape} source pages but {dst.shape} destination pages")
     n = len(src)
@@ -387,7 +386,17 @@ def plan_pages(
     rows = _rows(n, out)
     np.multiply(src, per_page, out=rows[:, 0])
     np.multiply(dst, per_page, out=rows[:, 1])
-    rows[:, 0] += src_offset // chunk
-    rows[:, 1] += dst_offset // chunk
+    if src_offset:
+        rows[:, 0] += src_offset // chunk
+    if dst_offset:
+        rows[:, 1] += dst_offset // chunk
     rows[:, 2] = per_page
     return PagePlan(li, pi, CopyPlan(chunk, lowest_bit(chunk | _or(align), 8), rows))
+
+
+def _page_ids(pages: Sequence[int] | np.ndarray) -> np.ndarray:
+    if isinstance(pages, np.ndarray):
+        return pages.astype(np.int64, copy=False)
+    if isinstance(pages, list):  # fromiter reads a list of ints twice as fast as asarray
+        return np.fromiter(pages, np.int64, len(pages))
+    return np.asarray(pages, dtype=np.int64)

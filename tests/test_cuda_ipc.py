@@ -261,22 +261,24 @@ def apply_rows(src: np.ndarray, dst: np.ndarray, plan: CopyPlan) -> None:
         dst[d * c : (d + n) * c] = src[s * c : (s + n) * c]
 
 
+GPU0, GPU1, CPU = "cuda:0", "cuda:1", "cpu"
 POOLS = {  # synthetic address spaces: (local regions, peer regions), none overlapping
     "one pool each": (
-        (ExportedRegion("kv", 0x10_0000, 64 << 10, "cuda:0"), ExportedRegion("aux", 0x2000, 512, "cpu")),
-        (ExportedRegion("kv", 0x40_0000, 48 << 10, "cuda:1"), ExportedRegion("aux", 0x9000, 512, "cpu")),
+        (ExportedRegion("kv", 0x10_0000, 64 << 10, GPU0), ExportedRegion("aux", 0x2000, 512, CPU)),
+        (ExportedRegion("kv", 0x40_0000, 48 << 10, GPU1), ExportedRegion("aux", 0x9000, 512, CPU)),
     ),
     "two peer pools": (
-        (ExportedRegion("kv", 0x10_0400, 64 << 10, "cuda:0"),),
-        (ExportedRegion("kv", 0x40_0000, 32 << 10, "cuda:0"),
-         ExportedRegion("staging", 0x50_0000, 16 << 10, "cuda:0")),
+        (ExportedRegion("kv", 0x10_0400, 64 << 10, GPU0),),
+        (ExportedRegion("kv", 0x40_0000, 32 << 10, GPU0),
+         ExportedRegion("staging", 0x50_0000, 16 << 10, GPU0)),
     ),
 }  # fmt: skip
 
 
 def random_ranges(rng: np.random.Generator, local: tuple, peer: tuple) -> list[TransferRange]:
     """Pages of one pool into another (some odd pieces, some aux slots, now and then into a
-    second pool); in one write of six a range past a region's end, before its start, or from GPU memory into CPU memory."""
+    second pool); in one write of six a range past a region's end, before its start, or from
+    GPU memory into CPU memory."""
     page = int(rng.choice([256, 1024]))
     gpu_peer = [r for r in peer if r.on_gpu]
     n = int(rng.integers(1, 24))
@@ -715,13 +717,20 @@ def test_two_processes_move_scattered_pages_and_aux(second_gpu: bool) -> None:
         rng = np.random.default_rng(1)
         src_pages = rng.permutation(POOL_PAGES)[:24].tolist()
         dst_pages = rng.permutation(POOL_PAGES)[:24].tolist()
-        ranges = coalesce_pages(src_pages, dst_pages, PAGE_BYTES, pool.data_ptr(), regions[0].addr)
+        # the first 12 pages as ranges (with the aux slot), the others by page ids in six
+        # writes queued back to back: more than RowTables' slots, so some take fresh buffers
+        bases = (pool.data_ptr(), regions[0].addr)
+        ranges = coalesce_pages(src_pages[:12], dst_pages[:12], PAGE_BYTES, *bases)
         ranges.append(TransferRange(int(aux.ctypes.data), regions[1].addr, 16))
-        handle = engine.write("decode", ranges)
-        while (state := engine.poll(handle)) is TransferState.PENDING:
-            pass
-        engine.release(handle)
-        assert state is TransferState.DONE
+        handles = [engine.write("decode", ranges)]
+        for i in range(12, 24, 2):
+            pages = (src_pages[i : i + 2], np.array(dst_pages[i : i + 2]))
+            handles.append(engine.write_pages("decode", *pages, PAGE_BYTES, *bases))
+        for handle in handles:
+            while (state := engine.poll(handle)) is TransferState.PENDING:
+                pass
+            engine.release(handle)
+            assert state is TransferState.DONE
         here.send((src_pages, dst_pages))
         landed, untouched, aux_got = here.recv()
         engine.close()
@@ -742,7 +751,13 @@ def test_bench_parses_cuda_ipc_flags_and_picks_its_engines() -> None:
     )
     assert args.backends == ["cuda_ipc"] and args.pd_backends == ["cuda_ipc"]
     assert bench.engines_to_run(args, {}) == [bench.CUDA_IPC]
-    assert bench.CUDA_IPC.methods == ("contiguous", "scattered")
+    assert bench.CUDA_IPC.methods == (
+        "contiguous",
+        "scattered",
+        "scattered, page ids",
+        "scattered, before",
+    )
+    assert set(bench.IPC_METHODS.values()) == {"ranges", "pages", "before"}
     # its own check failing drops its rows only; another check failing drops every row
     every = bench.build_parser().parse_args([])
     assert bench.CUDA_IPC in bench.engines_to_run(every, {"nixl-cu13": "1.5.1"})
@@ -765,6 +780,30 @@ def test_bench_table_rates_cuda_ipc_rows_against_its_own_contiguous_row() -> Non
     assert f"- {bench.CUDA_IPC_CHECK}: PASS" in table
     assert "| cuda_ipc kernel | scattered | 256 | 0.320 | 0.31-0.33 | 1678 | 93.8% |" in table
     assert "failed: RuntimeError: a / b" in table
+    # a failed byte check or a cuda_ipc row that could not write fails the run, loudly
+    assert bench.failed_checks({bench.CUDA_IPC_CHECK: "PASS"}, rows[:2], []) == []
+    wrong = bench.Row("cuda_ipc kernel", "scattered, page ids", 256, checked=False)
+    failures = bench.failed_checks({"torch page copy == source": "FAIL"}, [*rows, wrong], [])
+    assert failures == [
+        "torch page copy == source",
+        "cuda_ipc kernel scattered, page ids: bytes differ",
+        "cuda_ipc kernel scattered: RuntimeError: a | b",
+    ]
+
+
+def test_tune_ipc_copy_parses_its_paths_and_jobs_build_their_ranges() -> None:
+    from scripts.gpu import ipc_write_paths as ipc
+    from scripts.gpu import tune_ipc_copy as tune
+
+    args = tune.build_parser().parse_args(["--out", "x", "--profile-write", "100"])
+    assert args.paths == ["before", "ranges", "pages"] and args.profile_write == 100
+    args = tune.build_parser().parse_args(["--out", "x", "--paths", "before", "pages"])
+    assert args.paths == ["before", "pages"]
+    with pytest.raises(SystemExit):
+        tune.build_parser().parse_args(["--out", "x", "--paths", "fast"])
+    job = ipc.PageJob("decode", [3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
+    assert job.ranges() == coalesce_pages([3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
+    assert set(ipc.PATH_FUNCTIONS) == set(ipc.PATHS)
 
 
 def test_bench_help_runs_on_a_cpu() -> None:

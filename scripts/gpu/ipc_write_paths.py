@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain, pairwise
 from operator import attrgetter
@@ -37,6 +37,7 @@ from kvtransfer.cuda_ipc_plan import (
     MAX_CHUNK_BYTES,
     MAX_PIECE_BYTES,
     CopyPlan,
+    ExportedRegion,
     chunk_size,
     group_ranges,
     plan_columns,
@@ -115,25 +116,40 @@ def _before_plan(ranges: Any, align: tuple[int, int]) -> CopyPlan:
     return CopyPlan(chunk, word, rows // chunk)
 
 
+def before_plan(
+    ranges: list[TransferRange],
+    local: Sequence[ExportedRegion],
+    peer: Sequence[ExportedRegion],
+    mapped: dict[int, int],
+    mark: Any = None,
+) -> tuple[ExportedRegion, int, CopyPlan]:
+    """The CPU part of then (one GPU pool into another): (local region, mapped peer base,
+    plan). `mapped`: peer region index -> its address in this process."""
+    mark = mark or _Marks(None)
+    fields = map(_RANGE_FIELDS, ranges)
+    rows = np.fromiter(chain.from_iterable(fields), np.int64, 3 * len(ranges)).reshape(-1, 3)
+    src_lo, dst_lo = int(rows[:, 0].min()), int(rows[:, 1].min())
+    src_hi, dst_hi = int((rows[:, 0] + rows[:, 2]).max()), int((rows[:, 1] + rows[:, 2]).max())
+    [local_region] = [r for r in local if r.contains(src_lo, src_hi - src_lo)]
+    [(pi, remote)] = [(i, r) for i, r in enumerate(peer) if r.contains(dst_lo, dst_hi - dst_lo)]
+    if (rows[:, 2] <= 0).any() or not (local_region.on_gpu and remote.on_gpu):
+        raise RuntimeError("the `before` path here covers one GPU pool into another only")
+    mark("group_ranges")
+    base = mapped[pi]
+    offsets = rows - np.array([local_region.addr, remote.addr, 0])
+    plan = _before_plan(offsets, (local_region.addr, base))
+    mark("plan_copy")
+    return local_region, base, plan
+
+
 def before_write(
     engine: CudaIpcEngine, job: PageJob, ranges: list[TransferRange], marks: Any = None
 ) -> CudaIpcHandle:
     mark = _Marks(marks)
     mark("start")
     peer = engine._peers[job.peer_id]
-    fields = map(_RANGE_FIELDS, ranges)
-    rows = np.fromiter(chain.from_iterable(fields), np.int64, 3 * len(ranges)).reshape(-1, 3)
-    src_lo, dst_lo = int(rows[:, 0].min()), int(rows[:, 1].min())
-    src_hi, dst_hi = int((rows[:, 0] + rows[:, 2]).max()), int((rows[:, 1] + rows[:, 2]).max())
-    [local] = [r for r in engine._regions if r.contains(src_lo, src_hi - src_lo)]
-    [(pi, remote)] = [(i, r) for i, r in enumerate(peer.endpoint.regions)
-                      if r.contains(dst_lo, dst_hi - dst_lo)]  # fmt: skip
-    if (rows[:, 2] <= 0).any() or not (local.on_gpu and remote.on_gpu):
-        raise RuntimeError("the `before` path here covers one GPU pool into another only")
-    mark("group_ranges")
-    base = peer.bases[pi]
-    plan = _before_plan(rows - np.array([local.addr, remote.addr, 0]), (local.addr, base))
-    mark("plan_copy")
+    regions, peer_regions = engine._regions, peer.endpoint.regions
+    local, base, plan = before_plan(ranges, regions, peer_regions, peer.bases, mark)
     device = local.device_index
     stream = engine._stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
