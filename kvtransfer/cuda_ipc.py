@@ -121,7 +121,7 @@ class RowTables:
     CAPACITY = 4096  # rows: a write of up to 4,096 ranges (8 GiB of 2 MiB pages)
 
     def __init__(self, device: torch.device) -> None:
-        self.slots = []
+        self.slots: list[TableSlot] = []
         for _ in range(self.SLOTS):
             host = torch.empty((self.CAPACITY, 3), dtype=torch.int64).pin_memory()
             device_rows = torch.empty((self.CAPACITY, 3), dtype=torch.int64, device=device)
@@ -130,10 +130,11 @@ class RowTables:
 
     def take(self) -> TableSlot | None:
         """A free slot (round robin), or None."""
-        for i in range(self.SLOTS):
-            slot = self.slots[(self._next + i) % self.SLOTS]
+        count = len(self.slots)
+        for i in range(count):
+            slot = self.slots[(self._next + i) % count]
             if slot.free():
-                self._next = (self._next + i + 1) % self.SLOTS
+                self._next = (self._next + i + 1) % count
                 return slot
         return None
 

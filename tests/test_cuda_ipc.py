@@ -583,6 +583,37 @@ def test_engine_maps_the_peer_once_and_plans_one_launch_per_write(fake_gpu_engin
     assert engine._driver.closed == [FakeDriver.MAPPED_AT] * 2
 
 
+class FakeEvent:
+    def __init__(self, passed: bool) -> None:
+        self.passed = passed
+
+    def query(self) -> bool:
+        return self.passed
+
+
+def test_row_tables_reuse_a_slot_only_once_its_kernel_is_done() -> None:
+    """A slot's host buffer is read by its upload and its device buffer by its kernel: both
+    are done once the event after the kernel has passed, and not before."""
+    from kvtransfer.cuda_ipc import RowTables, TableSlot
+
+    tables = RowTables.__new__(RowTables)  # no pinned memory without a GPU: slots by hand
+    host = torch.zeros((8, 3), dtype=torch.int64)
+    tables.slots = [TableSlot(host, host.numpy(), host) for _ in range(3)]
+    tables._next = 0
+    first, second = tables.take(), tables.take()
+    assert first is tables.slots[0] and second is tables.slots[1]
+    first.done, second.done = FakeEvent(False), FakeEvent(True)
+    assert tables.take() is tables.slots[2]  # round robin
+    tables.slots[2].done = FakeEvent(False)
+    assert tables.take() is second  # slot 0 still busy: its kernel has not run
+    second.done = FakeEvent(False)
+    assert tables.take() is None  # every slot busy: the write takes fresh buffers
+    first.done.passed = True
+    assert tables.take() is first
+    views = first.first(5)
+    assert views[0].shape == (5, 3) and first.first(5)[0] is views[0]  # kept for the next
+
+
 def test_engine_refuses_bad_writes_and_peers_naming_what_to_do(fake_gpu_engine) -> None:  # type: ignore[no-untyped-def]
     engine, launches, _ = fake_gpu_engine
     with pytest.raises(TransferError, match="not connected"):

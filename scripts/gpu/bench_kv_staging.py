@@ -28,8 +28,11 @@ one registered region), move a 4k-token prompt (256 pages, 512 MiB) four ways pe
   the binding's own blocking batch call on the 256 descriptors (no waiter thread).
 
 The `cuda_ipc` engine (kvtransfer/cuda_ipc.py: the receiver's pool mapped through CUDA IPC,
-one Triton kernel a write) has the `contiguous` and `scattered` rows only: each is one kernel
-launch whatever the layout, timed from `write` to its event passed in `poll`. Its reference
+one Triton kernel a write) has a `contiguous` row and its scattered write three ways
+(scripts/gpu/ipc_write_paths.py): `scattered` (the engine's `write` of the ranges),
+`scattered, page ids` (its `write_pages`) and `scattered, before` (the write of the
+2026-11-26 report, frozen): each is one kernel launch whatever the layout, timed from `write`
+to its event passed in `poll`, with its host time split step by step in the parts column. Its reference
 checks run first in this process (one GPU only): the engine's kernel between two pools of
 this process against torch indexing, timed for both layouts beside torch's contiguous copy.
 The PD check with `--pd-backends cuda_ipc` runs both nodes on it, without staging (the
@@ -38,7 +41,9 @@ staging flags are forced for the other backends only).
 Checks first: the staging kernels against torch indexing on the GPU, torch's copy of the same
 pages between the two pools (the copy ceiling), and for every row one write into a poisoned
 receiver pool, every destination page equal to its source byte for byte and every other page
-still poisoned; repeated after the timed writes. A row whose check fails prints no speed.
+still poisoned; repeated after the timed writes. A row whose check fails prints no speed, and
+the run then exits with code 1 (also on a failed reference or PD check, or a cuda_ipc row
+that could not write).
 `--device cpu --pool-pages 64 --tokens 256` is a dry run of the flow on a CPU (NIXL DRAM,
 Mooncake tcp).
 """
