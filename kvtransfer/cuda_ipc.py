@@ -13,10 +13,11 @@ no per-descriptor launch.
 
 Host time is the cost that is left once the kernel runs at the copy's speed, so a write does
 little in Python: its ranges are checked by their bounds (one pool into the other, a few numpy
-reductions), planned into a pinned buffer reused from a few slots (`RowTables`), uploaded by
-one asynchronous copy on the caller's stream, and the kernel is launched through its compiled
-form (`CopyLauncher`). `write_pages` (page ids and a page size instead of ranges) skips the
-range objects too: its checks are the smallest and largest page id on each side.
+reductions), planned into a pinned buffer reused from a few slots, uploaded by one
+asynchronous copy on the caller's stream, and the kernel is launched through its compiled
+form (kvtransfer/cuda_ipc_queue.py). `write_pages` (page ids and a page size instead of
+ranges) skips the range objects too: its checks are the smallest and largest page id on each
+side.
 
 Ranges in CPU memory on both sides (the aux slots with the first token, kvtransfer/aux.py) are
 copied by `process_vm_writev` into the peer's pid at `write` (a few hundred bytes; the receiver
@@ -49,7 +50,7 @@ from kvtransfer.base import (
     coalesce_pages,
 )
 from kvtransfer.cuda_driver import CudaDriver
-from kvtransfer.cuda_ipc_kernel import MAX_GRID_ROWS, WORD_DTYPES, CopyLauncher
+from kvtransfer.cuda_ipc_kernel import CopyLauncher
 from kvtransfer.cuda_ipc_plan import (
     BACKEND_FLAG,
     CopyPlan,
@@ -62,6 +63,7 @@ from kvtransfer.cuda_ipc_plan import (
     plan_columns,
     plan_pages,
 )
+from kvtransfer.cuda_ipc_queue import CopyQueue, RowTables, TableSlot
 from kvtransfer.process_memory import (
     ProcessMemoryError,
     allow_peer_writes,
@@ -69,7 +71,6 @@ from kvtransfer.process_memory import (
 )
 
 logger = logging.getLogger(__name__)
-ROW_BYTES = 3 * 8  # one row of the kernel's table: three int64
 
 
 @dataclass
@@ -88,57 +89,6 @@ class CudaIpcHandle(TransferHandle):
     error: str = ""
 
 
-@dataclass
-class TableSlot:
-    """A pinned host buffer and a device buffer for one kernel's row table, and the event
-    after the last kernel that read it (its upload ran before that kernel)."""
-
-    host: torch.Tensor  # pinned int64 [CAPACITY, 3]
-    host_rows: np.ndarray  # the same memory, for numpy to plan into
-    device: torch.Tensor  # int64 [CAPACITY, 3] on the GPU
-    done: Any = None  # torch.cuda.Event
-    views: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (n, host[:n], device[:n])
-
-    def free(self) -> bool:
-        return self.done is None or bool(self.done.query())
-
-    def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(host[:n], device[:n]), kept for the next write of as many rows (slicing a
-        tensor costs more host time than the rest of the upload)."""
-        if self.views is None or self.views[0] != n:
-            self.views = (n, self.host[:n], self.device[:n])
-        return self.views[1], self.views[2]
-
-
-class RowTables:
-    """Row tables to the GPU without allocating: `SLOTS` pairs of pinned host and device
-    buffers, taken in turn. A slot is reused only once the event after its last kernel has
-    passed, so neither the host buffer (read by the upload) nor the device one (read by the
-    kernel) can change under a write in flight; with every slot busy, or a table over
-    `CAPACITY` rows, a write takes fresh buffers (the handle keeps them until done)."""
-
-    SLOTS = 4
-    CAPACITY = 4096  # rows: a write of up to 4,096 ranges (8 GiB of 2 MiB pages)
-
-    def __init__(self, device: torch.device) -> None:
-        self.slots: list[TableSlot] = []
-        for _ in range(self.SLOTS):
-            host = torch.empty((self.CAPACITY, 3), dtype=torch.int64).pin_memory()
-            device_rows = torch.empty((self.CAPACITY, 3), dtype=torch.int64, device=device)
-            self.slots.append(TableSlot(host, host.numpy(), device_rows))
-        self._next = 0
-
-    def take(self) -> TableSlot | None:
-        """A free slot (round robin), or None."""
-        count = len(self.slots)
-        for i in range(count):
-            slot = self.slots[(self._next + i) % count]
-            if slot.free():
-                self._next = (self._next + i + 1) % count
-                return slot
-        return None
-
-
 class CudaIpcEngine(KVTransferEngine):
     name = "cuda_ipc"
 
@@ -153,9 +103,7 @@ class CudaIpcEngine(KVTransferEngine):
         self._boot_id = boot_id()
         self._regions: list[ExportedRegion] = []
         self._peers: dict[str, MappedPeer] = {}
-        self._streams: dict[int, torch.cuda.Stream] = {}
-        self._row_tables: dict[int, RowTables] = {}
-        self._ready: dict[int, Any] = {}  # per device: an event on the caller's stream
+        self._queues: dict[int, CopyQueue] = {}  # per GPU that runs copies
         self._launcher = CopyLauncher()
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
@@ -301,15 +249,13 @@ class CudaIpcEngine(KVTransferEngine):
         self._launch(handle, plan, local, base, slot if local.device_index == device else None)
         return handle
 
-    def _stream(self, device: int) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
+    def _copy_queue(self, device: int) -> CopyQueue:
+        if device not in self._queues:
+            self._queues[device] = CopyQueue(device, self._launcher)
+        return self._queues[device]
 
     def _tables(self, device: int) -> RowTables:
-        if device not in self._row_tables:
-            self._row_tables[device] = RowTables(torch.device("cuda", device))
-        return self._row_tables[device]
+        return self._copy_queue(device).tables
 
     def _launch(
         self,
@@ -319,84 +265,23 @@ class CudaIpcEngine(KVTransferEngine):
         dst_base: int,
         slot: TableSlot | None,
     ) -> None:
-        """Upload the plan's rows on the caller's stream (after the work that wrote the
-        pages), let the engine's stream wait for it, and queue one kernel there, then its
-        event. `slot`: the table slot the rows were planned into, if any."""
+        """One kernel for the whole plan on the copy queue of the local pool's GPU, after
+        the caller's stream; its event completes the write. `slot`: the table slot the rows
+        were planned into, if any."""
         if not plan.num_rows:
             return
         device = local.device_index
+        queue = self._copy_queue(device)
         try:
             if torch.cuda.current_device() != device:  # Triton launches on the current one
                 with torch.cuda.device(device):
-                    self._queue(handle, plan, local.addr, dst_base, device, slot)
+                    done = queue.submit(plan, local.addr, dst_base, slot, handle.keep)
             else:
-                self._queue(handle, plan, local.addr, dst_base, device, slot)
+                done = queue.submit(plan, local.addr, dst_base, slot, handle.keep)
         except Exception as exc:  # a launch the runtime refused: this write fails, loudly
             self._fail(handle, f"copy kernel launch: {type(exc).__name__}: {exc}")
-
-    def _queue(
-        self,
-        handle: CudaIpcHandle,
-        plan: CopyPlan,
-        src_base: int,
-        dst_base: int,
-        device: int,
-        slot: TableSlot | None,
-    ) -> None:
-        rows = self._upload(handle, plan, device, slot)
-        stream = self._after_caller(device)
-        self._kernel(handle, plan, (src_base, dst_base, rows.data_ptr()), device, stream, slot)
-
-    def _upload(
-        self, handle: CudaIpcHandle, plan: CopyPlan, device: int, slot: TableSlot | None
-    ) -> torch.Tensor:
-        """The plan's rows on the device, copied on the caller's stream (queued after the
-        work that wrote the pages, which the kernel waits for anyway)."""
-        n = plan.num_rows
-        if slot is not None and n <= len(slot.host_rows):  # the plan went into the slot
-            host, rows = slot.first(n)
-        else:  # no free slot, or a table too big: fresh buffers, kept until done
-            host = torch.from_numpy(np.ascontiguousarray(plan.rows)).pin_memory()
-            rows = torch.empty_like(host, device=torch.device("cuda", device))
-            handle.keep += [host, rows]
-        rows.copy_(host, non_blocking=True)
-        return rows
-
-    def _after_caller(self, device: int) -> torch.cuda.Stream:
-        """The engine's stream of `device`, made to wait for the caller's current stream
-        (the pages' writes and the table's upload) through one reused event: a wait holds
-        the record made before it."""
-        ready = self._ready.get(device)
-        if ready is None:
-            ready = self._ready[device] = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
-        stream = self._stream(device)
-        stream.wait_event(ready)
-        return stream
-
-    def _kernel(
-        self,
-        handle: CudaIpcHandle,
-        plan: CopyPlan,
-        addrs: tuple[int, int, int],
-        device: int,
-        stream: torch.cuda.Stream,
-        slot: TableSlot | None,
-    ) -> None:
-        """The copy on the engine's stream (one launch per `MAX_GRID_ROWS` rows), then the
-        event that completes the write and frees the table's slot."""
-        src, dst, table = addrs
-        word = WORD_DTYPES[plan.word_bytes]
-        n = plan.num_rows
-        for first in range(0, n, MAX_GRID_ROWS):
-            grid = (plan.max_chunks, min(MAX_GRID_ROWS, n - first))
-            part = (src, dst, table + first * ROW_BYTES)
-            self._launcher.launch(stream.cuda_stream, device, word, part, plan.chunk_words, grid)
-        done = torch.cuda.Event()
-        done.record(stream)
+            return
         handle.events.append(done)
-        if slot is not None:
-            slot.done = done
 
     def _fail(self, handle: CudaIpcHandle, reason: str) -> None:
         if not handle.error:
@@ -425,8 +310,8 @@ class CudaIpcEngine(KVTransferEngine):
 
     def synchronize(self) -> None:
         """Wait for every copy this engine queued."""
-        for stream in self._streams.values():
-            stream.synchronize()
+        for queue in self._queues.values():
+            queue.stream.synchronize()
 
     def close(self) -> None:
         if self._regions:
@@ -434,6 +319,4 @@ class CudaIpcEngine(KVTransferEngine):
                 self._unmap(peer)
         self._peers.clear()
         self._regions.clear()
-        self._streams.clear()
-        self._row_tables.clear()
-        self._ready.clear()
+        self._queues.clear()

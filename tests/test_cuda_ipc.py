@@ -508,7 +508,7 @@ class CpuTables:
     """RowTables' slots in CPU memory (no pinning without a GPU)."""
 
     def __init__(self) -> None:
-        from kvtransfer.cuda_ipc import TableSlot
+        from kvtransfer.cuda_ipc_queue import TableSlot
 
         host = torch.zeros((64, 3), dtype=torch.int64)
         self.slot = TableSlot(host, host.numpy(), torch.zeros_like(host))
@@ -594,7 +594,7 @@ class FakeEvent:
 def test_row_tables_reuse_a_slot_only_once_its_kernel_is_done() -> None:
     """A slot's host buffer is read by its upload and its device buffer by its kernel: both
     are done once the event after the kernel has passed, and not before."""
-    from kvtransfer.cuda_ipc import RowTables, TableSlot
+    from kvtransfer.cuda_ipc_queue import RowTables, TableSlot
 
     tables = RowTables.__new__(RowTables)  # no pinned memory without a GPU: slots by hand
     host = torch.zeros((8, 3), dtype=torch.int64)

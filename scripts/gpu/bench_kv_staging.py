@@ -32,9 +32,10 @@ one Triton kernel a write) has a `contiguous` row and its scattered write three 
 (scripts/gpu/ipc_write_paths.py): `scattered` (the engine's `write` of the ranges),
 `scattered, page ids` (its `write_pages`) and `scattered, before` (the write of the
 2026-11-26 report, frozen): each is one kernel launch whatever the layout, timed from `write`
-to its event passed in `poll`, with its host time split step by step in the parts column. Its reference
-checks run first in this process (one GPU only): the engine's kernel between two pools of
-this process against torch indexing, timed for both layouts beside torch's contiguous copy.
+to its event passed in `poll`, with its host time split step by step in the parts column.
+Its reference checks run first in this process (one GPU only): the engine's kernel between
+two pools of this process against torch indexing, timed for both layouts beside torch's
+contiguous copy.
 The PD check with `--pd-backends cuda_ipc` runs both nodes on it, without staging (the
 staging flags are forced for the other backends only).
 

@@ -151,7 +151,7 @@ def before_write(
     regions, peer_regions = engine._regions, peer.endpoint.regions
     local, base, plan = before_plan(ranges, regions, peer_regions, peer.bases, mark)
     device = local.device_index
-    stream = engine._stream(device)
+    stream = engine._copy_queue(device).stream
     stream.wait_stream(torch.cuda.current_stream(device))
     mark("wait_stream")
     handle = CudaIpcHandle(job.peer_id)
@@ -221,11 +221,12 @@ def _queue(engine: CudaIpcEngine, peer_id: str, plan: CopyPlan, bases: tuple[int
     src, dst = bases
     if torch.cuda.current_device() != device:
         raise RuntimeError(f"run the benchmark with cuda:{device} current")
-    rows = engine._upload(handle, plan, device, slot)
+    queue = engine._copy_queue(device)
+    rows = queue.upload(plan, slot, handle.keep)
     mark("upload (one async copy)")
-    stream = engine._after_caller(device)
+    queue.after_caller()
     mark("stream wait (reused event)")
-    engine._kernel(handle, plan, (src, dst, rows.data_ptr()), device, stream, slot)
+    handle.events.append(queue.kernel(plan, (src, dst, rows.data_ptr()), slot))
     mark("launch (compiled kernel) + event")
     return handle
 
