@@ -771,6 +771,123 @@ def test_two_processes_move_scattered_pages_and_aux(second_gpu: bool) -> None:
     assert aux_got == aux.tolist()
 
 
+# --- the engine's whole write path with a CPU stand-in for the GPU ------------------------------
+# Everything of a write but the CUDA calls themselves: the engine's checks and plans, the copy
+# queue's slots, upload and launch arguments, and the benchmark's inlined paths, with CPU memory
+# registered as "cuda:0", torch's streams and events replaced by stand-ins, and the kernel by a
+# memmove per row of the table it is given (read from the address it is given).
+
+
+class StandInStream:
+    cuda_stream = 0
+
+    def __init__(self, *args: object) -> None:
+        self.waited = 0
+
+    def wait_event(self, event: object) -> None:
+        self.waited += 1
+
+    def synchronize(self) -> None:
+        pass
+
+
+class StandInEvent:
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def stand_in_kernel(launches: list) -> object:  # type: ignore[type-arg]
+    import ctypes
+
+    from kvtransfer.cuda_ipc_kernel import MAX_GRID_ROWS, WORD_BYTES
+
+    def launch(stream, device, word, addrs, chunk_words, grid):  # type: ignore[no-untyped-def]
+        src, dst, table = addrs
+        assert device == 0 and stream == 0 and 0 < grid[1] <= MAX_GRID_ROWS
+        chunk = chunk_words * WORD_BYTES[word]
+        rows = np.ctypeslib.as_array((ctypes.c_int64 * (3 * grid[1])).from_address(table))
+        rows = rows.reshape(-1, 3)
+        assert grid[0] == rows[:, 2].max()  # the grid covers the longest row, no more
+        assert src % WORD_BYTES[word] == 0 and dst % WORD_BYTES[word] == 0
+        for s, d, n in rows.tolist():
+            ctypes.memmove(dst + d * chunk, src + s * chunk, n * chunk)
+        launches.append((word, chunk_words, grid))
+
+    return launch
+
+
+@pytest.fixture
+def stand_in_engines(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A sender and a receiver engine in this process over two CPU pools registered as
+    cuda:0, and the launches the sender's copy queue made."""
+    from kvtransfer import cuda_ipc, cuda_ipc_queue
+
+    class CpuRowTables(cuda_ipc_queue.RowTables):
+        def __init__(self, device: torch.device) -> None:
+            self.slots = []
+            for _ in range(self.SLOTS):
+                host = torch.zeros((self.CAPACITY, 3), dtype=torch.int64)
+                self.slots.append(cuda_ipc_queue.TableSlot(host, host.numpy(), host.clone()))
+            self._next = 0
+
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "current_stream", StandInStream)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "Stream", StandInStream)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "Event", StandInEvent)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(cuda_ipc_queue, "RowTables", CpuRowTables)
+    monkeypatch.setattr(cuda_ipc, "CudaDriver", FakeDriver)
+    monkeypatch.setattr(cuda_ipc, "boot_id", lambda: "boot-a")
+    pools = _pool("cpu", None).clone(), _pool("cpu", POISON)
+    launches: list = []
+    engines = []
+    for name, pool in zip(("prefill", "decode"), pools, strict=True):
+        engine = create_engine(TransferConfig(backend="cuda_ipc", node_name=name))
+        engine._launcher.launch = stand_in_kernel(launches)
+        engine.register([MemoryRegion("kv", pool.data_ptr(), pool.numel(), "cuda:0")])
+        engines.append(engine)
+    sender, receiver = engines
+    sender.connect(PeerInfo("decode", receiver.local_endpoint(), {}))
+    yield sender, pools, launches
+    for engine in engines:
+        engine.close()
+
+
+def test_engine_write_paths_move_pages_through_the_copy_queue(stand_in_engines) -> None:  # type: ignore[no-untyped-def]
+    from scripts.gpu import ipc_write_paths as ipc
+
+    sender, (src_pool, dst_pool), launches = stand_in_engines
+    bases = (src_pool.data_ptr(), dst_pool.data_ptr())
+    rng = np.random.default_rng(4)
+    expected = dst_pool.clone()
+    for way in ("write", "write_pages", "ranges", "pages"):
+        src = rng.permutation(POOL_PAGES)[:20].tolist()
+        dst = rng.permutation(POOL_PAGES)[:20].tolist()
+        job = ipc.PageJob("decode", src, dst, PAGE_BYTES, *bases)
+        if way == "write":
+            handle = sender.write("decode", job.ranges())
+        elif way == "write_pages":
+            handle = sender.write_pages("decode", src, np.array(dst), PAGE_BYTES, *bases)
+        else:  # the benchmark's inlined paths, with their step marks
+            marks: list = []
+            handle = ipc.PATH_FUNCTIONS[way](sender, job, job.ranges(), marks)
+            assert marks[0][0] == "start" and marks[-1][0] == "launch (compiled kernel) + event"
+        assert sender.poll(handle) is TransferState.DONE
+        sender.release(handle)
+        expected[dst] = src_pool[src]
+        assert torch.equal(dst_pool, expected), way
+    # one launch a write, 16 KiB chunks of 8-byte words, a row per page (or run of pages)
+    assert len(launches) == 4 and {(w, c) for w, c, _ in launches} == {(torch.int64, 2048)}
+    assert [g[0] for _, _, g in launches[1:]] == [PAGE_BYTES // MAX_CHUNK_BYTES] * 3
+    assert sender._copy_queue(0).stream.waited == 4  # each after the caller's stream
+    split = ipc.host_split(sender, "pages", ipc.PageJob("decode", [1], [2], PAGE_BYTES, *bases), 3)
+    assert split["host total"] > 0 and "wait until DONE" in split
+
+
 # --- scripts/gpu/bench_kv_staging.py's cuda_ipc parts, on a CPU -------------------------------
 
 
