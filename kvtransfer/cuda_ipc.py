@@ -251,7 +251,7 @@ class CudaIpcEngine(KVTransferEngine):
 
     def _copy_queue(self, device: int) -> CopyQueue:
         if device not in self._queues:
-            self._queues[device] = CopyQueue(device, self._launcher)
+            self._queues[device] = CopyQueue(device, self._launcher, self._driver)
         return self._queues[device]
 
     def _tables(self, device: int) -> RowTables:

@@ -3,16 +3,15 @@ this queues).
 
 A write's host time is what is left once its kernel copies at the copy's speed, so the queue
 spends little: the row table is planned (by the caller, numpy) straight into a pinned buffer
-taken from a few reused slots (`RowTables`), uploaded by one asynchronous copy on the
-caller's stream (after the work that wrote the pages, which the kernel must wait for anyway),
-the engine's stream waits for that stream through one reused event, and the kernel launches
-through its compiled form on the engine's stream (`CopyLauncher`, no stream switch). The
-event recorded after the kernel completes the write and frees the slot.
+taken from a few reused slots (`RowTables`), the engine's stream waits for the caller's (the
+work that wrote the pages) through one reused event, the table is uploaded by one
+asynchronous driver copy on that stream, and the kernel launches there through its compiled
+form (`CopyLauncher`, no stream switch). The event recorded after the kernel completes the
+write and frees the slot.
 
 Ordering: a slot is taken only once the event after its last kernel has passed, so its host
 buffer (read by the upload) and its device buffer (read by the kernel) never change under a
-write in flight; the kernel runs after its upload because the engine's stream waits for the
-caller's stream after the upload was queued there.
+write in flight; the wait, the upload and the kernel are in this order on one stream.
 """
 
 from __future__ import annotations
@@ -38,17 +37,9 @@ class TableSlot:
     host_rows: np.ndarray  # the same memory, for numpy to plan into
     device: torch.Tensor  # int64 [CAPACITY, 3] on the GPU
     done: Any = None  # torch.cuda.Event
-    views: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (n, host[:n], device[:n])
 
     def free(self) -> bool:
         return self.done is None or bool(self.done.query())
-
-    def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(host[:n], device[:n]), kept for the next write of as many rows (slicing a
-        tensor costs more host time than the rest of the upload)."""
-        if self.views is None or self.views[0] != n:
-            self.views = (n, self.host[:n], self.device[:n])
-        return self.views[1], self.views[2]
 
 
 class RowTables:
@@ -82,14 +73,16 @@ class RowTables:
 
 class CopyQueue:
     """One GPU's copies: the engine's stream there, its row tables, the event that orders
-    the stream after the caller's, and the kernel launcher. Calls run with this GPU current."""
+    the stream after the caller's, the kernel launcher and the driver (for the upload).
+    Calls run with this GPU current."""
 
-    def __init__(self, device: int, launcher: CopyLauncher) -> None:
+    def __init__(self, device: int, launcher: CopyLauncher, driver: Any) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.tables = RowTables(torch.device("cuda", device))
         self.ready = torch.cuda.Event()  # reused: a wait holds the record made before it
         self.launcher = launcher
+        self.driver = driver  # kvtransfer/cuda_driver.py's CudaDriver
 
     def submit(
         self, plan: CopyPlan, src: int, dst: int, slot: TableSlot | None, keep: list[Any]
@@ -97,24 +90,28 @@ class CopyQueue:
         """Queue the plan's copy from `src` to `dst` (addresses of chunk 0); the event after
         its kernel. `slot`: the slot its rows were planned into; `keep` receives what must
         live until that event (fresh buffers when there was no slot)."""
-        rows = self.upload(plan, slot, keep)
-        self.after_caller()
-        return self.kernel(plan, (src, dst, rows.data_ptr()), slot)
+        self.after_caller()  # first: its runtime calls make the device's context current
+        table = self.upload(plan, slot, keep)
+        return self.kernel(plan, (src, dst, table), slot)
 
-    def upload(self, plan: CopyPlan, slot: TableSlot | None, keep: list[Any]) -> torch.Tensor:
-        """The plan's rows on the device, copied on the caller's current stream."""
+    def upload(self, plan: CopyPlan, slot: TableSlot | None, keep: list[Any]) -> int:
+        """The plan's rows copied to the device on the engine's stream (one asynchronous
+        copy through the driver: torch's copy costs several times its host time); their
+        device address. The driver copies in the thread's current context: the runtime
+        calls of `after_caller` (or torch's device guard) have made it the device's."""
         n = plan.num_rows
         if slot is not None and n <= len(slot.host_rows):  # the plan went into the slot
-            host, rows = slot.first(n)
+            host, device = slot.host, slot.device
         else:  # no free slot, or a table too big: fresh buffers, kept until done
             host = torch.from_numpy(np.ascontiguousarray(plan.rows)).pin_memory()
-            rows = torch.empty_like(host, device=torch.device("cuda", self.device))
-            keep += [host, rows]
-        rows.copy_(host, non_blocking=True)
-        return rows
+            device = torch.empty_like(host, device=torch.device("cuda", self.device))
+            keep += [host, device]
+        address = device.data_ptr()
+        self.driver.copy_to_device(address, host.data_ptr(), n * ROW_BYTES, self.stream.cuda_stream)
+        return address
 
     def after_caller(self) -> None:
-        """The engine's stream waits for the caller's (the pages' writes, the upload)."""
+        """The engine's stream waits for the caller's (the work that wrote the pages)."""
         self.ready.record(torch.cuda.current_stream(self.device))
         self.stream.wait_event(self.ready)
 

@@ -222,11 +222,11 @@ def _queue(engine: CudaIpcEngine, peer_id: str, plan: CopyPlan, bases: tuple[int
     if torch.cuda.current_device() != device:
         raise RuntimeError(f"run the benchmark with cuda:{device} current")
     queue = engine._copy_queue(device)
-    rows = queue.upload(plan, slot, handle.keep)
-    mark("upload (one async copy)")
     queue.after_caller()
     mark("stream wait (reused event)")
-    handle.events.append(queue.kernel(plan, (src, dst, rows.data_ptr()), slot))
+    table = queue.upload(plan, slot, handle.keep)
+    mark("upload (one driver copy)")
+    handle.events.append(queue.kernel(plan, (src, dst, table), slot))
     mark("launch (compiled kernel) + event")
     return handle
 
