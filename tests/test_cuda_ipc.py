@@ -975,6 +975,15 @@ def test_tune_ipc_copy_parses_its_paths_and_jobs_build_their_ranges() -> None:
     job = ipc.PageJob("decode", [3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
     assert job.ranges() == coalesce_pages([3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
     assert set(ipc.PATH_FUNCTIONS) == set(ipc.PATHS)
+    # the frozen `before` planning makes the rows of today's for the same write
+    local = (ExportedRegion("kv", 1 << 20, 1 << 20, "cuda:0"),)
+    peer = (ExportedRegion("kv", 1 << 30, 1 << 20, "cuda:0"),)
+    region, base, plan = ipc.before_plan(job.ranges(), local, peer, {0: 1 << 32})
+    assert region == local[0] and base == 1 << 32
+    today = plan_copy([(r.src_addr - (1 << 20), r.dst_addr - (1 << 30), r.length)
+                       for r in job.ranges()], align=(1 << 20, 1 << 32))  # fmt: skip
+    assert (plan.chunk_bytes, plan.word_bytes) == (today.chunk_bytes, today.word_bytes)
+    assert plan.rows.tolist() == today.rows.tolist() == [[3, 7, 2], [9, 1, 1]]
 
 
 def test_bench_help_runs_on_a_cpu() -> None:
