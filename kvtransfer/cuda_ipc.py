@@ -244,7 +244,7 @@ class CudaIpcEngine(KVTransferEngine):
         plan = planned.plan
         word = lowest_bit(plan.chunk_bytes | local.addr | base, 8)
         if word != plan.word_bytes:  # the mapped base is less aligned than the peer's own
-            plan = CopyPlan(plan.chunk_bytes, word, plan.rows)
+            plan = CopyPlan(plan.chunk_bytes, word, plan.rows, plan.longest)
         handle = CudaIpcHandle(peer_id)
         self._launch(handle, plan, local, base, slot if local.device_index == device else None)
         return handle

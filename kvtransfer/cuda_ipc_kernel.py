@@ -69,7 +69,8 @@ def variant_key(
 ) -> tuple[Any, ...]:
     """What the compiled kernel depends on (Triton's specialisation of these arguments): a
     pointer 16-byte aligned or not is another variant."""
-    return (device, word, chunk_words, *(addr % 16 == 0 for addr in addrs))
+    src, dst, rows = addrs
+    return (device, word, chunk_words, src % 16 == 0, dst % 16 == 0, rows % 16 == 0)
 
 
 class CopyLauncher:

@@ -142,11 +142,13 @@ class CopyPlan:
     """A write as rows of chunks: row i moves `rows[i, 2]` chunks of `chunk_bytes` from local
     chunk `rows[i, 0]` to peer chunk `rows[i, 1]` (counted from the bases the plan was made
     against; in chunks, not bytes, so that the kernel knows every address is a multiple of
-    the chunk and vectorises); no row longer than `MAX_PIECE_BYTES`."""
+    the chunk and vectorises); `plan_copy` cuts rows longer than `MAX_PIECE_BYTES`, a page
+    plan's rows are its pages."""
 
     chunk_bytes: int
     word_bytes: int  # the kernel's element: 8 bytes unless the chunks or the bases forbid it
     rows: np.ndarray  # int64 [n, 3], in chunks
+    longest: int = -1  # chunks of the longest row where the planner knows it, else -1
 
     @property
     def chunk_words(self) -> int:
@@ -159,6 +161,8 @@ class CopyPlan:
     @property
     def max_chunks(self) -> int:
         """Chunks of the longest row: the grid's first dimension."""
+        if self.longest >= 0:
+            return self.longest
         return int(self.rows[:, 2].max()) if len(self.rows) else 0
 
     @property
@@ -213,14 +217,16 @@ def plan_columns(
     word = lowest_bit(chunk | _or(align), 8)
     piece = max(max_piece - max_piece % chunk, chunk)
     shift = chunk.bit_length() - 1
-    if int(columns[2].max()) > piece:
+    longest = int(columns[2].max())
+    if longest > piece:
         cut = split_rows(columns.T, piece)
         rows = _rows(len(cut), out)
         np.right_shift(cut, shift, out=rows)
+        longest = piece
     else:
         rows = _rows(n, out)
         np.right_shift(columns, shift, out=rows.T)
-    return CopyPlan(chunk, word, rows)
+    return CopyPlan(chunk, word, rows, longest >> shift)
 
 
 def _rows(n: int, out: np.ndarray | None) -> np.ndarray:
@@ -391,7 +397,7 @@ def plan_pages(
     if dst_offset:
         rows[:, 1] += dst_offset // chunk
     rows[:, 2] = per_page
-    return PagePlan(li, pi, CopyPlan(chunk, lowest_bit(chunk | _or(align), 8), rows))
+    return PagePlan(li, pi, CopyPlan(chunk, lowest_bit(chunk | _or(align), 8), rows, per_page))
 
 
 def _page_ids(pages: Sequence[int] | np.ndarray) -> np.ndarray:

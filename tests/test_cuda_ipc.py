@@ -356,6 +356,7 @@ def test_plan_columns_makes_the_plans_of_the_per_range_version() -> None:
             plan = plan_columns(np.ascontiguousarray(rows.T), align, max_chunk, max_piece, target)
             assert (plan.chunk_bytes, plan.word_bytes) == (chunk, word)
             assert plan.rows.tolist() == expected
+            assert plan.max_chunks == max((r[2] for r in expected), default=0)
             assert plan_copy(rows, align, max_chunk, max_piece).rows.tolist() == expected
             if target is not None and 0 < len(expected) <= len(out):
                 assert np.shares_memory(plan.rows, out)
@@ -398,6 +399,7 @@ def test_plan_pages_moves_the_bytes_of_the_checked_ranges(pools: str) -> None:
             want[d : d + length] = src_bytes[s : s + length]
         apply_rows(src_bytes, got, planned.plan)
         assert np.array_equal(got, want)
+        assert planned.plan.max_chunks == int(planned.plan.rows[:, 2].max())
     assert taken > 100
     with pytest.raises(ValueError, match="destination pages"):
         plan_pages([1, 2], [3], 64, (0, 0), local, peer_regions)

@@ -210,7 +210,7 @@ def pages_write(
     local = engine._regions[planned.local_index]
     base = peer.bases[planned.peer_index]
     word = chunk_size([planned.plan.chunk_bytes, local.addr, base], max_chunk=8)
-    plan = CopyPlan(planned.plan.chunk_bytes, word, planned.plan.rows)
+    plan = CopyPlan(planned.plan.chunk_bytes, word, planned.plan.rows, planned.plan.longest)
     mark("page ids: bounds + rows into a pinned slot")
     return _queue(engine, job.peer_id, plan, (local.addr, base), device, slot, mark)
 
