@@ -893,6 +893,30 @@ def test_engine_write_paths_move_pages_through_the_copy_queue(stand_in_engines) 
     assert split["host total"] > 0 and "wait until DONE" in split
 
 
+def test_tune_ipc_copy_compares_the_paths_and_stops_on_wrong_bytes(  # type: ignore[no-untyped-def]
+    stand_in_engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--profile-write's body on the stand-in GPU: the table and split of each path, and a
+    path that moves wrong bytes ends the run with a FAIL."""
+    from scripts.gpu import ipc_write_paths as ipc
+    from scripts.gpu import tune_ipc_copy as tune
+
+    sender, pools, _ = stand_in_engines
+    bases = (pools[0].data_ptr(), pools[1].data_ptr())
+    jobs = {
+        "contiguous": ipc.PageJob("decode", [1, 2, 3], [7, 8, 9], PAGE_BYTES, *bases),
+        "scattered": ipc.PageJob("decode", [5, 1, 30], [2, 60, 4], PAGE_BYTES, *bases),
+    }
+    lines = tune.compare_paths(sender, pools, jobs, ["ranges", "pages"], 3, tmp_path)
+    assert lines[0].startswith("byte checks: PASS (ranges, pages; contiguous, scattered")
+    assert [line.split(" | ")[0] for line in lines[4:6]] == ["| ranges", "| pages"]
+    assert "pages: the scattered write's host steps (median ms of 3)" in lines
+    assert (tmp_path / "profile-pages.txt").exists()
+    monkeypatch.setattr(sender._launcher, "launch", lambda *args: None)  # a kernel that drops
+    with pytest.raises(SystemExit, match="FAIL: the 'pages' path moved wrong bytes"):
+        tune.compare_paths(sender, pools, jobs, ["pages"], 1, tmp_path)
+
+
 def test_engine_write_with_every_table_slot_busy_takes_fresh_buffers(
     stand_in_engines, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]

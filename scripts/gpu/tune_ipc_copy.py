@@ -37,6 +37,7 @@ from scripts.gpu.ipc_write_paths import PATHS
 
 PAGE_BYTES = 2 << 20
 POOL_PAGES = 1024
+POISON = 0xA5
 PAGES = 256
 WORD = 8
 
@@ -139,12 +140,10 @@ def run_case(name: str, src_dev: str, dst_dev: str, repeats: int) -> list[dict[s
 def profile_write(out: Path, writes: int, paths: list[str]) -> None:
     """The write's paths side by side (scripts/gpu/ipc_write_paths.py): the cuda_ipc engine
     between two pools of this process on cuda:0 (as bench_kv_staging's reference does), each
-    path first checked byte for byte on a poisoned receiver (a failure stops the run with
-    exit code 1), then timed from `write` to DONE for both layouts (median of `writes`), its
-    host time split step by step (scattered), and profiled (`profile-<path>.txt`)."""
-    import cProfile
-    import pstats
-
+    path checked byte for byte on a poisoned receiver before and after the timed writes (a
+    failure stops the run with exit code 1), timed from `write` to DONE for both layouts
+    (median of `writes`), its host time split step by step (scattered), and profiled
+    (`profile-<path>.txt`)."""
     from kvtransfer.base import PeerInfo
     from scripts.gpu import bench_kv_staging as bench
     from scripts.gpu import ipc_write_paths as ipc
@@ -162,27 +161,56 @@ def profile_write(out: Path, writes: int, paths: list[str]) -> None:
         layout: ipc.PageJob("decode", src, dst, page_bytes, local.addr, remote.addr)
         for layout, (src, dst) in setup.pages().items()
     }
-    for path in paths:  # the byte checks first: no figure from a path that moves wrong bytes
-        for layout, job in jobs.items():
-            receiver_cache.storage.view(torch.uint8).fill_(bench.POISON)
-            torch.cuda.synchronize()
-            ipc.wait(sender, ipc.engine_call(sender, path, job, job.ranges()))
-            if not landed(bench, sender_cache, receiver_cache, job):
-                raise SystemExit(f"FAIL: the {path!r} path moved wrong bytes ({layout})")
-    lines = [f"byte checks: PASS ({', '.join(paths)}; contiguous and scattered)", "",
-             "| path | contiguous write -> DONE ms | scattered write -> DONE ms | "
-             "scattered host ms (before the GPU runs alone) |", "|---|---|---|---|"]  # fmt: skip
+    pools = (bench._bytes(sender_cache), bench._bytes(receiver_cache))
+    lines = compare_paths(sender, pools, jobs, paths, writes, out)
+    sender.close()
+    receiver.close()
+    print("\n".join(lines))
+    (out / "profile_write.txt").write_text("\n".join(lines) + "\n")
+
+
+def compare_paths(
+    sender: Any,
+    pools: tuple[torch.Tensor, torch.Tensor],
+    jobs: dict[str, Any],
+    paths: list[str],
+    writes: int,
+    out: Path,
+) -> list[str]:
+    """`profile_write`'s body for any connected engine: `pools` are the sender's and the
+    receiver's pages as uint8 [pages, page bytes]; `jobs` one write per layout."""
+    import cProfile
+    import pstats
+
+    from scripts.gpu import ipc_write_paths as ipc
+
+    def check(when: str) -> None:  # no figure from a path that moves wrong bytes
+        for path in paths:
+            for layout, job in jobs.items():
+                pools[1].fill_(POISON)
+                torch.cuda.synchronize()
+                ipc.wait(sender, ipc.engine_call(sender, path, job, job.ranges()))
+                if not landed(pools, job):
+                    raise SystemExit(
+                        f"FAIL: the {path!r} path moved wrong bytes ({layout}, {when})"
+                    )
+
+    check("before the timed writes")
+    lines = [f"byte checks: PASS ({', '.join(paths)}; {', '.join(jobs)}; before and after the"
+             " timed writes)", "",
+             f"| path | {' | '.join(f'{k} write -> DONE ms' for k in jobs)} | "
+             "scattered host ms (before the GPU runs alone) |",
+             f"|---|{'---|' * len(jobs)}---|"]  # fmt: skip
     splits = {}
     for path in paths:
-        walls = {}
-        for layout, job in jobs.items():
+        walls = []
+        for job in jobs.values():
             for _ in range(5):
                 ipc.timed_write(sender, path, job)
-            walls[layout] = statistics.median(ipc.timed_write(sender, path, job)
-                                              for _ in range(writes))  # fmt: skip
+            times = [ipc.timed_write(sender, path, job) for _ in range(writes)]
+            walls.append(f"{statistics.median(times):.3f}")
         splits[path] = ipc.host_split(sender, path, jobs["scattered"], writes)
-        lines.append(f"| {path} | {walls['contiguous']:.3f} | {walls['scattered']:.3f} | "
-                     f"{splits[path]['host total']:.4f} |")  # fmt: skip
+        lines.append(f"| {path} | {' | '.join(walls)} | {splits[path]['host total']:.4f} |")
         prof = cProfile.Profile()
         ranges = jobs["scattered"].ranges()
         prof.enable()
@@ -191,24 +219,22 @@ def profile_write(out: Path, writes: int, paths: list[str]) -> None:
         prof.disable()
         with (out / f"profile-{path}.txt").open("w") as f:
             pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
+    check("after the timed writes")
     for path, split in splits.items():
         lines += ["", f"{path}: the scattered write's host steps (median ms of {writes})"]
         lines += [f"  {step}: {ms:.4f}" for step, ms in split.items()]
-    sender.close()
-    receiver.close()
-    print("\n".join(lines))
-    (out / "profile_write.txt").write_text("\n".join(lines) + "\n")
+    return lines
 
 
-def landed(bench: Any, sender_cache: Any, receiver_cache: Any, job: Any) -> bool:
+def landed(pools: tuple[torch.Tensor, torch.Tensor], job: Any) -> bool:
     """Every destination page equal to its source page, every other page still poisoned."""
     torch.cuda.synchronize()
-    got, sent = bench._bytes(receiver_cache), bench._bytes(sender_cache)
+    sent, got = pools
     dst = torch.tensor(job.dst_pages, device=got.device)
     untouched = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
     untouched[dst] = False
-    same = torch.equal(got[dst], sent[torch.tensor(job.src_pages, device=got.device)])
-    return same and bool((got[untouched] == bench.POISON).all())
+    same = torch.equal(got[dst], sent[torch.tensor(job.src_pages, device=sent.device)])
+    return same and bool((got[untouched] == POISON).all())
 
 
 def build_parser() -> argparse.ArgumentParser:
