@@ -405,6 +405,30 @@ def test_plan_pages_moves_the_bytes_of_the_checked_ranges(pools: str) -> None:
         plan_pages([1, 2], [3], 64, (0, 0), local, peer_regions)
 
 
+def test_write_pages_by_default_writes_the_coalesced_ranges() -> None:
+    """KVTransferEngine.write_pages (additive): backends without a page path (NIXL, Mooncake,
+    the TP and fault wrappers) get `write` of the pages' coalesced ranges, ids as ints."""
+    from kvtransfer.base import KVTransferEngine
+
+    class Recording(KVTransferEngine):
+        def __init__(self) -> None:
+            super().__init__(TransferConfig(backend="nixl", node_name="p"))
+            self.writes: list[tuple[str, list[TransferRange]]] = []
+
+        def write(self, peer_id, ranges):  # type: ignore[no-untyped-def]
+            self.writes.append((peer_id, list(ranges)))
+            return TransferState.DONE
+
+        register = local_endpoint = connect = poll = release = close = None  # type: ignore[assignment]
+
+    engine = Recording()
+    engine.write_pages("d", np.array([3, 4, 9]), [7, 8, 1], 4096, 1 << 20, 1 << 30)
+    [(peer, ranges)] = engine.writes
+    assert peer == "d"
+    assert ranges == coalesce_pages([3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
+    assert all(type(r.src_addr) is int for r in ranges)
+
+
 def endpoint() -> IpcEndpoint:
     return IpcEndpoint(
         "decode-1",
