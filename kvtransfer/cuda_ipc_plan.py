@@ -42,6 +42,7 @@ MAX_CHUNK_BYTES = 16 << 10
 # programs on short rows beside a long one.
 MAX_PIECE_BYTES = 2 << 20
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+ADDRESS_LIMIT = 1 << 62  # no memory lies above; below it, start + length fits in int64
 _FIELDS = (attrgetter("src_addr"), attrgetter("dst_addr"), attrgetter("length"))
 
 
@@ -278,23 +279,36 @@ def _holder(regions: Sequence[ExportedRegion], lo: int, hi: int) -> int | None:
 
 
 def _one_pair(
-    columns: np.ndarray, local: Sequence[ExportedRegion], peer: Sequence[ExportedRegion]
+    columns: np.ndarray,
+    low: np.ndarray,
+    local: Sequence[ExportedRegion],
+    peer: Sequence[ExportedRegion],
 ) -> tuple[int, int] | None:
     """(local region, peer region) holding every range, both GPU or both CPU; None when the
-    ranges span regions (or none holds them: the per-range checks then say which). Two numpy
-    reductions whatever the number of ranges: the lowest start and length, and the highest
-    end, on each side (a region is one interval: holding both ends, it holds every range)."""
-    if not columns.shape[1]:
-        return None
-    low = columns.min(axis=1)
-    if low[2] <= 0:
-        return None
+    ranges span regions (or none holds them: the per-range checks then say which). `low`:
+    the columns' minima. One more numpy reduction whatever the number of ranges: the highest
+    end on each side (a region is one interval: holding the lowest start and the highest
+    end, it holds every range)."""
     high = (columns[:2] + columns[2]).max(axis=1)
     li = _holder(local, int(low[0]), int(high[0]))
     pi = _holder(peer, int(low[1]), int(high[1]))
     if li is None or pi is None or local[li].on_gpu != peer[pi].on_gpu:
         return None
     return li, pi
+
+
+def _check_lengths_and_limits(
+    columns: np.ndarray, low: np.ndarray, ranges: Sequence[TransferRange], node_name: str
+) -> None:
+    """Positive lengths, and addresses and lengths below 2**62: then no start + length
+    overflows int64, which would let a range's end wrap below its region's end."""
+    if low[2] > 0 and int(columns.max()) < ADDRESS_LIMIT:
+        return
+    bad = (columns >= ADDRESS_LIMIT).any(axis=0) | (columns[2] <= 0)
+    raise TransferError(
+        f"cuda_ipc engine {node_name!r}: range {ranges[int(np.argmax(bad))]} has a length "
+        f"<= 0 or an address or length >= 2**62; no registered region holds it"
+    )
 
 
 def ranges_to_columns(ranges: Sequence[TransferRange]) -> np.ndarray:
@@ -319,8 +333,12 @@ def group_ranges(
     GPU to GPU or CPU to CPU. The usual write (one pool into the other) is checked by its
     bounds; only a write spanning regions (or refused) is checked range by range."""
     columns = ranges_to_columns(ranges)
-    pair = _one_pair(columns, local, peer.regions)
-    if pair is not None:
+    if not len(ranges):
+        return {}
+    low = columns.min(axis=1)
+    _check_lengths_and_limits(columns, low, ranges, node_name)
+    pair = _one_pair(columns, low, local, peer.regions)
+    if pair is not None:  # the usual write: one pool into the other, checked by its bounds
         return {pair: columns}
     local_i = _locate(local, columns[0], columns[2])
     peer_i = _locate(peer.regions, columns[1], columns[2])

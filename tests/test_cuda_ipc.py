@@ -334,6 +334,21 @@ def test_group_ranges_agrees_with_the_per_range_checks(pools: str) -> None:
     assert refused > 20 and fast > 100  # both paths and the refusals were exercised
 
 
+def test_group_ranges_refuses_ranges_whose_end_would_wrap_or_that_are_empty() -> None:
+    """A range near 2**63 would wrap its int64 end below its region's end and pass a bounds
+    check (the version before this one let it through, to a write far out of the pool)."""
+    local, peer_regions = POOLS["one pool each"]
+    peer = IpcEndpoint("decode", "boot", 1, peer_regions)
+    kv = peer_regions[0]
+    fine = TransferRange(local[0].addr, kv.addr, 256)
+    evil = TransferRange(local[0].addr + 256, (1 << 63) - 64, 256)
+    for bad in (evil, TransferRange(local[0].addr, kv.addr, 0),
+                TransferRange(local[0].addr, kv.addr, -256)):  # fmt: skip
+        with pytest.raises(TransferError, match=r"length <= 0 or an address or length >= 2\*\*62"):
+            group_ranges([fine, bad, fine], local, peer, "prefill")
+    assert group_ranges([], local, peer, "prefill") == {}
+
+
 def test_plan_columns_makes_the_plans_of_the_per_range_version() -> None:
     rng = np.random.default_rng(11)
     for case in range(500):
