@@ -551,39 +551,50 @@ def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
     ranges = coalesce_pages(src, dst, LAYOUT.page_bytes, *bases)
     out = np.empty((4096, 3), dtype=np.int64)
 
-    def before() -> CopyPlan:
-        return ipc.before_plan(ranges, [local], peer.regions, {0: bases[1]})[2]
+    def before(mark: Any) -> CopyPlan:
+        return ipc.before_plan(ranges, [local], peer.regions, {0: bases[1]}, mark)[2]
 
-    def from_ranges() -> CopyPlan:
+    def from_ranges(mark: Any) -> CopyPlan:
         [columns] = group_ranges(ranges, [local], peer, "bench").values()
+        mark("columns + bounds")
         columns[0] -= bases[0]
         columns[1] -= bases[1]
-        return plan_columns(columns, bases, out=out)
+        plan = plan_columns(columns, bases, out=out)
+        mark("offsets + plan_columns")
+        return plan
 
-    def from_pages() -> CopyPlan:
+    def from_pages(mark: Any) -> CopyPlan:
         planned = plan_pages(src, dst, LAYOUT.page_bytes, bases, [local], peer.regions, bases, out)
+        mark("plan_pages")
         assert planned is not None
         return planned.plan
 
-    planned = from_pages()
+    planned = from_pages(lambda step: None)
 
-    def caller() -> CopyPlan:  # what a node pays before `write`: building the ranges
+    def caller(mark: Any) -> CopyPlan:  # what a node pays before `write`: building the ranges
         coalesce_pages(src, dst, LAYOUT.page_bytes, *bases)
+        mark("coalesce_pages")
         return planned
 
     out_info = {}
     ways = (("before", before), ("ranges", from_ranges), ("pages", from_pages),
             ("(for scale) the caller's coalesce_pages alone", caller))  # fmt: skip
     for name, fn in ways:
-        times = []
-        for _ in range(repeats + 2):
-            start = time.perf_counter()
-            plan = fn()
-            times.append((time.perf_counter() - start) * 1e3)
+        times: list[float] = []
+        steps: dict[str, list[float]] = {}
+        for i in range(repeats + 2):
+            marks = [("start", time.perf_counter())]
+            plan = fn(lambda step, m=marks: m.append((step, time.perf_counter())))
+            if i < 2:
+                continue
+            times.append((marks[-1][1] - marks[0][1]) * 1e3)
+            for (_, a), (step, b) in itertools.pairwise(marks):
+                steps.setdefault(step, []).append((b - a) * 1e3)
+        split = " + ".join(f"{k} {statistics.median(v):.4f}" for k, v in steps.items())
         key = f"cuda_ipc CPU plan of a {len(src)}-page scattered write, {name}"
-        out_info[key] = (f"median {statistics.median(times[2:]):.4f} ms, best "
-                         f"{min(times[2:]):.4f} ms ({plan.num_rows} rows of chunks of "
-                         f"{plan.chunk_bytes >> 10} KiB, {plan.word_bytes} B words)")  # fmt: skip
+        out_info[key] = (f"median {statistics.median(times):.4f} ms ({split}), best "
+                         f"{min(times):.4f} ms; {plan.num_rows} rows of chunks of "
+                         f"{plan.chunk_bytes >> 10} KiB, {plan.word_bytes} B words")  # fmt: skip
     return out_info
 
 
