@@ -14,8 +14,8 @@ no per-descriptor launch.
 Host time is the cost that is left once the kernel runs at the copy's speed, so a write does
 little in Python: its ranges are checked by their bounds (one pool into the other, a few numpy
 reductions), planned into a pinned buffer reused from a few slots, uploaded by one
-asynchronous copy on the caller's stream, and the kernel is launched through its compiled
-form (kvtransfer/cuda_ipc_queue.py). `write_pages` (page ids and a page size instead of
+asynchronous driver copy on the engine's stream, and the kernel is launched through its
+compiled form (kvtransfer/cuda_ipc_queue.py). `write_pages` (page ids and a page size instead of
 ranges) skips the range objects too: its checks are the smallest and largest page id on each
 side.
 
