@@ -806,6 +806,7 @@ def test_two_processes_move_scattered_pages_and_aux(second_gpu: bool) -> None:
                 pass
             engine.release(handle)
             assert state is TransferState.DONE
+        assert len(engine._launcher._compiled) == 1  # one variant, launched compiled
         here.send((src_pages, dst_pages))
         landed, untouched, aux_got = here.recv()
         engine.close()
