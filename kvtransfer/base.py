@@ -115,6 +115,22 @@ class KVTransferEngine(ABC):
     def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
         """Start writing local ranges into the peer's memory; does not block on completion."""
 
+    def write_pages(
+        self,
+        peer_id: str,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        page_bytes: int,
+        src_base: int,
+        dst_base: int,
+    ) -> TransferHandle:
+        """Write whole pages: local page `s` (at `src_base + s * page_bytes`) into the peer's
+        page `d` (at `dst_base + d * page_bytes`), pairwise. The same as `write` of the pages'
+        coalesced ranges (what this default does); a backend may check and plan page ids
+        without building a range per page (cuda_ipc does)."""
+        src, dst = [int(p) for p in src_pages], [int(p) for p in dst_pages]
+        return self.write(peer_id, coalesce_pages(src, dst, page_bytes, src_base, dst_base))
+
     def write_remote(self, plan: dict[int, dict[str, list[TransferRange]]]) -> TransferHandle:
         """Start the writes of TP ranks other than 0 (prefill rank -> decode peer -> ranges).
         Only a TP node's engine can (engine/node/tp_transfer.py); a plain engine refuses."""

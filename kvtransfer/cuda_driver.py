@@ -6,7 +6,10 @@ the allocation holding its pool (`cuMemGetAddressRange`) and that allocation's h
 (`cuIpcGetMemHandle`); the sender maps it (`cuIpcOpenMemHandle` with lazy peer access: the
 mapping also works from another GPU of the host where peer access exists) into the context of
 the GPU that runs the copy kernel. Every call runs inside that device's primary context (the
-one torch uses), pushed and popped around it, so the calling thread's state does not matter.
+one torch uses), pushed and popped around it, so the calling thread's state does not matter;
+except the per-write upload of a copy's row table (`copy_to_device`), which runs in the
+thread's current context (the copy queue's runtime calls just before have made it the
+device's) to keep a write's host time small.
 
 Memory from PyTorch's expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`)
 is not a cudaMalloc allocation and has no IPC handle; the error says so.
@@ -54,6 +57,10 @@ _SIGNATURES: dict[str, tuple[tuple[str, ...], list[type]]] = {
         [ctypes.POINTER(CUdeviceptr), IpcMemHandle, ctypes.c_uint],
     ),
     "ipc_close": (("cuIpcCloseMemHandle",), [CUdeviceptr]),
+    "htod_async": (
+        ("cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync"),
+        [CUdeviceptr, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
+    ),
     "error_string": (
         ("cuGetErrorString",),
         [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
@@ -148,3 +155,14 @@ class CudaDriver:
     def close(self, addr: int, device: int) -> None:
         with self.context(device):
             self._check(self._fn["ipc_close"](addr), "cuIpcCloseMemHandle")
+
+    def copy_to_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a copy of `nbytes` from host memory `src` (pinned, for it to be
+        asynchronous) to device memory `dst` on `stream` (a CUstream handle) of the current
+        context (the one of the stream's device: torch's, made current by its calls)."""
+        rc = self._fn["htod_async"](dst, src, nbytes, stream)
+        if rc != 0:
+            raise TransferError(
+                f"{BACKEND_FLAG}: cuMemcpyHtoDAsync of {nbytes} bytes to {dst:#x} failed "
+                f"({self._describe(rc)})"
+            )

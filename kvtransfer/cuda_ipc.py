@@ -11,6 +11,14 @@ is the write's completion: `poll` answers DONE once it has passed, and the node 
 the room DONE through bootstrap as with the other backends. Each byte crosses once: no staging,
 no per-descriptor launch.
 
+Host time is the cost that is left once the kernel runs at the copy's speed, so a write does
+little in Python: its ranges are checked by their bounds (one pool into the other, a few numpy
+reductions), planned into a pinned buffer reused from a few slots, uploaded by one
+asynchronous driver copy on the engine's stream, and the kernel is launched through its
+compiled form (kvtransfer/cuda_ipc_queue.py). `write_pages` (page ids and a page size instead of
+ranges) skips the range objects too: its checks are the smallest and largest page id on each
+side.
+
 Ranges in CPU memory on both sides (the aux slots with the first token, kvtransfer/aux.py) are
 copied by `process_vm_writev` into the peer's pid at `write` (a few hundred bytes; the receiver
 allows it under Yama's ptrace_scope 1, kvtransfer/process_memory.py). A KV pool in
@@ -39,9 +47,10 @@ from kvtransfer.base import (
     TransferHandle,
     TransferRange,
     TransferState,
+    coalesce_pages,
 )
 from kvtransfer.cuda_driver import CudaDriver
-from kvtransfer.cuda_ipc_kernel import WORD_DTYPES, DevicePointer, copy_rows
+from kvtransfer.cuda_ipc_kernel import CopyLauncher
 from kvtransfer.cuda_ipc_plan import (
     BACKEND_FLAG,
     CopyPlan,
@@ -50,8 +59,11 @@ from kvtransfer.cuda_ipc_plan import (
     boot_id,
     check_registrable,
     group_ranges,
-    plan_copy,
+    lowest_bit,
+    plan_columns,
+    plan_pages,
 )
+from kvtransfer.cuda_ipc_queue import CopyQueue, RowTables, TableSlot
 from kvtransfer.process_memory import (
     ProcessMemoryError,
     allow_peer_writes,
@@ -77,38 +89,6 @@ class CudaIpcHandle(TransferHandle):
     error: str = ""
 
 
-class RowUpload:
-    """A write's row table to the GPU without allocating: a pinned host buffer and a device
-    buffer, reused. The device buffer is safe to reuse in stream order (the engine's stream
-    runs one write's kernel before the next one's upload); the host buffer once the last
-    upload from it has run (its event). A table too big, or one arriving while the last
-    upload is still queued, takes fresh buffers instead (`keep` holds them until the write
-    is done)."""
-
-    CAPACITY = 4096  # rows: a write of up to 4,096 ranges (8 GiB of 2 MiB pages)
-
-    def __init__(self, device: torch.device) -> None:
-        self.host = torch.empty((self.CAPACITY, 3), dtype=torch.int64).pin_memory()
-        self.host_rows = self.host.numpy()
-        self.device_rows = torch.empty((self.CAPACITY, 3), dtype=torch.int64, device=device)
-        self.uploaded: Any = None  # the event after the last upload from `host`
-
-    def send(self, rows: np.ndarray, stream: Any) -> tuple[torch.Tensor, list[Any]]:
-        """(the rows on the device, what to keep alive until the kernel is done); queued on
-        `stream`, the current stream."""
-        n = len(rows)
-        if n > self.CAPACITY or (self.uploaded is not None and not self.uploaded.query()):
-            host = torch.from_numpy(rows).pin_memory()
-            device_rows = host.to(stream.device, non_blocking=True)
-            return device_rows, [host, device_rows]
-        self.host_rows[:n] = rows
-        device_rows = self.device_rows[:n]
-        device_rows.copy_(self.host[:n], non_blocking=True)
-        self.uploaded = torch.cuda.Event()
-        self.uploaded.record(stream)
-        return device_rows, []
-
-
 class CudaIpcEngine(KVTransferEngine):
     name = "cuda_ipc"
 
@@ -123,8 +103,8 @@ class CudaIpcEngine(KVTransferEngine):
         self._boot_id = boot_id()
         self._regions: list[ExportedRegion] = []
         self._peers: dict[str, MappedPeer] = {}
-        self._streams: dict[int, torch.cuda.Stream] = {}
-        self._uploads: dict[int, RowUpload] = {}
+        self._queues: dict[int, CopyQueue] = {}  # per GPU that runs copies
+        self._launcher = CopyLauncher()
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         for region in regions:
@@ -200,63 +180,108 @@ class CudaIpcEngine(KVTransferEngine):
                 logger.warning("%s: %s", self.config.node_name, exc)
         peer.opened.clear()
 
-    def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
+    def _peer(self, peer_id: str) -> MappedPeer:
         peer = self._peers.get(peer_id)
         if peer is None:
             raise TransferError(
                 f"cuda_ipc engine {self.config.node_name!r}: peer {peer_id!r} is not "
                 "connected; call connect() with its PeerInfo first"
             )
+        return peer
+
+    def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
+        peer = self._peer(peer_id)
         handle = CudaIpcHandle(peer_id)
         groups = group_ranges(ranges, self._regions, peer.endpoint, self.config.node_name)
-        for (local_i, peer_i), rows in groups.items():
+        for (local_i, peer_i), columns in groups.items():
             local, remote = self._regions[local_i], peer.endpoint.regions[peer_i]
             if not local.on_gpu:
+                rows = [tuple(r) for r in columns.T.tolist()]
                 try:
-                    write_process_memory(peer.endpoint.pid, [tuple(r) for r in rows.tolist()])
+                    write_process_memory(peer.endpoint.pid, rows)
                 except ProcessMemoryError as exc:
                     self._fail(handle, f"CPU write of {len(rows)} ranges: {exc}")
                 continue
             base = peer.bases[peer_i]
-            offsets = rows - np.array([local.addr, remote.addr, 0], dtype=np.int64)
-            self._launch(handle, plan_copy(offsets, align=(local.addr, base)), local, base)
+            columns[0] -= local.addr  # offsets into both regions (the columns are ours)
+            columns[1] -= remote.addr
+            slot = self._tables(local.device_index).take()
+            out = None if slot is None else slot.host_rows
+            plan = plan_columns(columns, align=(local.addr, base), out=out)
+            self._launch(handle, plan, local, base, slot)
         return handle
 
-    def _stream(self, device: int) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
+    def write_pages(
+        self,
+        peer_id: str,
+        src_pages: Sequence[int] | np.ndarray,
+        dst_pages: Sequence[int] | np.ndarray,
+        page_bytes: int,
+        src_base: int,
+        dst_base: int,
+    ) -> TransferHandle:
+        """Whole pages of one pool into the peer's, checked by the smallest and largest page
+        id and planned straight from the ids (kvtransfer/cuda_ipc_plan.py's `plan_pages`):
+        no range object, no per-range check. Anything else (pages beyond a pool, CPU
+        memory) takes the range path, which refuses it naming the range."""
+        peer = self._peer(peer_id)
+        device = self._kernel_device()
+        slot = self._tables(device).take()
+        planned = plan_pages(
+            src_pages,
+            dst_pages,
+            page_bytes,
+            (src_base, dst_base),
+            self._regions,
+            peer.endpoint.regions,
+            out=None if slot is None else slot.host_rows,
+        )
+        if planned is None:
+            src, dst = np.asarray(src_pages).tolist(), np.asarray(dst_pages).tolist()
+            return self.write(peer_id, coalesce_pages(src, dst, page_bytes, src_base, dst_base))
+        local = self._regions[planned.local_index]
+        base = peer.bases[planned.peer_index]
+        plan = planned.plan
+        word = lowest_bit(plan.chunk_bytes | local.addr | base, 8)
+        if word != plan.word_bytes:  # the mapped base is less aligned than the peer's own
+            plan = CopyPlan(plan.chunk_bytes, word, plan.rows, plan.longest)
+        handle = CudaIpcHandle(peer_id)
+        self._launch(handle, plan, local, base, slot if local.device_index == device else None)
+        return handle
+
+    def _copy_queue(self, device: int) -> CopyQueue:
+        if device not in self._queues:
+            self._queues[device] = CopyQueue(device, self._launcher, self._driver)
+        return self._queues[device]
+
+    def _tables(self, device: int) -> RowTables:
+        return self._copy_queue(device).tables
 
     def _launch(
-        self, handle: CudaIpcHandle, plan: CopyPlan, local: ExportedRegion, dst_base: int
+        self,
+        handle: CudaIpcHandle,
+        plan: CopyPlan,
+        local: ExportedRegion,
+        dst_base: int,
+        slot: TableSlot | None,
     ) -> None:
-        """One kernel for the whole plan, after the caller's stream, then its event."""
+        """One kernel for the whole plan on the copy queue of the local pool's GPU, after
+        the caller's stream; its event completes the write. `slot`: the table slot the rows
+        were planned into, if any."""
+        if not plan.num_rows:
+            return
         device = local.device_index
-        stream = self._stream(device)
-        word = WORD_DTYPES[plan.word_bytes]
+        queue = self._copy_queue(device)
         try:
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):  # the stream's device too
-                rows, keep = self._upload(device).send(plan.rows, stream)
-                copy_rows(
-                    DevicePointer(local.addr, word),
-                    DevicePointer(dst_base, word),
-                    rows,
-                    plan.chunk_words,
-                    plan.max_chunks,
-                )
-                done = torch.cuda.Event()
-                done.record(stream)
+            if torch.cuda.current_device() != device:  # Triton launches on the current one
+                with torch.cuda.device(device):
+                    done = queue.submit(plan, local.addr, dst_base, slot, handle.keep)
+            else:
+                done = queue.submit(plan, local.addr, dst_base, slot, handle.keep)
         except Exception as exc:  # a launch the runtime refused: this write fails, loudly
             self._fail(handle, f"copy kernel launch: {type(exc).__name__}: {exc}")
             return
         handle.events.append(done)
-        handle.keep += keep
-
-    def _upload(self, device: int) -> RowUpload:
-        if device not in self._uploads:
-            self._uploads[device] = RowUpload(torch.device("cuda", device))
-        return self._uploads[device]
 
     def _fail(self, handle: CudaIpcHandle, reason: str) -> None:
         if not handle.error:
@@ -285,8 +310,8 @@ class CudaIpcEngine(KVTransferEngine):
 
     def synchronize(self) -> None:
         """Wait for every copy this engine queued."""
-        for stream in self._streams.values():
-            stream.synchronize()
+        for queue in self._queues.values():
+            queue.stream.synchronize()
 
     def close(self) -> None:
         if self._regions:
@@ -294,5 +319,4 @@ class CudaIpcEngine(KVTransferEngine):
                 self._unmap(peer)
         self._peers.clear()
         self._regions.clear()
-        self._streams.clear()
-        self._uploads.clear()
+        self._queues.clear()

@@ -8,7 +8,12 @@ No CUDA here (the tests run it on a CPU):
   device and, for GPU memory, the CUDA IPC handle of the allocation holding it with the
   region's offset inside that allocation.
 - `group_ranges`: a write's ranges as one array per (local region, peer region), each range
-  checked (inside a region on both sides; GPU to GPU or CPU to CPU).
+  checked (inside a region on both sides; GPU to GPU or CPU to CPU). The usual write (one
+  pool into the other) is checked by its bounds: a handful of numpy reductions over all
+  ranges, not a test per range.
+- `plan_pages`: the page-index form of a write (source and destination page ids, one page
+  size, the two pools' page-0 addresses): checked by its smallest and largest page ids and
+  planned straight into the kernel's rows, without a range object per page.
 - `plan_copy`: a write's byte ranges as rows of chunks (source offset, destination offset,
   length), ranges longer than `MAX_PIECE_BYTES` cut into pieces, with the chunk size
   (the largest power of two, at most `MAX_CHUNK_BYTES`, that divides every offset and length).
@@ -22,7 +27,6 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 
@@ -38,7 +42,8 @@ MAX_CHUNK_BYTES = 16 << 10
 # programs on short rows beside a long one.
 MAX_PIECE_BYTES = 2 << 20
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-_RANGE_FIELDS = attrgetter("src_addr", "dst_addr", "length")
+ADDRESS_LIMIT = 1 << 62  # no memory lies above; below it, start + length fits in int64
+_FIELDS = (attrgetter("src_addr"), attrgetter("dst_addr"), attrgetter("length"))
 
 
 def boot_id() -> str:
@@ -138,11 +143,13 @@ class CopyPlan:
     """A write as rows of chunks: row i moves `rows[i, 2]` chunks of `chunk_bytes` from local
     chunk `rows[i, 0]` to peer chunk `rows[i, 1]` (counted from the bases the plan was made
     against; in chunks, not bytes, so that the kernel knows every address is a multiple of
-    the chunk and vectorises); no row longer than `MAX_PIECE_BYTES`."""
+    the chunk and vectorises); `plan_copy` cuts rows longer than `MAX_PIECE_BYTES`, a page
+    plan's rows are its pages."""
 
     chunk_bytes: int
     word_bytes: int  # the kernel's element: 8 bytes unless the chunks or the bases forbid it
     rows: np.ndarray  # int64 [n, 3], in chunks
+    longest: int = -1  # chunks of the longest row where the planner knows it, else -1
 
     @property
     def chunk_words(self) -> int:
@@ -155,6 +162,8 @@ class CopyPlan:
     @property
     def max_chunks(self) -> int:
         """Chunks of the longest row: the grid's first dimension."""
+        if self.longest >= 0:
+            return self.longest
         return int(self.rows[:, 2].max()) if len(self.rows) else 0
 
     @property
@@ -179,17 +188,65 @@ def plan_copy(
     max_piece: int = MAX_PIECE_BYTES,
 ) -> CopyPlan:
     """`ranges`: (source offset, destination offset, length) in bytes; `align`: the base
-    addresses the offsets are relative to (the kernel's words must be aligned in memory).
-    Vectorised, and without a per-chunk list: 256 ranges plan in a few microseconds."""
+    addresses the offsets are relative to (the kernel's words must be aligned in memory)."""
     rows = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)
-    if (rows[:, 2] <= 0).any() or (rows[:, :2] < 0).any():
-        raise ValueError(f"ranges need non-negative offsets and positive lengths: {rows[:4]}")
-    chunk = chunk_size(rows.ravel(), max_chunk)
-    word = chunk_size([chunk, *align], max_chunk=8)
+    return plan_columns(rows.T, align, max_chunk, max_piece)
+
+
+def plan_columns(
+    columns: np.ndarray,
+    align: Sequence[int] = (),
+    max_chunk: int = MAX_CHUNK_BYTES,
+    max_piece: int = MAX_PIECE_BYTES,
+    out: np.ndarray | None = None,
+) -> CopyPlan:
+    """`plan_copy` on int64 [3, n] columns (source offsets, destination offsets, lengths),
+    into `out` (int64 [>= rows, 3], e.g. a pinned upload buffer) when it is given and large
+    enough. Vectorised along the ranges, without a per-chunk list: five numpy calls when no
+    range needs cutting (256 ranges: a few microseconds)."""
+    if max_chunk <= 0 or max_chunk & (max_chunk - 1):
+        raise ValueError(f"max_chunk must be a power of two, got {max_chunk}")
+    n = columns.shape[1]
+    if not n:
+        return CopyPlan(max_chunk, lowest_bit(max_chunk | _or(align), 8), _rows(0, None))
+    low = columns.min(axis=1)
+    if low[0] < 0 or low[1] < 0 or low[2] <= 0:
+        raise ValueError(
+            f"ranges need non-negative offsets and positive lengths: {columns.T[:4].tolist()}"
+        )
+    chunk = lowest_bit(int(np.bitwise_or.reduce(columns, axis=None)), max_chunk)
+    word = lowest_bit(chunk | _or(align), 8)
     piece = max(max_piece - max_piece % chunk, chunk)
-    if len(rows) and rows[:, 2].max() > piece:
-        rows = split_rows(rows, piece)
-    return CopyPlan(chunk, word, rows // chunk)
+    shift = chunk.bit_length() - 1
+    longest = int(columns[2].max())
+    if longest > piece:
+        cut = split_rows(columns.T, piece)
+        rows = _rows(len(cut), out)
+        np.right_shift(cut, shift, out=rows)
+        longest = piece
+    else:
+        rows = _rows(n, out)
+        np.right_shift(columns, shift, out=rows.T)
+    return CopyPlan(chunk, word, rows, longest >> shift)
+
+
+def _rows(n: int, out: np.ndarray | None) -> np.ndarray:
+    if out is not None and len(out) >= n:
+        return out[:n]
+    return np.empty((n, 3), dtype=np.int64)
+
+
+def lowest_bit(value: int, cap: int) -> int:
+    """The largest power of two <= `cap` (a power of two) dividing `value` (any, if 0)."""
+    value |= cap
+    return value & -value
+
+
+def _or(values: Sequence[int]) -> int:
+    out = 0
+    for v in values:
+        out |= v
+    return out
 
 
 def split_rows(rows: np.ndarray, piece: int) -> np.ndarray:
@@ -213,20 +270,56 @@ def _locate(regions: Sequence[ExportedRegion], addr: np.ndarray, length: np.ndar
     return found
 
 
+def _holder(regions: Sequence[ExportedRegion], lo: int, hi: int) -> int | None:
+    """The index of the first region holding all of [lo, hi), or None."""
+    for i, region in enumerate(regions):
+        if region.addr <= lo and hi <= region.addr + region.length:
+            return i
+    return None
+
+
 def _one_pair(
-    rows: np.ndarray, local: Sequence[ExportedRegion], peer: Sequence[ExportedRegion]
+    columns: np.ndarray,
+    low: np.ndarray,
+    local: Sequence[ExportedRegion],
+    peer: Sequence[ExportedRegion],
 ) -> tuple[int, int] | None:
-    """(local region, peer region) holding every row, both GPU or both CPU; None when the
-    rows span regions (or none holds them: the per-row checks then say which row)."""
-    if not len(rows) or (rows[:, 2] <= 0).any():
-        return None
-    src_lo, dst_lo = int(rows[:, 0].min()), int(rows[:, 1].min())
-    src_hi, dst_hi = int((rows[:, 0] + rows[:, 2]).max()), int((rows[:, 1] + rows[:, 2]).max())
-    li = next((i for i, r in enumerate(local) if r.contains(src_lo, src_hi - src_lo)), None)
-    pi = next((i for i, r in enumerate(peer) if r.contains(dst_lo, dst_hi - dst_lo)), None)
+    """(local region, peer region) holding every range, both GPU or both CPU; None when the
+    ranges span regions (or none holds them: the per-range checks then say which). `low`:
+    the columns' minima. One more numpy reduction whatever the number of ranges: the highest
+    end on each side (a region is one interval: holding the lowest start and the highest
+    end, it holds every range)."""
+    high = (columns[:2] + columns[2]).max(axis=1)
+    li = _holder(local, int(low[0]), int(high[0]))
+    pi = _holder(peer, int(low[1]), int(high[1]))
     if li is None or pi is None or local[li].on_gpu != peer[pi].on_gpu:
         return None
     return li, pi
+
+
+def _check_lengths_and_limits(
+    columns: np.ndarray, low: np.ndarray, ranges: Sequence[TransferRange], node_name: str
+) -> None:
+    """Positive lengths, and addresses and lengths below 2**62: then no start + length
+    overflows int64, which would let a range's end wrap below its region's end."""
+    if low[2] > 0 and int(columns.max()) < ADDRESS_LIMIT:
+        return
+    bad = (columns >= ADDRESS_LIMIT).any(axis=0) | (columns[2] <= 0)
+    raise TransferError(
+        f"cuda_ipc engine {node_name!r}: range {ranges[int(np.argmax(bad))]} has a length "
+        f"<= 0 or an address or length >= 2**62; no registered region holds it"
+    )
+
+
+def ranges_to_columns(ranges: Sequence[TransferRange]) -> np.ndarray:
+    """int64 [3, n]: source addresses, destination addresses, lengths; one C-level pass per
+    field, no Python frame or tuple per range. Columns, not rows: numpy reduces a [3, n]
+    array along its rows several times faster than a [n, 3] one down its columns."""
+    n = len(ranges)
+    columns = np.empty((3, n), dtype=np.int64)
+    for i, field in enumerate(_FIELDS):
+        columns[i] = np.fromiter(map(field, ranges), np.int64, n)
+    return columns
 
 
 def group_ranges(
@@ -235,16 +328,20 @@ def group_ranges(
     peer: IpcEndpoint,
     node_name: str,
 ) -> dict[tuple[int, int], np.ndarray]:
-    """A write's ranges as rows (source, destination, length) per (local region index, peer
-    region index), every range checked: inside a region on both sides, GPU to GPU or CPU to
-    CPU. Vectorised: the host side of a 256-page write must cost far less than its copy."""
-    fields = map(_RANGE_FIELDS, ranges)  # C-level: no Python frame a range
-    rows = np.fromiter(chain.from_iterable(fields), np.int64, 3 * len(ranges)).reshape(-1, 3)
-    pair = _one_pair(rows, local, peer.regions)
+    """A write's ranges as columns (sources, destinations, lengths: int64 [3, n]) per (local
+    region index, peer region index), every range checked: inside a region on both sides,
+    GPU to GPU or CPU to CPU. The usual write (one pool into the other) is checked by its
+    bounds; only a write spanning regions (or refused) is checked range by range."""
+    columns = ranges_to_columns(ranges)
+    if not len(ranges):
+        return {}
+    low = columns.min(axis=1)
+    _check_lengths_and_limits(columns, low, ranges, node_name)
+    pair = _one_pair(columns, low, local, peer.regions)
     if pair is not None:  # the usual write: one pool into the other, checked by its bounds
-        return {pair: rows}
-    local_i = _locate(local, rows[:, 0], rows[:, 2])
-    peer_i = _locate(peer.regions, rows[:, 1], rows[:, 2])
+        return {pair: columns}
+    local_i = _locate(local, columns[0], columns[2])
+    peer_i = _locate(peer.regions, columns[1], columns[2])
     outside = (local_i < 0) | (peer_i < 0)
     if outside.any():
         first = int(np.argmax(outside))
@@ -265,4 +362,65 @@ def group_ranges(
             f"{dst.device}; {BACKEND_FLAG} copies GPU to GPU (KV) and CPU to CPU (aux) only"
         )
     key = local_i * len(peer.regions) + peer_i
-    return {divmod(k, len(peer.regions)): rows[key == k] for k in np.unique(key).tolist()}
+    return {divmod(k, len(peer.regions)): columns[:, key == k] for k in np.unique(key).tolist()}
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    """A page-index write planned: the pair of regions it stays in, and its rows."""
+
+    local_index: int
+    peer_index: int
+    plan: CopyPlan
+
+
+def plan_pages(
+    src_pages: Sequence[int] | np.ndarray,
+    dst_pages: Sequence[int] | np.ndarray,
+    page_bytes: int,
+    bases: tuple[int, int],
+    local: Sequence[ExportedRegion],
+    peer: Sequence[ExportedRegion],
+    align: Sequence[int] = (),
+    out: np.ndarray | None = None,
+) -> PagePlan | None:
+    """Whole pages: page `s` at `bases[0] + s * page_bytes` here to page `d` at `bases[1] +
+    d * page_bytes` in the peer, one kernel row a page. Checked by the smallest and largest
+    page id on each side: when both ends lie in one GPU region (an interval), every page
+    between does. None when they do not (pages beyond a pool, several regions, CPU memory,
+    nothing to write): the caller then takes the range path, whose per-range checks name the
+    offending range. `align`: the base addresses the kernel's words are relative to; `out`:
+    an int64 [>= n, 3] buffer to plan into (a pinned upload buffer), else a new array."""
+    src, dst = _page_ids(src_pages), _page_ids(dst_pages)
+    if src.ndim != 1 or src.shape != dst.shape:
+        raise ValueError(f"{src.shape} source pages but {dst.shape} destination pages")
+    n = len(src)
+    if not n or page_bytes <= 0:
+        return None
+    src_base, dst_base = bases
+    li = _holder(local, src_base + int(src.min()) * page_bytes,
+                 src_base + (int(src.max()) + 1) * page_bytes)  # fmt: skip
+    pi = _holder(peer, dst_base + int(dst.min()) * page_bytes,
+                 dst_base + (int(dst.max()) + 1) * page_bytes)  # fmt: skip
+    if li is None or pi is None or not (local[li].on_gpu and peer[pi].on_gpu):
+        return None
+    src_offset, dst_offset = src_base - local[li].addr, dst_base - peer[pi].addr
+    chunk = lowest_bit(page_bytes | src_offset | dst_offset, MAX_CHUNK_BYTES)
+    per_page = page_bytes // chunk
+    rows = _rows(n, out)
+    np.multiply(src, per_page, out=rows[:, 0])
+    np.multiply(dst, per_page, out=rows[:, 1])
+    if src_offset:
+        rows[:, 0] += src_offset // chunk
+    if dst_offset:
+        rows[:, 1] += dst_offset // chunk
+    rows[:, 2] = per_page
+    return PagePlan(li, pi, CopyPlan(chunk, lowest_bit(chunk | _or(align), 8), rows, per_page))
+
+
+def _page_ids(pages: Sequence[int] | np.ndarray) -> np.ndarray:
+    if isinstance(pages, np.ndarray):
+        return pages.astype(np.int64, copy=False)
+    if isinstance(pages, list):  # fromiter reads a list of ints twice as fast as asarray
+        return np.fromiter(pages, np.int64, len(pages))
+    return np.asarray(pages, dtype=np.int64)

@@ -36,11 +36,16 @@ from kvtransfer import (
 from kvtransfer.cuda_ipc_plan import (
     BACKEND_FLAG,
     MAX_CHUNK_BYTES,
+    CopyPlan,
     ExportedRegion,
     IpcEndpoint,
     check_registrable,
     chunk_size,
+    group_ranges,
+    plan_columns,
     plan_copy,
+    plan_pages,
+    split_rows,
 )
 from kvtransfer.process_memory import (
     ProcessMemoryError,
@@ -210,6 +215,235 @@ def test_plan_copy_of_256_scattered_2mib_pages_is_a_row_a_page() -> None:
     assert (plan.rows[:, 1] // per_page).tolist() == dst
 
 
+# --- the vectorised checks and plans against the per-range reference ---------------------------
+# The first version of the backend checked and planned a write range by range; these are that
+# logic, kept as the reference the vectorised code (bounds, columns, page ids) must agree with
+# on random writes, refusals included.
+
+
+def reference_group(
+    ranges: list[TransferRange], local: tuple[ExportedRegion, ...], peer: IpcEndpoint
+) -> dict[tuple[int, int], list[tuple[int, int, int]]] | str:
+    """Per range: the regions holding it on both sides, GPU to GPU or CPU to CPU; the groups
+    in order, or why the first bad range is refused ("outside" or "crossing")."""
+    groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for r in ranges:
+        li = next((i for i, g in enumerate(local) if g.contains(r.src_addr, r.length)), None)
+        pi = next((i for i, g in enumerate(peer.regions) if g.contains(r.dst_addr, r.length)),
+                  None)  # fmt: skip
+        if li is None or pi is None:
+            return "outside"
+        if local[li].on_gpu != peer.regions[pi].on_gpu:
+            return "crossing"
+        groups.setdefault((li, pi), []).append((r.src_addr, r.dst_addr, r.length))
+    return groups
+
+
+def reference_plan_copy(
+    ranges: list[tuple[int, int, int]], align: tuple[int, ...], max_chunk: int, max_piece: int
+) -> tuple[int, int, list[list[int]]]:
+    """(chunk, word, rows) as plan_copy made them before the column form."""
+    rows = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)
+    if (rows[:, 2] <= 0).any() or (rows[:, :2] < 0).any():
+        raise ValueError("ranges need non-negative offsets and positive lengths")
+    chunk = chunk_size(rows.ravel(), max_chunk)
+    word = chunk_size([chunk, *align], max_chunk=8)
+    piece = max(max_piece - max_piece % chunk, chunk)
+    if len(rows) and rows[:, 2].max() > piece:
+        rows = split_rows(rows, piece)
+    return chunk, word, (rows // chunk).tolist()
+
+
+def apply_rows(src: np.ndarray, dst: np.ndarray, plan: CopyPlan) -> None:
+    """What the kernel does with a plan, in numpy (offsets from the regions' starts)."""
+    c = plan.chunk_bytes
+    for s, d, n in plan.rows.tolist():
+        dst[d * c : (d + n) * c] = src[s * c : (s + n) * c]
+
+
+GPU0, GPU1, CPU = "cuda:0", "cuda:1", "cpu"
+POOLS = {  # synthetic address spaces: (local regions, peer regions), none overlapping
+    "one pool each": (
+        (ExportedRegion("kv", 0x10_0000, 64 << 10, GPU0), ExportedRegion("aux", 0x2000, 512, CPU)),
+        (ExportedRegion("kv", 0x40_0000, 48 << 10, GPU1), ExportedRegion("aux", 0x9000, 512, CPU)),
+    ),
+    "two peer pools": (
+        (ExportedRegion("kv", 0x10_0400, 64 << 10, GPU0),),
+        (ExportedRegion("kv", 0x40_0000, 32 << 10, GPU0),
+         ExportedRegion("staging", 0x50_0000, 16 << 10, GPU0)),
+    ),
+}  # fmt: skip
+
+
+def random_ranges(rng: np.random.Generator, local: tuple, peer: tuple) -> list[TransferRange]:
+    """Pages of one pool into another (some odd pieces, some aux slots, now and then into a
+    second pool); in one write of six a range past a region's end, before its start, or from
+    GPU memory into CPU memory."""
+    page = int(rng.choice([256, 1024]))
+    gpu_peer = [r for r in peer if r.on_gpu]
+    n = int(rng.integers(1, 24))
+    kinds = rng.choice(["page", "odd", "aux"], n, p=[0.9, 0.05, 0.05]).tolist()
+    if rng.random() < 1 / 6:
+        kinds[int(rng.integers(n))] = str(rng.choice(["past", "before", "cross"]))
+    out = []
+    usual = gpu_peer[int(rng.integers(len(gpu_peer)))]  # the write's pool; now and then another
+    for kind in kinds:
+        src_r = local[0]
+        dst_r = usual if rng.random() < 0.95 else gpu_peer[int(rng.integers(len(gpu_peer)))]
+        if kind == "aux" and not local[-1].on_gpu and not peer[-1].on_gpu:
+            src_r, dst_r = local[-1], peer[-1]
+        if kind == "cross":
+            dst_r = peer[-1] if not peer[-1].on_gpu else dst_r
+            src_r = local[-1] if peer[-1].on_gpu and not local[-1].on_gpu else src_r
+        length = min(page if kind != "odd" else int(rng.integers(1, 300)), src_r.length,
+                     dst_r.length)  # fmt: skip
+        s = src_r.addr + int(rng.integers(0, (src_r.length - length) // page + 1)) * page
+        d = dst_r.addr + int(rng.integers(0, (dst_r.length - length) // page + 1)) * page
+        if kind == "odd":
+            s = src_r.addr + int(rng.integers(0, src_r.length - length + 1))
+            d = dst_r.addr + int(rng.integers(0, dst_r.length - length + 1))
+        if kind == "past":
+            d = dst_r.addr + dst_r.length - length + int(rng.integers(1, 64))
+        if kind == "before":
+            s = src_r.addr - int(rng.integers(1, 64))
+        out.append(TransferRange(s, d, length))
+    return out
+
+
+@pytest.mark.parametrize("pools", sorted(POOLS))
+def test_group_ranges_agrees_with_the_per_range_checks(pools: str) -> None:
+    local, peer_regions = POOLS[pools]
+    peer = IpcEndpoint("decode", "boot", 1, peer_regions)
+    rng = np.random.default_rng(7)
+    refused = fast = 0
+    for _ in range(400):
+        ranges = random_ranges(rng, local, peer_regions)
+        expected = reference_group(ranges, local, peer)
+        if isinstance(expected, str):
+            with pytest.raises(TransferError) as err:
+                group_ranges(ranges, local, peer, "prefill")
+            named = next(r for r in ranges if str(r) in str(err.value))
+            assert isinstance(reference_group([named], local, peer), str), err.value
+            refused += 1
+            continue
+        got = group_ranges(ranges, local, peer, "prefill")
+        assert {k: v.T.tolist() for k, v in got.items()} == {
+            k: [list(r) for r in v] for k, v in expected.items()
+        }
+        fast += len(got) == 1
+    assert refused > 20 and fast > 100  # both paths and the refusals were exercised
+
+
+def test_group_ranges_refuses_ranges_whose_end_would_wrap_or_that_are_empty() -> None:
+    """A range near 2**63 would wrap its int64 end below its region's end and pass a bounds
+    check (the version before this one let it through, to a write far out of the pool)."""
+    local, peer_regions = POOLS["one pool each"]
+    peer = IpcEndpoint("decode", "boot", 1, peer_regions)
+    kv = peer_regions[0]
+    fine = TransferRange(local[0].addr, kv.addr, 256)
+    evil = TransferRange(local[0].addr + 256, (1 << 63) - 64, 256)
+    for bad in (evil, TransferRange(local[0].addr, kv.addr, 0),
+                TransferRange(local[0].addr, kv.addr, -256)):  # fmt: skip
+        with pytest.raises(TransferError, match=r"length <= 0 or an address or length >= 2\*\*62"):
+            group_ranges([fine, bad, fine], local, peer, "prefill")
+    assert group_ranges([], local, peer, "prefill") == {}
+
+
+def test_plan_columns_makes_the_plans_of_the_per_range_version() -> None:
+    rng = np.random.default_rng(11)
+    for case in range(500):
+        n = int(rng.integers(0, 40))
+        unit = int(rng.choice([1, 2, 8, 64, 4096, 16384]))
+        rows = np.stack([rng.integers(0, 1 << 12, n) * unit, rng.integers(0, 1 << 12, n) * unit,
+                         rng.integers(1, 600, n) * unit], axis=1)  # fmt: skip
+        if case % 50 == 0 and n:
+            rows[int(rng.integers(n)), int(rng.integers(3))] *= -1 if case % 100 else 0
+        align = tuple(int(a) for a in rng.choice([0x1000, 0x1004, 0x1002, 0x1001], 2))
+        max_chunk, max_piece = int(rng.choice([256, 16384])), int(rng.choice([4096, 2 << 20]))
+        try:
+            chunk, word, expected = reference_plan_copy(rows.tolist(), align, max_chunk, max_piece)
+        except ValueError:
+            with pytest.raises(ValueError, match="positive lengths"):
+                plan_columns(rows.T, align, max_chunk, max_piece)
+            continue
+        out = np.full((64, 3), -1, dtype=np.int64)
+        for target in (None, out):
+            plan = plan_columns(np.ascontiguousarray(rows.T), align, max_chunk, max_piece, target)
+            assert (plan.chunk_bytes, plan.word_bytes) == (chunk, word)
+            assert plan.rows.tolist() == expected
+            assert plan.max_chunks == max((r[2] for r in expected), default=0)
+            assert plan_copy(rows, align, max_chunk, max_piece).rows.tolist() == expected
+            if target is not None and 0 < len(expected) <= len(out):
+                assert np.shares_memory(plan.rows, out)
+
+
+@pytest.mark.parametrize("pools", sorted(POOLS))
+def test_plan_pages_moves_the_bytes_of_the_checked_ranges(pools: str) -> None:
+    """Page ids planned straight into rows: taken exactly when the page ranges are one GPU
+    pool into another, and then moving the same bytes as the ranges would."""
+    local, peer_regions = POOLS[pools]
+    peer = IpcEndpoint("decode", "boot", 1, peer_regions)
+    rng = np.random.default_rng(5)
+    taken = 0
+    for _ in range(300):
+        page = int(rng.choice([64, 256, 1024, 3 * 256]))
+        src_r, dst_r = local[0], peer_regions[int(rng.integers(len(peer_regions)))]
+        src_base = src_r.addr + int(rng.choice([0, 0, 128, -page]))
+        dst_base = dst_r.addr + int(rng.choice([0, 0, 512]))
+        n = int(rng.integers(0, 20))
+        src_top, dst_top = max(src_r.length // page, 1), max(dst_r.length // page, 1)
+        src = rng.integers(-1 if rng.random() < 0.1 else 0, src_top + (rng.random() < 0.1), n)
+        dst = rng.integers(0, dst_top + (rng.random() < 0.1), n)
+        ranges = coalesce_pages(src.tolist(), dst.tolist(), page, src_base, dst_base)
+        expected = reference_group(ranges, local, peer)
+        out = np.zeros((32, 3), dtype=np.int64)
+        planned = plan_pages(src, dst, page, (src_base, dst_base), local, peer_regions, (), out)
+        one_gpu_pair = isinstance(expected, dict) and len(expected) == 1 and local[
+            next(iter(expected))[0]].on_gpu  # fmt: skip
+        assert (planned is not None) == (one_gpu_pair and n > 0), (src, dst, expected)
+        if planned is None:
+            continue
+        taken += 1
+        [(li, pi)] = expected
+        assert (planned.local_index, planned.peer_index) == (li, pi)
+        src_bytes = rng.integers(0, 256, local[li].length, dtype=np.uint8)
+        want = np.full(peer_regions[pi].length, 0xA5, dtype=np.uint8)
+        got = want.copy()
+        for s, d, length in expected[(li, pi)]:
+            s, d = s - local[li].addr, d - peer_regions[pi].addr
+            want[d : d + length] = src_bytes[s : s + length]
+        apply_rows(src_bytes, got, planned.plan)
+        assert np.array_equal(got, want)
+        assert planned.plan.max_chunks == int(planned.plan.rows[:, 2].max())
+    assert taken > 100
+    with pytest.raises(ValueError, match="destination pages"):
+        plan_pages([1, 2], [3], 64, (0, 0), local, peer_regions)
+
+
+def test_write_pages_by_default_writes_the_coalesced_ranges() -> None:
+    """KVTransferEngine.write_pages (additive): backends without a page path (NIXL, Mooncake,
+    the TP and fault wrappers) get `write` of the pages' coalesced ranges, ids as ints."""
+    from kvtransfer.base import KVTransferEngine
+
+    class Recording(KVTransferEngine):
+        def __init__(self) -> None:
+            super().__init__(TransferConfig(backend="nixl", node_name="p"))
+            self.writes: list[tuple[str, list[TransferRange]]] = []
+
+        def write(self, peer_id, ranges):  # type: ignore[no-untyped-def]
+            self.writes.append((peer_id, list(ranges)))
+            return TransferState.DONE
+
+        register = local_endpoint = connect = poll = release = close = None  # type: ignore[assignment]
+
+    engine = Recording()
+    engine.write_pages("d", np.array([3, 4, 9]), [7, 8, 1], 4096, 1 << 20, 1 << 30)
+    [(peer, ranges)] = engine.writes
+    assert peer == "d"
+    assert ranges == coalesce_pages([3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
+    assert all(type(r.src_addr) is int for r in ranges)
+
+
 def endpoint() -> IpcEndpoint:
     return IpcEndpoint(
         "decode-1",
@@ -310,6 +544,24 @@ class FakeDriver:
     def close(self, addr: int, device: int) -> None:
         self.closed.append(addr)
 
+    def copy_to_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        import ctypes
+
+        ctypes.memmove(dst, src, nbytes)  # the stand-in GPU's memory is this process's
+
+
+class CpuTables:
+    """RowTables' slots in CPU memory (no pinning without a GPU)."""
+
+    def __init__(self) -> None:
+        from kvtransfer.cuda_ipc_queue import TableSlot
+
+        host = torch.zeros((64, 3), dtype=torch.int64)
+        self.slot = TableSlot(host, host.numpy(), torch.zeros_like(host))
+
+    def take(self):  # type: ignore[no-untyped-def]
+        return self.slot
+
 
 @pytest.fixture
 def fake_gpu_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
@@ -322,8 +574,10 @@ def fake_gpu_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped
     engine = cuda_ipc.CudaIpcEngine(TransferConfig(backend="cuda_ipc", node_name="prefill"))
     launches: list = []
     cpu_writes: list = []
-    monkeypatch.setattr(engine, "_launch", lambda h, plan, local, base: launches.append(
-        (plan, local.addr, base)))  # fmt: skip
+    tables = CpuTables()
+    monkeypatch.setattr(engine, "_tables", lambda device: tables)
+    monkeypatch.setattr(engine, "_launch", lambda h, plan, local, base, slot: launches.append(
+        (plan, local.addr, base, slot)))  # fmt: skip
     monkeypatch.setattr(cuda_ipc, "write_process_memory", lambda pid, rows: cpu_writes.append(
         (pid, rows)))  # fmt: skip
     engine.register([MemoryRegion("kv", 0x1000_0000, 1 << 24, "cuda:0"),
@@ -348,19 +602,60 @@ def test_engine_maps_the_peer_once_and_plans_one_launch_per_write(fake_gpu_engin
     ranges.append(TransferRange(0x2000 + 128, aux.addr + 256, 200))
     handle = engine.write("decode-1", ranges)
     assert engine.poll(handle) is TransferState.DONE  # no kernel was really queued
-    [(plan, src_base, dst_base)] = launches
+    [(plan, src_base, dst_base, slot)] = launches
     assert (src_base, dst_base) == (0x1000_0000, FakeDriver.MAPPED_AT + 512)
     per_page = page // MAX_CHUNK_BYTES  # pages 3-4 -> 7-8 are one row, 9 -> 1 another
     assert plan.chunk_bytes == MAX_CHUNK_BYTES
     assert plan.rows.tolist() == [[3 * per_page, 7 * per_page, 2 * per_page],
                                   [9 * per_page, 1 * per_page, per_page]]  # fmt: skip
+    assert np.shares_memory(plan.rows, slot.host_rows)  # planned into the upload buffer
     assert cpu_writes == [(4242, [(0x2000 + 128, aux.addr + 256, 200)])]
+    engine.release(handle)
+    # the page-index form: the same rows, one a page (no coalescing needed)
+    launches.clear()
+    handle = engine.write_pages("decode-1", [3, 4, 9], np.array([7, 8, 1]), page,
+                                0x1000_0000, kv.addr)  # fmt: skip
+    [(pages_plan, src_base, dst_base, _)] = launches
+    assert (src_base, dst_base) == (0x1000_0000, FakeDriver.MAPPED_AT + 512)
+    assert pages_plan.rows.tolist() == [[3 * per_page, 7 * per_page, per_page],
+                                        [4 * per_page, 8 * per_page, per_page],
+                                        [9 * per_page, 1 * per_page, per_page]]  # fmt: skip
+    assert pages_plan.word_bytes == 8
     engine.release(handle)
     restarted = IpcEndpoint("decode-1", "boot-a", 4343, (replace(kv, ipc_handle=bytes(64)),))
     engine.connect(PeerInfo("decode-1", restarted.to_bytes(), {}))  # the old mapping goes
     assert engine._driver.closed == [FakeDriver.MAPPED_AT]
     engine.close()
     assert engine._driver.closed == [FakeDriver.MAPPED_AT] * 2
+
+
+class FakeEvent:
+    def __init__(self, passed: bool) -> None:
+        self.passed = passed
+
+    def query(self) -> bool:
+        return self.passed
+
+
+def test_row_tables_reuse_a_slot_only_once_its_kernel_is_done() -> None:
+    """A slot's host buffer is read by its upload and its device buffer by its kernel: both
+    are done once the event after the kernel has passed, and not before."""
+    from kvtransfer.cuda_ipc_queue import RowTables, TableSlot
+
+    tables = RowTables.__new__(RowTables)  # no pinned memory without a GPU: slots by hand
+    host = torch.zeros((8, 3), dtype=torch.int64)
+    tables.slots = [TableSlot(host, host.numpy(), host) for _ in range(3)]
+    tables._next = 0
+    first, second = tables.take(), tables.take()
+    assert first is tables.slots[0] and second is tables.slots[1]
+    first.done, second.done = FakeEvent(False), FakeEvent(True)
+    assert tables.take() is tables.slots[2]  # round robin
+    tables.slots[2].done = FakeEvent(False)
+    assert tables.take() is second  # slot 0 still busy: its kernel has not run
+    second.done = FakeEvent(False)
+    assert tables.take() is None  # every slot busy: the write takes fresh buffers
+    first.done.passed = True
+    assert tables.take() is first
 
 
 def test_engine_refuses_bad_writes_and_peers_naming_what_to_do(fake_gpu_engine) -> None:  # type: ignore[no-untyped-def]
@@ -383,6 +678,15 @@ def test_engine_refuses_bad_writes_and_peers_naming_what_to_do(fake_gpu_engine) 
         engine.write("decode-1", [TransferRange(0x1000_0000, aux.addr, 64)])
     with pytest.raises(TransferError, match="KV pool in GPU memory"):
         engine.register([MemoryRegion("kv", 0x9000, 4096, "cpu")])
+    # page ids past either pool: the range path refuses them, naming the range
+    page = 64 << 10
+    past_local = (1 << 24) // page
+    with pytest.raises(TransferError, match="outside every registered local region"):
+        engine.write_pages("decode-1", [0, past_local], [1, 2], page, 0x1000_0000, kv.addr)
+    with pytest.raises(TransferError, match="outside every registered peer 'decode-1' region"):
+        engine.write_pages("decode-1", [0, 1], [-1, 2], page, 0x1000_0000, kv.addr)
+    with pytest.raises(TransferError, match=r"GPU to GPU \(KV\) and CPU to CPU \(aux\) only"):
+        engine.write_pages("decode-1", [0], [0], 64, 0x1000_0000, aux.addr)
     assert launches == []
 
 
@@ -488,13 +792,21 @@ def test_two_processes_move_scattered_pages_and_aux(second_gpu: bool) -> None:
         rng = np.random.default_rng(1)
         src_pages = rng.permutation(POOL_PAGES)[:24].tolist()
         dst_pages = rng.permutation(POOL_PAGES)[:24].tolist()
-        ranges = coalesce_pages(src_pages, dst_pages, PAGE_BYTES, pool.data_ptr(), regions[0].addr)
+        # the first 12 pages as ranges (with the aux slot), the others by page ids in six
+        # writes queued back to back: more than RowTables' slots, so some take fresh buffers
+        bases = (pool.data_ptr(), regions[0].addr)
+        ranges = coalesce_pages(src_pages[:12], dst_pages[:12], PAGE_BYTES, *bases)
         ranges.append(TransferRange(int(aux.ctypes.data), regions[1].addr, 16))
-        handle = engine.write("decode", ranges)
-        while (state := engine.poll(handle)) is TransferState.PENDING:
-            pass
-        engine.release(handle)
-        assert state is TransferState.DONE
+        handles = [engine.write("decode", ranges)]
+        for i in range(12, 24, 2):
+            pages = (src_pages[i : i + 2], np.array(dst_pages[i : i + 2]))
+            handles.append(engine.write_pages("decode", *pages, PAGE_BYTES, *bases))
+        for handle in handles:
+            while (state := engine.poll(handle)) is TransferState.PENDING:
+                pass
+            engine.release(handle)
+            assert state is TransferState.DONE
+        assert len(engine._launcher._compiled) == 1  # one variant, launched compiled
         here.send((src_pages, dst_pages))
         landed, untouched, aux_got = here.recv()
         engine.close()
@@ -502,6 +814,167 @@ def test_two_processes_move_scattered_pages_and_aux(second_gpu: bool) -> None:
         receiver.join(timeout=60)
     assert landed and untouched
     assert aux_got == aux.tolist()
+
+
+# --- the engine's whole write path with a CPU stand-in for the GPU ------------------------------
+# Everything of a write but the CUDA calls themselves: the engine's checks and plans, the copy
+# queue's slots, upload and launch arguments, and the benchmark's inlined paths, with CPU memory
+# registered as "cuda:0", torch's streams and events replaced by stand-ins, and the kernel by a
+# memmove per row of the table it is given (read from the address it is given).
+
+
+class StandInStream:
+    cuda_stream = 0
+
+    def __init__(self, *args: object) -> None:
+        self.waited = 0
+
+    def wait_event(self, event: object) -> None:
+        self.waited += 1
+
+    def synchronize(self) -> None:
+        pass
+
+
+class StandInEvent:
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def stand_in_kernel(launches: list) -> object:  # type: ignore[type-arg]
+    import ctypes
+
+    from kvtransfer.cuda_ipc_kernel import MAX_GRID_ROWS, WORD_BYTES
+
+    def launch(stream, device, word, addrs, chunk_words, grid):  # type: ignore[no-untyped-def]
+        src, dst, table = addrs
+        assert device == 0 and stream == 0 and 0 < grid[1] <= MAX_GRID_ROWS
+        chunk = chunk_words * WORD_BYTES[word]
+        rows = np.ctypeslib.as_array((ctypes.c_int64 * (3 * grid[1])).from_address(table))
+        rows = rows.reshape(-1, 3)
+        assert grid[0] == rows[:, 2].max()  # the grid covers the longest row, no more
+        assert src % WORD_BYTES[word] == 0 and dst % WORD_BYTES[word] == 0
+        for s, d, n in rows.tolist():
+            ctypes.memmove(dst + d * chunk, src + s * chunk, n * chunk)
+        launches.append((word, chunk_words, grid))
+
+    return launch
+
+
+@pytest.fixture
+def stand_in_engines(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A sender and a receiver engine in this process over two CPU pools registered as
+    cuda:0, and the launches the sender's copy queue made."""
+    from kvtransfer import cuda_ipc, cuda_ipc_queue
+
+    class CpuRowTables(cuda_ipc_queue.RowTables):
+        def __init__(self, device: torch.device) -> None:
+            self.slots = []
+            for _ in range(self.SLOTS):
+                host = torch.zeros((self.CAPACITY, 3), dtype=torch.int64)
+                self.slots.append(cuda_ipc_queue.TableSlot(host, host.numpy(), host.clone()))
+            self._next = 0
+
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "current_stream", StandInStream)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "Stream", StandInStream)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "Event", StandInEvent)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(cuda_ipc_queue, "RowTables", CpuRowTables)
+    monkeypatch.setattr(cuda_ipc, "CudaDriver", FakeDriver)
+    monkeypatch.setattr(cuda_ipc, "boot_id", lambda: "boot-a")
+    pools = _pool("cpu", None).clone(), _pool("cpu", POISON)
+    launches: list = []
+    engines = []
+    for name, pool in zip(("prefill", "decode"), pools, strict=True):
+        engine = create_engine(TransferConfig(backend="cuda_ipc", node_name=name))
+        engine._launcher.launch = stand_in_kernel(launches)
+        engine.register([MemoryRegion("kv", pool.data_ptr(), pool.numel(), "cuda:0")])
+        engines.append(engine)
+    sender, receiver = engines
+    sender.connect(PeerInfo("decode", receiver.local_endpoint(), {}))
+    yield sender, pools, launches
+    for engine in engines:
+        engine.close()
+
+
+def test_engine_write_paths_move_pages_through_the_copy_queue(stand_in_engines) -> None:  # type: ignore[no-untyped-def]
+    from scripts.gpu import ipc_write_paths as ipc
+
+    sender, (src_pool, dst_pool), launches = stand_in_engines
+    bases = (src_pool.data_ptr(), dst_pool.data_ptr())
+    rng = np.random.default_rng(4)
+    expected = dst_pool.clone()
+    for way in ("write", "write_pages", "ranges", "pages"):
+        src = rng.permutation(POOL_PAGES)[:20].tolist()
+        dst = rng.permutation(POOL_PAGES)[:20].tolist()
+        job = ipc.PageJob("decode", src, dst, PAGE_BYTES, *bases)
+        if way == "write":
+            handle = sender.write("decode", job.ranges())
+        elif way == "write_pages":
+            handle = sender.write_pages("decode", src, np.array(dst), PAGE_BYTES, *bases)
+        else:  # the benchmark's inlined paths, with their step marks
+            marks: list = []
+            handle = ipc.PATH_FUNCTIONS[way](sender, job, job.ranges(), marks)
+            assert marks[0][0] == "start" and marks[-1][0] == "launch (compiled kernel) + event"
+        assert sender.poll(handle) is TransferState.DONE
+        sender.release(handle)
+        expected[dst] = src_pool[src]
+        assert torch.equal(dst_pool, expected), way
+    # one launch a write, 16 KiB chunks of 8-byte words, a row per page (or run of pages)
+    assert len(launches) == 4 and {(w, c) for w, c, _ in launches} == {(torch.int64, 2048)}
+    assert [g[0] for _, _, g in launches[1:]] == [PAGE_BYTES // MAX_CHUNK_BYTES] * 3
+    assert sender._copy_queue(0).stream.waited == 4  # each after the caller's stream
+    split = ipc.host_split(sender, "pages", ipc.PageJob("decode", [1], [2], PAGE_BYTES, *bases), 3)
+    assert split["host total"] > 0 and "wait until DONE" in split
+
+
+def test_tune_ipc_copy_compares_the_paths_and_stops_on_wrong_bytes(  # type: ignore[no-untyped-def]
+    stand_in_engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--profile-write's body on the stand-in GPU: the table and split of each path, and a
+    path that moves wrong bytes ends the run with a FAIL."""
+    from scripts.gpu import ipc_write_paths as ipc
+    from scripts.gpu import tune_ipc_copy as tune
+
+    sender, pools, _ = stand_in_engines
+    bases = (pools[0].data_ptr(), pools[1].data_ptr())
+    jobs = {
+        "contiguous": ipc.PageJob("decode", [1, 2, 3], [7, 8, 9], PAGE_BYTES, *bases),
+        "scattered": ipc.PageJob("decode", [5, 1, 30], [2, 60, 4], PAGE_BYTES, *bases),
+    }
+    lines = tune.compare_paths(sender, pools, jobs, ["ranges", "pages"], 3, tmp_path)
+    assert lines[0].startswith("byte checks: PASS (ranges, pages; contiguous, scattered")
+    assert [line.split(" | ")[0] for line in lines[4:6]] == ["| ranges", "| pages"]
+    assert "pages: the scattered write's host steps (median ms of 3)" in lines
+    assert (tmp_path / "profile-pages.txt").exists()
+    monkeypatch.setattr(sender._launcher, "launch", lambda *args: None)  # a kernel that drops
+    with pytest.raises(SystemExit, match="FAIL: the 'pages' path moved wrong bytes"):
+        tune.compare_paths(sender, pools, jobs, ["pages"], 1, tmp_path)
+
+
+def test_engine_write_with_every_table_slot_busy_takes_fresh_buffers(
+    stand_in_engines, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    sender, (src_pool, dst_pool), launches = stand_in_engines
+    launches.clear()
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(torch, "empty_like", lambda t, device=None: torch.zeros_like(t))
+    for slot in sender._tables(0).slots:
+        slot.done = FakeEvent(False)  # their kernels still running
+    src, dst = [5, 9, 11], [1, 2, 40]
+    handle = sender.write_pages("decode", src, dst, PAGE_BYTES, src_pool.data_ptr(),
+                                dst_pool.data_ptr())  # fmt: skip
+    assert len(handle.keep) == 2  # the fresh host and device tables, kept until released
+    assert sender.poll(handle) is TransferState.DONE
+    sender.release(handle)
+    assert handle.keep == [] and torch.equal(dst_pool[dst], src_pool[src])
+    assert all(not slot.free() for slot in sender._tables(0).slots)  # none was touched
+    assert len(launches) == 1
 
 
 # --- scripts/gpu/bench_kv_staging.py's cuda_ipc parts, on a CPU -------------------------------
@@ -515,7 +988,13 @@ def test_bench_parses_cuda_ipc_flags_and_picks_its_engines() -> None:
     )
     assert args.backends == ["cuda_ipc"] and args.pd_backends == ["cuda_ipc"]
     assert bench.engines_to_run(args, {}) == [bench.CUDA_IPC]
-    assert bench.CUDA_IPC.methods == ("contiguous", "scattered")
+    assert bench.CUDA_IPC.methods == (
+        "contiguous",
+        "scattered",
+        "scattered, page ids",
+        "scattered, before",
+    )
+    assert set(bench.IPC_METHODS.values()) == {"ranges", "pages", "before"}
     # its own check failing drops its rows only; another check failing drops every row
     every = bench.build_parser().parse_args([])
     assert bench.CUDA_IPC in bench.engines_to_run(every, {"nixl-cu13": "1.5.1"})
@@ -538,6 +1017,39 @@ def test_bench_table_rates_cuda_ipc_rows_against_its_own_contiguous_row() -> Non
     assert f"- {bench.CUDA_IPC_CHECK}: PASS" in table
     assert "| cuda_ipc kernel | scattered | 256 | 0.320 | 0.31-0.33 | 1678 | 93.8% |" in table
     assert "failed: RuntimeError: a / b" in table
+    # a failed byte check or a cuda_ipc row that could not write fails the run, loudly
+    assert bench.failed_checks({bench.CUDA_IPC_CHECK: "PASS"}, rows[:2], []) == []
+    wrong = bench.Row("cuda_ipc kernel", "scattered, page ids", 256, checked=False)
+    failures = bench.failed_checks({"torch page copy == source": "FAIL"}, [*rows, wrong], [])
+    assert failures == [
+        "torch page copy == source",
+        "cuda_ipc kernel scattered, page ids: bytes differ",
+        "cuda_ipc kernel scattered: RuntimeError: a | b",
+    ]
+
+
+def test_tune_ipc_copy_parses_its_paths_and_jobs_build_their_ranges() -> None:
+    from scripts.gpu import ipc_write_paths as ipc
+    from scripts.gpu import tune_ipc_copy as tune
+
+    args = tune.build_parser().parse_args(["--out", "x", "--profile-write", "100"])
+    assert args.paths == ["before", "ranges", "pages"] and args.profile_write == 100
+    args = tune.build_parser().parse_args(["--out", "x", "--paths", "before", "pages"])
+    assert args.paths == ["before", "pages"]
+    with pytest.raises(SystemExit):
+        tune.build_parser().parse_args(["--out", "x", "--paths", "fast"])
+    job = ipc.PageJob("decode", [3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
+    assert job.ranges() == coalesce_pages([3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
+    assert set(ipc.PATH_FUNCTIONS) == set(ipc.PATHS)
+    # the frozen `before` planning makes the rows of today's for the same write
+    local = (ExportedRegion("kv", 1 << 20, 1 << 20, "cuda:0"),)
+    peer = (ExportedRegion("kv", 1 << 30, 1 << 20, "cuda:0"),)
+    region, base, plan = ipc.before_plan(job.ranges(), local, peer, {0: 1 << 32})
+    assert region == local[0] and base == 1 << 32
+    today = plan_copy([(r.src_addr - (1 << 20), r.dst_addr - (1 << 30), r.length)
+                       for r in job.ranges()], align=(1 << 20, 1 << 32))  # fmt: skip
+    assert (plan.chunk_bytes, plan.word_bytes) == (today.chunk_bytes, today.word_bytes)
+    assert plan.rows.tolist() == today.rows.tolist() == [[3, 7, 2], [9, 1, 1]]
 
 
 def test_bench_help_runs_on_a_cpu() -> None:

@@ -28,17 +28,23 @@ one registered region), move a 4k-token prompt (256 pages, 512 MiB) four ways pe
   the binding's own blocking batch call on the 256 descriptors (no waiter thread).
 
 The `cuda_ipc` engine (kvtransfer/cuda_ipc.py: the receiver's pool mapped through CUDA IPC,
-one Triton kernel a write) has the `contiguous` and `scattered` rows only: each is one kernel
-launch whatever the layout, timed from `write` to its event passed in `poll`. Its reference
-checks run first in this process (one GPU only): the engine's kernel between two pools of
-this process against torch indexing, timed for both layouts beside torch's contiguous copy.
+one Triton kernel a write) has a `contiguous` row and its scattered write three ways
+(scripts/gpu/ipc_write_paths.py): `scattered` (the engine's `write` of the ranges),
+`scattered, page ids` (its `write_pages`) and `scattered, before` (the write of the
+2026-11-26 report, frozen): each is one kernel launch whatever the layout, timed from `write`
+to its event passed in `poll`, with its host time split step by step in the parts column.
+Its reference checks run first in this process (one GPU only): the engine's kernel between
+two pools of this process against torch indexing, timed for both layouts beside torch's
+contiguous copy.
 The PD check with `--pd-backends cuda_ipc` runs both nodes on it, without staging (the
 staging flags are forced for the other backends only).
 
 Checks first: the staging kernels against torch indexing on the GPU, torch's copy of the same
 pages between the two pools (the copy ceiling), and for every row one write into a poisoned
 receiver pool, every destination page equal to its source byte for byte and every other page
-still poisoned; repeated after the timed writes. A row whose check fails prints no speed.
+still poisoned; repeated after the timed writes. A row whose check fails prints no speed, and
+the run then exits with code 1 (also on a failed reference or PD check, or a cuda_ipc row
+that could not write).
 `--device cpu --pool-pages 64 --tokens 256` is a dry run of the flow on a CPU (NIXL DRAM,
 Mooncake tcp).
 """
@@ -65,7 +71,14 @@ from engine.memory.kv_cache import KVLayout, PagedKVCache
 from engine.memory.staging import PageStager, StagingSpan
 from kvtransfer import MemoryRegion, PeerInfo, TransferConfig, TransferState, create_engine
 from kvtransfer.base import coalesce_pages
-from kvtransfer.cuda_ipc_plan import ExportedRegion, IpcEndpoint, group_ranges, plan_copy
+from kvtransfer.cuda_ipc_plan import (
+    CopyPlan,
+    ExportedRegion,
+    IpcEndpoint,
+    group_ranges,
+    plan_columns,
+    plan_pages,
+)
 from scripts.gpu import check_pd
 from scripts.gpu.bench_mooncake_gpu import receive_rows, versions
 from scripts.gpu.environment import add_site_arg
@@ -77,7 +90,11 @@ SEED = 1234
 METHODS = ("contiguous", "scattered", "staged", "staged x4", "prepped")
 PIECES = 4  # "staged x4": gather piece k+1 while the engine moves piece k
 PD_STAGING = ["--kv-staging-pages", "128", "--kv-staging-min-runs", "0"]
-ONE_KERNEL = ("contiguous", "scattered")  # cuda_ipc: the layout does not change the launch
+# cuda_ipc: the layout does not change the launch; the scattered write three ways
+# (scripts/gpu/ipc_write_paths.py): the engine's `write` ("scattered"), its `write_pages`,
+# and the write of the 2026-11-26 report, frozen ("before")
+IPC_METHODS = {"scattered": "ranges", "scattered, page ids": "pages", "scattered, before": "before"}
+ONE_KERNEL = ("contiguous", *IPC_METHODS)
 
 
 @dataclass(frozen=True)
@@ -187,7 +204,7 @@ class Row:
     spread: str = ""
     gbps: float = 0.0
     checked: bool = False
-    parts: str = ""  # staged: gather / write / scatter medians
+    parts: str = ""  # staged: gather / write / scatter medians; cuda_ipc: its host steps
     error: str = ""
 
 
@@ -294,8 +311,29 @@ class Sender:
             raise RuntimeError(f"batch_transfer_sync_write returned {rc}")
         return (time.perf_counter() - start) * 1e3
 
+    def ipc_job(self, src: list[int], dst: list[int]) -> Any:
+        from scripts.gpu import ipc_write_paths as ipc
+
+        page_bytes = LAYOUT.page_bytes
+        return ipc.PageJob("decode", src, dst, page_bytes, self.local.addr, self.remote.addr)
+
+    def ipc_split(self, name: str, src: list[int], dst: list[int], writes: int) -> str:
+        """cuda_ipc: the host steps of one path (medians), "host total: step / step ..."."""
+        from scripts.gpu import ipc_write_paths as ipc
+
+        split = ipc.host_split(self.engine, IPC_METHODS[name], self.ipc_job(src, dst), writes)
+        total = split.pop("host total")
+        split.pop("wait until DONE", None)
+        steps = " / ".join(f"{step} {ms:.3f}" for step, ms in split.items())
+        return f"host {total:.3f}: {steps}"
+
     def method(self, name: str, src: list[int], dst: list[int]) -> tuple[Any, int]:
         """(a callable doing one write, its descriptor count)."""
+        if self.engine_spec.backend == "cuda_ipc" and name in IPC_METHODS:
+            from scripts.gpu import ipc_write_paths as ipc
+
+            job = self.ipc_job(src, dst)
+            return (lambda: ipc.timed_write(self.engine, IPC_METHODS[name], job)), len(src)
         if name == "staged":
             return (lambda: self.staged(src, dst)), 1
         if name == "staged x4":
@@ -333,6 +371,11 @@ class Sender:
         row.ms = statistics.median(times)
         row.spread = f"{min(times):.2f}-{max(times):.2f}"
         row.gbps = len(src) * LAYOUT.page_bytes / row.ms / 1e6
+        if self.engine_spec.backend == "cuda_ipc" and name in IPC_METHODS:
+            try:
+                row.parts = self.ipc_split(name, src, dst, max(repeats, 20))
+            except Exception as exc:  # the split is extra: the row's time stands
+                row.parts = f"split failed: {type(exc).__name__}: {exc}"[:200]
         if name.startswith("staged"):
             row.parts = " / ".join(
                 f"{statistics.median(v[2:]):.2f}" for v in self.parts.values() if len(v) > 2
@@ -493,23 +536,66 @@ def cuda_ipc_reference(
 
 
 def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
-    """The host side of a cuda_ipc write before its launch (kvtransfer/cuda_ipc_plan.py):
-    the scattered pages' ranges checked against both pools and cut into the kernel's chunk
-    lists, median of `repeats`; the engine's rows include it."""
+    """The CPU part of a cuda_ipc write before its upload, the scattered pages three ways
+    (scripts/gpu/ipc_write_paths.py): `before` (the write of the 2026-11-26 report), `ranges`
+    (the engine's `write`: ranges read and checked against both pools, planned into a row
+    table) and `pages` (`write_pages`: page ids checked and planned); median and best of
+    `repeats`. The engine's rows include it."""
+    from scripts.gpu import ipc_write_paths as ipc
+
     src, dst = setup.pages()["scattered"]
     pool_bytes = setup.pool_pages * LAYOUT.page_bytes
     local = ExportedRegion("kv", 1 << 40, pool_bytes, "cuda:0")  # any aligned bases
     peer = IpcEndpoint("decode", "", 0, (ExportedRegion("kv", 1 << 41, pool_bytes, "cuda:0"),))
-    ranges = coalesce_pages(src, dst, LAYOUT.page_bytes, local.addr, peer.regions[0].addr)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        [rows] = group_ranges(ranges, [local], peer, "bench").values()
-        plan = plan_copy(rows - np.array([local.addr, peer.regions[0].addr, 0]), (1 << 40,))
-        times.append((time.perf_counter() - start) * 1e3)
-    key = f"cuda_ipc host side of a {len(src)}-page scattered write (ranges -> row table)"
-    return {key: f"{statistics.median(times):.3f} ms ({plan.num_rows} rows of chunks of "
-                 f"{plan.chunk_bytes >> 10} KiB, {plan.word_bytes}-byte words)"}  # fmt: skip
+    bases = (local.addr, peer.regions[0].addr)
+    ranges = coalesce_pages(src, dst, LAYOUT.page_bytes, *bases)
+    out = np.empty((4096, 3), dtype=np.int64)
+
+    def before(mark: Any) -> CopyPlan:
+        return ipc.before_plan(ranges, [local], peer.regions, {0: bases[1]}, mark)[2]
+
+    def from_ranges(mark: Any) -> CopyPlan:
+        [columns] = group_ranges(ranges, [local], peer, "bench").values()
+        mark("columns + bounds")
+        columns[0] -= bases[0]
+        columns[1] -= bases[1]
+        plan = plan_columns(columns, bases, out=out)
+        mark("offsets + plan_columns")
+        return plan
+
+    def from_pages(mark: Any) -> CopyPlan:
+        planned = plan_pages(src, dst, LAYOUT.page_bytes, bases, [local], peer.regions, bases, out)
+        mark("plan_pages")
+        assert planned is not None
+        return planned.plan
+
+    planned = from_pages(lambda step: None)
+
+    def caller(mark: Any) -> CopyPlan:  # what a node pays before `write`: building the ranges
+        coalesce_pages(src, dst, LAYOUT.page_bytes, *bases)
+        mark("coalesce_pages")
+        return planned
+
+    out_info = {}
+    ways = (("before", before), ("ranges", from_ranges), ("pages", from_pages),
+            ("(for scale) the caller's coalesce_pages alone", caller))  # fmt: skip
+    for name, fn in ways:
+        times: list[float] = []
+        steps: dict[str, list[float]] = {}
+        for i in range(repeats + 2):
+            marks = [("start", time.perf_counter())]
+            plan = fn(lambda step, m=marks: m.append((step, time.perf_counter())))
+            if i < 2:
+                continue
+            times.append((marks[-1][1] - marks[0][1]) * 1e3)
+            for (_, a), (step, b) in itertools.pairwise(marks):
+                steps.setdefault(step, []).append((b - a) * 1e3)
+        split = " + ".join(f"{k} {statistics.median(v):.4f}" for k, v in steps.items())
+        key = f"cuda_ipc CPU plan of a {len(src)}-page scattered write, {name}"
+        out_info[key] = (f"median {statistics.median(times):.4f} ms ({split}), best "
+                         f"{min(times):.4f} ms; {plan.num_rows} rows of chunks of "
+                         f"{plan.chunk_bytes >> 10} KiB, {plan.word_bytes} B words")  # fmt: skip
+    return out_info
 
 
 def pd_check(device: str, backends: list[str]) -> list[check_pd.Check]:
@@ -529,20 +615,23 @@ def pd_check(device: str, backends: list[str]) -> list[check_pd.Check]:
 
 def markdown(info: dict[str, str], rows: list[Row], pd: list[check_pd.Check]) -> str:
     contiguous = {r.engine: r.ms for r in rows if r.method == "contiguous" and r.checked}
+    fastest = min(contiguous.values(), default=0.0)
     lines = [
         "| engine | method | descriptors | ms (median) | min-max | GB/s | % of contiguous "
-        "| gather+post / wait / scatter ms | byte-exact |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| % of the fastest contiguous | parts: gather+post / wait / scatter ms; cuda_ipc: "
+        "host ms | byte-exact |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.error or not r.checked:
             verdict = f"failed: {r.error.replace('|', '/')}" if r.error else "NO"
-            lines.append(f"| {r.engine} | {r.method} | {r.descriptors} | | | | | | {verdict} |")
+            lines.append(f"| {r.engine} | {r.method} | {r.descriptors} | | | | | | | {verdict} |")
             continue
         base = contiguous.get(r.engine)
         pct = f"{100 * base / r.ms:.1f}%" if base else ""
+        best = f"{100 * fastest / r.ms:.1f}%" if fastest else ""
         lines.append(f"| {r.engine} | {r.method} | {r.descriptors} | {r.ms:.3f} | {r.spread} "
-                     f"| {r.gbps:.0f} | {pct} | {r.parts} | yes |")  # fmt: skip
+                     f"| {r.gbps:.0f} | {pct} | {best} | {r.parts} | yes |")  # fmt: skip
     head = [f"- {k}: {v}" for k, v in info.items()]
     checks = ["| check | result | detail |", "|---|---|---|"]
     checks += [f"| {c.name} | {'PASS' if c.ok else 'FAIL'} | {c.detail.replace('|', '/')} |"
@@ -631,6 +720,21 @@ def main() -> None:
     raw = {"info": info, "pd": [asdict(c) for c in pd], "rows": [asdict(r) for r in rows]}
     (args.out / "kv_staging.json").write_text(json.dumps(raw, indent=1))
     print(table)
+    if failures := failed_checks(info, rows, pd):
+        raise SystemExit("FAIL: " + "; ".join(failures))
+
+
+def failed_checks(info: dict[str, str], rows: list[Row], pd: list[check_pd.Check]) -> list[str]:
+    """What must fail the run loudly: a reference or PD check, a row whose bytes were
+    checked and wrong, a cuda_ipc row that could not write."""
+    failures = [k for k, v in info.items() if v == "FAIL"]
+    failures += [f"PD check {c.name}" for c in pd if not c.ok]
+    failures += [
+        f"{r.engine} {r.method}: bytes differ" for r in rows if not r.error and not r.checked
+    ]
+    failures += [f"{r.engine} {r.method}: {r.error}" for r in rows
+                 if r.error and r.engine == CUDA_IPC.label]  # fmt: skip
+    return failures
 
 
 if __name__ == "__main__":

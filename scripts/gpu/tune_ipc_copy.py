@@ -2,14 +2,19 @@
 
     python3 -m scripts.gpu.tune_ipc_copy --out "$OUT"                     # the knob sweep
     python3 -m scripts.gpu.tune_ipc_copy --out "$OUT" --profile-write 100  # a write's host time
+    python3 -m scripts.gpu.tune_ipc_copy --out "$OUT" --profile-write 100 --paths before pages
+    python3 -m scripts.gpu.tune_ipc_copy --out /tmp/plan --cpu-plan 2000  # the numpy parts, CPU
 
 The sweep: the engine's kernel (kvtransfer/cuda_ipc_kernel.py) copying 256 scattered 2 MiB
 pages (a 4k-token prompt of the 8B shape) between two pools of this process, over its
 compile-time knobs (chunk bytes a program, bytes a step, warps), each variant checked byte
 for byte against torch indexing before it is timed (CUDA events around the kernel alone,
 median of `--repeats`), beside torch's contiguous copy of the same bytes. `--profile-write`
-times the engine's whole write (write -> DONE) in this process, profiles it, and splits its
-host side step by step. Writes `tune_ipc_copy.md|json` or `profile_*.txt` to `--out`.
+runs the write's paths side by side in this process (`--paths`: `before`, the write of the
+2026-11-26 report, frozen in scripts/gpu/ipc_write_paths.py; `ranges`, the engine's `write`;
+`pages`, its `write_pages`): each checked byte for byte first (exit code 1 on a mismatch),
+timed from `write` to DONE, its host time split step by step, and profiled. Writes
+`tune_ipc_copy.md|json` or `profile_write.txt` and `profile-<path>.txt` to `--out`.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import triton  # type: ignore[import-untyped]
 
 from kvtransfer.cuda_ipc_kernel import _copy_rows_kernel, copy_rows
 from kvtransfer.cuda_ipc_plan import plan_copy
+from scripts.gpu.ipc_write_paths import PATHS
 
 PAGE_BYTES = 2 << 20
 POOL_PAGES = 1024
+POISON = 0xA5
 PAGES = 256
 WORD = 8
 
@@ -130,111 +137,137 @@ def run_case(name: str, src_dev: str, dst_dev: str, repeats: int) -> list[dict[s
     return rows
 
 
-def profile_write(out: Path, writes: int) -> None:
-    """Where the host time of one engine write goes: the cuda_ipc engine between two pools of
-    this process (as bench_kv_staging's reference does), `writes` scattered writes under
-    cProfile, then each write's wall time from `write` to DONE beside the kernel's."""
-    import cProfile
-    import pstats
-
-    from kvtransfer.base import PeerInfo, TransferState, coalesce_pages
+def profile_write(out: Path, writes: int, paths: list[str]) -> None:
+    """The write's paths side by side (scripts/gpu/ipc_write_paths.py): the cuda_ipc engine
+    between two pools of this process on cuda:0 (as bench_kv_staging's reference does), each
+    path checked byte for byte on a poisoned receiver before and after the timed writes (a
+    failure stops the run with exit code 1), timed from `write` to DONE for both layouts
+    (median of `writes`), its host time split step by step (scattered), and profiled
+    (`profile-<path>.txt`)."""
+    from kvtransfer.base import PeerInfo
     from scripts.gpu import bench_kv_staging as bench
+    from scripts.gpu import ipc_write_paths as ipc
 
     setup = bench.Setup("cuda:0", bench.POOL_PAGES, 0, 4096)
-    a, b = setup.cache("cuda:0"), setup.cache("cuda:0")
+    receiver_cache, sender_cache = setup.cache("cuda:0"), setup.cache("cuda:0")
+    bench._bytes(sender_cache).copy_(setup.source("cuda:0"))
     sender, receiver = bench._engine(bench.CUDA_IPC, "p"), bench._engine(bench.CUDA_IPC, "d")
-    local, remote = bench._region(b, "cuda:0"), bench._region(a, "cuda:0")
+    local, remote = bench._region(sender_cache, "cuda:0"), bench._region(receiver_cache, "cuda:0")
     sender.register([local])
     receiver.register([remote])
     sender.connect(PeerInfo("decode", receiver.local_endpoint(), {"kv": remote}))
-    lines = []
-    for layout, (src, dst) in setup.pages().items():
-        ranges = coalesce_pages(src, dst, bench.LAYOUT.page_bytes, local.addr, remote.addr)
-
-        def once(r: Any = ranges) -> None:
-            handle = sender.write("decode", r)
-            while sender.poll(handle) is TransferState.PENDING:
-                pass
-            sender.release(handle)
-
-        for _ in range(5):
-            once()
-        walls = []
-        for _ in range(writes):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            once()
-            walls.append((time.perf_counter() - t) * 1e3)
-        lines.append(f"{layout}: write -> DONE median {statistics.median(walls):.3f} ms")
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(writes):
-            once()
-        prof.disable()
-        path = out / f"profile-{layout}.txt"
-        with path.open("w") as f:
-            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
-            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
-    lines += phase_split(sender, local, remote, setup.pages()["scattered"], writes)
+    page_bytes = bench.LAYOUT.page_bytes
+    jobs = {
+        layout: ipc.PageJob("decode", src, dst, page_bytes, local.addr, remote.addr)
+        for layout, (src, dst) in setup.pages().items()
+    }
+    pools = (bench._bytes(sender_cache), bench._bytes(receiver_cache))
+    lines = compare_paths(sender, pools, jobs, paths, writes, out)
+    sender.close()
+    receiver.close()
     print("\n".join(lines))
     (out / "profile_write.txt").write_text("\n".join(lines) + "\n")
 
 
-def phase_split(sender: Any, local: Any, remote: Any, pages: Any, writes: int) -> list[str]:
-    """The engine's write path step by step (kvtransfer/cuda_ipc.py's `write` and `_launch`,
-    inlined), each step's host time median over `writes`, without a profiler."""
-    from kvtransfer.base import coalesce_pages
-    from kvtransfer.cuda_ipc_kernel import WORD_DTYPES, DevicePointer
-    from kvtransfer.cuda_ipc_plan import group_ranges
-    from scripts.gpu import bench_kv_staging as bench
+def compare_paths(
+    sender: Any,
+    pools: tuple[torch.Tensor, torch.Tensor],
+    jobs: dict[str, Any],
+    paths: list[str],
+    writes: int,
+    out: Path,
+) -> list[str]:
+    """`profile_write`'s body for any connected engine: `pools` are the sender's and the
+    receiver's pages as uint8 [pages, page bytes]; `jobs` one write per layout."""
+    import cProfile
+    import pstats
 
-    src, dst = pages
-    ranges = coalesce_pages(src, dst, bench.LAYOUT.page_bytes, local.addr, remote.addr)
-    peer = sender._peers["decode"]
-    steps: dict[str, list[float]] = {}
-    for _ in range(writes + 5):
-        torch.cuda.synchronize()
-        marks = [("start", time.perf_counter())]
-        groups = group_ranges(ranges, sender._regions, peer.endpoint, "p")
-        marks.append(("group_ranges", time.perf_counter()))
-        [((li, pi), rows)] = groups.items()
-        loc, rem = sender._regions[li], peer.endpoint.regions[pi]
-        base = peer.bases[pi]
-        offsets = rows - np.array([loc.addr, rem.addr, 0], dtype=np.int64)
-        plan = plan_copy(offsets, align=(loc.addr, base))
-        marks.append(("plan_copy", time.perf_counter()))
-        device = loc.device_index
-        stream = sender._stream(device)
-        word = WORD_DTYPES[plan.word_bytes]
-        stream.wait_stream(torch.cuda.current_stream(device))
-        marks.append(("wait_stream", time.perf_counter()))
-        with torch.cuda.stream(stream):
-            table, _ = sender._upload(device).send(plan.rows, stream)
-            marks.append(("stream ctx + row upload", time.perf_counter()))
-            copy_rows(DevicePointer(loc.addr, word), DevicePointer(base, word), table,
-                      plan.chunk_words, plan.max_chunks)  # fmt: skip
-            marks.append(("triton launch", time.perf_counter()))
-            done = torch.cuda.Event()
-            done.record(stream)
-            marks.append(("event", time.perf_counter()))
-        while not done.query():
-            pass
-        marks.append(("poll until done", time.perf_counter()))
-        for (_, a), (name, b) in itertools.pairwise(marks):
-            steps.setdefault(name, []).append((b - a) * 1e3)
-        steps.setdefault("total", []).append((marks[-1][1] - marks[0][1]) * 1e3)
-    return [f"  {name}: {statistics.median(v[5:]):.4f} ms" for name, v in steps.items()]
+    from scripts.gpu import ipc_write_paths as ipc
+
+    def check(when: str) -> None:  # no figure from a path that moves wrong bytes
+        for path in paths:
+            for layout, job in jobs.items():
+                pools[1].fill_(POISON)
+                torch.cuda.synchronize()
+                ipc.wait(sender, ipc.engine_call(sender, path, job, job.ranges()))
+                if not landed(pools, job):
+                    raise SystemExit(
+                        f"FAIL: the {path!r} path moved wrong bytes ({layout}, {when})"
+                    )
+
+    check("before the timed writes")
+    lines = [f"byte checks: PASS ({', '.join(paths)}; {', '.join(jobs)}; before and after the"
+             " timed writes)", "",
+             f"| path | {' | '.join(f'{k} write -> DONE ms' for k in jobs)} | "
+             "scattered host ms (before the GPU runs alone) |",
+             f"|---|{'---|' * len(jobs)}---|"]  # fmt: skip
+    splits = {}
+    for path in paths:
+        walls = []
+        for job in jobs.values():
+            for _ in range(5):
+                ipc.timed_write(sender, path, job)
+            times = [ipc.timed_write(sender, path, job) for _ in range(writes)]
+            walls.append(f"{statistics.median(times):.3f}")
+        splits[path] = ipc.host_split(sender, path, jobs["scattered"], writes)
+        lines.append(f"| {path} | {' | '.join(walls)} | {splits[path]['host total']:.4f} |")
+        prof = cProfile.Profile()
+        ranges = jobs["scattered"].ranges()
+        prof.enable()
+        for _ in range(writes):
+            ipc.wait(sender, ipc.engine_call(sender, path, jobs["scattered"], ranges))
+        prof.disable()
+        with (out / f"profile-{path}.txt").open("w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
+    check("after the timed writes")
+    for path, split in splits.items():
+        lines += ["", f"{path}: the scattered write's host steps (median ms of {writes})"]
+        lines += [f"  {step}: {ms:.4f}" for step, ms in split.items()]
+    return lines
 
 
-def main() -> None:
+def landed(pools: tuple[torch.Tensor, torch.Tensor], job: Any) -> bool:
+    """Every destination page equal to its source page, every other page still poisoned."""
+    torch.cuda.synchronize()
+    sent, got = pools
+    dst = torch.tensor(job.dst_pages, device=got.device)
+    untouched = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
+    untouched[dst] = False
+    same = torch.equal(got[dst], sent[torch.tensor(job.src_pages, device=sent.device)])
+    return same and bool((got[untouched] == POISON).all())
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--profile-write", type=int, default=0, help="writes to profile (0: sweep)")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--cpu-plan", type=int, default=0, help="repeats: the write paths' CPU planning (no GPU)"
+    )
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        default=list(PATHS),
+        choices=PATHS,
+        help="--profile-write: the write paths to run side by side (gpu/ipc_write_paths.py)",
+    )
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.cpu_plan:
+        from scripts.gpu import bench_kv_staging as bench
+
+        setup = bench.Setup("cpu", bench.POOL_PAGES, 0, 4096)
+        lines = [f"{k}: {v}" for k, v in bench.plan_cost(setup, args.cpu_plan).items()]
+        print("\n".join(lines))
+        (args.out / "cpu_plan.txt").write_text("\n".join(lines) + "\n")
+        return
     if args.profile_write:
-        profile_write(args.out, args.profile_write)
+        profile_write(args.out, args.profile_write, args.paths)
         return
     rows = run_case("one GPU", "cuda:0", "cuda:0", args.repeats)
     (args.out / "tune_ipc_copy.json").write_text(json.dumps(rows, indent=1))
