@@ -38,7 +38,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -168,14 +168,14 @@ class Cluster:
         """The running nodes of `role` ("prefill" or "decode"), oldest first."""
         return [c for c in self.children if c.name.startswith(f"{role}-") and c.alive]
 
-    def add_node(self, role: str) -> Child:
-        """Start one more node of `role` with the flags its peers got (after `start`), on the
-        device of a node stopped before if any; it registers with the bootstrap and the
-        gateway routes to it once it is up."""
+    def add_node(self, role: str, extra_args: Sequence[str] = ()) -> Child:
+        """Start one more node of `role` with the flags its peers got (after `start`) and
+        `extra_args` (later flags win), on the device of a node stopped before if any; it
+        registers with the bootstrap and the gateway routes to it once it is up."""
         index = sum(1 for c in self.children if c.name.startswith(f"{role}-"))
         name = f"{role}-{index}"
         self._devices[name] = self._freed_devices.pop(0) if self._freed_devices else []
-        args = [*self._role_args[role], *self._devices[name]]
+        args = [*self._role_args[role], *self._devices[name], *extra_args]
         return self._spawn(name, f"{role}-server", args, metrics=True)
 
     def remove_node(self, role: str) -> Child | None:

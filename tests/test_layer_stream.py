@@ -298,3 +298,30 @@ def test_the_chunk_plan_covers_full_pages_then_the_partial_last_page() -> None:
     chunk = streamer._chunk(req, 30)  # [40, 70): the last chunk, pages 2..4 (4 partial)
     assert chunk is not None and chunk.upto == 5
     assert sender.stats.pages == 2
+
+
+def test_the_prefill_server_builds_its_stream_config_from_the_flag() -> None:
+    """cuda_ipc is stream-ordered, the others are not; 0 is off; a TP node is refused."""
+    from types import SimpleNamespace
+
+    from prefill_node.server import stream_config
+
+    def parts(groups: int, backend: str, tp: int = 1) -> SimpleNamespace:
+        runner = SimpleNamespace(
+            model_config=SimpleNamespace(num_layers=LAYERS),
+            config=SimpleNamespace(tp_size=tp, kv_staging_pages=0, page_size=PAGE),
+            kv_layout=LAYOUT,
+            device=torch.device("cpu"),
+        )
+        args = SimpleNamespace(kv_stream_layers=groups, transfer_backend=backend)
+        return SimpleNamespace(args=args, runner=runner)
+
+    assert stream_config(parts(0, "nixl")) is None  # type: ignore[arg-type]
+    config = stream_config(parts(2, "cuda_ipc"))  # type: ignore[arg-type]
+    assert config is not None and config.stream_ordered
+    assert config.groups == (range(0, 3), range(3, 5))
+    assert config.layer_page_bytes == 2 * PAGE * DIM * 4
+    config = stream_config(parts(2, "mooncake"))  # type: ignore[arg-type]
+    assert config is not None and not config.stream_ordered
+    with pytest.raises(ValueError, match="needs --tp-size 1"):
+        stream_config(parts(2, "nixl", tp=2))  # type: ignore[arg-type]
