@@ -44,6 +44,7 @@ import os
 import shlex
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -101,9 +102,15 @@ def make_tiny_model(path: Path) -> Path:
 
 
 def eight_b_model() -> Path:
-    from scripts.gpu.serve_vs_engine import model_dir
+    """The Llama-3-8B shape with 16k positions (an 8,192-token prompt plus its output needs
+    more than LLAMA3_8B's 8,192) and a word tokenizer of its vocabulary."""
+    from scripts.gpu.serve_vs_engine import word_tokenizer
+    from scripts.tiny_models import LLAMA3_8B, write_llama_config
 
-    return model_dir("8b")
+    path = Path(tempfile.mkdtemp(prefix="layerwise-model-")) / "llama-8b"
+    write_llama_config(path, {**LLAMA3_8B, "max_position_embeddings": 16384})
+    word_tokenizer(path, int(LLAMA3_8B["vocab_size"]))  # type: ignore[call-overload]
+    return path
 
 
 def prompts(vocab: int, length: int, count: int, seed: int) -> list[list[int]]:
