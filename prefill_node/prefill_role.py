@@ -109,6 +109,8 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
     def after_step(self, scheduler: Scheduler) -> None:
         self._take_stream_failures()
         finished = scheduler.take_prefilled()
+        for req in finished:  # the prompt's last forward ended (sampled), before `kv_ready`
+            req.timing.mark("first_token")  # waits for KV copies streamed on other streams
         finishing = {id(r) for r in finished}
         active = self.rooms.in_phase(ACTIVE)
         if active:
