@@ -169,11 +169,18 @@ def node_args(args: argparse.Namespace) -> list[str]:
 
 
 def health(url: str) -> dict[str, object]:
+    """The gateway's /health body (its node counts), also when it answers 503."""
+    import urllib.error
     import urllib.request
 
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
             return dict(json.loads(response.read()))
+    except urllib.error.HTTPError as exc:
+        try:
+            return dict(json.loads(exc.read()))
+        except ValueError:
+            return {}
     except (OSError, ValueError):
         return {}
 
