@@ -103,7 +103,8 @@ class HeadRoute:
                 src_addr = src_page + (self.src_head + i) * src.head_page_bytes
                 dst_addr = dst_page + (self.dst_head + i) * dst.head_page_bytes
                 ranges.append(TransferRange(src_addr, dst_addr, span.length))
-        return merge_touching(ranges)
+        # Spans of heads or pages are a head's share apart: only a span of every layer touches.
+        return merge_touching(ranges) if span.length == src.head_page_bytes else ranges
 
     def ranges(self, src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[TransferRange]:
         src, dst = self.src, self.dst
