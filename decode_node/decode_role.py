@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from decode_node.rooms import DECODE_MOVES, DecodeEntry, DecodePhase
 from engine.grammar import GrammarViolation
+from engine.layer_groups import LayerStream
 from engine.memory.staging import PageStager
 from engine.metrics import DecodeMetrics
 from engine.node.phases import RoomRole
@@ -65,6 +66,7 @@ class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
         self.aux = aux
         self.page_size = page_size
         self.metrics = metrics or DecodeMetrics()
+        self.layer_stream: LayerStream | None = None  # a decode node streams no KV out
 
     def accepts(self, req: Req) -> bool:
         return req.room != 0

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from engine.kv_events import KVEvent
+from engine.layer_groups import LayerStream
 from engine.metrics import NodeMetrics
 from engine.request import PromptLogprob, Req, TransferSummary
 from engine.scheduler import Scheduler, StepOutput
@@ -68,6 +69,12 @@ class NodeRole(Protocol):
         ...
 
     def abort(self, scheduler: Scheduler, rid: str) -> Req | None: ...
+
+    @property
+    def layer_stream(self) -> LayerStream | None:
+        """Layer-group signals this role wants from extend forwards (a prefill node streaming
+        KV, engine/layer_groups.py), set on the runner while the role is bound; else None."""
+        ...
 
     def queue_summary(self) -> str:
         """The PD queue sizes for the step log line, e.g. `#prealloc-req 2, #transfer-req 1`."""
@@ -191,6 +198,7 @@ class EngineLoop:
             # by a collective, engine/node/tp_transfer.py), so both sides would wait for ever.
             if self.scheduler.runner.group.size == 1:
                 self.scheduler.runner.interlude = self._interlude
+        self.scheduler.runner.layer_stream = role.layer_stream if role is not None else None
 
     # ---- called from other threads -------------------------------------------------------
     def start(self) -> None:

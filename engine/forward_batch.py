@@ -36,6 +36,9 @@ class ForwardBatch:
     attn_metadata: Any = field(default=None)
     # Called between decoder layers on the engine thread (see ModelRunner.interlude).
     interlude: Callable[[], None] | None = None
+    # Called with the layer's index after each decoder layer, on the engine thread: an extend
+    # batch's layer-group signal (engine/layer_groups.py) when its KV is streamed; else None.
+    after_layer: Callable[[int], None] | None = None
     # Requests (batch rows) whose every new token's logits the model also returns, in
     # `token_logits` (prompt logprobs; TP 1 and eager forwards only).
     all_logits_of: tuple[int, ...] = ()

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphRunner
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.kv_manager import KVManager
+from engine.layer_groups import LayerGroupSignal, LayerStream
 from engine.memory import (
     IntegrityError,
     KVLayout,
@@ -97,6 +98,9 @@ class ModelRunner:
         # the layers only launch kernels, so it runs before the step's sync, not during it;
         # CUDA-graph decode does not call it, and TP nodes do not set it (engine_loop.py).
         self.interlude: Callable[[], None] | None = None
+        # A prefill node streaming KV by layer group (engine/layer_groups.py): asked for a
+        # callback for every extend batch; decode batches and graphs never see it.
+        self.layer_stream: LayerStream | None = None
         graphs_ok = self.device.type == "cuda" and self.group.size == 1  # no TP collectives
         if graphs_ok and hasattr(self.attn_backend, "init_graph_metadata"):
             # Padding rows read one key through slot 0 (reads only) and write to location 0.
@@ -139,6 +143,11 @@ class ModelRunner:
             substitute = future_tokens[(-1 - input_ids).clamp_(0, last)]
             input_ids = torch.where(input_ids < 0, substitute, input_ids)
         mode = ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND
+        after_layer = None
+        if self.layer_stream is not None and mode is ForwardMode.EXTEND:
+            on_group = self.layer_stream.begin(reqs, extend_lens)
+            if on_group is not None:
+                after_layer = LayerGroupSignal(self.layer_stream.groups, on_group, dev)
         batch = ForwardBatch(
             mode=mode,
             input_ids=input_ids,
@@ -149,6 +158,7 @@ class ModelRunner:
             extend_lens=list(extend_lens),
             attn_backend=self.attn_backend,
             interlude=self.interlude,
+            after_layer=after_layer,
             all_logits_of=tuple(i for i, r in enumerate(reqs) if r.wants_prompt_logprobs),
         )
         self.attn_backend.init_metadata(batch)

@@ -38,7 +38,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -82,6 +82,7 @@ class ClusterConfig:
     internal_token: str = field(default="", repr=False)  # by value: to the children's env
     room_key_args: tuple[str, ...] = ()  # --room-key-file for the bootstrap and the gateway
     devices: tuple[str, ...] = ()  # `--device` of each node in turn, prefill nodes first
+    kv_stream_layers: int = 0  # the prefill nodes' --kv-stream-layers (0: off)
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class Cluster:
         common += ["--max-total-tokens", str(c.max_total_tokens), *self._model_args()]
         common += list(c.node_args)
         self._role_args = {
-            "prefill": [*common, *c.prefill_args],
+            "prefill": [*common, *self._stream_args(), *c.prefill_args],
             "decode": ["--mode", "disaggregated", *common, *c.decode_args],
         }
         devices = node_devices(c)
@@ -153,6 +154,10 @@ class Cluster:
             self._wait_healthy(url, stop)
         return urls[0]
 
+    def _stream_args(self) -> list[str]:
+        groups = self.config.kv_stream_layers
+        return ["--kv-stream-layers", str(groups)] if groups else []
+
     def gateways(self) -> list[Child]:
         return [c for c in self.children if c.name.startswith("gateway")]
 
@@ -163,14 +168,14 @@ class Cluster:
         """The running nodes of `role` ("prefill" or "decode"), oldest first."""
         return [c for c in self.children if c.name.startswith(f"{role}-") and c.alive]
 
-    def add_node(self, role: str) -> Child:
-        """Start one more node of `role` with the flags its peers got (after `start`), on the
-        device of a node stopped before if any; it registers with the bootstrap and the
-        gateway routes to it once it is up."""
+    def add_node(self, role: str, extra_args: Sequence[str] = ()) -> Child:
+        """Start one more node of `role` with the flags its peers got (after `start`) and
+        `extra_args` (later flags win), on the device of a node stopped before if any; it
+        registers with the bootstrap and the gateway routes to it once it is up."""
         index = sum(1 for c in self.children if c.name.startswith(f"{role}-"))
         name = f"{role}-{index}"
         self._devices[name] = self._freed_devices.pop(0) if self._freed_devices else []
-        args = [*self._role_args[role], *self._devices[name]]
+        args = [*self._role_args[role], *self._devices[name], *extra_args]
         return self._spawn(name, f"{role}-server", args, metrics=True)
 
     def remove_node(self, role: str) -> Child | None:
@@ -418,6 +423,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated devices given to the nodes in turn, prefill nodes first "
         "(e.g. cuda:0,cuda:1: one GPU a node); a TP node on cuda:b takes b..b+tp-1",
     )
+    parser.add_argument(
+        "--kv-stream-layers",
+        type=int,
+        default=0,
+        metavar="G",
+        help="the prefill nodes write each chunk's KV in G layer groups as they are computed "
+        "(prefill-server --kv-stream-layers); 0 = after each chunk's forward",
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--log-dir", type=Path, default=None, help="also write <name>.log here")
     add_log_args(parser)
@@ -429,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace) -> ClusterConfig:
     if args.prefill < 0 or args.decode < 1:
         raise ValueError("--prefill must be >= 0 and --decode >= 1")
+    if args.kv_stream_layers < 0:
+        raise ValueError(f"--kv-stream-layers must be >= 0 (0: off), got {args.kv_stream_layers}")
     if args.gateways < 1:
         raise ValueError(f"--gateways must be >= 1, got {args.gateways}")
     if not 1 <= args.gateway_workers <= MAX_WORKERS:
@@ -457,6 +472,7 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         internal_token="" if args.internal_token_file else auth.token,
         room_key_args=("--room-key-file", args.room_key_file) if args.room_key_file else (),
         devices=parse_devices(args.devices),
+        kv_stream_layers=args.kv_stream_layers,
     )
 
 

@@ -9,6 +9,12 @@ run of consecutive KV heads of one page is one contiguous range on both sides:
   pages contiguous on both sides coalesce into one descriptor per run, as with TP=1;
 - otherwise one descriptor per (page, run of heads): never one per layer or per token.
 
+Layer streaming (prefill_node/layer_stream.py) sends a chunk's pages one layer group at a time:
+inside a head's part of a page the layers are outermost, so layers [a, b) of one head of one
+page are one contiguous `LayerSpan` of it, and such a write is one descriptor per (page, head)
+(`route_layer_pages`), merged where consecutive heads or pages happen to touch on both sides
+(a span of every layer: whole pages again).
+
 Routes are planned once per (prefill node, decode node) pair: every KV head a decode rank holds
 is written by exactly one prefill rank that holds it (with replicated heads on the prefill side,
 decode rank `d` takes replica `d % replicas`, so the writes spread over the replicas), and
@@ -43,6 +49,34 @@ class RankKV:
 
 
 @dataclass(frozen=True)
+class LayerSpan:
+    """Layers [first, first + count) inside one KV head's part of a page, in bytes."""
+
+    offset: int
+    length: int
+
+    @classmethod
+    def of(cls, layers: range, layer_page_bytes: int) -> LayerSpan:
+        return cls(layers.start * layer_page_bytes, len(layers) * layer_page_bytes)
+
+
+def merge_touching(ranges: Sequence[TransferRange]) -> list[TransferRange]:
+    """Consecutive ranges that continue each other on both sides, as one."""
+    merged: list[TransferRange] = []
+    for r in ranges:
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and last.src_addr + last.length == r.src_addr
+            and last.dst_addr + last.length == r.dst_addr
+        ):
+            merged[-1] = TransferRange(last.src_addr, last.dst_addr, last.length + r.length)
+        else:
+            merged.append(r)
+    return merged
+
+
+@dataclass(frozen=True)
 class HeadRoute:
     """A run of consecutive KV heads from a prefill rank's pages into a decode rank's pages."""
 
@@ -55,6 +89,22 @@ class HeadRoute:
     @property
     def whole_pages(self) -> bool:
         return self.num_heads == len(self.src.kv_heads) == len(self.dst.kv_heads)
+
+    def layer_ranges(
+        self, src_pages: Sequence[int], dst_pages: Sequence[int], span: LayerSpan
+    ) -> list[TransferRange]:
+        """The ranges of `span` (a layer group) of every head of the route, page by page."""
+        src, dst = self.src, self.dst
+        ranges = []
+        for s, d in zip(src_pages, dst_pages, strict=True):
+            src_page = src.kv_base + s * src.page_bytes + span.offset
+            dst_page = dst.kv_base + d * dst.page_bytes + span.offset
+            for i in range(self.num_heads):
+                src_addr = src_page + (self.src_head + i) * src.head_page_bytes
+                dst_addr = dst_page + (self.dst_head + i) * dst.head_page_bytes
+                ranges.append(TransferRange(src_addr, dst_addr, span.length))
+        # Spans of heads or pages are a head's share apart: only a span of every layer touches.
+        return merge_touching(ranges) if span.length == src.head_page_bytes else ranges
 
     def ranges(self, src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[TransferRange]:
         src, dst = self.src, self.dst
@@ -109,6 +159,24 @@ def route_pages(
     for route in routes:
         by_peer = plan.setdefault(route.src.tp_rank, {})
         by_peer.setdefault(route.dst.peer_id, []).extend(route.ranges(src_pages, dst_pages))
+    return plan
+
+
+def route_layer_pages(
+    routes: Sequence[HeadRoute],
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+    span: LayerSpan,
+) -> WritePlan:
+    """The ranges that move layer span `span` of `src_pages` into `dst_pages` on every route."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+    plan: WritePlan = {}
+    for route in routes:
+        by_peer = plan.setdefault(route.src.tp_rank, {})
+        by_peer.setdefault(route.dst.peer_id, []).extend(
+            route.layer_ranges(src_pages, dst_pages, span)
+        )
     return plan
 
 

@@ -6,6 +6,10 @@ page run with equal TP sizes, per page and run of heads otherwise), and tracks e
 started so the request's pages are released only after every rank's engine finished reading them.
 Rank 0's writes go to its engine directly; the other ranks' through `write_remote`, which
 only a TP node's engine (engine/node/tp_transfer.py) can do.
+
+With layer streaming (prefill_node/layer_stream.py) a chunk's pages go one layer group at a
+time (`send_layers`, one call per group, the same pages each time) and count as sent once the
+last group is out (`mark_sent`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,13 @@ from kvtransfer.base import (
     TransferRange,
     TransferState,
 )
-from kvtransfer.head_routes import HeadRoute, WritePlan, route_pages
+from kvtransfer.head_routes import (
+    HeadRoute,
+    LayerSpan,
+    WritePlan,
+    route_layer_pages,
+    route_pages,
+)
 from kvtransfer.room import RoomDestination
 
 
@@ -67,6 +77,23 @@ class KVSender:
         self._start_plan(route_pages(self.routes, src, dst))
         self.stats.pages += upto_page - self.next_page
         self.next_page = upto_page
+
+    def send_layers(self, req_pages: Sequence[int], upto_page: int, span: LayerSpan) -> None:
+        """Send layer span `span` of prompt pages [next_page, upto_page); `next_page` stays
+        until `mark_sent`."""
+        upto_page = min(upto_page, self.num_prompt_pages)
+        if upto_page <= self.next_page:
+            return
+        src = req_pages[self.next_page : upto_page]
+        dst = self.dest_pages(self.next_page, upto_page)
+        self._start_plan(route_layer_pages(self.routes, src, dst, span))
+
+    def mark_sent(self, upto_page: int) -> None:
+        """Every layer of prompt pages [next_page, upto_page) is out (`send_layers`)."""
+        upto_page = min(upto_page, self.num_prompt_pages)
+        if upto_page > self.next_page:
+            self.stats.pages += upto_page - self.next_page
+            self.next_page = upto_page
 
     def send_aux(self, src_addr: int, dst_addr: int, length: int) -> None:
         """Rank 0's aux slot into D rank 0's."""

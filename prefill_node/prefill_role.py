@@ -16,6 +16,10 @@ the chunk has not written yet (seen on one H200: prompts of 3+ chunks decoded wr
 2nd token on, scripts/gpu/check_pd.py). `kv_ready` (the server passes a device synchronize for
 CUDA) is called once per step before the first page of that step is handed to the engine.
 
+With `stream` (`--kv-stream-layers G`), a chunk's pages are written layer group by layer group
+while the chunk computes (prefill_node/layer_stream.py), from inside the forward; `after_step`
+then finds them sent, and dooms the rooms whose streamed write could not start.
+
 A request that fails (D cancelled the room, D died, a write failed, the client aborted) stays
 parked with its pages until every write it started has settled (a late write must not read
 pages handed to another request), then reports FAILED.
@@ -37,6 +41,8 @@ from kvtransfer.aux import AuxBuffer
 from kvtransfer.base import KVTransferEngine, TransferError, TransferState
 from kvtransfer.head_routes import NodeKV
 from kvtransfer.room import RoomDestination, RoomLink, RoomState, RoomStatus
+from kvtransfer.sender import KVSender
+from prefill_node.layer_stream import LayerStreamer, StreamConfig
 from prefill_node.rooms import PREFILL_MOVES, EarlyDestinations, PrefillEntry, PrefillPhase
 from prefill_node.writes import CannotWrite, RoomWriter
 
@@ -65,6 +71,7 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
         metrics: PrefillMetrics | None = None,
         kv_ready: Callable[[], None] = lambda: None,
         stager: PageStager | None = None,
+        stream: StreamConfig | None = None,
     ) -> None:
         super().__init__(PREFILL_MOVES, clock)
         self.config = config
@@ -73,6 +80,10 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
         self.link = link
         self.writer = RoomWriter(engine, aux, kv, page_size, link, stager, self.metrics)
         self.early = EarlyDestinations()
+        # Layer-group streaming of a chunk's KV; the engine loop sets `layer_stream` on the
+        # runner while this role is bound.
+        self.streamer = LayerStreamer(stream, self._streamable) if stream else None
+        self.layer_stream = self.streamer.layer_stream() if self.streamer else None
 
     # ---- engine-thread hooks -----------------------------------------------------------
     def accepts(self, req: Req) -> bool:
@@ -96,7 +107,10 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
         return self._release_settled(scheduler)
 
     def after_step(self, scheduler: Scheduler) -> None:
+        self._take_stream_failures()
         finished = scheduler.take_prefilled()
+        for req in finished:  # the prompt's last forward ended (sampled), before `kv_ready`
+            req.timing.mark("first_token")  # waits for KV copies streamed on other streams
         finishing = {id(r) for r in finished}
         active = self.rooms.in_phase(ACTIVE)
         if active:
@@ -190,12 +204,16 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
         if self._fenced(entry):
             self._doom(scheduler, entry, "lease_lost", FENCED)
             return
+        if entry.failure:  # a streamed write could not start
+            self._doom(scheduler, entry, entry.failure_kind, entry.failure)
+            return
         try:
-            first_out = self.writer.send_computed(entry.req, entry.sender)
+            self.writer.send_computed(entry.req, entry.sender)
         except TransferError as exc:
             self._doom(scheduler, entry, "write_failed", f"KV write failed: {exc}")
             return
-        if first_out:  # D restarts its transfer timer
+        if not entry.announced and entry.sender.stats.pages > 0:  # D restarts its timer
+            entry.announced = True
             self._post(entry.room, entry.req.peer_node_id, RoomState.TRANSFERRING, "")
 
     def _finish_prefill(self, entry: PrefillEntry) -> None:
@@ -204,12 +222,29 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
         entry.req.timing.mark("first_token")
         if self._fenced(entry):
             entry.fail("lease_lost", FENCED)
-        else:
+        elif not entry.failure:  # a streamed write that could not start failed it already
             try:
                 self.writer.send_rest(entry.req, entry.dest, entry.sender)
             except TransferError as exc:
                 entry.fail("write_failed", f"KV write failed: {exc}")
         self.rooms.move(entry, SETTLING)
+
+    def _streamable(self, req: Req) -> KVSender | None:
+        """The sender of `req`'s room while its pages may be streamed (layer_stream.py)."""
+        entry = self.rooms.get(req.room)
+        if entry is None or entry.req is not req or entry.phase is not ACTIVE:
+            return None
+        if entry.failure or self._fenced(entry):
+            return None
+        return entry.sender
+
+    def _take_stream_failures(self) -> None:
+        if self.streamer is None:
+            return
+        for room, reason in self.streamer.take_failures().items():
+            entry = self.rooms.get(room)
+            if entry is not None:
+                entry.fail("write_failed", reason)
 
     def _doom(self, scheduler: Scheduler, entry: PrefillEntry, kind: str, reason: str) -> None:
         """Stop computing for a room whose writes may still be in flight: park its pages."""

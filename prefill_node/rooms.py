@@ -51,6 +51,7 @@ class PrefillEntry(RoomEntry[PrefillPhase]):
     failure: str = ""  # set once the room is doomed; reported after its writes settle
     failure_kind: str = ""  # metrics label: write_failed, transfer_timeout, lease_lost, ...
     epoch: int = 0  # the link's registration epoch when the room started
+    announced: bool = False  # TRANSFERRING posted: its first pages are out
 
     def fail(self, kind: str, reason: str) -> None:
         """Doom the room (the first failure is the one reported)."""

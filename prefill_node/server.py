@@ -13,10 +13,13 @@ import torch
 
 from bootstrap.security import add_internal_auth_args
 from engine.builder import Engine
+from engine.layer_groups import split_layers
 from engine.node.args import add_disagg_args, add_node_args, configure_logging
 from engine.node.disagg import serve_disaggregated
 from engine.node.roles import RoleParts
 from engine.node.server import run_node_main
+from kvtransfer import STREAM_ORDERED_BACKENDS
+from prefill_node.layer_stream import StreamConfig, check_streamable
 from prefill_node.prefill_role import PrefillRole, PrefillRoleConfig
 
 logger = logging.getLogger("pdserve.prefill")
@@ -39,6 +42,23 @@ def kv_ready(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+def stream_config(parts: RoleParts) -> StreamConfig | None:
+    """`--kv-stream-layers G` as the role's config (None: 0, off); ValueError if it cannot run
+    on this node."""
+    args, runner = parts.args, parts.runner
+    groups, num_layers = args.kv_stream_layers, runner.model_config.num_layers
+    check_streamable(groups, num_layers, runner.config.tp_size, runner.config.kv_staging_pages)
+    if not groups:
+        return None
+    return StreamConfig(
+        groups=split_layers(num_layers, groups),
+        layer_page_bytes=runner.kv_layout.layer_page_bytes,
+        page_size=runner.config.page_size,
+        stream_ordered=args.transfer_backend in STREAM_ORDERED_BACKENDS,
+        device=runner.device,
+    )
+
+
 def build_role(parts: RoleParts) -> PrefillRole:
     args, runner = parts.args, parts.runner
     return PrefillRole(
@@ -51,6 +71,7 @@ def build_role(parts: RoleParts) -> PrefillRole:
         metrics=parts.metrics.prefill_role(),
         kv_ready=kv_ready(runner.device),
         stager=runner.stager,
+        stream=stream_config(parts),
     )
 
 

@@ -71,13 +71,11 @@ class RoomWriter:
             raise CannotWrite("decode_unreachable", f"cannot reach decode node: {exc}") from exc
         return KVSender(self.engine, dest, self.page_size, routes)
 
-    def send_computed(self, req: Req, sender: KVSender) -> bool:
-        """Write the full pages computed so far; True if they are the room's first pages out
-        (D restarts its transfer timer on that news). Raises TransferError."""
-        started = sender.stats.pages > 0
+    def send_computed(self, req: Req, sender: KVSender) -> None:
+        """Write the full pages computed so far (those not streamed by layer group already).
+        Raises TransferError."""
         upto = req.kv_len // self.page_size
         sender.send_pages(self._source_pages(req, sender, upto), upto)
-        return not started and sender.stats.pages > 0
 
     def send_rest(self, req: Req, dest: RoomDestination, sender: KVSender) -> None:
         """First token sampled: the prompt's remaining pages, then the aux slot. Raises

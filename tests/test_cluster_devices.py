@@ -45,3 +45,23 @@ def test_a_node_started_later_takes_the_device_of_one_stopped_before() -> None:
     cluster._freed_devices.append(cluster._devices["prefill-0"])  # as remove_node does
     cluster.add_node("decode")
     assert started == [("decode-0", ["--d", "--device", "cuda:0"])]  # no child recorded here
+
+
+def test_kv_stream_layers_go_to_prefill_nodes_and_a_restart_may_change_them() -> None:
+    from gateway.cluster import Cluster
+
+    assert _config().kv_stream_layers == 0
+    with pytest.raises(ValueError, match="--kv-stream-layers must be >= 0"):
+        _config("--kv-stream-layers", "-1")
+    started: list[tuple[str, list[str]]] = []
+
+    class Recording(Cluster):
+        def _spawn(self, name, script, args, essential=False, port=0, metrics=False):  # type: ignore[no-untyped-def,override]
+            started.append((name, list(args)))
+
+    cluster = Recording(_config("--kv-stream-layers", "4"))
+    assert cluster._stream_args() == ["--kv-stream-layers", "4"]
+    assert Recording(_config())._stream_args() == []  # off: the nodes' default
+    cluster._role_args = {"prefill": ["--p", *cluster._stream_args()], "decode": ["--d"]}
+    cluster.add_node("prefill", ["--kv-stream-layers", "8"])  # later flags win
+    assert started == [("prefill-0", ["--p", "--kv-stream-layers", "4", "--kv-stream-layers", "8"])]

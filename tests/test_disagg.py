@@ -85,3 +85,45 @@ def test_pd_matches_colocated_and_hf(
         long = results[-1].prefill
         assert long is not None and long.descriptors < long.sent_pages
         cluster.check_no_leaks()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("backend", "groups", "chunk", "decode_tp"),
+    [
+        ("mooncake", 2, 512, 1),  # 30 layers in 2 groups, chunks of whole pages
+        ("nixl", 4, 500, 3),  # 8+8+7+7 layers; chunks end mid-page; D's 3 ranks (head runs)
+    ],
+)
+def test_pd_streaming_kv_by_layer_group_matches_hf(
+    tmp_path: Path,
+    default_model_dir: Path,
+    prompts,
+    hf_reference,
+    backend: str,
+    groups: int,
+    chunk: int,
+    decode_tp: int,
+) -> None:
+    """`--kv-stream-layers G`: each chunk's pages leave layer group by layer group during the
+    forward. Greedy output equals HF; a second round, the prompts in P's prefix cache, streams
+    the cached pages too; no page leaks on either node."""
+    sampling = node_pb2.SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    with pd_trio(
+        tmp_path,
+        default_model_dir,
+        backend,
+        node_args=["--max-total-tokens", "16384", "--page-size", "16"],
+        prefill_args=["--chunked-prefill-size", str(chunk), "--kv-stream-layers", str(groups)],
+        decode_args=["--tp-size", str(decode_tp)],
+    ) as cluster:
+        for _ in range(2):
+            results = cluster.generate_many(prompts, sampling)
+            for result in results:
+                assert result.finished is not None, result.prefill_error
+                assert result.prefill is not None and result.prefill.sent_pages > 0
+            assert [r.token_ids for r in results] == hf_reference
+        # Every page's layers went once per group: at least one range per group and page.
+        long = results[-1].prefill
+        assert long is not None and long.descriptors >= groups * long.sent_pages
+        cluster.check_no_leaks()

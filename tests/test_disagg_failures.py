@@ -44,16 +44,26 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
+from engine.layer_groups import GroupDone
 from engine.request import FinishReason, Req
 from engine.sampling import SamplingParams
 from gateway.launcher import ServerProcess as NodeServer
 from gateway.launcher import bootstrap_ready, node_registered, running_node
 from gateway.pd_client import new_room
 from kvtransfer.aux import AuxBuffer
-from kvtransfer.base import MemoryRegion, PeerInfo, TransferHandle, TransferRange, TransferState
+from kvtransfer.base import (
+    MemoryRegion,
+    PeerInfo,
+    TransferError,
+    TransferHandle,
+    TransferRange,
+    TransferState,
+)
 from kvtransfer.head_routes import NodeKV
 from kvtransfer.room import RoomDestination, RoomState, RoomStatus
+from prefill_node.layer_stream import StreamConfig
 from prefill_node.prefill_role import PrefillRole, PrefillRoleConfig
 from prefill_node.rooms import PrefillPhase
 from proto import node_pb2
@@ -816,9 +826,11 @@ class FakeScheduler:
         self.released.append((req, cache))
 
 
-def prefill_role_with_room() -> tuple[PrefillRole, FakeLink, FakeEngine, Any, Req]:
+def prefill_role_with_room(
+    engine: FakeEngine | None = None, stream: StreamConfig | None = None
+) -> tuple[PrefillRole, FakeLink, FakeEngine, Any, Req]:
     """A prefill role whose room 7 got its destination and is being computed."""
-    link, engine, scheduler = FakeLink(), FakeEngine(), FakeScheduler()
+    link, engine, scheduler = FakeLink(), engine or FakeEngine(), FakeScheduler()
     role = PrefillRole(
         PrefillRoleConfig(),
         link=link,
@@ -826,6 +838,7 @@ def prefill_role_with_room() -> tuple[PrefillRole, FakeLink, FakeEngine, Any, Re
         aux=AuxBuffer(4),
         kv=NodeKV.single(kv_base=0, head_page_bytes=1024, num_kv_heads=1),
         page_size=16,
+        stream=stream,
     )
     req = Req(rid="r", prompt_ids=list(range(64)), params=SamplingParams(), sampler=None)  # type: ignore[arg-type]
     req.room, req.peer_node_id, req.stop_after_prefill = ROOM, DEST.decode_node_id, True
@@ -885,6 +898,72 @@ def test_prefill_role_leaves_a_failed_write_to_the_step_boundary() -> None:
     assert out.req is req and req.finish_reason is FinishReason.ABORT
     assert link.final == [RoomState.FAILED]
     assert scheduler.released == [(req, False)]  # a failed room's pages are not cached
+
+
+class RecordingEngine(FakeEngine):
+    """Records each write's ranges; with `refuse_kv`, a KV write cannot start."""
+
+    def __init__(self, refuse_kv: bool = False) -> None:
+        super().__init__()
+        self.writes: list[list[TransferRange]] = []
+        self.refuse_kv = refuse_kv
+
+    def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
+        if self.refuse_kv and ranges[0].dst_addr >= 1 << 20:  # D's kv region, not its aux
+            raise TransferError("connection reset by the decode node")
+        self.writes.append(list(ranges))
+        return TransferHandle()
+
+
+# 4 layers in 2 groups; a KV head's share of a page is 1024 bytes: 256 a layer.
+STREAM = StreamConfig((range(0, 2), range(2, 4)), 256, 16, False, torch.device("cpu"))
+
+
+def stream_chunk(role: PrefillRole, req: Req, tokens: int) -> None:
+    """The forward of a chunk of `tokens` new tokens, signalling both layer groups."""
+    assert role.layer_stream is not None
+    on_group = role.layer_stream.begin([req], [tokens])
+    assert on_group is not None
+    for index, layers in enumerate(STREAM.groups):
+        on_group(GroupDone(index, layers))
+    req.kv_len += tokens
+
+
+def test_prefill_role_streams_layer_groups_then_writes_only_the_aux_slot() -> None:
+    engine = RecordingEngine()
+    role, link, _, scheduler, req = prefill_role_with_room(engine, STREAM)
+    req.slot, req.pages = 0, [0, 1, 2, 3]
+    stream_chunk(role, req, 40)  # pages 0, 1 complete: layers 0-1, then 2-3
+    group_0, group_1 = engine.writes
+    assert [(r.src_addr, r.length) for r in group_0] == [(0, 512), (1024, 512)]
+    assert [(r.src_addr, r.length) for r in group_1] == [(512, 512), (1536, 512)]
+    role.after_step(scheduler)  # nothing left to send after this chunk
+    assert len(engine.writes) == 2 and [s.state for s in link.posted] == [RoomState.TRANSFERRING]
+    stream_chunk(role, req, 24)  # the last chunk: pages 2, 3 (3 partial)
+    assert len(engine.writes) == 4
+    sample_first_token(role, scheduler, req)
+    aux = engine.writes[-1]
+    assert len(engine.writes) == 5 and aux[0].dst_addr < 1 << 20  # only the aux slot, last
+    engine.settled = True
+    assert role.before_step(scheduler)[0].req.finish_reason is FinishReason.PREFILLED
+    assert link.final == [RoomState.DONE] and scheduler.released == [(req, True)]
+    assert role.rooms.get(ROOM) is None and req.transfer is not None
+    assert req.transfer.pages == 4
+
+
+def test_prefill_role_dooms_a_room_whose_streamed_write_cannot_start() -> None:
+    engine = RecordingEngine(refuse_kv=True)
+    role, link, _, scheduler, req = prefill_role_with_room(engine, STREAM)
+    req.slot, req.pages = 0, [0, 1, 2, 3]
+    stream_chunk(role, req, 40)  # inside the forward: remembered, nothing parked yet
+    assert scheduler.parked == [] and phase(role) is PrefillPhase.ACTIVE
+    role.after_step(scheduler)
+    assert phase(role) is PrefillPhase.SETTLING and scheduler.parked == [req]
+    assert role.layer_stream is not None and role.layer_stream.begin([req], [24]) is None
+    (out,) = role.before_step(scheduler)  # no write in flight: reported at once
+    assert out.req is req and req.finish_reason is FinishReason.ABORT
+    assert "connection reset by the decode node" in req.finish_detail
+    assert link.final == [RoomState.FAILED] and scheduler.released == [(req, False)]
 
 
 def test_prefill_role_confirms_a_cancel_only_after_its_writes_settle() -> None:

@@ -28,6 +28,7 @@ class InterludeRole:
         self.held: list[Req] = []
         self.calls_in_step: list[bool] = []  # per call: did a step's forward run?
         self.loop: EngineLoop | None = None
+        self.layer_stream = None  # no KV streamed by layer group
 
     @property
     def has_work(self) -> bool:

@@ -40,6 +40,12 @@ class KVLayout:
         return self.num_layers * 2 * self.page_size * self.head_dim * elem
 
     @property
+    def layer_page_bytes(self) -> int:
+        """Bytes of one layer's K and V of one KV head's part of a page: layers [a, b) of a
+        head are the `(b - a) * layer_page_bytes` bytes at `a * layer_page_bytes` into it."""
+        return self.head_page_bytes // self.num_layers
+
+    @property
     def page_bytes(self) -> int:
         """Bytes of one page over this buffer's KV heads."""
         return self.head_page_bytes * self.num_kv_heads

@@ -124,8 +124,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x, residual = self._embed(batch.input_ids), None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(batch.positions, x, residual, batch)
+            if batch.after_layer is not None:
+                batch.after_layer(i)
             if batch.interlude is not None:
                 batch.interlude()
         for row in batch.all_logits_of:

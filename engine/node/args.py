@@ -223,6 +223,15 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
         help="seconds without progress before a room's transfer is given up",
     )
     g.add_argument(
+        "--kv-stream-layers",
+        type=int,
+        default=0,
+        metavar="G",
+        help="prefill role: write a chunk's KV in G layer groups, each as soon as its layers "
+        "are computed, so the transfer overlaps the prefill (prefill_node/layer_stream.py); "
+        "0 = after the chunk's whole forward. TP size 1, no --kv-staging-pages",
+    )
+    g.add_argument(
         "--decode-headroom", type=int, default=32, help="decode tokens reserved beside a prompt"
     )
     g.add_argument(
