@@ -29,27 +29,45 @@ that are structure, not text. The limit (`container_limit`) leaves room for ever
 fits the context: a chat message costs at least one token and holds a few containers, a batch
 of prompts is bounded by --max-n far below it, and tools' schemas are rendered into the prompt.
 
-Where: a body of `LARGE_BODY_BYTES` or more is parsed in one worker thread (`BodyParser`), not
-on the event loop. A 4 MB body costs 5-10 ms of parsing; eight at once, on the loop, would
-hold every other client's requests and streams for all of that. In the thread, orjson still
-holds the GIL while it runs, but the loop gets it back between the steps of the parse, and
-large bodies queue for that one thread instead of competing with each other.
+Where: a body of `LARGE_BODY_BYTES` or more is parsed in a parse process (`BodyParser`: a small
+pool started with the app, by `forkserver`, never by forking the threaded gateway), not in the
+gateway's process. Parsing a 3.9 MB body holds the GIL for 5-7 ms (the bracket counts, then
+orjson in one C call); in a thread of the gateway, eight of them back to back starved the event
+loop of the GIL between its I/O waits (a one-token request x1.7-x2.4 its idle latency beside
+eight 3.9 MB prompts on a 32-core host, where the same burst sent to a bare sink left it at
+x1.0). The parse process also applies the route's cheap prompt bound (`PromptBounds`,
+gateway/tokenize.py): a body the bound refuses comes back as its small error record
+(`ErrorRecord`: exceptions are not sent between processes), answered where the handler would
+have raised it (after the draining and admission checks); a body that passes comes back as
+its parsed object, which the bound keeps small (the context's worth of text or token ids).
+Sending the body costs the gateway one copy into the pipe; a parse process that dies is
+replaced and the body tried once more. gateway-server's `--workers` processes are daemonic and
+may not start children: there a large body is parsed in one worker thread, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import multiprocessing
 import re
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from gateway.errors import bad_request
+from gateway.errors import APIError, bad_request
+from gateway.memory import malloc_trim
+
+logger = logging.getLogger("pdserve.gateway")
 
 MAX_JSON_DEPTH = 32  # nesting levels of objects and arrays
-LARGE_BODY_BYTES = 64 << 10  # parsed off the event loop; memory handed back after (app.py)
+LARGE_BODY_BYTES = 64 << 10  # parsed in a parse process; memory handed back after (app.py)
+PARSE_PROCESSES = 2  # per gateway process: large bodies queue for them
 WALK_ITEMS = 4096  # a body whose objects and arrays hold fewer is measured by walking it
 MIN_CONTAINERS = 1 << 16  # objects and arrays a body may hold, whatever the context
 CONTAINERS_PER_TOKEN = 4  # a message (an object, its content array and parts) per token
@@ -197,19 +215,134 @@ def _bad_text(field: str) -> Exception:
     )
 
 
-class BodyParser:
-    """`parse_body` on the event loop for small bodies, in one worker thread for large ones."""
+Bound = Callable[[dict[str, Any]], None]  # a route's cheap bound: APIError(400) or nothing
 
-    def __init__(self, max_containers: int = MIN_CONTAINERS) -> None:
-        self.max_containers = max_containers
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="parse-body")
 
-    async def parse(self, data: bytes) -> dict[str, Any]:
-        if len(data) < LARGE_BODY_BYTES:
-            return parse_body(data, self.max_containers)
-        return await asyncio.get_running_loop().run_in_executor(
-            self.executor, parse_body, data, self.max_containers
+@dataclass(frozen=True)
+class ErrorRecord:
+    """An APIError as plain fields, to cross from a parse process."""
+
+    status: int
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+    @classmethod
+    def of(cls, exc: APIError) -> ErrorRecord:
+        return cls(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    def error(self) -> APIError:
+        return APIError(
+            self.status, self.message, type_=self.type, param=self.param, code=self.code
         )
 
+
+@dataclass(frozen=True)
+class ParsedBody:
+    """A request body as parsed, or the refusal its route's bound answered instead of it."""
+
+    body: dict[str, Any]
+    refusal: APIError | None = None  # raised where the handler would have raised it
+
+
+@dataclass(frozen=True)
+class _ChildAnswer:
+    body: dict[str, Any] | None = None
+    invalid: ErrorRecord | None = None  # not a JSON object the gateway can take: raised at once
+    refusal: ErrorRecord | None = None  # refused by the route's bound
+
+    def parsed(self) -> ParsedBody:
+        if self.invalid is not None:
+            raise self.invalid.error()
+        if self.refusal is not None:
+            return ParsedBody({}, self.refusal.error())
+        assert self.body is not None
+        return ParsedBody(self.body)
+
+
+def parse_in_child(data: bytes, max_containers: int, bound: Bound | None) -> _ChildAnswer:
+    """In a parse process: `parse_body`, then the route's bound; only a small record comes back
+    for a body that either refuses."""
+    answer = _answer(data, max_containers, bound)
+    if answer.body is None:
+        malloc_trim()  # what the parse took; an accepted body is still referenced here
+    return answer
+
+
+def _answer(data: bytes, max_containers: int, bound: Bound | None) -> _ChildAnswer:
+    try:
+        body = parse_body(data, max_containers)
+    except APIError as exc:
+        return _ChildAnswer(invalid=ErrorRecord.of(exc))
+    if bound is not None:
+        try:
+            bound(body)
+        except APIError as exc:
+            return _ChildAnswer(refusal=ErrorRecord.of(exc))
+    return _ChildAnswer(body=body)
+
+
+def _prepare_child() -> None:
+    """A parse process's initializer: import what the routes' bounds need before any body."""
+    import gateway.tokenize  # noqa: F401
+
+
+def _ready() -> int:
+    return 0
+
+
+class BodyParser:
+    """`parse_body` on the event loop for small bodies, in a parse process for large ones."""
+
+    def __init__(self, max_containers: int = MIN_CONTAINERS, processes: int = PARSE_PROCESSES):
+        self.max_containers = max_containers
+        self.processes = processes
+        self._executor: Executor | None = None
+        self.in_processes = False  # whether large bodies go to parse processes (else a thread)
+
+    def start(self) -> None:
+        """Start the parse processes (with the app, once), or the thread where a daemonic
+        process (a gateway-server worker) may not have children."""
+        if self._executor is not None:
+            return
+        if multiprocessing.current_process().daemon:
+            logger.info("large bodies are parsed in a thread: a daemonic worker has no children")
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="parse-body")
+            return
+        self._executor = self._processes()
+        self.in_processes = True
+        waits = [self._executor.submit(_ready) for _ in range(self.processes)]
+        for started in waits:  # every process started, before the first body
+            started.result()
+
+    def _processes(self) -> ProcessPoolExecutor:
+        context = multiprocessing.get_context("forkserver")
+        return ProcessPoolExecutor(self.processes, context, initializer=_prepare_child)
+
+    async def parse(self, data: bytes, bound: Bound | None = None) -> ParsedBody:
+        """The body's JSON object (APIError(400) if it is none); for a large body, also the
+        route's `bound`, applied in the parse process (see the module docstring)."""
+        if len(data) < LARGE_BODY_BYTES:
+            return ParsedBody(parse_body(data, self.max_containers))
+        self.start()
+        loop = asyncio.get_running_loop()
+        if not self.in_processes:
+            body = await loop.run_in_executor(self._executor, parse_body, data, self.max_containers)
+            return ParsedBody(body)
+        try:
+            answer = await loop.run_in_executor(
+                self._executor, parse_in_child, data, self.max_containers, bound
+            )
+        except BrokenProcessPool:
+            logger.warning("a body parse process died: starting new ones, parsing the body again")
+            self.close()
+            self._executor = self._processes()
+            answer = await loop.run_in_executor(
+                self._executor, parse_in_child, data, self.max_containers, bound
+            )
+        return answer.parsed()
+
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,7 +1,8 @@
 """Large bodies without a stalled event loop or memory kept after them (issue 25): units.
 
-- `BodyParser` parses a large body in its worker thread: a small body is parsed and answered
-  on the event loop while a large one is still being parsed;
+- `BodyParser` parses a large body in a parse process: a small body is parsed and answered
+  on the event loop while a large one is still being parsed; the route's bound runs there
+  too, and its error comes back field for field; a dead parse process is replaced;
 - `MemoryReturn` hands memory back once, after the last of overlapping large requests;
 - a handler that fails leaves no reference cycle behind (`until_disconnected`), so its locals
   (a long prompt, its token ids) are freed at once, not whenever the cyclic GC runs;
@@ -18,10 +19,14 @@ import asyncio
 import contextlib
 import gc
 import json
-import threading
+import os
+import pickle
+import time
 import weakref
-from concurrent.futures import Executor, Future
-from types import SimpleNamespace
+from collections.abc import Iterator
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,44 +36,79 @@ from gateway.app import until_disconnected
 from gateway.body import LARGE_BODY_BYTES, BodyParser
 from gateway.errors import APIError
 from gateway.memory import MemoryReturn, freeze_startup_objects
-from gateway.tokenize import PromptEncoder
+from gateway.tokenize import PromptBounds
 
 SMALL = json.dumps({"prompt": "hi"}).encode()
 LARGE = json.dumps({"prompt": "x" * LARGE_BODY_BYTES}).encode()
 
 
+def _held_until(path: Path, body: dict[str, Any]) -> None:
+    """A route's bound (run in a parse process) that waits until the test creates `path`."""
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _refuse_with_pid(body: dict[str, Any]) -> None:
+    raise APIError(400, f"refused in {os.getpid()}", param="prompt", code="context_length_exceeded")
+
+
+@pytest.fixture
+def parser() -> Iterator[BodyParser]:
+    parser = BodyParser(processes=1)
+    parser.start()
+    yield parser
+    parser.close()
+
+
 def test_a_small_body_is_answered_while_a_large_one_is_parsed(
-    monkeypatch: pytest.MonkeyPatch,
+    parser: BodyParser, tmp_path: Path
 ) -> None:
-    parse = body_module.parse_body
-    release = threading.Event()
-    threads: dict[int, str] = {}
-
-    def held(data: bytes, max_containers: int) -> dict[str, Any]:
-        threads[len(data)] = threading.current_thread().name
-        if len(data) >= LARGE_BODY_BYTES:
-            assert release.wait(30), "the large body was parsed on the event loop"
-        return parse(data, max_containers)
-
-    monkeypatch.setattr(body_module, "parse_body", held)
-    parser = BodyParser()
+    release = tmp_path / "release"
 
     async def clients() -> None:
-        large = asyncio.ensure_future(parser.parse(LARGE))
-        while not threads:  # until the worker has started on the large body
-            await asyncio.sleep(0.01)
-        assert await parser.parse(SMALL) == {"prompt": "hi"}
+        large = asyncio.ensure_future(parser.parse(LARGE, partial(_held_until, release)))
+        await asyncio.sleep(0.2)  # the parse process holds the large body
+        assert (await parser.parse(SMALL)).body == {"prompt": "hi"}
         assert not large.done()  # the small one came first: the loop was free
-        release.set()
-        assert (await large)["prompt"] == "x" * LARGE_BODY_BYTES
+        release.touch()
+        parsed = await large
+        assert parsed.refusal is None and parsed.body["prompt"] == "x" * LARGE_BODY_BYTES
 
-    try:
-        asyncio.run(clients())
-    finally:
-        release.set()
-        parser.close()
-    assert threads[len(SMALL)] == "MainThread"
-    assert threads[len(LARGE)].startswith("parse-body")
+    asyncio.run(clients())
+    assert parser.in_processes
+
+
+def test_a_large_body_is_refused_in_a_parse_process_with_the_same_error(
+    parser: BodyParser,
+) -> None:
+    """The bound's error comes back as a record and is raised where the handler would raise
+    it, field for field; an invalid body's error is raised at once, as for a small one."""
+    parsed = asyncio.run(parser.parse(LARGE, _refuse_with_pid))
+    assert parsed.body == {} and parsed.refusal is not None
+    assert parsed.refusal.message.startswith("refused in ")
+    assert parsed.refusal.message != f"refused in {os.getpid()}"  # not this process
+    assert parsed.refusal.body()["error"] == {
+        "message": parsed.refusal.message,
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "context_length_exceeded",
+    }
+    deep = b'{"x": ' + b"[" * 40 + b"]" * 40 + b', "pad": "' + b"x" * LARGE_BODY_BYTES + b'"}'
+    with pytest.raises(APIError) as caught:
+        asyncio.run(parser.parse(deep, _refuse_with_pid))
+    assert caught.value.status == 400 and caught.value.code == "body_too_deep"
+
+
+def test_a_dead_parse_process_is_replaced(parser: BodyParser) -> None:
+    pool = parser._executor
+    assert isinstance(pool, ProcessPoolExecutor)
+    for process in list(pool._processes.values()):
+        process.kill()
+        process.join(10)
+    parsed = asyncio.run(parser.parse(LARGE))
+    assert parsed.body["prompt"] == "x" * LARGE_BODY_BYTES
+    assert parser._executor is not pool
 
 
 class _Inline(Executor):
@@ -134,27 +174,24 @@ def _error(call: Any, *args: Any) -> APIError:
 
 
 def test_bounds_before_validation_look_at_lengths_only() -> None:
-    codec = SimpleNamespace(max_token_chars=10)
-    encoder = PromptEncoder(codec, context_length=100, workers=1, max_prompts=4)  # type: ignore[arg-type]
-    try:
-        for fits in ([1] * 99, [[1] * 99] * 4, ["a" * 990], "a" * 990, None, 5, [], {"x": 1}):
-            encoder.bound_prompts(fits, None)
-        error = _error(encoder.bound_prompts, [1] * 100, None)
-        assert error.param == "prompt" and error.code == "context_length_exceeded"
-        assert "100 tokens" in error.message
-        error = _error(encoder.bound_prompts, [[1]] * 1_000_000, 2)
-        assert error.param == "n" and "1000000 prompts x n=2" in error.message
-        error = _error(encoder.bound_prompts, [[1], [1] * 100], None)
-        assert error.param == "prompt" and "100 tokens" in error.message
-        error = _error(encoder.bound_prompts, ["a", "a" * 1000], None)
-        assert "at least 100 tokens" in error.message
-        error = _error(encoder.bound_unvalidated, [1] * 500, "input_ids")
-        assert error.param == "input_ids" and "500 tokens" in error.message
-        encoder.bound_messages([{}] * 99)
-        error = _error(encoder.bound_messages, [{}] * 100)
-        assert error.param == "messages" and "100 messages" in error.message
-    finally:
-        encoder.close()
+    bounds = PromptBounds(context_length=100, max_token_chars=10, max_prompts=4)
+    assert pickle.loads(pickle.dumps(bounds)) == bounds  # a parse process gets a copy
+    for fits in ([1] * 99, [[1] * 99] * 4, ["a" * 990], "a" * 990, None, 5, [], {"x": 1}):
+        bounds.bound_prompts(fits, None)
+    error = _error(bounds.bound_prompts, [1] * 100, None)
+    assert error.param == "prompt" and error.code == "context_length_exceeded"
+    assert "100 tokens" in error.message
+    error = _error(bounds.bound_prompts, [[1]] * 1_000_000, 2)
+    assert error.param == "n" and "1000000 prompts x n=2" in error.message
+    error = _error(bounds.bound_prompts, [[1], [1] * 100], None)
+    assert error.param == "prompt" and "100 tokens" in error.message
+    error = _error(bounds.bound_prompts, ["a", "a" * 1000], None)
+    assert "at least 100 tokens" in error.message
+    error = _error(bounds.bound_unvalidated, [1] * 500, "input_ids")
+    assert error.param == "input_ids" and "500 tokens" in error.message
+    bounds.bound_messages([{}] * 99)
+    error = _error(bounds.bound_messages, [{}] * 100)
+    assert error.param == "messages" and "100 messages" in error.message
 
 
 def test_too_many_containers_are_refused_before_any_object_is_built(
