@@ -36,7 +36,7 @@ from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
 from gateway.kv_feed import KVFeeds
 from gateway.lane import ChunkedWriter, LaneFrames
-from gateway.memory import MemoryReturn, freeze_startup_objects
+from gateway.memory import MemoryReturn, freeze_startup_objects, reuse_freed_memory
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.native_api import NativeHandler
 from gateway.nodes import ROLE_NAMES, NodeDirectory
@@ -339,11 +339,13 @@ class Gateway:
         pieces: list[bytes] = []  # joined once: no regrowth and copy per piece
         size = 0
         async for piece in request.stream():
+            if not piece:  # Starlette's stream ends with b"", which would make the join copy
+                continue
             pieces.append(piece)
             size += len(piece)
             if size > limit:
                 raise too_large
-        return b"".join(pieces)
+        return b"".join(pieces)  # a body received whole (gateway/connections.py): no copy
 
     def health(self) -> JSONResponse:
         counts = {name: self.directory.count(role) for role, name in ROLE_NAMES.items()}
@@ -417,6 +419,7 @@ def build_app(gateway: Gateway) -> Starlette:
         watch = asyncio.create_task(gateway.directory.watch(client), name="watch-nodes")
         watch.add_done_callback(_report_watch_end)
         logger.info("following nodes at bootstrap %s", gateway.config.bootstrap)
+        reuse_freed_memory()  # a large body's copies fault no fresh pages in (memory.py)
         gateway.bodies.start()  # the parse processes, before the first large body
         frozen = freeze_startup_objects()  # full collections no longer walk them (memory.py)
         logger.info("%d start-up objects frozen out of the cyclic GC", frozen)

@@ -61,7 +61,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import APIError, bad_request
-from gateway.memory import malloc_trim
+from gateway.memory import malloc_trim, reuse_freed_memory
 
 logger = logging.getLogger("pdserve.gateway")
 
@@ -286,6 +286,8 @@ def _answer(data: bytes, max_containers: int, bound: Bound | None) -> _ChildAnsw
 def _prepare_child() -> None:
     """A parse process's initializer: import what the routes' bounds need before any body."""
     import gateway.tokenize  # noqa: F401
+
+    reuse_freed_memory()
 
 
 def _ready() -> int:
