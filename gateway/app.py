@@ -30,7 +30,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bootstrap.client import BootstrapClient
-from gateway.body import LARGE_BODY_BYTES, BodyParser, Bound, container_limit
+from gateway.body import LARGE_BODY_BYTES, container_limit
 from gateway.config import ADMIN, INFERENCE, GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
@@ -42,11 +42,12 @@ from gateway.native_api import NativeHandler
 from gateway.nodes import ROLE_NAMES, NodeDirectory
 from gateway.openai_api import OpenAIHandlers, Payload
 from gateway.openapi import openapi_document
+from gateway.parse_process import BodyParser
 from gateway.prefix_index import PrefixIndex
 from gateway.sse import DONE
 from gateway.text import TextCodec
 from gateway.timeline import RequestTrace, current_trace
-from gateway.tokenize import PromptEncoder
+from gateway.tokenize import BodyRoute, PromptEncoder
 
 logger = logging.getLogger("pdserve.gateway")
 
@@ -194,7 +195,8 @@ class Gateway:
         )
         # Large bodies are parsed in parse processes (started with the app); after a burst of
         # them a thread hands the freed memory back (gateway/memory.py).
-        self.bodies = BodyParser(container_limit(config.model.context_length))
+        limit = container_limit(config.model.context_length)
+        self.bodies = BodyParser(limit, self.encoder.bounds)
         self.trimmer = ThreadPoolExecutor(1, thread_name_prefix="memory-trim")
         self.memory = MemoryReturn(self.trimmer)
         handlers = (codec, self.dispatcher, config.model, config.limits, interval, self.encoder)
@@ -222,10 +224,10 @@ class Gateway:
         self.kv_feeds.sync(directory)
 
     async def serve(
-        self, request: Request, endpoint: str, handler: Handler, bound: Bound | None = None
+        self, request: Request, endpoint: str, handler: Handler, route: BodyRoute | None = None
     ) -> Response:
-        """`bound`: the handler's first check (its cheap prompt bound), which a large body's
-        parse process applies before sending the parsed body back (gateway/body.py)."""
+        """`route`: whose cheap prompt bound (the handler's first check) a large body's parse
+        process applies before sending the parsed body back (gateway/body.py)."""
         status = 200
         trace = RequestTrace()
         current_trace.set(trace)  # this request's choices record their timelines here
@@ -236,7 +238,7 @@ class Gateway:
             data = await self._read_body(request)
             large = len(data) >= LARGE_BODY_BYTES
             with self.memory.large() if large else contextlib.nullcontext():
-                parsed = await self.bodies.parse(data, bound)
+                parsed = await self.bodies.parse(data, route)
                 del data  # a large body's bytes go before its prompt is tokenized
                 if parsed.refusal is not None:  # answered where the handler would raise it
                     handler = _refusing(parsed.refusal)
@@ -374,16 +376,14 @@ def _report_watch_end(task: asyncio.Task[None]) -> None:
 
 def build_app(gateway: Gateway) -> Starlette:
     async def completions(request: Request) -> Response:
-        bound = gateway.encoder.bounds.completion_body
-        return await gateway.serve(request, "completions", gateway.openai.completions, bound)
+        completion = BodyRoute.COMPLETION
+        return await gateway.serve(request, "completions", gateway.openai.completions, completion)
 
     async def chat(request: Request) -> Response:
-        bound = gateway.encoder.bounds.chat_body
-        return await gateway.serve(request, "chat", gateway.openai.chat, bound)
+        return await gateway.serve(request, "chat", gateway.openai.chat, BodyRoute.CHAT)
 
     async def generate(request: Request) -> Response:
-        bound = gateway.encoder.bounds.native_body
-        return await gateway.serve(request, "generate", gateway.native.generate, bound)
+        return await gateway.serve(request, "generate", gateway.native.generate, BodyRoute.NATIVE)
 
     async def models(request: Request) -> Response:
         try:

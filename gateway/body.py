@@ -29,45 +29,36 @@ that are structure, not text. The limit (`container_limit`) leaves room for ever
 fits the context: a chat message costs at least one token and holds a few containers, a batch
 of prompts is bounded by --max-n far below it, and tools' schemas are rendered into the prompt.
 
-Where: a body of `LARGE_BODY_BYTES` or more is parsed in a parse process (`BodyParser`: a small
-pool started with the app, by `forkserver`, never by forking the threaded gateway), not in the
-gateway's process. Parsing a 3.9 MB body holds the GIL for 5-7 ms (the bracket counts, then
-orjson in one C call); in a thread of the gateway, eight of them back to back starved the event
-loop of the GIL between its I/O waits (a one-token request x1.7-x2.4 its idle latency beside
-eight 3.9 MB prompts on a 32-core host, where the same burst sent to a bare sink left it at
-x1.0). The parse process also applies the route's cheap prompt bound (`PromptBounds`,
-gateway/tokenize.py): a body the bound refuses comes back as its small error record
-(`ErrorRecord`: exceptions are not sent between processes), answered where the handler would
-have raised it (after the draining and admission checks); a body that passes comes back as
-its parsed object, which the bound keeps small (the context's worth of text or token ids).
-Sending the body costs the gateway one copy into the pipe; a parse process that dies is
-replaced and the body tried once more. gateway-server's `--workers` processes are daemonic and
-may not start children: there a large body is parsed in one worker thread, as before.
+Where: a body of `LARGE_BODY_BYTES` or more is parsed in a parse process (gateway/
+parse_process.py: a few children started with the app), not in the gateway's process. Parsing
+a 3.9 MB body holds the GIL for 5-7 ms (the bracket counts, then orjson in one C call); in a
+thread of the gateway, eight of them back to back starved the event loop of the GIL between
+its I/O waits (a one-token request x1.7-x2.4 its idle latency beside eight 3.9 MB prompts on a
+32-core host, where the same burst sent to a bare sink left it at x1.0). The parse process
+also applies the route's cheap prompt bound (`PromptBounds`, gateway/tokenize.py): a body the
+bound refuses comes back as a small error record (`ErrorRecord`: no exception objects cross
+between processes), answered where the handler would have raised it (after the draining and
+admission checks); a body that passes comes back as its parsed object, which the bound keeps
+small (the context's worth of text or token ids).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
-import multiprocessing
 import re
-from collections.abc import Callable
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway.errors import APIError, bad_request
-from gateway.memory import malloc_trim, reuse_freed_memory
+from gateway.memory import malloc_trim
 
-logger = logging.getLogger("pdserve.gateway")
+if TYPE_CHECKING:  # a parse process imports these as it unpickles its first job
+    from gateway.tokenize import BodyRoute, PromptBounds
 
 MAX_JSON_DEPTH = 32  # nesting levels of objects and arrays
 LARGE_BODY_BYTES = 64 << 10  # parsed in a parse process; memory handed back after (app.py)
-PARSE_PROCESSES = 2  # per gateway process: large bodies queue for them
 WALK_ITEMS = 4096  # a body whose objects and arrays hold fewer is measured by walking it
 MIN_CONTAINERS = 1 << 16  # objects and arrays a body may hold, whatever the context
 CONTAINERS_PER_TOKEN = 4  # a message (an object, its content array and parts) per token
@@ -215,9 +206,6 @@ def _bad_text(field: str) -> Exception:
     )
 
 
-Bound = Callable[[dict[str, Any]], None]  # a route's cheap bound: APIError(400) or nothing
-
-
 @dataclass(frozen=True)
 class ErrorRecord:
     """An APIError as plain fields, to cross from a parse process."""
@@ -239,15 +227,19 @@ class ErrorRecord:
 
 
 @dataclass(frozen=True)
-class ParsedBody:
-    """A request body as parsed, or the refusal its route's bound answered instead of it."""
+class ParseJob:
+    """What a parse process is asked about one body (its bytes follow the job)."""
 
-    body: dict[str, Any]
-    refusal: APIError | None = None  # raised where the handler would have raised it
+    body_bytes: int
+    max_containers: int
+    route: BodyRoute | None  # whose cheap bound the parsed body gets, if any
+    bounds: PromptBounds | None
 
 
 @dataclass(frozen=True)
-class _ChildAnswer:
+class ParseAnswer:
+    """A parse process's answer: the parsed body, or a small error record instead of it."""
+
     body: dict[str, Any] | None = None
     invalid: ErrorRecord | None = None  # not a JSON object the gateway can take: raised at once
     refusal: ErrorRecord | None = None  # refused by the route's bound
@@ -261,90 +253,29 @@ class _ChildAnswer:
         return ParsedBody(self.body)
 
 
-def parse_in_child(data: bytes, max_containers: int, bound: Bound | None) -> _ChildAnswer:
-    """In a parse process: `parse_body`, then the route's bound; only a small record comes back
-    for a body that either refuses."""
-    answer = _answer(data, max_containers, bound)
-    if answer.body is None:
-        malloc_trim()  # what the parse took; an accepted body is still referenced here
-    return answer
+@dataclass(frozen=True)
+class ParsedBody:
+    """A request body as parsed, or the refusal its route's bound answered instead of it."""
+
+    body: dict[str, Any]
+    refusal: APIError | None = None  # raised where the handler would have raised it
 
 
-def _answer(data: bytes, max_containers: int, bound: Bound | None) -> _ChildAnswer:
+def answer_job(job: ParseJob, data: bytes) -> ParseAnswer:
+    """In a parse process: `parse_body`, then the route's bound; only a small record comes
+    back for a body that either refuses (and the memory its parse took is handed back)."""
     try:
-        body = parse_body(data, max_containers)
+        body = parse_body(data, job.max_containers)
     except APIError as exc:
-        return _ChildAnswer(invalid=ErrorRecord.of(exc))
-    if bound is not None:
-        try:
-            bound(body)
-        except APIError as exc:
-            return _ChildAnswer(refusal=ErrorRecord.of(exc))
-    return _ChildAnswer(body=body)
-
-
-def _prepare_child() -> None:
-    """A parse process's initializer: import what the routes' bounds need before any body."""
-    import gateway.tokenize  # noqa: F401
-
-    reuse_freed_memory()
-
-
-def _ready() -> int:
-    return 0
-
-
-class BodyParser:
-    """`parse_body` on the event loop for small bodies, in a parse process for large ones."""
-
-    def __init__(self, max_containers: int = MIN_CONTAINERS, processes: int = PARSE_PROCESSES):
-        self.max_containers = max_containers
-        self.processes = processes
-        self._executor: Executor | None = None
-        self.in_processes = False  # whether large bodies go to parse processes (else a thread)
-
-    def start(self) -> None:
-        """Start the parse processes (with the app, once), or the thread where a daemonic
-        process (a gateway-server worker) may not have children."""
-        if self._executor is not None:
-            return
-        if multiprocessing.current_process().daemon:
-            logger.info("large bodies are parsed in a thread: a daemonic worker has no children")
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="parse-body")
-            return
-        self._executor = self._processes()
-        self.in_processes = True
-        waits = [self._executor.submit(_ready) for _ in range(self.processes)]
-        for started in waits:  # every process started, before the first body
-            started.result()
-
-    def _processes(self) -> ProcessPoolExecutor:
-        context = multiprocessing.get_context("forkserver")
-        return ProcessPoolExecutor(self.processes, context, initializer=_prepare_child)
-
-    async def parse(self, data: bytes, bound: Bound | None = None) -> ParsedBody:
-        """The body's JSON object (APIError(400) if it is none); for a large body, also the
-        route's `bound`, applied in the parse process (see the module docstring)."""
-        if len(data) < LARGE_BODY_BYTES:
-            return ParsedBody(parse_body(data, self.max_containers))
-        self.start()
-        loop = asyncio.get_running_loop()
-        if not self.in_processes:
-            body = await loop.run_in_executor(self._executor, parse_body, data, self.max_containers)
-            return ParsedBody(body)
-        try:
-            answer = await loop.run_in_executor(
-                self._executor, parse_in_child, data, self.max_containers, bound
-            )
-        except BrokenProcessPool:
-            logger.warning("a body parse process died: starting new ones, parsing the body again")
-            self.close()
-            self._executor = self._processes()
-            answer = await loop.run_in_executor(
-                self._executor, parse_in_child, data, self.max_containers, bound
-            )
-        return answer.parsed()
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        answer = ParseAnswer(invalid=ErrorRecord.of(exc))
+    else:
+        answer = ParseAnswer(body=body)
+        if job.route is not None and job.bounds is not None:
+            try:
+                job.bounds.bound_body(job.route, body)
+            except APIError as exc:
+                answer = ParseAnswer(refusal=ErrorRecord.of(exc))
+        del body
+    if answer.body is None:
+        malloc_trim()
+    return answer

@@ -22,6 +22,7 @@ loop it would delay every other client's stream. Two defences:
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,6 +49,14 @@ def prompt_too_long(param: str, tokens: int, context_length: int, bound: str = "
     )
 
 
+class BodyRoute(enum.Enum):
+    """The API whose request a body is: which cheap bound its parsed body gets."""
+
+    COMPLETION = "completion"
+    CHAT = "chat"
+    NATIVE = "native"
+
+
 @dataclass(frozen=True)
 class PromptBounds:
     """The cheap bounds (1. above) for one served model: lengths only, no tokenizer. Picklable,
@@ -57,6 +66,14 @@ class PromptBounds:
     context_length: int
     max_token_chars: int | None  # TextCodec.max_token_chars: None, no character bound
     max_prompts: int = 1 << 30  # a batch's prompts x n (--max-n)
+
+    def bound_body(self, route: BodyRoute, body: dict[str, Any]) -> None:
+        """The bound its route's handler applies first thing to a parsed body."""
+        {
+            BodyRoute.COMPLETION: self.completion_body,
+            BodyRoute.CHAT: self.chat_body,
+            BodyRoute.NATIVE: self.native_body,
+        }[route](body)
 
     def completion_body(self, body: dict[str, Any]) -> None:
         """/v1/completions' bound on its parsed body, before validation."""

@@ -1,8 +1,8 @@
 """Large bodies without a stalled event loop or memory kept after them (issue 25): units.
 
 - `BodyParser` parses a large body in a parse process: a small body is parsed and answered
-  on the event loop while a large one is still being parsed; the route's bound runs there
-  too, and its error comes back field for field; a dead parse process is replaced;
+  on the event loop while a large one waits for its (stopped) parse process; the route's
+  bound runs there too, and its error comes back field for field; a dead one is replaced;
 - `MemoryReturn` hands memory back once, after the last of overlapping large requests;
 - a handler that fails leaves no reference cycle behind (`until_disconnected`), so its locals
   (a long prompt, its token ids) are freed at once, not whenever the cyclic GC runs;
@@ -21,94 +21,84 @@ import gc
 import json
 import os
 import pickle
-import time
+import signal
 import weakref
 from collections.abc import Iterator
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
-from functools import partial
-from pathlib import Path
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import pytest
 
 import gateway.body as body_module
 from gateway.app import until_disconnected
-from gateway.body import LARGE_BODY_BYTES, BodyParser
+from gateway.body import LARGE_BODY_BYTES
 from gateway.errors import APIError
 from gateway.memory import MemoryReturn, freeze_startup_objects
-from gateway.tokenize import PromptBounds
+from gateway.parse_process import BodyParser
+from gateway.tokenize import BodyRoute, PromptBounds
 
 SMALL = json.dumps({"prompt": "hi"}).encode()
 LARGE = json.dumps({"prompt": "x" * LARGE_BODY_BYTES}).encode()
 
 
-def _held_until(path: Path, body: dict[str, Any]) -> None:
-    """A route's bound (run in a parse process) that waits until the test creates `path`."""
-    deadline = time.monotonic() + 30
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
-def _refuse_with_pid(body: dict[str, Any]) -> None:
-    raise APIError(400, f"refused in {os.getpid()}", param="prompt", code="context_length_exceeded")
-
-
 @pytest.fixture
 def parser() -> Iterator[BodyParser]:
-    parser = BodyParser(processes=1)
+    bounds = PromptBounds(context_length=100, max_token_chars=10)
+    parser = BodyParser(bounds=bounds, processes=1)
     parser.start()
     yield parser
     parser.close()
 
 
-def test_a_small_body_is_answered_while_a_large_one_is_parsed(
-    parser: BodyParser, tmp_path: Path
-) -> None:
-    release = tmp_path / "release"
+def _children(parser: BodyParser) -> list[int]:
+    return [process.process.pid for process in parser._all]
+
+
+def test_a_small_body_is_answered_while_a_large_one_is_parsed(parser: BodyParser) -> None:
+    """The parse process is stopped: the large body waits for it, the small one does not."""
+    (child,) = _children(parser)
 
     async def clients() -> None:
-        large = asyncio.ensure_future(parser.parse(LARGE, partial(_held_until, release)))
-        await asyncio.sleep(0.2)  # the parse process holds the large body
-        assert (await parser.parse(SMALL)).body == {"prompt": "hi"}
-        assert not large.done()  # the small one came first: the loop was free
-        release.touch()
+        os.kill(child, signal.SIGSTOP)
+        try:
+            large = asyncio.ensure_future(parser.parse(LARGE))
+            await asyncio.sleep(0.2)
+            assert (await parser.parse(SMALL)).body == {"prompt": "hi"}
+            assert not large.done()  # in the stopped process: the loop was free
+        finally:
+            os.kill(child, signal.SIGCONT)
         parsed = await large
         assert parsed.refusal is None and parsed.body["prompt"] == "x" * LARGE_BODY_BYTES
 
     asyncio.run(clients())
-    assert parser.in_processes
 
 
 def test_a_large_body_is_refused_in_a_parse_process_with_the_same_error(
     parser: BodyParser,
 ) -> None:
-    """The bound's error comes back as a record and is raised where the handler would raise
-    it, field for field; an invalid body's error is raised at once, as for a small one."""
-    parsed = asyncio.run(parser.parse(LARGE, _refuse_with_pid))
+    """The route's bound runs in the parse process; its error comes back field for field and
+    is raised where the handler would raise it; an invalid body's error is raised at once."""
+    assert parser.bounds is not None
+    with pytest.raises(APIError) as in_process:
+        parser.bounds.completion_body(json.loads(LARGE))
+    parsed = asyncio.run(parser.parse(LARGE, BodyRoute.COMPLETION))
     assert parsed.body == {} and parsed.refusal is not None
-    assert parsed.refusal.message.startswith("refused in ")
-    assert parsed.refusal.message != f"refused in {os.getpid()}"  # not this process
-    assert parsed.refusal.body()["error"] == {
-        "message": parsed.refusal.message,
-        "type": "invalid_request_error",
-        "param": "prompt",
-        "code": "context_length_exceeded",
-    }
+    assert parsed.refusal.body() == in_process.value.body()
+    assert parsed.refusal.status == 400 and parsed.refusal.code == "context_length_exceeded"
+    chat = asyncio.run(parser.parse(LARGE, BodyRoute.CHAT))  # no `messages`: nothing to refuse
+    assert chat.refusal is None and chat.body["prompt"] == "x" * LARGE_BODY_BYTES
     deep = b'{"x": ' + b"[" * 40 + b"]" * 40 + b', "pad": "' + b"x" * LARGE_BODY_BYTES + b'"}'
     with pytest.raises(APIError) as caught:
-        asyncio.run(parser.parse(deep, _refuse_with_pid))
+        asyncio.run(parser.parse(deep, BodyRoute.COMPLETION))
     assert caught.value.status == 400 and caught.value.code == "body_too_deep"
 
 
 def test_a_dead_parse_process_is_replaced(parser: BodyParser) -> None:
-    pool = parser._executor
-    assert isinstance(pool, ProcessPoolExecutor)
-    for process in list(pool._processes.values()):
-        process.kill()
-        process.join(10)
+    (child,) = _children(parser)
+    os.kill(child, signal.SIGKILL)
     parsed = asyncio.run(parser.parse(LARGE))
     assert parsed.body["prompt"] == "x" * LARGE_BODY_BYTES
-    assert parser._executor is not pool
+    assert _children(parser) != [child]
 
 
 class _Inline(Executor):
