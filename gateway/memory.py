@@ -59,10 +59,10 @@ def reuse_freed_memory() -> bool:
     By default glibc maps every block of 128 kB or more afresh (its threshold grows only with
     the blocks freed) and unmaps it when freed: each of the 250 kB pieces that uvloop and
     httptools copy a large body into, each body joined, each copy sent to a parse process
-    page-faults all its pages in again, on the event loop. A burst of eight 3.9 MB bodies cost
-    the 2-core test host 19 ms of faults per 32 MB of such copies, against 4 ms reusing freed
-    memory (a measurement, `benchmarks/serving-2026-11-26-hostile-clients-3.md`). The memory
-    a burst leaves free is handed back once it ends (`MemoryReturn`)."""
+    page-faults all its pages in again, on the event loop: 32 MB of such copies (a burst of
+    eight 3.9 MB bodies) took the 2-core test host 20 ms, against 5-6 ms reusing freed memory
+    (benchmarks/serving-2026-11-26-hostile-clients-3.md). The memory a burst leaves free is
+    handed back once it ends (`MemoryReturn`)."""
     mallopt = _libc_function("mallopt")
     if mallopt is None:
         return False
