@@ -3,6 +3,7 @@
 - `BodyParser` parses a large body in a parse process: a small body is parsed and answered
   on the event loop while a large one waits for its (stopped) parse process; the route's
   bound runs there too, and its error comes back field for field; a dead one is replaced;
+  they start in a daemonic process too (a gateway-server worker);
 - `MemoryReturn` hands memory back once, after the last of overlapping large requests;
 - a handler that fails leaves no reference cycle behind (`until_disconnected`), so its locals
   (a long prompt, its token ids) are freed at once, not whenever the cyclic GC runs;
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import pickle
 import signal
@@ -219,3 +221,28 @@ def test_startup_objects_are_frozen_after_their_garbage_is_collected() -> None:
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def _parse_in_a_daemon(answers: Any) -> None:
+    parser = BodyParser(bounds=PromptBounds(context_length=100, max_token_chars=10))
+    try:
+        parser.start()
+        parsed = asyncio.run(parser.parse(LARGE, BodyRoute.COMPLETION))
+        assert parsed.refusal is not None
+        answers.put((multiprocessing.current_process().daemon, parsed.refusal.code))
+    finally:
+        parser.close()
+
+
+def test_parse_processes_start_in_a_daemonic_worker() -> None:
+    """gateway-server's --workers are daemonic multiprocessing processes, which may not start
+    multiprocessing children: the parse processes are started by subprocess instead."""
+    context = multiprocessing.get_context("spawn")
+    answers = context.Queue()
+    worker = context.Process(target=_parse_in_a_daemon, args=(answers,), daemon=True)
+    worker.start()
+    try:
+        assert answers.get(timeout=60) == (True, "context_length_exceeded")
+    finally:
+        worker.join(30)
+    assert worker.exitcode == 0
