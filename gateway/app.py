@@ -2,11 +2,12 @@
 
 Every API request goes through `Gateway.serve`: API key (401; 403 for a key without the route's
 scope, see `gateway/config.py`), body size (413) and JSON (400) checks (a large body is parsed
-off the event loop, gateway/body.py; memory is handed back after a burst of them,
-gateway/memory.py), admission (`max_inflight`, 429 with Retry-After), then the handler. A
-handler returns either a response object (sent as JSON) or an SSE byte stream (`EventStream`).
-While a handler works and while a stream is sent, the client's connection is watched: when it
-goes away the work is cancelled, which aborts the request on its prefill and decode nodes.
+in a parse process, with its route's cheap prompt bound, gateway/body.py; memory is handed
+back after a burst of them, gateway/memory.py), admission (`max_inflight`, 429 with
+Retry-After), then the handler. A handler returns either a response object (sent as JSON) or
+an SSE byte stream (`EventStream`). While a handler works and while a stream is sent, the
+client's connection is watched: when it goes away the work is cancelled, which aborts the
+request on its prefill and decode nodes.
 Errors are answered in OpenAI's error shape, unknown paths and methods included.
 """
 
@@ -18,6 +19,7 @@ import hmac
 import logging
 import os
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.applications import Starlette
@@ -28,23 +30,24 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bootstrap.client import BootstrapClient
-from gateway.body import LARGE_BODY_BYTES, BodyParser, container_limit
+from gateway.body import LARGE_BODY_BYTES, container_limit
 from gateway.config import ADMIN, INFERENCE, GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
 from gateway.kv_feed import KVFeeds
 from gateway.lane import ChunkedWriter, LaneFrames
-from gateway.memory import MemoryReturn, freeze_startup_objects
+from gateway.memory import MemoryReturn, freeze_startup_objects, reuse_freed_memory
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.native_api import NativeHandler
 from gateway.nodes import ROLE_NAMES, NodeDirectory
 from gateway.openai_api import OpenAIHandlers, Payload
 from gateway.openapi import openapi_document
+from gateway.parse_process import BodyParser
 from gateway.prefix_index import PrefixIndex
 from gateway.sse import DONE
 from gateway.text import TextCodec
 from gateway.timeline import RequestTrace, current_trace
-from gateway.tokenize import PromptEncoder
+from gateway.tokenize import BodyRoute, PromptEncoder
 
 logger = logging.getLogger("pdserve.gateway")
 
@@ -190,10 +193,12 @@ class Gateway:
         self.encoder = PromptEncoder(
             codec, config.model.context_length, config.tokenizer_workers, config.limits.max_n
         )
-        # Large bodies are parsed off the event loop, one at a time; after a burst of them
-        # the same thread hands the freed memory back (gateway/memory.py).
-        self.bodies = BodyParser(container_limit(config.model.context_length))
-        self.memory = MemoryReturn(self.bodies.executor)
+        # Large bodies are parsed in parse processes (started with the app); after a burst of
+        # them a thread hands the freed memory back (gateway/memory.py).
+        limit = container_limit(config.model.context_length)
+        self.bodies = BodyParser(limit, self.encoder.bounds)
+        self.trimmer = ThreadPoolExecutor(1, thread_name_prefix="memory-trim")
+        self.memory = MemoryReturn(self.trimmer)
         handlers = (codec, self.dispatcher, config.model, config.limits, interval, self.encoder)
         self.openai = OpenAIHandlers(*handlers)
         self.native = NativeHandler(*handlers)
@@ -218,7 +223,11 @@ class Gateway:
             self.metrics.live_nodes.labels(name).set(directory.count(role))
         self.kv_feeds.sync(directory)
 
-    async def serve(self, request: Request, endpoint: str, handler: Handler) -> Response:
+    async def serve(
+        self, request: Request, endpoint: str, handler: Handler, route: BodyRoute | None = None
+    ) -> Response:
+        """`route`: whose cheap prompt bound (the handler's first check) a large body's parse
+        process applies before sending the parsed body back (gateway/body.py)."""
         status = 200
         trace = RequestTrace()
         current_trace.set(trace)  # this request's choices record their timelines here
@@ -229,9 +238,11 @@ class Gateway:
             data = await self._read_body(request)
             large = len(data) >= LARGE_BODY_BYTES
             with self.memory.large() if large else contextlib.nullcontext():
-                body = await self.bodies.parse(data)
+                parsed = await self.bodies.parse(data, route)
                 del data  # a large body's bytes go before its prompt is tokenized
-                return await self._respond(request, handler, body, trace)
+                if parsed.refusal is not None:  # answered where the handler would raise it
+                    handler = _refusing(parsed.refusal)
+                return await self._respond(request, handler, parsed.body, trace)
         except APIError as exc:
             status = exc.status
             if status == 503:
@@ -330,11 +341,13 @@ class Gateway:
         pieces: list[bytes] = []  # joined once: no regrowth and copy per piece
         size = 0
         async for piece in request.stream():
+            if not piece:  # Starlette's stream ends with b"", which would make the join copy
+                continue
             pieces.append(piece)
             size += len(piece)
             if size > limit:
                 raise too_large
-        return b"".join(pieces)
+        return b"".join(pieces)  # a body received whole (gateway/connections.py): no copy
 
     def health(self) -> JSONResponse:
         counts = {name: self.directory.count(role) for role, name in ROLE_NAMES.items()}
@@ -349,6 +362,13 @@ class Gateway:
         return JSONResponse(body, status_code=200 if ok else 503)
 
 
+def _refusing(error: APIError) -> Handler:
+    async def refuse(body: dict[str, Any]) -> Payload:
+        raise error
+
+    return refuse
+
+
 def _report_watch_end(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("node discovery stopped: %r; routing is frozen", task.exception())
@@ -356,13 +376,14 @@ def _report_watch_end(task: asyncio.Task[None]) -> None:
 
 def build_app(gateway: Gateway) -> Starlette:
     async def completions(request: Request) -> Response:
-        return await gateway.serve(request, "completions", gateway.openai.completions)
+        completion = BodyRoute.COMPLETION
+        return await gateway.serve(request, "completions", gateway.openai.completions, completion)
 
     async def chat(request: Request) -> Response:
-        return await gateway.serve(request, "chat", gateway.openai.chat)
+        return await gateway.serve(request, "chat", gateway.openai.chat, BodyRoute.CHAT)
 
     async def generate(request: Request) -> Response:
-        return await gateway.serve(request, "generate", gateway.native.generate)
+        return await gateway.serve(request, "generate", gateway.native.generate, BodyRoute.NATIVE)
 
     async def models(request: Request) -> Response:
         try:
@@ -398,6 +419,8 @@ def build_app(gateway: Gateway) -> Starlette:
         watch = asyncio.create_task(gateway.directory.watch(client), name="watch-nodes")
         watch.add_done_callback(_report_watch_end)
         logger.info("following nodes at bootstrap %s", gateway.config.bootstrap)
+        reuse_freed_memory()  # a large body's copies fault no fresh pages in (memory.py)
+        gateway.bodies.start()  # the parse processes, before the first large body
         frozen = freeze_startup_objects()  # full collections no longer walk them (memory.py)
         logger.info("%d start-up objects frozen out of the cyclic GC", frozen)
         try:
@@ -411,6 +434,7 @@ def build_app(gateway: Gateway) -> Starlette:
             await client.close()
             gateway.encoder.close()
             gateway.bodies.close()
+            gateway.trimmer.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),

@@ -29,27 +29,36 @@ that are structure, not text. The limit (`container_limit`) leaves room for ever
 fits the context: a chat message costs at least one token and holds a few containers, a batch
 of prompts is bounded by --max-n far below it, and tools' schemas are rendered into the prompt.
 
-Where: a body of `LARGE_BODY_BYTES` or more is parsed in one worker thread (`BodyParser`), not
-on the event loop. A 4 MB body costs 5-10 ms of parsing; eight at once, on the loop, would
-hold every other client's requests and streams for all of that. In the thread, orjson still
-holds the GIL while it runs, but the loop gets it back between the steps of the parse, and
-large bodies queue for that one thread instead of competing with each other.
+Where: a body of `LARGE_BODY_BYTES` or more is parsed in a parse process (gateway/
+parse_process.py: a few children started with the app), not in the gateway's process. Parsing
+a 3.9 MB body holds the GIL for 5-7 ms (the bracket counts, then orjson in one C call); in a
+thread of the gateway, eight of them back to back starved the event loop of the GIL between
+its I/O waits (a one-token request x1.7-x2.4 its idle latency beside eight 3.9 MB prompts on a
+32-core host, where the same burst sent to a bare sink left it at x1.0). The parse process
+also applies the route's cheap prompt bound (`PromptBounds`, gateway/tokenize.py): a body the
+bound refuses comes back as a small error record (`ErrorRecord`: no exception objects cross
+between processes), answered where the handler would have raised it (after the draining and
+admission checks); a body that passes comes back as its parsed object, which the bound keeps
+small (the context's worth of text or token ids).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.errors import bad_request
+from gateway.errors import APIError, bad_request
+from gateway.memory import malloc_trim
+
+if TYPE_CHECKING:  # a parse process imports these as it unpickles its first job
+    from gateway.tokenize import BodyRoute, PromptBounds
 
 MAX_JSON_DEPTH = 32  # nesting levels of objects and arrays
-LARGE_BODY_BYTES = 64 << 10  # parsed off the event loop; memory handed back after (app.py)
+LARGE_BODY_BYTES = 64 << 10  # parsed in a parse process; memory handed back after (app.py)
 WALK_ITEMS = 4096  # a body whose objects and arrays hold fewer is measured by walking it
 MIN_CONTAINERS = 1 << 16  # objects and arrays a body may hold, whatever the context
 CONTAINERS_PER_TOKEN = 4  # a message (an object, its content array and parts) per token
@@ -197,19 +206,76 @@ def _bad_text(field: str) -> Exception:
     )
 
 
-class BodyParser:
-    """`parse_body` on the event loop for small bodies, in one worker thread for large ones."""
+@dataclass(frozen=True)
+class ErrorRecord:
+    """An APIError as plain fields, to cross from a parse process."""
 
-    def __init__(self, max_containers: int = MIN_CONTAINERS) -> None:
-        self.max_containers = max_containers
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="parse-body")
+    status: int
+    message: str
+    type: str
+    param: str | None
+    code: str | None
 
-    async def parse(self, data: bytes) -> dict[str, Any]:
-        if len(data) < LARGE_BODY_BYTES:
-            return parse_body(data, self.max_containers)
-        return await asyncio.get_running_loop().run_in_executor(
-            self.executor, parse_body, data, self.max_containers
+    @classmethod
+    def of(cls, exc: APIError) -> ErrorRecord:
+        return cls(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    def error(self) -> APIError:
+        return APIError(
+            self.status, self.message, type_=self.type, param=self.param, code=self.code
         )
 
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+
+@dataclass(frozen=True)
+class ParseJob:
+    """What a parse process is asked about one body (its bytes follow the job)."""
+
+    body_bytes: int
+    max_containers: int
+    route: BodyRoute | None  # whose cheap bound the parsed body gets, if any
+    bounds: PromptBounds | None
+
+
+@dataclass(frozen=True)
+class ParseAnswer:
+    """A parse process's answer: the parsed body, or a small error record instead of it."""
+
+    body: dict[str, Any] | None = None
+    invalid: ErrorRecord | None = None  # not a JSON object the gateway can take: raised at once
+    refusal: ErrorRecord | None = None  # refused by the route's bound
+
+    def parsed(self) -> ParsedBody:
+        if self.invalid is not None:
+            raise self.invalid.error()
+        if self.refusal is not None:
+            return ParsedBody({}, self.refusal.error())
+        assert self.body is not None
+        return ParsedBody(self.body)
+
+
+@dataclass(frozen=True)
+class ParsedBody:
+    """A request body as parsed, or the refusal its route's bound answered instead of it."""
+
+    body: dict[str, Any]
+    refusal: APIError | None = None  # raised where the handler would have raised it
+
+
+def answer_job(job: ParseJob, data: bytes) -> ParseAnswer:
+    """In a parse process: `parse_body`, then the route's bound; only a small record comes
+    back for a body that either refuses (and the memory its parse took is handed back)."""
+    try:
+        body = parse_body(data, job.max_containers)
+    except APIError as exc:
+        answer = ParseAnswer(invalid=ErrorRecord.of(exc))
+    else:
+        answer = ParseAnswer(body=body)
+        if job.route is not None and job.bounds is not None:
+            try:
+                job.bounds.bound_body(job.route, body)
+            except APIError as exc:
+                answer = ParseAnswer(refusal=ErrorRecord.of(exc))
+        del body
+    if answer.body is None:
+        malloc_trim()
+    return answer

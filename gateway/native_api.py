@@ -41,7 +41,7 @@ from proto import node_pb2
 
 class NativeHandler(APIHandlers):
     async def generate(self, body: dict[str, Any]) -> Payload:
-        self.encoder.bound_unvalidated(body.get("input_ids"), "input_ids")
+        self.encoder.bounds.native_body(body)
         req = parse_native(body, self.limits)
         param = "text" if isinstance(req.prompt, str) else "input_ids"
         ids = await self.encoder.prompt(req.prompt, param)

@@ -170,7 +170,7 @@ class OpenAIHandlers(APIHandlers):
         return {"object": "list", "data": [card]}
 
     async def completions(self, body: dict[str, Any]) -> Payload:
-        self.encoder.bound_prompts(body.get("prompt"), body.get("n"))
+        self.encoder.bounds.completion_body(body)
         req = parse_completion(body, self.model.served_name, self.limits)
         jobs: list[ChoiceJob] = []
         prompt_tokens = 0
@@ -218,7 +218,7 @@ class OpenAIHandlers(APIHandlers):
         }
 
     async def chat(self, body: dict[str, Any]) -> Payload:
-        self.encoder.bound_messages(body.get("messages"))
+        self.encoder.bounds.chat_body(body)
         req = parse_chat(body, self.model.served_name, self.limits)
         ids = await self.encoder.chat(req.messages, req.tools)
         default = self.limits.defaults.chat_max_tokens

@@ -348,7 +348,8 @@ def serve(
             host=config.host,
             port=config.port,
             loop="uvloop",
-            http=guarded_protocol(config.connections),  # httptools with timeouts and caps
+            # httptools with timeouts and caps, large bodies handed over whole
+            http=guarded_protocol(config.connections, config.limits.max_body_bytes),
             log_level=config.log_level,
             log_config=None,  # uvicorn's loggers go through ours (one format everywhere)
             access_log=False,

@@ -22,8 +22,10 @@ loop it would delay every other client's stream. Two defences:
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gateway.errors import APIError, bad_request
@@ -47,16 +49,43 @@ def prompt_too_long(param: str, tokens: int, context_length: int, bound: str = "
     )
 
 
-class PromptEncoder:
-    """Bounds, then tokenizes, the prompts of requests for one served model."""
+class BodyRoute(enum.Enum):
+    """The API whose request a body is: which cheap bound its parsed body gets."""
 
-    def __init__(
-        self, codec: TextCodec, context_length: int, workers: int, max_prompts: int = 1 << 30
-    ) -> None:
-        self.codec = codec
-        self.context_length = context_length
-        self.max_prompts = max_prompts  # a batch's prompts x n (--max-n)
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
+    COMPLETION = "completion"
+    CHAT = "chat"
+    NATIVE = "native"
+
+
+@dataclass(frozen=True)
+class PromptBounds:
+    """The cheap bounds (1. above) for one served model: lengths only, no tokenizer. Picklable,
+    so that a parse process applies a route's bound to a large body before sending its parsed
+    object back (gateway/body.py); each handler applies the same bound first thing."""
+
+    context_length: int
+    max_token_chars: int | None  # TextCodec.max_token_chars: None, no character bound
+    max_prompts: int = 1 << 30  # a batch's prompts x n (--max-n)
+
+    def bound_body(self, route: BodyRoute, body: dict[str, Any]) -> None:
+        """The bound its route's handler applies first thing to a parsed body."""
+        {
+            BodyRoute.COMPLETION: self.completion_body,
+            BodyRoute.CHAT: self.chat_body,
+            BodyRoute.NATIVE: self.native_body,
+        }[route](body)
+
+    def completion_body(self, body: dict[str, Any]) -> None:
+        """/v1/completions' bound on its parsed body, before validation."""
+        self.bound_prompts(body.get("prompt"), body.get("n"))
+
+    def chat_body(self, body: dict[str, Any]) -> None:
+        """/v1/chat/completions' bound on its parsed body, before validation."""
+        self.bound_messages(body.get("messages"))
+
+    def native_body(self, body: dict[str, Any]) -> None:
+        """/generate's bound on its parsed body, before validation."""
+        self.bound_unvalidated(body.get("input_ids"), "input_ids")
 
     def bound_prompts(self, prompt: Any, n: Any) -> None:
         """The cheap bound on a completion's `prompt` as parsed, before its validation (see
@@ -79,16 +108,37 @@ class PromptEncoder:
     def bound_unvalidated(self, value: Any, param: str) -> None:
         """A text or token-id list as parsed, before its validation."""
         if isinstance(value, str):
-            self._bound_chars(len(value), param)
+            self.bound_chars(len(value), param)
         elif isinstance(value, list) and len(value) >= self.context_length:
             raise prompt_too_long(param, len(value), self.context_length)
+
+    def bound_chars(self, chars: int, param: str) -> None:
+        per_token = self.max_token_chars
+        if per_token is None:
+            return
+        at_least = -(-chars // per_token)
+        if at_least >= self.context_length:
+            bound = f"{chars} characters, at most {per_token} per token"
+            raise prompt_too_long(param, at_least, self.context_length, bound)
+
+
+class PromptEncoder:
+    """Bounds, then tokenizes, the prompts of requests for one served model."""
+
+    def __init__(
+        self, codec: TextCodec, context_length: int, workers: int, max_prompts: int = 1 << 30
+    ) -> None:
+        self.codec = codec
+        self.context_length = context_length
+        self.bounds = PromptBounds(context_length, codec.max_token_chars, max_prompts)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def prompt(self, prompt: Prompt, param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
-            self._bound_chars(len(prompt), param)
+            self.bounds.bound_chars(len(prompt), param)
         elif len(prompt) >= self.context_length:
             raise prompt_too_long(param, len(prompt), self.context_length)
         return await self._run(len(prompt), lambda: self.codec.encode_prompt(prompt, param))
@@ -97,18 +147,9 @@ class PromptEncoder:
         self, messages: Sequence[ChatMessage], tools: ToolSpec | None = None
     ) -> list[int]:
         chars = sum(len(m.content) for m in messages)
-        self._bound_chars(chars, "messages")
+        self.bounds.bound_chars(chars, "messages")
         size = chars if len(messages) <= INLINE_MESSAGES else INLINE_CHARS + 1
         return await self._run(size, lambda: self.codec.chat_prompt(messages, tools))
-
-    def _bound_chars(self, chars: int, param: str) -> None:
-        per_token = self.codec.max_token_chars
-        if per_token is None:
-            return
-        at_least = -(-chars // per_token)
-        if at_least >= self.context_length:
-            bound = f"{chars} characters, at most {per_token} per token"
-            raise prompt_too_long(param, at_least, self.context_length, bound)
 
     async def _run(self, size: int, work: Callable[[], T]) -> T:
         if size <= INLINE_CHARS:

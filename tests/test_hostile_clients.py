@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -315,6 +316,57 @@ def test_body_that_never_finishes_gets_408_and_is_not_in_flight(cluster: Running
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
         assert b"--body-timeout" in answer
     _still_serves(cluster)
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict[str, Any]]:
+    """One response (length-framed) from a keep-alive connection: status and JSON body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))  # fmt: skip
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_large_bodies_in_pieces_on_one_keep_alive_connection(cluster: RunningCluster) -> None:
+    """A body declared large is handed to the app whole (gateway/connections.py) and parsed in
+    a parse process (gateway/body.py): sent in pieces with pauses, a valid one is served, one
+    over the character bound gets the usual error, and the connection serves the next."""
+    padding = "p" * 300_000  # an unknown field: ignored, but it makes the body large
+    valid = {"model": "model", "prompt": "Tell me a story", "max_tokens": 2, "pad": padding}
+    too_long = {"model": "model", "prompt": "a" * 300_000, "max_tokens": 2}
+    small = {"model": "model", "prompt": "Hi", "max_tokens": 1}
+    with _connect(cluster) as sock:
+        for body in (valid, too_long, small):
+            content = json.dumps(body).encode()
+            sock.sendall(_head("/v1/completions", len(content)).replace(b"\r\n\r\n",
+                         b"\r\nConnection: keep-alive\r\n\r\n"))  # fmt: skip
+            for start in range(0, len(content), 100_000):
+                sock.sendall(content[start : start + 100_000])
+                time.sleep(0.05)
+            status, answer = _answer(sock)
+            if body is too_long:
+                assert status == 400, answer
+                assert_openai_error(400, answer)
+                assert answer["error"]["param"] == "prompt", answer
+                assert answer["error"]["code"] == "context_length_exceeded", answer
+                assert "at least" in answer["error"]["message"], answer
+            else:
+                assert status == 200 and answer["choices"][0]["text"] is not None, answer
+    assert _inflight(cluster) == 0
+    _still_serves(cluster)
+
+
+def test_a_body_declared_beyond_the_limit_is_413_before_it_is_sent(
+    cluster: RunningCluster,
+) -> None:
+    with _connect(cluster) as sock:
+        sock.sendall(_head("/v1/completions", 64 << 20) + b"{")  # 64 MiB announced, 1 byte sent
+        status, answer = _answer(sock)
+    assert status == 413 and "--max-body-bytes" in answer["error"]["message"], answer
 
 
 def test_connections_per_client_are_capped(cluster: RunningCluster) -> None:

@@ -17,6 +17,10 @@ each goal:
   it). The senders run at `--sender-nice` (default 0; 19 approximates clients on another
   machine: their CPU, and the kernel's copies made on their behalf, no longer compete with
   the cluster's);
+- the CPU time the server spent per burst (medians over the rounds, from /proc's schedstat):
+  its event-loop thread, its other threads, its child processes (the gateway's body parse
+  processes); less, for the gateway, what the one-token requests sent meanwhile cost at
+  their idle rate (measured over the round's idle requests);
 - the gateway's RSS before the first round and 1 s after the last (goal: at most 10% above;
   below is memory handed back that the gateway held before, e.g. since its start-up), and
   how far that is from the RSS at the probe's start;
@@ -172,6 +176,39 @@ class BurstResult:
     rss_before_mb: float  # before the first round
     rss_after_mb: float  # after the last, once the gateway had SETTLE_S to hand memory back
     statuses: dict[int, int]
+    cpu_ms: tuple[float, float, float]  # per burst: event-loop thread, other threads, children
+
+
+def cpu_seconds(pid: int) -> tuple[float, float, float]:
+    """CPU seconds so far of `pid`'s main thread, its other threads and its descendants."""
+    main = other = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        seconds = _schedstat_s(task)
+        main, other = (main + seconds, other) if task.name == str(pid) else (main, other + seconds)
+    children = sum(_schedstat_s(Path(f"/proc/{child}")) for child in _descendants(pid))
+    return main, other, children
+
+
+def _schedstat_s(entry: Path) -> float:
+    try:
+        return int((entry / "schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0  # gone since it was listed
+
+
+def _descendants(pid: int) -> list[int]:
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        with suppress(OSError, ValueError, IndexError):
+            if entry.name.isdigit():
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
 
 
 _SENDER_BODY: dict[str, bytes] = {}
@@ -195,27 +232,36 @@ def burst(
     rounds: int,
     nice: int = 0,
     target: str | None = None,
+    target_pid: int | None = None,
 ) -> BurstResult:
     """`rounds` times: IDLE_REQUESTS one-token requests, then one-token requests one after
     the other while BURST processes (at niceness `nice`) each send `body` once, to the gateway
-    or to `target`. The senders are started and hold their body before anything is measured:
-    only their requests overlap the measurement."""
+    or to `target` (served by `target_pid`). The senders are started and hold their body
+    before anything is measured: only their requests overlap the measurement."""
     url = target or probe.url + "/v1/completions"
     content = json.dumps({"model": probe.model, **body}, separators=(",", ":")).encode()
     idle: list[float] = []
     during: list[float] = []
     statuses: dict[int, int] = {}
+    cpu: list[tuple[float, ...]] = []
+    pid = target_pid or probe.gateway_pid
     # Other processes: the burst's clients must not share the GIL with the one-token client.
     start = (url, content, nice)
     with ProcessPoolExecutor(BURST, initializer=_start_sender, initargs=start) as pool:
         list(pool.map(abs, range(BURST * 4)))  # every process started
         rss_before = probe.rss_mb()
         for _ in range(rounds):
+            idle_cpu = cpu_seconds(probe.gateway_pid)
             idle += [probe.one_token_s() for _ in range(IDLE_REQUESTS)]
+            per_request = _spent(idle_cpu, cpu_seconds(probe.gateway_pid), IDLE_REQUESTS)
+            cpu_before, measured = cpu_seconds(pid), len(during)
             sent = [pool.submit(_post_status, url) for _ in range(BURST)]
             during.append(probe.one_token_s())  # at least one, even if the burst ends first
             while not all(f.done() for f in sent):
                 during.append(probe.one_token_s())
+            spent = _spent(cpu_before, cpu_seconds(pid))
+            requests = len(during) - measured if target is None else 0  # sent to the gateway
+            cpu.append(tuple(s - r * requests for s, r in zip(spent, per_request, strict=True)))
             for future in sent:
                 statuses[future.result()] = statuses.get(future.result(), 0) + 1
         time.sleep(SETTLE_S)
@@ -232,19 +278,28 @@ def burst(
         rss_before,
         rss_after,
         statuses,
+        (_median_ms(cpu, 0), _median_ms(cpu, 1), _median_ms(cpu, 2)),
     )
 
 
+def _spent(before: tuple[float, ...], after: tuple[float, ...], per: int = 1) -> tuple[float, ...]:
+    return tuple((b - a) / per for a, b in zip(before, after, strict=True))
+
+
+def _median_ms(samples: list[tuple[float, ...]], index: int) -> float:
+    return statistics.median(sample[index] for sample in samples) * 1000
+
+
 @contextmanager
-def sink() -> Iterator[str]:
-    """The URL of a bare sink (scripts/serving/sink.py) in another process."""
+def sink() -> Iterator[tuple[str, int]]:
+    """The URL and pid of a bare sink (scripts/serving/sink.py) in another process."""
     port = free_port()
     command = [sys.executable, "-m", "scripts.serving.sink", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _answers(url), process, f"the sink exited: {shlex.join(command)}")
-        yield url + "/"
+        yield url + "/", process.pid
     finally:
         process.terminate()
         process.wait(30)
@@ -318,6 +373,12 @@ def _row(what: str, value: str, goal: str, met: bool) -> str:
     return f"| {what} | {value} | {goal} | {'yes' if met else 'NO'} |"
 
 
+def _cpu(b: BurstResult) -> str:
+    loop, threads, children = b.cpu_ms
+    return (f"event loop {loop:.0f} ms, other threads {threads:.0f} ms, "
+            f"child processes {children:.0f} ms")  # fmt: skip
+
+
 def _latency(b: BurstResult) -> str:
     ratio = b.during_s / b.idle_s
     return (f"{b.idle_s * 1000:.0f} ms vs {b.during_s * 1000:.0f} ms (x{ratio:.2f}; "
@@ -334,9 +395,11 @@ def report(bursts: list[BurstResult], slow: tuple[int, int, int], stall_s: float
         growth = (b.rss_after_mb - b.rss_before_mb) / b.rss_before_mb
         lines.append(_row(f"one-token latency, idle vs during {b.name}", _latency(b), "<= 2x",
                           ratio <= 2))  # fmt: skip
+        lines.append(f"| gateway CPU per burst ({b.name}) | {_cpu(b)} | - | - |")
         if sunk is not None and sunk.name == b.name:
             lines.append(f"| the same, the burst sent to a bare sink instead | {_latency(sunk)} "
                          "| (the floor on this host) | - |")  # fmt: skip
+            lines.append(f"| the sink's CPU per burst | {_cpu(sunk)} | - | - |")
         since_start = (b.rss_after_mb - start_rss_mb) / start_rss_mb
         lines.append(_row(f"gateway RSS before/after {b.name}",
                           f"{b.rss_before_mb:.0f} MB -> {b.rss_after_mb:.0f} MB "
@@ -389,8 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         ]  # fmt: skip
         sunk = None
         if not args.no_sink:
-            with sink() as url:
-                sunk = burst(probe, largest, _text(3_900_000), rounds, nice, target=url)
+            with sink() as (url, pid):
+                sunk = burst(probe, largest, _text(3_900_000), rounds, nice, url, pid)
         say("bursts done")
         slow, stall_s = (0, 0, 0), float("nan")
         if not args.bursts_only:
