@@ -12,7 +12,7 @@ run of consecutive KV heads of one page is one contiguous range on both sides:
 Layer streaming (prefill_node/layer_stream.py) sends a chunk's pages one layer group at a time:
 inside a head's part of a page the layers are outermost, so layers [a, b) of one head of one
 page are one contiguous `LayerSpan` of it, and such a write is one descriptor per (page, head)
-(`route_layer_pages`), merged where consecutive heads or pages happen to touch on both sides
+(`route_pages` with a span), merged where consecutive heads or pages happen to touch on both sides
 (a span of every layer: whole pages again).
 
 Routes are planned once per (prefill node, decode node) pair: every KV head a decode rank holds
@@ -150,33 +150,23 @@ WritePlan = dict[int, dict[str, list[TransferRange]]]  # prefill rank -> decode 
 
 
 def route_pages(
-    routes: Sequence[HeadRoute], src_pages: Sequence[int], dst_pages: Sequence[int]
-) -> WritePlan:
-    """The ranges that move `src_pages` into `dst_pages` along every route."""
-    if len(src_pages) != len(dst_pages):
-        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
-    plan: WritePlan = {}
-    for route in routes:
-        by_peer = plan.setdefault(route.src.tp_rank, {})
-        by_peer.setdefault(route.dst.peer_id, []).extend(route.ranges(src_pages, dst_pages))
-    return plan
-
-
-def route_layer_pages(
     routes: Sequence[HeadRoute],
     src_pages: Sequence[int],
     dst_pages: Sequence[int],
-    span: LayerSpan,
+    span: LayerSpan | None = None,
 ) -> WritePlan:
-    """The ranges that move layer span `span` of `src_pages` into `dst_pages` on every route."""
+    """The ranges that move `src_pages` into `dst_pages` along every route: every layer, or
+    only layer span `span` of each page (layer streaming)."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
     plan: WritePlan = {}
     for route in routes:
-        by_peer = plan.setdefault(route.src.tp_rank, {})
-        by_peer.setdefault(route.dst.peer_id, []).extend(
-            route.layer_ranges(src_pages, dst_pages, span)
+        ranges = (
+            route.ranges(src_pages, dst_pages)
+            if span is None
+            else route.layer_ranges(src_pages, dst_pages, span)
         )
+        plan.setdefault(route.src.tp_rank, {}).setdefault(route.dst.peer_id, []).extend(ranges)
     return plan
 
 

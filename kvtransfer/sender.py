@@ -27,7 +27,6 @@ from kvtransfer.head_routes import (
     HeadRoute,
     LayerSpan,
     WritePlan,
-    route_layer_pages,
     route_pages,
 )
 from kvtransfer.room import RoomDestination
@@ -86,7 +85,7 @@ class KVSender:
             return
         src = req_pages[self.next_page : upto_page]
         dst = self.dest_pages(self.next_page, upto_page)
-        self._start_plan(route_layer_pages(self.routes, src, dst, span))
+        self._start_plan(route_pages(self.routes, src, dst, span))
 
     def mark_sent(self, upto_page: int) -> None:
         """Every layer of prompt pages [next_page, upto_page) is out (`send_layers`)."""

@@ -20,7 +20,7 @@ from engine.memory.kv_cache import KVLayout
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
 from kvtransfer.base import TransferRange
-from kvtransfer.head_routes import LayerSpan, RankKV, plan_routes, route_layer_pages
+from kvtransfer.head_routes import LayerSpan, RankKV, plan_routes, route_pages
 from kvtransfer.room import RoomDestination
 from kvtransfer.sender import KVSender
 from prefill_node.layer_stream import (
@@ -95,7 +95,7 @@ def test_layer_group_ranges_move_exactly_the_groups_layers(dst_split: list[range
     groups = split_layers(LAYERS, 3)
     sent: list[range] = []
     for group in groups:
-        plan = route_layer_pages(routes, src_pages, dst_pages, LayerSpan.of(group, lpb))
+        plan = route_pages(routes, src_pages, dst_pages, LayerSpan.of(group, lpb))
         for peer, ranges in plan[0].items():
             rank = int(peer.split("#")[1])
             local = [
@@ -119,13 +119,13 @@ def test_a_span_of_every_layer_is_whole_pages_again() -> None:
     ranks = [RankKV(0, "d", 0, range(HEADS), hpb)]
     routes = plan_routes([RankKV(0, "", 0, range(HEADS), hpb)], ranks)
     all_layers = LayerSpan.of(range(LAYERS), lpb)
-    plan = route_layer_pages(routes, [3, 4, 5, 9], [0, 1, 2, 3], all_layers)
+    plan = route_pages(routes, [3, 4, 5, 9], [0, 1, 2, 3], all_layers)
     page = LAYOUT.page_bytes
     assert plan[0]["d"] == [
         TransferRange(3 * page, 0, 3 * page),
         TransferRange(9 * page, 3 * page, page),
     ]
-    one_group = route_layer_pages(routes, [3], [0], LayerSpan.of(range(1, 3), lpb))
+    one_group = route_pages(routes, [3], [0], LayerSpan.of(range(1, 3), lpb))
     assert len(one_group[0]["d"]) == HEADS  # one range per head: heads are apart by the layers
 
 
