@@ -5,7 +5,9 @@ KV-head routes between the two nodes' TP ranks (kvtransfer/head_routes.py: one d
 page run with equal TP sizes, per page and run of heads otherwise), and tracks every write it
 started so the request's pages are released only after every rank's engine finished reading them.
 Rank 0's writes go to its engine directly; the other ranks' through `write_remote`, which
-only a TP node's engine (engine/node/tp_transfer.py) can do.
+only a TP node's engine (engine/node/tp_transfer.py) can do. Whole pages between two nodes of
+one rank each (the common case) go by page ids, `write_pages`: no range object per page on the
+host (for 256 scattered pages, building the ranges took longer than cuda_ipc's whole write).
 
 With layer streaming (prefill_node/layer_stream.py) a chunk's pages go one layer group at a
 time (`send_layers`, one call per group, the same pages each time) and count as sent once the
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvtransfer.base import (
     KVTransferEngine,
@@ -30,6 +34,14 @@ from kvtransfer.head_routes import (
     route_pages,
 )
 from kvtransfer.room import RoomDestination
+
+
+def page_runs(src: Sequence[int], dst: Sequence[int]) -> int:
+    """Runs of pages contiguous on both sides: the ranges `coalesce_pages` would make."""
+    if not len(src):
+        return 0
+    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    return 1 + int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1)))
 
 
 @dataclass
@@ -73,9 +85,25 @@ class KVSender:
             return
         src = req_pages[self.next_page : upto_page]
         dst = self.dest_pages(self.next_page, upto_page)
-        self._start_plan(route_pages(self.routes, src, dst))
+        whole = self.routes[0] if len(self.routes) == 1 else None
+        if whole is not None and whole.whole_pages and whole.src.tp_rank == 0:
+            self._start_pages(whole, src, dst)
+        else:
+            self._start_plan(route_pages(self.routes, src, dst))
         self.stats.pages += upto_page - self.next_page
         self.next_page = upto_page
+
+    def _start_pages(self, route: HeadRoute, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Whole pages from rank 0 into one decode rank: by page ids (`write_pages`), which a
+        backend may plan without a range object per page (cuda_ipc does)."""
+        src_kv, dst_kv = route.src, route.dst
+        self._handles.append(
+            self.engine.write_pages(
+                dst_kv.peer_id, src, dst, src_kv.page_bytes, src_kv.kv_base, dst_kv.kv_base
+            )
+        )
+        self.stats.descriptors += page_runs(src, dst)
+        self.stats.bytes += len(src) * src_kv.page_bytes
 
     def send_layers(self, req_pages: Sequence[int], upto_page: int, span: LayerSpan) -> None:
         """Send layer span `span` of prompt pages [next_page, upto_page); `next_page` stays

@@ -791,6 +791,9 @@ class FakeEngine:
     def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
         return TransferHandle()
 
+    def write_pages(self, peer_id: str, *pages_and_layout: object) -> TransferHandle:
+        return TransferHandle()
+
     def poll(self, handle: TransferHandle) -> TransferState:
         return self.outcome if self.settled else TransferState.PENDING
 

@@ -29,6 +29,9 @@ from kvtransfer import (
     coalesce_pages,
     create_engine,
 )
+from kvtransfer.head_routes import RankKV, plan_routes
+from kvtransfer.room import RoomDestination
+from kvtransfer.sender import KVSender, page_runs
 
 BACKENDS = ["mooncake", "nixl"]
 BUFFER_BYTES = 32 << 20
@@ -347,3 +350,47 @@ def test_coalesce_pages_edge_cases() -> None:
 def test_coalesce_pages_rejects_mismatched_lengths() -> None:
     with pytest.raises(ValueError, match="3 source pages but 2 destination pages"):
         coalesce_pages([0, 1, 2], [0, 1], 64, 0, 0)
+
+
+class _RecordingEngine:
+    """What a sender asks of its engine: `write` ranges or `write_pages` page ids."""
+
+    def __init__(self) -> None:
+        self.writes: list[list[TransferRange]] = []
+        self.page_writes: list[tuple[str, list[int], list[int], int, int, int]] = []
+
+    def write(self, peer_id: str, ranges: list[TransferRange]) -> int:
+        self.writes.append(list(ranges))
+        return len(self.writes)
+
+    def write_pages(self, peer_id, src, dst, page_bytes, src_base, dst_base) -> int:  # type: ignore[no-untyped-def]
+        self.page_writes.append((peer_id, list(src), list(dst), page_bytes, src_base, dst_base))
+        return -len(self.page_writes)
+
+
+def test_sender_writes_whole_pages_by_page_ids_and_head_runs_by_ranges() -> None:
+    """One rank each side: the pages go by ids (no range per page), counted as coalesce_pages'
+    runs; a decode node of another TP size gets the head routes' ranges."""
+    heads, hpb, page = 4, 256, 1024
+    prefill = [RankKV(0, "p", 1 << 20, range(heads), hpb)]
+    dest = RoomDestination(1, "d", "p", (7, 8, 9, 30), 0, 0, prompt_len=4 * 16)
+    engine = _RecordingEngine()
+    decode = [RankKV(0, "d", 1 << 30, range(heads), hpb)]
+    one = KVSender(engine, dest, 16, plan_routes(prefill, decode))  # type: ignore[arg-type]
+    one.send_pages([3, 4, 5, 6], 4)
+    assert engine.page_writes == [("d", [3, 4, 5, 6], [7, 8, 9, 30], page, 1 << 20, 1 << 30)]
+    assert engine.writes == []
+    assert (one.stats.pages, one.stats.descriptors, one.stats.bytes) == (4, 2, 4 * page)
+    assert page_runs([3, 4, 5, 6], [7, 8, 9, 30]) == len(
+        coalesce_pages([3, 4, 5, 6], [7, 8, 9, 30], 1, 0, 0)
+    )
+
+    two_ranks = [
+        RankKV(0, "d", 1 << 30, range(2), hpb),
+        RankKV(1, "d#1", 1 << 31, range(2, 4), hpb),
+    ]
+    engine = _RecordingEngine()
+    split = KVSender(engine, dest, 16, plan_routes(prefill, two_ranks))  # type: ignore[arg-type]
+    split.send_pages([3, 4, 5, 6], 4)
+    assert engine.page_writes == [] and len(engine.writes) == 2
+    assert split.stats.descriptors == 8  # a range per page and decode rank
