@@ -24,11 +24,6 @@ TRANSFER_BACKENDS: dict[str, tuple[str, str]] = {
     "cuda_ipc": ("kvtransfer.cuda_ipc:CudaIpcEngine", "triton"),
 }
 
-# Backends whose `write` orders its copies after the caller's current CUDA stream (cuda_ipc's
-# kernel stream first waits for it): a write issued from a stream that waits for an event moves
-# what was computed before the event. The others copy as soon as the write is posted.
-STREAM_ORDERED_BACKENDS = frozenset({"cuda_ipc"})
-
 
 def create_engine(config: TransferConfig) -> KVTransferEngine:
     if config.backend not in TRANSFER_BACKENDS:
@@ -57,7 +52,6 @@ def create_engine(config: TransferConfig) -> KVTransferEngine:
 
 
 __all__ = [
-    "STREAM_ORDERED_BACKENDS",
     "TRANSFER_BACKENDS",
     "KVTransferEngine",
     "MemoryRegion",

@@ -95,6 +95,10 @@ class TransferHandle:
 
 class KVTransferEngine(ABC):
     name: str = ""
+    # True when `write` orders its copies after the caller's current CUDA stream (cuda_ipc's
+    # kernel stream first waits for it): a write issued from a stream that waits for an event
+    # moves what was computed before the event. Otherwise the copy starts once it is posted.
+    stream_ordered: bool = False
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config

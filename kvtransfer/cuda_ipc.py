@@ -91,6 +91,7 @@ class CudaIpcHandle(TransferHandle):
 
 class CudaIpcEngine(KVTransferEngine):
     name = "cuda_ipc"
+    stream_ordered = True  # its kernel's stream waits for the caller's
 
     def __init__(self, config: TransferConfig) -> None:
         super().__init__(config)

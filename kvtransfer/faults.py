@@ -56,6 +56,7 @@ class FaultInjectingEngine(KVTransferEngine):
     ) -> None:
         super().__init__(inner.config)
         self.inner = inner
+        self.stream_ordered = inner.stream_ordered
         self.fail_rate = fail_rate
         self.aux_corrupt_rate = aux_corrupt_rate
         self.injected = 0  # failed writes

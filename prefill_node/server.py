@@ -18,7 +18,6 @@ from engine.node.args import add_disagg_args, add_node_args, configure_logging
 from engine.node.disagg import serve_disaggregated
 from engine.node.roles import RoleParts
 from engine.node.server import run_node_main
-from kvtransfer import STREAM_ORDERED_BACKENDS
 from prefill_node.layer_stream import StreamConfig, check_streamable
 from prefill_node.prefill_role import PrefillRole, PrefillRoleConfig
 
@@ -54,7 +53,7 @@ def stream_config(parts: RoleParts) -> StreamConfig | None:
         groups=split_layers(num_layers, groups),
         layer_page_bytes=runner.kv_layout.layer_page_bytes,
         page_size=runner.config.page_size,
-        stream_ordered=args.transfer_backend in STREAM_ORDERED_BACKENDS,
+        stream_ordered=parts.transfer.engine.stream_ordered,
         device=runner.device,
     )
 

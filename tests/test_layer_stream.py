@@ -19,7 +19,7 @@ from engine.layer_groups import GroupDone, LayerStream, split_layers
 from engine.memory.kv_cache import KVLayout
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
-from kvtransfer.base import TransferRange
+from kvtransfer.base import KVTransferEngine, TransferRange
 from kvtransfer.head_routes import LayerSpan, RankKV, plan_routes, route_pages
 from kvtransfer.room import RoomDestination
 from kvtransfer.sender import KVSender
@@ -304,24 +304,36 @@ def test_the_prefill_server_builds_its_stream_config_from_the_flag() -> None:
     """cuda_ipc is stream-ordered, the others are not; 0 is off; a TP node is refused."""
     from types import SimpleNamespace
 
+    from kvtransfer.cuda_ipc import CudaIpcEngine
+    from kvtransfer.faults import FaultInjectingEngine
+    from kvtransfer.mooncake import MooncakeEngine
+    from kvtransfer.nixl import NixlEngine
     from prefill_node.server import stream_config
 
-    def parts(groups: int, backend: str, tp: int = 1) -> SimpleNamespace:
+    assert CudaIpcEngine.stream_ordered and not (
+        NixlEngine.stream_ordered or MooncakeEngine.stream_ordered
+    )
+    inner = SimpleNamespace(config=None, stream_ordered=True)
+    wrapped = FaultInjectingEngine(inner)  # type: ignore[arg-type]
+    assert wrapped.stream_ordered  # the fault wrapper says what the engine it wraps does
+
+    def parts(groups: int, engine: type[KVTransferEngine], tp: int = 1) -> SimpleNamespace:
         runner = SimpleNamespace(
             model_config=SimpleNamespace(num_layers=LAYERS),
             config=SimpleNamespace(tp_size=tp, kv_staging_pages=0, page_size=PAGE),
             kv_layout=LAYOUT,
             device=torch.device("cpu"),
         )
-        args = SimpleNamespace(kv_stream_layers=groups, transfer_backend=backend)
-        return SimpleNamespace(args=args, runner=runner)
+        args = SimpleNamespace(kv_stream_layers=groups)
+        transfer = SimpleNamespace(engine=SimpleNamespace(stream_ordered=engine.stream_ordered))
+        return SimpleNamespace(args=args, runner=runner, transfer=transfer)
 
-    assert stream_config(parts(0, "nixl")) is None  # type: ignore[arg-type]
-    config = stream_config(parts(2, "cuda_ipc"))  # type: ignore[arg-type]
+    assert stream_config(parts(0, NixlEngine)) is None  # type: ignore[arg-type]
+    config = stream_config(parts(2, CudaIpcEngine))  # type: ignore[arg-type]
     assert config is not None and config.stream_ordered
     assert config.groups == (range(0, 3), range(3, 5))
     assert config.layer_page_bytes == 2 * PAGE * DIM * 4
-    config = stream_config(parts(2, "mooncake"))  # type: ignore[arg-type]
+    config = stream_config(parts(2, MooncakeEngine))  # type: ignore[arg-type]
     assert config is not None and not config.stream_ordered
     with pytest.raises(ValueError, match="needs --tp-size 1"):
-        stream_config(parts(2, "nixl", tp=2))  # type: ignore[arg-type]
+        stream_config(parts(2, NixlEngine, tp=2))  # type: ignore[arg-type]
