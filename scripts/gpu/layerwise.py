@@ -50,7 +50,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from scripts.gpu.environment import add_site_arg, gpu_defaults, site_dir, use_site
+from scripts.gpu.environment import add_site_arg
+from scripts.gpu.serve_vs_engine import prepare_host, word_tokenizer
 
 START = time.monotonic()
 
@@ -92,7 +93,6 @@ class Run:
 def make_tiny_model(path: Path) -> Path:
     """A 6-layer llama of SMALL_LLAMA's widths (dummy weights) with a word tokenizer: the
     `--device cpu` smoke run's model."""
-    from scripts.gpu.serve_vs_engine import word_tokenizer
     from scripts.tiny_models import llama_config, write_llama_config
 
     config = llama_config(num_hidden_layers=6, vocab_size=4096, max_position_embeddings=4096)
@@ -104,7 +104,6 @@ def make_tiny_model(path: Path) -> Path:
 def eight_b_model() -> Path:
     """The Llama-3-8B shape with 16k positions (an 8,192-token prompt plus its output needs
     more than LLAMA3_8B's 8,192) and a word tokenizer of its vocabulary."""
-    from scripts.gpu.serve_vs_engine import word_tokenizer
     from scripts.tiny_models import LLAMA3_8B, write_llama_config
 
     path = Path(tempfile.mkdtemp(prefix="layerwise-model-")) / "llama-8b"
@@ -393,13 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--out is required and --groups must start with 0 (the baseline)", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.carry is not None:
-        from scripts.gpu.serve_vs_engine import install
-
-        install(args.carry, site_dir(args.site))
-    else:
-        use_site(None)
-    gpu_defaults()
+    prepare_host(args.carry, args.site)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # NIXL over UCX between local processes
     model = args.model if args.model is not None else eight_b_model()
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])

@@ -115,6 +115,16 @@ def install(carry: Path, site: Path) -> None:
     use_site(site, mooncake_wheels.install(carry / "mooncake", site))
 
 
+def prepare_host(carry: Path | None, site: Path | None) -> None:
+    """Before a GPU run: the carried wheels and the project installed (`install`), or without
+    `carry` the site in use; the GPU defaults in the environment."""
+    if carry is not None:
+        install(carry, site_dir(site))
+    else:
+        use_site(None)
+    gpu_defaults()
+
+
 # -- the model -----------------------------------------------------------------------------------
 
 
@@ -428,11 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         pack(args.dir)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.carry is not None:
-        install(args.carry, site_dir(args.site))
-    else:
-        use_site(None)
-    gpu_defaults()
+    prepare_host(args.carry, args.site)
     os.environ.setdefault("MC_FORCE_TCP", "1")  # Mooncake's CUDA build over TCP (check_pd.py)
     figures = Figures()
     if not args.skip_engine:
