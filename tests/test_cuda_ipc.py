@@ -529,6 +529,8 @@ class FakeDriver:
     """The driver calls of kvtransfer/cuda_driver.py, recorded (no GPU needed)."""
 
     MAPPED_AT = 0x7F00_0000_0000
+    batch_copier = None  # no cuMemcpyBatchAsync: --cuda-ipc-copy batch falls back to the kernel
+    batch_missing = "the stand-in driver has no batched copy"
 
     def __init__(self) -> None:
         self.opened: list[tuple[bytes, int]] = []
@@ -931,6 +933,64 @@ def test_engine_write_paths_move_pages_through_the_copy_queue(stand_in_engines) 
     assert sender._copy_queue(0).stream.waited == 4  # each after the caller's stream
     split = ipc.host_split(sender, "pages", ipc.PageJob("decode", [1], [2], PAGE_BYTES, *bases), 3)
     assert split["host total"] > 0 and "wait until DONE" in split
+
+
+def test_batched_copy_knob_falls_back_to_the_kernel_where_the_driver_has_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvtransfer import cuda_ipc
+    from kvtransfer.cuda_batch_copy import CopyMethod
+
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_ipc, "CudaDriver", FakeDriver)
+    engine = cuda_ipc.CudaIpcEngine(TransferConfig("cuda_ipc", "prefill", ipc_copy="batch"))
+    assert engine.copy_method is CopyMethod.KERNEL
+    assert engine.copy_fallback == (
+        "--cuda-ipc-copy batch asked, but the stand-in driver has no batched copy: page-id "
+        "writes use the copy kernel"
+    )
+    default = cuda_ipc.CudaIpcEngine(TransferConfig("cuda_ipc", "prefill"))
+    assert default.copy_method is CopyMethod.KERNEL and default.copy_fallback == ""
+    with pytest.raises(TransferError, match="--cuda-ipc-copy must be one of kernel, batch"):
+        cuda_ipc.CudaIpcEngine(TransferConfig("cuda_ipc", "prefill", ipc_copy="memcpy"))
+
+
+def test_engine_batched_page_writes_move_pages_by_one_driver_call(stand_in_engines) -> None:  # type: ignore[no-untyped-def]
+    """--cuda-ipc-copy batch on the stand-in GPU: one batched call a write (a descriptor a run
+    of pages, the peer's mapped addresses), after the caller's stream, no kernel; pages
+    beyond the pool take the range path, which refuses them naming the range."""
+    import ctypes
+
+    from kvtransfer.cuda_batch_copy import _ARGS_13_0, BatchCopier, CopyMethod
+
+    sender, (src_pool, dst_pool), launches = stand_in_engines
+    calls: list = []
+
+    def batch(dsts, srcs, sizes, count, attrs, idxs, num_attrs, stream):  # type: ignore[no-untyped-def]
+        rows = [np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(a)).tolist()
+                for a in (dsts, srcs, sizes)]  # fmt: skip
+        for d, s, n in zip(*rows, strict=True):
+            ctypes.memmove(d, s, n)
+        calls.append((count, stream))
+        return 0
+
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, *_ARGS_13_0)(batch)
+    sender._driver.batch_copier = BatchCopier(fn, "cuMemcpyBatchAsync_v2", 13000, False)
+    sender.copy_method = CopyMethod.BATCH
+    launches.clear()
+    bases = (src_pool.data_ptr(), dst_pool.data_ptr())
+    expected = dst_pool.clone()
+    src, dst = [5, 6, 7, 30, 2], [40, 41, 42, 1, 9]
+    handle = sender.write_pages("decode", src, np.array(dst), PAGE_BYTES, *bases)
+    assert sender.poll(handle) is TransferState.DONE
+    sender.release(handle)
+    expected[dst] = src_pool[src]
+    assert torch.equal(dst_pool, expected) and launches == []
+    assert calls == [(3, None)]  # pages 5-7 -> 40-42 one descriptor, then two; stream 0
+    assert sender._copy_queue(0).stream.waited == 1
+    with pytest.raises(TransferError, match="lies outside every registered peer"):
+        sender.write_pages_batched("decode", [3], [POOL_PAGES], PAGE_BYTES, bases)
+    assert len(calls) == 1  # not batched: the range path refused it
 
 
 def test_tune_ipc_copy_compares_the_paths_and_stops_on_wrong_bytes(  # type: ignore[no-untyped-def]
