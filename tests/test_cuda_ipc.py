@@ -933,6 +933,8 @@ def test_engine_write_paths_move_pages_through_the_copy_queue(stand_in_engines) 
     assert sender._copy_queue(0).stream.waited == 4  # each after the caller's stream
     split = ipc.host_split(sender, "pages", ipc.PageJob("decode", [1], [2], PAGE_BYTES, *bases), 3)
     assert split["host total"] > 0 and "wait until DONE" in split
+    with pytest.raises(RuntimeError, match="no cuMemcpyBatchAsync here: the stand-in driver"):
+        ipc.PATH_FUNCTIONS["batch"](sender, job, job.ranges(), [])
 
 
 def test_batched_copy_knob_falls_back_to_the_kernel_where_the_driver_has_none(
@@ -991,6 +993,20 @@ def test_engine_batched_page_writes_move_pages_by_one_driver_call(stand_in_engin
     with pytest.raises(TransferError, match="lies outside every registered peer"):
         sender.write_pages_batched("decode", [3], [POOL_PAGES], PAGE_BYTES, bases)
     assert len(calls) == 1  # not batched: the range path refused it
+    # the benchmark's inlined batch paths: the same call, with their step marks
+    from scripts.gpu import ipc_write_paths as ipc
+
+    for path in ("batch", "batch-overlap"):
+        job = ipc.PageJob("decode", [9, 3], [20, 21], PAGE_BYTES, *bases)
+        marks: list = []
+        handle = ipc.PATH_FUNCTIONS[path](sender, job, job.ranges(), marks)
+        assert [m[0] for m in marks] == ["start", "page ids: bounds + descriptors",
+                                         "stream wait (reused event)",
+                                         "batched copy (one driver call)", "event"]  # fmt: skip
+        ipc.wait(sender, handle)
+        expected[[20, 21]] = src_pool[[9, 3]]
+        assert torch.equal(dst_pool, expected), path
+    assert len(calls) == 3
 
 
 def test_tune_ipc_copy_compares_the_paths_and_stops_on_wrong_bytes(  # type: ignore[no-untyped-def]
@@ -1053,8 +1069,14 @@ def test_bench_parses_cuda_ipc_flags_and_picks_its_engines() -> None:
         "scattered",
         "scattered, page ids",
         "scattered, before",
+        "contiguous, driver batch",
+        "scattered, driver batch",
+        "scattered, driver batch, overlap hint",
     )
-    assert set(bench.IPC_METHODS.values()) == {"ranges", "pages", "before"}
+    from scripts.gpu.ipc_write_paths import PATHS
+
+    assert {path for _, path in bench.IPC_METHODS.values()} == set(PATHS)
+    assert bench.IPC_METHODS["contiguous, driver batch"] == ("contiguous", "batch")
     # its own check failing drops its rows only; another check failing drops every row
     every = bench.build_parser().parse_args([])
     assert bench.CUDA_IPC in bench.engines_to_run(every, {"nixl-cu13": "1.5.1"})
@@ -1093,7 +1115,8 @@ def test_tune_ipc_copy_parses_its_paths_and_jobs_build_their_ranges() -> None:
     from scripts.gpu import tune_ipc_copy as tune
 
     args = tune.build_parser().parse_args(["--out", "x", "--profile-write", "100"])
-    assert args.paths == ["before", "ranges", "pages"] and args.profile_write == 100
+    assert args.paths == ["before", "ranges", "pages", "batch", "batch-overlap"]
+    assert args.profile_write == 100
     args = tune.build_parser().parse_args(["--out", "x", "--paths", "before", "pages"])
     assert args.paths == ["before", "pages"]
     with pytest.raises(SystemExit):
@@ -1101,6 +1124,7 @@ def test_tune_ipc_copy_parses_its_paths_and_jobs_build_their_ranges() -> None:
     job = ipc.PageJob("decode", [3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
     assert job.ranges() == coalesce_pages([3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
     assert set(ipc.PATH_FUNCTIONS) == set(ipc.PATHS)
+    assert [ipc.descriptors(p, job) for p in ("ranges", "pages", "batch")] == [2, 3, 2]
     # the frozen `before` planning makes the rows of today's for the same write
     local = (ExportedRegion("kv", 1 << 20, 1 << 20, "cuda:0"),)
     peer = (ExportedRegion("kv", 1 << 30, 1 << 20, "cuda:0"),)
@@ -1110,6 +1134,52 @@ def test_tune_ipc_copy_parses_its_paths_and_jobs_build_their_ranges() -> None:
                        for r in job.ranges()], align=(1 << 20, 1 << 32))  # fmt: skip
     assert (plan.chunk_bytes, plan.word_bytes) == (today.chunk_bytes, today.word_bytes)
     assert plan.rows.tolist() == today.rows.tolist() == [[3, 7, 2], [9, 1, 1]]
+
+
+def test_bench_notes_the_senders_host_facts_and_splits_per_write() -> None:
+    from scripts.gpu import bench_kv_staging as bench
+
+    per_write = {"bounds": [0.01, 0.03, 0.02], "upload": [0.005] * 3,
+                 "wait until DONE": [0.4] * 3, "host total": [0.02, 0.05, 0.03]}  # fmt: skip
+    line = bench.format_split(per_write)
+    assert line.startswith("host 0.030 (p10-p90 0.022-0.046): bounds 0.020 / upload 0.005")
+    assert "wait until DONE" not in line
+    row = bench.Row("cuda_ipc kernel", "scattered, page ids", 256, 0.5, "0.4-0.6", 1000.0, True,
+                    parts=line, host_steps=per_write, notes="pid 1 on cpu 3")  # fmt: skip
+    table = bench.markdown({}, [row], [])
+    assert (
+        "- cuda_ipc kernel, scattered, page ids, the sender's host facts: pid 1 on cpu 3" in table
+    )
+    assert bench.asdict(row)["host_steps"]["bounds"] == [0.01, 0.03, 0.02]  # into the JSON
+
+
+def test_host_probe_reads_this_process_and_its_peers() -> None:
+    from scripts.gpu import host_probe
+
+    assert host_probe.parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    here = host_probe.snapshot("ffff:ff:1f.7")  # no such device: its node is unknown
+    assert here.pid == os.getpid() and here.gpu_node is None and here.allowed_cpus >= 1
+    assert "MainThread" in here.python_threads and len(here.os_threads) >= 1
+    assert f"pid {os.getpid()} on cpu {here.cpu}" in here.line()
+    assert host_probe.calibration_ms(20) > 0
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        import time
+
+        time.sleep(0.3)
+        with host_probe.cpu_use({"spinner": spinner.pid, "sleeper": sleeper.pid}) as use:
+            time.sleep(0.5)
+    finally:
+        for proc in (spinner, sleeper):
+            proc.kill()
+            proc.wait()
+    assert use.used_s["spinner"] > 0.1 > use.used_s["sleeper"]  # a spinning peer shows
+    assert use.line().startswith("CPU used during the 0.5")
+    assert host_probe.cpu_seconds(2**22 + 12345) == 0.0  # gone
+    cpus = os.sched_getaffinity(0)
+    assert host_probe.on_cpus({min(cpus)}, lambda: os.sched_getaffinity(0)) == {min(cpus)}
+    assert os.sched_getaffinity(0) == cpus
 
 
 def test_bench_help_runs_on_a_cpu() -> None:
