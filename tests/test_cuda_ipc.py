@@ -1182,6 +1182,24 @@ def test_host_probe_reads_this_process_and_its_peers() -> None:
     assert os.sched_getaffinity(0) == cpus
 
 
+def test_pd_check_says_whether_the_prefill_node_wrote_by_page_ids() -> None:
+    from types import SimpleNamespace
+
+    from proto import node_pb2
+    from scripts.gpu.check_pd import page_id_use
+
+    def reply(writes: int) -> SimpleNamespace:
+        return SimpleNamespace(prefill=node_pb2.PrefillResponse(page_id_writes=writes))
+
+    assert (
+        page_id_use([reply(2), reply(1)])
+        == "write_pages used: yes (2/2 requests, 3 page-id writes)"
+    )
+    assert page_id_use([reply(0), reply(0)]).startswith("write_pages used: NO (0/2")
+    assert page_id_use([reply(0), reply(4)]).startswith("write_pages used: partly (1/2")
+    assert page_id_use([SimpleNamespace(prefill=None)]).startswith("write_pages used: NO (0/0")
+
+
 def test_bench_help_runs_on_a_cpu() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "scripts.gpu.bench_kv_staging", "--help"],
