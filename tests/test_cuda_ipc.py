@@ -1077,6 +1077,11 @@ def test_bench_parses_cuda_ipc_flags_and_picks_its_engines() -> None:
 
     assert {path for _, path in bench.IPC_METHODS.values()} == set(PATHS)
     assert bench.IPC_METHODS["contiguous, driver batch"] == ("contiguous", "batch")
+    assert args.pd_ipc_copy == ["kernel"]
+    both = bench.build_parser().parse_args(["--pd-ipc-copy", "kernel", "batch"])
+    assert both.pd_ipc_copy == ["kernel", "batch"]
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--pd-ipc-copy", "memcpy"])
     # its own check failing drops its rows only; another check failing drops every row
     every = bench.build_parser().parse_args([])
     assert bench.CUDA_IPC in bench.engines_to_run(every, {"nixl-cu13": "1.5.1"})
@@ -1085,6 +1090,28 @@ def test_bench_parses_cuda_ipc_flags_and_picks_its_engines() -> None:
     assert bench.engines_to_run(every, {"torch page copy == source": "FAIL"}) == []
     cpu = bench.build_parser().parse_args(["--device", "cpu"])
     assert bench.engines_to_run(cpu, {}) == list(bench.CPU_ENGINES)
+
+
+def test_bench_pd_check_runs_a_cuda_ipc_trio_per_copy_method(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from scripts.gpu import bench_kv_staging as bench
+
+    trios: list = []
+
+    def run(device, backends, workdir, extra=(), label=""):  # type: ignore[no-untyped-def]
+        trios.append((backends, workdir.name, list(extra), label))
+        return SimpleNamespace(checks=[])
+
+    monkeypatch.setattr(bench.check_pd, "run", run)
+    bench.pd_check("cuda", ["nixl", "cuda_ipc"], ("kernel", "batch"))
+    assert trios[0][0] == ["nixl"] and trios[0][3] == ", staging forced"
+    assert trios[1:] == [
+        (["cuda_ipc"], "kernel", [], ""),
+        (["cuda_ipc"], "batch", ["--cuda-ipc-copy", "batch"], ", --cuda-ipc-copy batch"),
+    ]
 
 
 def test_bench_table_rates_cuda_ipc_rows_against_its_own_contiguous_row() -> None:
@@ -1162,20 +1189,25 @@ def test_host_probe_reads_this_process_and_its_peers() -> None:
     assert "MainThread" in here.python_threads and len(here.os_threads) >= 1
     assert f"pid {os.getpid()} on cpu {here.cpu}" in here.line()
     assert host_probe.calibration_ms(20) > 0
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        import time
+    import time
 
-        time.sleep(0.3)
-        with host_probe.cpu_use({"spinner": spinner.pid, "sleeper": sleeper.pid}) as use:
-            time.sleep(0.5)
+    ready = "print('ready', flush=True)\n"
+    spinner = subprocess.Popen([sys.executable, "-c", ready + "while True: pass"],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    sleeper = subprocess.Popen([sys.executable, "-c", ready + "import time; time.sleep(60)"],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for proc in (spinner, sleeper):  # both started: no start-up CPU in the window
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        with host_probe.cpu_use({"spinner": spinner.pid, "sleeper": sleeper.pid}, 50) as use:
+            time.sleep(1.0)
     finally:
         for proc in (spinner, sleeper):
             proc.kill()
             proc.wait()
-    assert use.used_s["spinner"] > 0.1 > use.used_s["sleeper"]  # a spinning peer shows
-    assert use.line().startswith("CPU used during the 0.5")
+    assert use.used_s["spinner"] > 0.05 > use.used_s["sleeper"]  # a spinning peer shows
+    assert f"[{spinner.pid}]" in " ".join(use.busiest)  # among the host's busiest (top 50)
+    assert use.line().startswith(f"CPU used during the {use.wall_s:.3f} s window: spinner ")
     assert host_probe.cpu_seconds(2**22 + 12345) == 0.0  # gone
     cpus = os.sched_getaffinity(0)
     assert host_probe.on_cpus({min(cpus)}, lambda: os.sched_getaffinity(0)) == {min(cpus)}

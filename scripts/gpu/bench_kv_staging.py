@@ -80,6 +80,7 @@ from engine.memory.kv_cache import KVLayout, PagedKVCache
 from engine.memory.staging import PageStager, StagingSpan
 from kvtransfer import MemoryRegion, PeerInfo, TransferConfig, TransferState, create_engine
 from kvtransfer.base import coalesce_pages
+from kvtransfer.cuda_batch_copy import COPY_METHODS
 from kvtransfer.cuda_ipc_plan import (
     CopyPlan,
     ExportedRegion,
@@ -721,9 +722,13 @@ def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
     return out_info
 
 
-def pd_check(device: str, backends: list[str]) -> list[check_pd.Check]:
+def pd_check(
+    device: str, backends: list[str], ipc_copies: tuple[str, ...] = ("kernel",)
+) -> list[check_pd.Check]:
     """check_pd's PD trio per backend: staging forced on both nodes, except for cuda_ipc,
-    whose kernel writes the scattered pages directly."""
+    whose kernel writes the scattered pages directly: one trio per `--cuda-ipc-copy` method
+    of `ipc_copies` (a node whose driver lacks the batched copy falls back to the kernel
+    with a warning in its log; the header's "CUDA driver, batched copy" line says which)."""
     import tempfile
 
     workdir = Path(tempfile.mkdtemp(prefix="kv-staging-pd-"))
@@ -732,7 +737,11 @@ def pd_check(device: str, backends: list[str]) -> list[check_pd.Check]:
     if staged:
         checks += check_pd.run(device, staged, workdir, PD_STAGING, ", staging forced").checks
     if "cuda_ipc" in backends:
-        checks += check_pd.run(device, ["cuda_ipc"], workdir).checks
+        for method in ipc_copies:
+            extra, label = [], ""
+            if method != "kernel":
+                extra, label = ["--cuda-ipc-copy", method], f", --cuda-ipc-copy {method}"
+            checks += check_pd.run(device, ["cuda_ipc"], workdir / method, extra, label).checks
     return checks
 
 
@@ -783,6 +792,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--pd-backends", nargs="+", default=["nixl"], choices=["nixl", "mooncake", "cuda_ipc"]
     )
     parser.add_argument(
+        "--pd-ipc-copy",
+        nargs="+",
+        default=["kernel"],
+        choices=COPY_METHODS,
+        help="--pd-backends cuda_ipc: a PD trio per --cuda-ipc-copy method of both nodes",
+    )
+    parser.add_argument(
         "--backends",
         nargs="+",
         default=[e.backend for e in ENGINES],
@@ -826,7 +842,7 @@ def main() -> None:
             "sender -> receiver": f"{args.device} -> {receiver_device}",
             "prompt": f"{args.tokens} tokens = {setup.n} pages of {LAYOUT.page_bytes >> 20} MiB "
                       f"(8B shape, bf16), pools of {args.pool_pages} pages"}  # fmt: skip
-    pd = [] if args.no_pd_check else pd_check(args.device, args.pd_backends)
+    pd = [] if args.no_pd_check else pd_check(args.device, args.pd_backends, args.pd_ipc_copy)
     with_cuda_ipc = "cuda_ipc" in args.backends
     if with_cuda_ipc:
         from scripts.gpu import host_probe

@@ -12,7 +12,9 @@ these are the facts that tell the candidates apart, measured in the sender itsel
 - `snapshot`: the CPU the process is on, its allowed CPUs, the NUMA node of that CPU and of
   the GPU, its threads (OS and Python: a thread holding the GIL would show here), the load.
 - `CpuUse`: CPU seconds other processes (the receiver, the parent) burned during a window,
-  against its wall time: a peer that spins instead of blocking shows as ~1 s per second.
+  against its wall time: a peer that spins instead of blocking shows as ~1 s per second; and
+  the busiest processes of the whole host meanwhile (a leftover of an earlier step, say the
+  PD check's node processes, would show there).
 """
 
 from __future__ import annotations
@@ -152,25 +154,48 @@ def snapshot(gpu_bus_id: str = "") -> Snapshot:
 
 @dataclass
 class CpuUse:
-    """CPU seconds each watched process used during a window, and the window's wall time."""
+    """CPU seconds each watched process used during a window, the window's wall time, and
+    the host's busiest processes meanwhile ("command[pid]" -> seconds)."""
 
     wall_s: float = 0.0
     used_s: dict[str, float] = field(default_factory=dict)
+    busiest: dict[str, float] = field(default_factory=dict)
 
     def line(self) -> str:
         used = ", ".join(f"{name} {s:.3f} s" for name, s in self.used_s.items())
-        return f"CPU used during the {self.wall_s:.3f} s window: {used}"
+        top = ", ".join(f"{name} {s:.3f} s" for name, s in self.busiest.items())
+        return f"CPU used during the {self.wall_s:.3f} s window: {used}; busiest on the host: {top}"
+
+
+def all_cpu_seconds() -> dict[str, float]:
+    """ "command[pid]" -> CPU seconds so far, for every process this one can read."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name = raw[raw.index("(") + 1 : raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2 :].split()
+        out[f"{name}[{entry.name}]"] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return out
 
 
 @contextmanager
-def cpu_use(pids: dict[str, int]) -> Iterator[CpuUse]:
-    """Measure the CPU seconds of `pids` (name -> pid) over the block."""
+def cpu_use(pids: dict[str, int], top: int = 4) -> Iterator[CpuUse]:
+    """Measure the CPU seconds of `pids` (name -> pid) over the block, and the `top`
+    busiest processes of the host."""
     use = CpuUse()
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    everyone = all_cpu_seconds()
     start = time.perf_counter()
     yield use
     use.wall_s = time.perf_counter() - start
     use.used_s = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    grew = {k: v - everyone.get(k, 0.0) for k, v in all_cpu_seconds().items()}
+    use.busiest = dict(sorted(grew.items(), key=lambda kv: -kv[1])[:top])
 
 
 def on_cpus(cpus: set[int], fn: Callable[[], T]) -> T:
