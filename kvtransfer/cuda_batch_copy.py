@@ -114,12 +114,21 @@ def page_descriptors(
     if not n:
         empty = np.empty(0, dtype=np.uint64)
         return PageDescriptors(empty, empty, empty)
-    breaks = (np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)
-    starts = np.flatnonzero(np.concatenate(([True], breaks)))
-    lengths = np.diff(np.append(starts, n))
-    srcs = (src_pages[starts] * page_bytes + src_base).astype(np.uint64)
-    dsts = (dst_pages[starts] * page_bytes + dst_base).astype(np.uint64)
-    return PageDescriptors(dsts, srcs, (lengths * page_bytes).astype(np.uint64))
+    # int64 arithmetic viewed as uint64 (addresses are below 2**62): no conversion pass
+    breaks = ((src_pages[1:] - src_pages[:-1]) != 1) | ((dst_pages[1:] - dst_pages[:-1]) != 1)
+    if breaks.all():  # every page a run of its own (scattered pages): no gather
+        srcs, dsts = src_pages * page_bytes, dst_pages * page_bytes
+        sizes = np.full(n, page_bytes, dtype=np.int64)
+    else:
+        starts = np.empty(int(np.count_nonzero(breaks)) + 2, dtype=np.int64)
+        starts[0], starts[-1] = 0, n
+        starts[1:-1] = np.flatnonzero(breaks) + 1
+        first = starts[:-1]
+        srcs, dsts = src_pages[first] * page_bytes, dst_pages[first] * page_bytes
+        sizes = (starts[1:] - first) * page_bytes
+    srcs += src_base
+    dsts += dst_base
+    return PageDescriptors(dsts.view(np.uint64), srcs.view(np.uint64), sizes.view(np.uint64))
 
 
 def _pointer(array: np.ndarray) -> int:

@@ -80,12 +80,14 @@ from engine.memory.kv_cache import KVLayout, PagedKVCache
 from engine.memory.staging import PageStager, StagingSpan
 from kvtransfer import MemoryRegion, PeerInfo, TransferConfig, TransferState, create_engine
 from kvtransfer.base import coalesce_pages
-from kvtransfer.cuda_batch_copy import COPY_METHODS
+from kvtransfer.cuda_batch_copy import COPY_METHODS, page_descriptors
 from kvtransfer.cuda_ipc_plan import (
     CopyPlan,
     ExportedRegion,
     IpcEndpoint,
     group_ranges,
+    page_ids,
+    page_regions,
     plan_columns,
     plan_pages,
 )
@@ -660,11 +662,12 @@ def _reference_write(
 
 
 def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
-    """The CPU part of a cuda_ipc write before its upload, the scattered pages three ways
+    """The CPU part of a cuda_ipc write before its upload, the scattered pages four ways
     (scripts/gpu/ipc_write_paths.py): `before` (the write of the 2026-11-26 report), `ranges`
     (the engine's `write`: ranges read and checked against both pools, planned into a row
-    table) and `pages` (`write_pages`: page ids checked and planned); median and best of
-    `repeats`. The engine's rows include it."""
+    table), `pages` (`write_pages`: page ids checked and planned) and the driver batch's
+    descriptors (`write_pages_batched`: page ids checked, one descriptor a run); median and
+    best of `repeats`. The engine's rows include it."""
     from scripts.gpu import ipc_write_paths as ipc
 
     src, dst = setup.pages()["scattered"]
@@ -693,6 +696,14 @@ def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
         assert planned is not None
         return planned.plan
 
+    def batch_descriptors(mark: Any) -> CopyPlan:  # the driver batch's host part
+        src_ids, dst_ids = page_ids(src), page_ids(dst)
+        pair = page_regions(src_ids, dst_ids, LAYOUT.page_bytes, bases, [local], peer.regions)
+        assert pair is not None
+        desc = page_descriptors(src_ids, dst_ids, LAYOUT.page_bytes, *bases)
+        mark("page_regions + page_descriptors")
+        return CopyPlan(LAYOUT.page_bytes, 8, np.empty((desc.count, 3), dtype=np.int64))
+
     planned = from_pages(lambda step: None)
 
     def caller(mark: Any) -> CopyPlan:  # what a node pays before `write`: building the ranges
@@ -702,6 +713,7 @@ def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
 
     out_info = {}
     ways = (("before", before), ("ranges", from_ranges), ("pages", from_pages),
+            ("pages as driver-batch descriptors", batch_descriptors),
             ("(for scale) the caller's coalesce_pages alone", caller))  # fmt: skip
     for name, fn in ways:
         times: list[float] = []
