@@ -773,11 +773,16 @@ def _receiver(device: str, conn: Connection) -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("copy", ["kernel", "batch"])
 @pytest.mark.parametrize("second_gpu", [False, True])
-def test_two_processes_move_scattered_pages_and_aux(second_gpu: bool) -> None:
+def test_two_processes_move_scattered_pages_and_aux(second_gpu: bool, copy: str) -> None:
+    """`copy`: how the page-id writes copy (--cuda-ipc-copy); the ranges take the kernel."""
     if second_gpu and torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     receiver_device = "cuda:1" if second_gpu else "cuda:0"
+    engine = create_engine(TransferConfig("cuda_ipc", "prefill", ipc_copy=copy))
+    if engine.copy_fallback:  # type: ignore[attr-defined]
+        pytest.skip(engine.copy_fallback)  # type: ignore[attr-defined]
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     receiver = ctx.Process(target=_receiver, args=(receiver_device, there), daemon=True)
@@ -787,7 +792,6 @@ def test_two_processes_move_scattered_pages_and_aux(second_gpu: bool) -> None:
         endpoint_bytes, regions = here.recv()
         pool = _pool("cuda:0", None)
         aux = np.arange(1, 17, dtype=np.uint8)
-        engine = create_engine(TransferConfig(backend="cuda_ipc", node_name="prefill"))
         engine.register([MemoryRegion("kv", pool.data_ptr(), pool.numel(), "cuda:0"),
                          MemoryRegion("aux", int(aux.ctypes.data), aux.nbytes, "cpu")])  # fmt: skip
         engine.connect(PeerInfo("decode", endpoint_bytes, {r.name: r for r in regions}))
