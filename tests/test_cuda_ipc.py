@@ -1192,6 +1192,8 @@ def test_host_probe_reads_this_process_and_its_peers() -> None:
     assert here.pid == os.getpid() and here.gpu_node is None and here.allowed_cpus >= 1
     assert "MainThread" in here.python_threads and len(here.os_threads) >= 1
     assert f"pid {os.getpid()} on cpu {here.cpu}" in here.line()
+    assert "interpreter hooks: " in here.hooks and "GC-tracked objects" in here.hooks
+    assert host_probe.mapped_library("libpython") or host_probe.mapped_library("python")
     assert host_probe.calibration_ms(20) > 0
     import time
 

@@ -10,7 +10,9 @@ these are the facts that tell the candidates apart, measured in the sender itsel
   here means the CPU the sender runs on is slower (frequency, a busy SMT sibling, another
   NUMA node), not our code.
 - `snapshot`: the CPU the process is on, its allowed CPUs, the NUMA node of that CPU and of
-  the GPU, its threads (OS and Python: a thread holding the GIL would show here), the load.
+  the GPU, its threads (OS and Python: a thread holding the GIL would show here), the load,
+  the interpreter's hooks (a trace or profile function, tracemalloc, dev mode: each slows
+  every Python line), its tracked objects, and the libcuda it mapped.
 - `CpuUse`: CPU seconds other processes (the receiver, the parent) burned during a window,
   against its wall time: a peer that spins instead of blocking shows as ~1 s per second; and
   the busiest processes of the whole host meanwhile (a leftover of an earlier step, say the
@@ -128,6 +130,8 @@ class Snapshot:
     os_threads: list[str]
     python_threads: list[str]
     load: tuple[float, float, float]
+    hooks: str = ""
+    libcuda: str = ""
 
     def line(self) -> str:
         names = self.os_threads
@@ -135,7 +139,8 @@ class Snapshot:
         return (f"pid {self.pid} on cpu {self.cpu} (NUMA node {self.cpu_node}; the GPU's: "
                 f"{self.gpu_node}), {self.allowed_cpus} CPUs allowed; OS threads: {threads}; "
                 f"Python threads: {', '.join(self.python_threads)}; load "
-                f"{'/'.join(f'{x:.1f}' for x in self.load)}")  # fmt: skip
+                f"{'/'.join(f'{x:.1f}' for x in self.load)}; {self.hooks}; libcuda "
+                f"{self.libcuda or 'not mapped'}")  # fmt: skip
 
 
 def snapshot(gpu_bus_id: str = "") -> Snapshot:
@@ -149,7 +154,36 @@ def snapshot(gpu_bus_id: str = "") -> Snapshot:
         thread_names(),
         [t.name for t in threading.enumerate()],
         os.getloadavg(),
+        interpreter_hooks(),
+        mapped_library("libcuda.so"),
     )
+
+
+def interpreter_hooks() -> str:
+    """What makes every Python line slower here, if anything, and the GC's load."""
+    import gc
+    import sys
+    import tracemalloc
+
+    hooks = [name for name, on in (("a trace function", sys.gettrace() is not None),
+                                   ("a profile function", sys.getprofile() is not None),
+                                   ("tracemalloc", tracemalloc.is_tracing()),
+                                   ("dev mode", sys.flags.dev_mode)) if on]  # fmt: skip
+    return (f"interpreter hooks: {', '.join(hooks) or 'none'}; {len(gc.get_objects())} "
+            f"GC-tracked objects, thresholds {gc.get_threshold()}")  # fmt: skip
+
+
+def mapped_library(name: str) -> str:
+    """The path of the first mapping of a library whose file name starts with `name`."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return ""
+    for line in maps:
+        path = line.split()[-1] if len(line.split()) >= 6 else ""
+        if Path(path).name.startswith(name):
+            return path
+    return ""
 
 
 @dataclass
