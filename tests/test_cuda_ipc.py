@@ -531,6 +531,7 @@ class FakeDriver:
     MAPPED_AT = 0x7F00_0000_0000
     batch_copier = None  # no cuMemcpyBatchAsync: --cuda-ipc-copy batch falls back to the kernel
     batch_missing = "the stand-in driver has no batched copy"
+    version = 12060  # cuDriverGetVersion: CUDA 12.6
 
     def __init__(self) -> None:
         self.opened: list[tuple[bytes, int]] = []
@@ -1031,6 +1032,10 @@ def test_tune_ipc_copy_compares_the_paths_and_stops_on_wrong_bytes(  # type: ign
     assert lines[0].startswith("byte checks: PASS (ranges, pages; contiguous, scattered")
     assert [line.split(" | ")[0] for line in lines[4:6]] == ["| ranges", "| pages"]
     assert "pages: the scattered write's host steps (median ms of 3)" in lines
+    facts = tune.host_facts(sender)  # the one-process side of the bench's host facts
+    assert facts.startswith(f"host facts (this one process): pid {os.getpid()} on cpu ")
+    assert facts.endswith("CUDA driver 12.6, batched copy none (the stand-in driver has no "
+                          "batched copy)")  # fmt: skip
     assert (tmp_path / "profile-pages.txt").exists()
     monkeypatch.setattr(sender._launcher, "launch", lambda *args: None)  # a kernel that drops
     with pytest.raises(SystemExit, match="FAIL: the 'pages' path moved wrong bytes"):

@@ -468,7 +468,10 @@ def format_split(per_write: dict[str, list[float]]) -> str:
 
 def gpu_bus_id(device: str) -> str:
     """ "0000:1b:00.0" of a CUDA device, "" where torch does not say."""
-    props = torch.cuda.get_device_properties(torch.device(device))
+    try:
+        props = torch.cuda.get_device_properties(torch.device(device))
+    except (AssertionError, RuntimeError):  # no CUDA here (the CPU tests)
+        return ""
     ids = [getattr(props, f"pci_{part}_id", -1) for part in ("domain", "bus", "device")]
     if min(ids) < 0:
         return ""

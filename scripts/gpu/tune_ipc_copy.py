@@ -168,6 +168,7 @@ def profile_write(out: Path, writes: int, paths: list[str]) -> None:
     unrunnable = [p for p in paths if p in ipc.BATCH_PATHS and sender._driver.batch_copier is None]
     runnable = [p for p in paths if p not in unrunnable]
     lines = compare_paths(sender, pools, jobs, runnable, writes, out)
+    lines += ["", host_facts(sender)]
     lines += [f"FAIL: path {p!r} not run: no cuMemcpyBatchAsync here ({missing})"
               for p in unrunnable]  # fmt: skip
     sender.close()
@@ -176,6 +177,23 @@ def profile_write(out: Path, writes: int, paths: list[str]) -> None:
     (out / "profile_write.txt").write_text("\n".join(lines) + "\n")
     if unrunnable:
         raise SystemExit(f"FAIL: the driver has no batched copy ({missing})")
+
+
+def host_facts(sender: Any) -> str:
+    """This process's side of bench_kv_staging's "host facts" (scripts/gpu/host_probe.py),
+    to hold the two-process figures against: where it runs, a numpy calibration, the
+    driver and its batched copy."""
+    from scripts.gpu import host_probe
+    from scripts.gpu.bench_kv_staging import gpu_bus_id
+
+    driver = sender._driver
+    copier = driver.batch_copier
+    batch = copier.symbol if copier else f"none ({driver.batch_missing})"
+    version = f"{driver.version // 1000}.{driver.version % 1000 // 10}"
+    here = host_probe.snapshot(gpu_bus_id("cuda:0")).line()
+    numpy_ms = host_probe.calibration_ms()
+    return (f"host facts (this one process): {here}; numpy calibration {numpy_ms:.4f} ms; "
+            f"CUDA driver {version}, batched copy {batch}")  # fmt: skip
 
 
 def compare_paths(
