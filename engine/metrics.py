@@ -191,6 +191,11 @@ class PrefillMetrics:
             "pdserve_prefill_transfer_descriptors", "write descriptors (coalesced runs)",
             registry=r,
         )  # fmt: skip
+        self.transfer_page_id_writes = Counter(
+            "pdserve_prefill_transfer_page_id_writes",
+            "KV writes issued by page ids (whole pages, one rank each side), not by ranges",
+            registry=r,
+        )  # fmt: skip
         self.rooms = Counter(
             "pdserve_prefill_rooms", "rooms settled, by outcome (done | failed)", ["outcome"],
             registry=r,
@@ -227,6 +232,7 @@ class PrefillMetrics:
             self.transfer_bytes.inc(req.transfer.bytes)
             self.transfer_pages.inc(req.transfer.pages)
             self.transfer_descriptors.inc(req.transfer.descriptors)
+            self.transfer_page_id_writes.inc(req.transfer.page_id_writes)
 
 
 class DecodeMetrics:

@@ -38,6 +38,7 @@ class TransferSummary:
     pages: int
     bytes: int
     descriptors: int
+    page_id_writes: int = 0  # of its KV writes, those issued by page ids (write_pages)
 
 
 @dataclass(eq=False)

@@ -37,6 +37,7 @@ class TransferConfig:
     fail_rate: float = 0.0  # fault injection: probability that a write fails (tests only)
     aux_corrupt_rate: float = 0.0  # fault injection: probability that an aux write is corrupted
     nixl_progress_delay_us: int = 100  # nixl: progress thread sleep (0 = spin a core)
+    ipc_copy: str = "kernel"  # cuda_ipc: page-id writes by its kernel | batch | batch-overlap
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ device's) to keep a write's host time small.
 
 Memory from PyTorch's expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`)
 is not a cudaMalloc allocation and has no IPC handle; the error says so.
+
+The batched copy (`cuMemcpyBatchAsync`, CUDA 12.8+) is optional: `batch_copier` is bound
+where the driver has it (kvtransfer/cuda_batch_copy.py), else None with the reason in
+`batch_missing`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvtransfer.base import TransferError
+from kvtransfer.cuda_batch_copy import BatchCopier, bind_batch_copy
 from kvtransfer.cuda_ipc_plan import BACKEND_FLAG
 
 IPC_HANDLE_BYTES = 64
@@ -43,6 +48,7 @@ class IpcMemHandle(ctypes.Structure):
 # cuda.h maps the plain names to (64-bit sizes); the plain ones are the fallback.
 _SIGNATURES: dict[str, tuple[tuple[str, ...], list[type]]] = {
     "init": (("cuInit",), [ctypes.c_uint]),
+    "driver_version": (("cuDriverGetVersion",), [ctypes.POINTER(ctypes.c_int)]),
     "device_get": (("cuDeviceGet",), [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
     "primary_retain": (("cuDevicePrimaryCtxRetain",), [ctypes.POINTER(CUcontext), ctypes.c_int]),
     "push": (("cuCtxPushCurrent_v2", "cuCtxPushCurrent"), [CUcontext]),
@@ -81,6 +87,11 @@ class CudaDriver:
                     in _SIGNATURES.items()}  # fmt: skip
         self._check(self._fn["init"](0), "cuInit")
         self._contexts: dict[int, CUcontext] = {}
+        version = ctypes.c_int()
+        self._check(self._fn["driver_version"](ctypes.byref(version)), "cuDriverGetVersion")
+        self.version = version.value  # 12080 for CUDA 12.8
+        self.batch_copier: BatchCopier | None
+        self.batch_copier, self.batch_missing = bind_batch_copy(lib, self.version, self._describe)
 
     @staticmethod
     def _bind(lib: ctypes.CDLL, symbols: tuple[str, ...], args: list[type]) -> Any:

@@ -17,7 +17,11 @@ reductions), planned into a pinned buffer reused from a few slots, uploaded by o
 asynchronous driver copy on the engine's stream, and the kernel is launched through its
 compiled form (kvtransfer/cuda_ipc_queue.py). `write_pages` (page ids and a page size instead of
 ranges) skips the range objects too: its checks are the smallest and largest page id on each
-side.
+side. A page-id write can instead be one call of the driver's batched copy
+(`cuMemcpyBatchAsync`, kvtransfer/cuda_batch_copy.py: a descriptor a run of pages, no
+table, no kernel), chosen by `TransferConfig.ipc_copy` (`--cuda-ipc-copy batch` or
+`batch-overlap`; the kernel by default); a driver without it falls back to the kernel with
+a warning (`copy_fallback` says why).
 
 Ranges in CPU memory on both sides (the aux slots with the first token, kvtransfer/aux.py) are
 copied by `process_vm_writev` into the peer's pid at `write` (a few hundred bytes; the receiver
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +53,7 @@ from kvtransfer.base import (
     TransferState,
     coalesce_pages,
 )
+from kvtransfer.cuda_batch_copy import CopyMethod, page_descriptors, parse_copy_method
 from kvtransfer.cuda_driver import CudaDriver
 from kvtransfer.cuda_ipc_kernel import CopyLauncher
 from kvtransfer.cuda_ipc_plan import (
@@ -60,6 +65,8 @@ from kvtransfer.cuda_ipc_plan import (
     check_registrable,
     group_ranges,
     lowest_bit,
+    page_ids,
+    page_regions,
     plan_columns,
     plan_pages,
 )
@@ -100,7 +107,19 @@ class CudaIpcEngine(KVTransferEngine):
                 f"{BACKEND_FLAG} needs CUDA GPUs (torch {torch.__version__} sees none); use "
                 "--transfer-backend nixl or mooncake on this host"
             )
+        try:
+            method = parse_copy_method(config.ipc_copy)
+        except ValueError as exc:
+            raise TransferError(str(exc)) from None
         self._driver = CudaDriver()
+        self.copy_method, self.copy_fallback = method, ""  # what page-id writes use, and why
+        if method.batched and self._driver.batch_copier is None:
+            self.copy_method = CopyMethod.KERNEL
+            self.copy_fallback = (
+                f"--cuda-ipc-copy {method.value} asked, but {self._driver.batch_missing}: "
+                "page-id writes use the copy kernel"
+            )
+            logger.warning("%s: %s", config.node_name, self.copy_fallback)
         self._boot_id = boot_id()
         self._regions: list[ExportedRegion] = []
         self._peers: dict[str, MappedPeer] = {}
@@ -225,6 +244,10 @@ class CudaIpcEngine(KVTransferEngine):
         id and planned straight from the ids (kvtransfer/cuda_ipc_plan.py's `plan_pages`):
         no range object, no per-range check. Anything else (pages beyond a pool, CPU
         memory) takes the range path, which refuses it naming the range."""
+        if self.copy_method.batched:
+            return self.write_pages_batched(
+                peer_id, src_pages, dst_pages, page_bytes, (src_base, dst_base), self.copy_method
+            )
         peer = self._peer(peer_id)
         device = self._kernel_device()
         slot = self._tables(device).take()
@@ -250,6 +273,45 @@ class CudaIpcEngine(KVTransferEngine):
         self._launch(handle, plan, local, base, slot if local.device_index == device else None)
         return handle
 
+    def write_pages_batched(
+        self,
+        peer_id: str,
+        src_pages: Sequence[int] | np.ndarray,
+        dst_pages: Sequence[int] | np.ndarray,
+        page_bytes: int,
+        bases: tuple[int, int],
+        method: CopyMethod = CopyMethod.BATCH,
+    ) -> TransferHandle:
+        """`write_pages` by the driver's batched copy, whatever `copy_method` says (the
+        benchmarks run both): checked as the kernel's page-id write is, then one descriptor
+        a run of pages adjacent on both sides, queued by one driver call after the caller's
+        stream."""
+        peer = self._peer(peer_id)
+        copier = self._driver.batch_copier
+        if copier is None:
+            raise TransferError(
+                f"cuda_ipc engine {self.config.node_name!r}: no batched copy here "
+                f"({self._driver.batch_missing}); use --cuda-ipc-copy kernel"
+            )
+        src, dst = page_ids(src_pages), page_ids(dst_pages)
+        if src.ndim != 1 or src.shape != dst.shape:
+            raise ValueError(f"{src.shape} source pages but {dst.shape} destination pages")
+        pair = None
+        if len(src) and page_bytes > 0:
+            pair = page_regions(src, dst, page_bytes, bases, self._regions, peer.endpoint.regions)
+        if pair is None:  # the range path refuses what is wrong, naming the range
+            ranges = coalesce_pages(src.tolist(), dst.tolist(), page_bytes, *bases)
+            return self.write(peer_id, ranges)
+        local, remote = self._regions[pair[0]], peer.endpoint.regions[pair[1]]
+        mapped = peer.bases[pair[1]] + (bases[1] - remote.addr)  # the peer's page 0, here
+        desc = page_descriptors(src, dst, page_bytes, bases[0], mapped)
+        handle = CudaIpcHandle(peer_id)
+        handle.keep.append(desc)  # its arrays live until the write is done
+        overlap = method is CopyMethod.BATCH_OVERLAP
+        self._submit(handle, local.device_index,
+                     lambda queue: queue.submit_batch(copier, desc, overlap))  # fmt: skip
+        return handle
+
     def _copy_queue(self, device: int) -> CopyQueue:
         if device not in self._queues:
             self._queues[device] = CopyQueue(device, self._launcher, self._driver)
@@ -271,16 +333,24 @@ class CudaIpcEngine(KVTransferEngine):
         were planned into, if any."""
         if not plan.num_rows:
             return
-        device = local.device_index
+        src, keep = local.addr, handle.keep
+        self._submit(handle, local.device_index,
+                     lambda queue: queue.submit(plan, src, dst_base, slot, keep))  # fmt: skip
+
+    def _submit(
+        self, handle: CudaIpcHandle, device: int, submit: Callable[[CopyQueue], Any]
+    ) -> None:
+        """`submit` on `device`'s copy queue with that device current (Triton launches and
+        the driver copies there); the event it returns completes the write."""
         queue = self._copy_queue(device)
         try:
-            if torch.cuda.current_device() != device:  # Triton launches on the current one
+            if torch.cuda.current_device() != device:
                 with torch.cuda.device(device):
-                    done = queue.submit(plan, local.addr, dst_base, slot, handle.keep)
+                    done = submit(queue)
             else:
-                done = queue.submit(plan, local.addr, dst_base, slot, handle.keep)
-        except Exception as exc:  # a launch the runtime refused: this write fails, loudly
-            self._fail(handle, f"copy kernel launch: {type(exc).__name__}: {exc}")
+                done = submit(queue)
+        except Exception as exc:  # a copy the runtime refused: this write fails, loudly
+            self._fail(handle, f"copy on cuda:{device}: {type(exc).__name__}: {exc}")
             return
         handle.events.append(done)
 

@@ -398,12 +398,10 @@ def plan_pages(
     if not n or page_bytes <= 0:
         return None
     src_base, dst_base = bases
-    li = _holder(local, src_base + int(src.min()) * page_bytes,
-                 src_base + (int(src.max()) + 1) * page_bytes)  # fmt: skip
-    pi = _holder(peer, dst_base + int(dst.min()) * page_bytes,
-                 dst_base + (int(dst.max()) + 1) * page_bytes)  # fmt: skip
-    if li is None or pi is None or not (local[li].on_gpu and peer[pi].on_gpu):
+    pair = page_regions(src, dst, page_bytes, bases, local, peer)
+    if pair is None:
         return None
+    li, pi = pair
     src_offset, dst_offset = src_base - local[li].addr, dst_base - peer[pi].addr
     chunk = lowest_bit(page_bytes | src_offset | dst_offset, MAX_CHUNK_BYTES)
     per_page = page_bytes // chunk
@@ -416,6 +414,32 @@ def plan_pages(
         rows[:, 1] += dst_offset // chunk
     rows[:, 2] = per_page
     return PagePlan(li, pi, CopyPlan(chunk, lowest_bit(chunk | _or(align), 8), rows, per_page))
+
+
+def page_regions(
+    src: np.ndarray,
+    dst: np.ndarray,
+    page_bytes: int,
+    bases: tuple[int, int],
+    local: Sequence[ExportedRegion],
+    peer: Sequence[ExportedRegion],
+) -> tuple[int, int] | None:
+    """(local region, peer region) holding every page of a page-id write (int64 id arrays,
+    not empty), both on a GPU; None otherwise. Checked by the smallest and largest page id
+    on each side: a region is one interval."""
+    src_base, dst_base = bases
+    li = _holder(local, src_base + int(src.min()) * page_bytes,
+                 src_base + (int(src.max()) + 1) * page_bytes)  # fmt: skip
+    pi = _holder(peer, dst_base + int(dst.min()) * page_bytes,
+                 dst_base + (int(dst.max()) + 1) * page_bytes)  # fmt: skip
+    if li is None or pi is None or not (local[li].on_gpu and peer[pi].on_gpu):
+        return None
+    return li, pi
+
+
+def page_ids(pages: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Page ids as an int64 array (no copy of one already)."""
+    return _page_ids(pages)
 
 
 def _page_ids(pages: Sequence[int] | np.ndarray) -> np.ndarray:

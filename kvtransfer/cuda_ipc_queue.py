@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtransfer.cuda_batch_copy import BatchCopier, PageDescriptors
 from kvtransfer.cuda_ipc_kernel import MAX_GRID_ROWS, WORD_DTYPES, CopyLauncher
 from kvtransfer.cuda_ipc_plan import CopyPlan
 
@@ -109,6 +110,15 @@ class CopyQueue:
         address = device.data_ptr()
         self.driver.copy_to_device(address, host.data_ptr(), n * ROW_BYTES, self.stream.cuda_stream)
         return address
+
+    def submit_batch(self, copier: BatchCopier, desc: PageDescriptors, overlap: bool) -> Any:
+        """Queue a write's descriptors as one batched driver copy after the caller's stream;
+        the event after it (no table, no kernel: kvtransfer/cuda_batch_copy.py)."""
+        self.after_caller()  # its runtime calls make the device's context current
+        copier.copy(desc, self.stream.cuda_stream, overlap)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
 
     def after_caller(self) -> None:
         """The engine's stream waits for the caller's (the work that wrote the pages)."""

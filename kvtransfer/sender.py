@@ -49,6 +49,7 @@ class SenderStats:
     pages: int = 0
     bytes: int = 0
     descriptors: int = 0
+    page_id_writes: int = 0  # writes issued by page ids (`write_pages`), not ranges
 
 
 @dataclass
@@ -103,6 +104,7 @@ class KVSender:
             )
         )
         self.stats.descriptors += page_runs(src, dst)
+        self.stats.page_id_writes += 1
         self.stats.bytes += len(src) * src_kv.page_bytes
 
     def send_layers(self, req_pages: Sequence[int], upto_page: int, span: LayerSpan) -> None:

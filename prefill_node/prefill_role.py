@@ -296,7 +296,9 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
             entry.fail("lease_lost", FENCED)
         if entry.sender is not None:
             stats = entry.sender.stats
-            req.transfer = TransferSummary(stats.pages, stats.bytes, stats.descriptors)
+            req.transfer = TransferSummary(
+                stats.pages, stats.bytes, stats.descriptors, stats.page_id_writes
+            )
         req.timing.mark("transfer_done")
         self.metrics.count_room(req, (entry.failure_kind or "other") if entry.failure else None)
         state = RoomState.FAILED if entry.failure else RoomState.DONE

@@ -87,7 +87,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., bootstrap_room: _Optional[int] = ..., decode_node_id: _Optional[str] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("bootstrap_room", "prompt_tokens", "cached_tokens", "sent_pages", "sent_bytes", "descriptors", "timing", "prompt_logprobs")
+    __slots__ = ("bootstrap_room", "prompt_tokens", "cached_tokens", "sent_pages", "sent_bytes", "descriptors", "timing", "prompt_logprobs", "page_id_writes")
     BOOTSTRAP_ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class PrefillResponse(_message.Message):
     DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_ID_WRITES_FIELD_NUMBER: _ClassVar[int]
     bootstrap_room: int
     prompt_tokens: int
     cached_tokens: int
@@ -104,7 +105,8 @@ class PrefillResponse(_message.Message):
     descriptors: int
     timing: NodeTiming
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, bootstrap_room: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., sent_pages: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    page_id_writes: int
+    def __init__(self, bootstrap_room: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., sent_pages: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., page_id_writes: _Optional[int] = ...) -> None: ...
 
 class NodeTiming(_message.Message):
     __slots__ = ("bootstrap_wait_s", "queue_s", "prefill_s", "transfer_s", "prealloc_s", "kv_wait_s", "admit_s", "first_decode_s", "decode_s", "total_s")

@@ -529,6 +529,9 @@ class FakeDriver:
     """The driver calls of kvtransfer/cuda_driver.py, recorded (no GPU needed)."""
 
     MAPPED_AT = 0x7F00_0000_0000
+    batch_copier = None  # no cuMemcpyBatchAsync: --cuda-ipc-copy batch falls back to the kernel
+    batch_missing = "the stand-in driver has no batched copy"
+    version = 12060  # cuDriverGetVersion: CUDA 12.6
 
     def __init__(self) -> None:
         self.opened: list[tuple[bytes, int]] = []
@@ -771,11 +774,16 @@ def _receiver(device: str, conn: Connection) -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("copy", ["kernel", "batch"])
 @pytest.mark.parametrize("second_gpu", [False, True])
-def test_two_processes_move_scattered_pages_and_aux(second_gpu: bool) -> None:
+def test_two_processes_move_scattered_pages_and_aux(second_gpu: bool, copy: str) -> None:
+    """`copy`: how the page-id writes copy (--cuda-ipc-copy); the ranges take the kernel."""
     if second_gpu and torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     receiver_device = "cuda:1" if second_gpu else "cuda:0"
+    engine = create_engine(TransferConfig("cuda_ipc", "prefill", ipc_copy=copy))
+    if engine.copy_fallback:  # type: ignore[attr-defined]
+        pytest.skip(engine.copy_fallback)  # type: ignore[attr-defined]
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     receiver = ctx.Process(target=_receiver, args=(receiver_device, there), daemon=True)
@@ -785,7 +793,6 @@ def test_two_processes_move_scattered_pages_and_aux(second_gpu: bool) -> None:
         endpoint_bytes, regions = here.recv()
         pool = _pool("cuda:0", None)
         aux = np.arange(1, 17, dtype=np.uint8)
-        engine = create_engine(TransferConfig(backend="cuda_ipc", node_name="prefill"))
         engine.register([MemoryRegion("kv", pool.data_ptr(), pool.numel(), "cuda:0"),
                          MemoryRegion("aux", int(aux.ctypes.data), aux.nbytes, "cpu")])  # fmt: skip
         engine.connect(PeerInfo("decode", endpoint_bytes, {r.name: r for r in regions}))
@@ -931,6 +938,80 @@ def test_engine_write_paths_move_pages_through_the_copy_queue(stand_in_engines) 
     assert sender._copy_queue(0).stream.waited == 4  # each after the caller's stream
     split = ipc.host_split(sender, "pages", ipc.PageJob("decode", [1], [2], PAGE_BYTES, *bases), 3)
     assert split["host total"] > 0 and "wait until DONE" in split
+    with pytest.raises(RuntimeError, match="no cuMemcpyBatchAsync here: the stand-in driver"):
+        ipc.PATH_FUNCTIONS["batch"](sender, job, job.ranges(), [])
+
+
+def test_batched_copy_knob_falls_back_to_the_kernel_where_the_driver_has_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvtransfer import cuda_ipc
+    from kvtransfer.cuda_batch_copy import CopyMethod
+
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_ipc, "CudaDriver", FakeDriver)
+    engine = cuda_ipc.CudaIpcEngine(TransferConfig("cuda_ipc", "prefill", ipc_copy="batch"))
+    assert engine.copy_method is CopyMethod.KERNEL
+    assert engine.copy_fallback == (
+        "--cuda-ipc-copy batch asked, but the stand-in driver has no batched copy: page-id "
+        "writes use the copy kernel"
+    )
+    default = cuda_ipc.CudaIpcEngine(TransferConfig("cuda_ipc", "prefill"))
+    assert default.copy_method is CopyMethod.KERNEL and default.copy_fallback == ""
+    with pytest.raises(TransferError, match="--cuda-ipc-copy must be one of kernel, batch"):
+        cuda_ipc.CudaIpcEngine(TransferConfig("cuda_ipc", "prefill", ipc_copy="memcpy"))
+
+
+def test_engine_batched_page_writes_move_pages_by_one_driver_call(stand_in_engines) -> None:  # type: ignore[no-untyped-def]
+    """--cuda-ipc-copy batch on the stand-in GPU: one batched call a write (a descriptor a run
+    of pages, the peer's mapped addresses), after the caller's stream, no kernel; pages
+    beyond the pool take the range path, which refuses them naming the range."""
+    import ctypes
+
+    from kvtransfer.cuda_batch_copy import _ARGS_13_0, BatchCopier, CopyMethod
+
+    sender, (src_pool, dst_pool), launches = stand_in_engines
+    calls: list = []
+
+    def batch(dsts, srcs, sizes, count, attrs, idxs, num_attrs, stream):  # type: ignore[no-untyped-def]
+        rows = [np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(a)).tolist()
+                for a in (dsts, srcs, sizes)]  # fmt: skip
+        for d, s, n in zip(*rows, strict=True):
+            ctypes.memmove(d, s, n)
+        calls.append((count, stream))
+        return 0
+
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, *_ARGS_13_0)(batch)
+    sender._driver.batch_copier = BatchCopier(fn, "cuMemcpyBatchAsync_v2", 13000, False)
+    sender.copy_method = CopyMethod.BATCH
+    launches.clear()
+    bases = (src_pool.data_ptr(), dst_pool.data_ptr())
+    expected = dst_pool.clone()
+    src, dst = [5, 6, 7, 30, 2], [40, 41, 42, 1, 9]
+    handle = sender.write_pages("decode", src, np.array(dst), PAGE_BYTES, *bases)
+    assert sender.poll(handle) is TransferState.DONE
+    sender.release(handle)
+    expected[dst] = src_pool[src]
+    assert torch.equal(dst_pool, expected) and launches == []
+    assert calls == [(3, None)]  # pages 5-7 -> 40-42 one descriptor, then two; stream 0
+    assert sender._copy_queue(0).stream.waited == 1
+    with pytest.raises(TransferError, match="lies outside every registered peer"):
+        sender.write_pages_batched("decode", [3], [POOL_PAGES], PAGE_BYTES, bases)
+    assert len(calls) == 1  # not batched: the range path refused it
+    # the benchmark's inlined batch paths: the same call, with their step marks
+    from scripts.gpu import ipc_write_paths as ipc
+
+    for path in ("batch", "batch-overlap"):
+        job = ipc.PageJob("decode", [9, 3], [20, 21], PAGE_BYTES, *bases)
+        marks: list = []
+        handle = ipc.PATH_FUNCTIONS[path](sender, job, job.ranges(), marks)
+        assert [m[0] for m in marks] == ["start", "page ids: bounds + descriptors",
+                                         "stream wait (reused event)",
+                                         "batched copy (one driver call)", "event"]  # fmt: skip
+        ipc.wait(sender, handle)
+        expected[[20, 21]] = src_pool[[9, 3]]
+        assert torch.equal(dst_pool, expected), path
+    assert len(calls) == 3
 
 
 def test_tune_ipc_copy_compares_the_paths_and_stops_on_wrong_bytes(  # type: ignore[no-untyped-def]
@@ -951,6 +1032,10 @@ def test_tune_ipc_copy_compares_the_paths_and_stops_on_wrong_bytes(  # type: ign
     assert lines[0].startswith("byte checks: PASS (ranges, pages; contiguous, scattered")
     assert [line.split(" | ")[0] for line in lines[4:6]] == ["| ranges", "| pages"]
     assert "pages: the scattered write's host steps (median ms of 3)" in lines
+    facts = tune.host_facts(sender)  # the one-process side of the bench's host facts
+    assert facts.startswith(f"host facts (this one process): pid {os.getpid()} on cpu ")
+    assert facts.endswith("CUDA driver 12.6, batched copy none (the stand-in driver has no "
+                          "batched copy)")  # fmt: skip
     assert (tmp_path / "profile-pages.txt").exists()
     monkeypatch.setattr(sender._launcher, "launch", lambda *args: None)  # a kernel that drops
     with pytest.raises(SystemExit, match="FAIL: the 'pages' path moved wrong bytes"):
@@ -993,8 +1078,19 @@ def test_bench_parses_cuda_ipc_flags_and_picks_its_engines() -> None:
         "scattered",
         "scattered, page ids",
         "scattered, before",
+        "contiguous, driver batch",
+        "scattered, driver batch",
+        "scattered, driver batch, overlap hint",
     )
-    assert set(bench.IPC_METHODS.values()) == {"ranges", "pages", "before"}
+    from scripts.gpu.ipc_write_paths import PATHS
+
+    assert {path for _, path in bench.IPC_METHODS.values()} == set(PATHS)
+    assert bench.IPC_METHODS["contiguous, driver batch"] == ("contiguous", "batch")
+    assert args.pd_ipc_copy == ["kernel"]
+    both = bench.build_parser().parse_args(["--pd-ipc-copy", "kernel", "batch"])
+    assert both.pd_ipc_copy == ["kernel", "batch"]
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--pd-ipc-copy", "memcpy"])
     # its own check failing drops its rows only; another check failing drops every row
     every = bench.build_parser().parse_args([])
     assert bench.CUDA_IPC in bench.engines_to_run(every, {"nixl-cu13": "1.5.1"})
@@ -1003,6 +1099,28 @@ def test_bench_parses_cuda_ipc_flags_and_picks_its_engines() -> None:
     assert bench.engines_to_run(every, {"torch page copy == source": "FAIL"}) == []
     cpu = bench.build_parser().parse_args(["--device", "cpu"])
     assert bench.engines_to_run(cpu, {}) == list(bench.CPU_ENGINES)
+
+
+def test_bench_pd_check_runs_a_cuda_ipc_trio_per_copy_method(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from scripts.gpu import bench_kv_staging as bench
+
+    trios: list = []
+
+    def run(device, backends, workdir, extra=(), label=""):  # type: ignore[no-untyped-def]
+        trios.append((backends, workdir.name, list(extra), label))
+        return SimpleNamespace(checks=[])
+
+    monkeypatch.setattr(bench.check_pd, "run", run)
+    bench.pd_check("cuda", ["nixl", "cuda_ipc"], ("kernel", "batch"))
+    assert trios[0][0] == ["nixl"] and trios[0][3] == ", staging forced"
+    assert trios[1:] == [
+        (["cuda_ipc"], "kernel", [], ""),
+        (["cuda_ipc"], "batch", ["--cuda-ipc-copy", "batch"], ", --cuda-ipc-copy batch"),
+    ]
 
 
 def test_bench_table_rates_cuda_ipc_rows_against_its_own_contiguous_row() -> None:
@@ -1033,7 +1151,8 @@ def test_tune_ipc_copy_parses_its_paths_and_jobs_build_their_ranges() -> None:
     from scripts.gpu import tune_ipc_copy as tune
 
     args = tune.build_parser().parse_args(["--out", "x", "--profile-write", "100"])
-    assert args.paths == ["before", "ranges", "pages"] and args.profile_write == 100
+    assert args.paths == ["before", "ranges", "pages", "batch", "batch-overlap"]
+    assert args.profile_write == 100
     args = tune.build_parser().parse_args(["--out", "x", "--paths", "before", "pages"])
     assert args.paths == ["before", "pages"]
     with pytest.raises(SystemExit):
@@ -1041,6 +1160,7 @@ def test_tune_ipc_copy_parses_its_paths_and_jobs_build_their_ranges() -> None:
     job = ipc.PageJob("decode", [3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
     assert job.ranges() == coalesce_pages([3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
     assert set(ipc.PATH_FUNCTIONS) == set(ipc.PATHS)
+    assert [ipc.descriptors(p, job) for p in ("ranges", "pages", "batch")] == [2, 3, 2]
     # the frozen `before` planning makes the rows of today's for the same write
     local = (ExportedRegion("kv", 1 << 20, 1 << 20, "cuda:0"),)
     peer = (ExportedRegion("kv", 1 << 30, 1 << 20, "cuda:0"),)
@@ -1050,6 +1170,77 @@ def test_tune_ipc_copy_parses_its_paths_and_jobs_build_their_ranges() -> None:
                        for r in job.ranges()], align=(1 << 20, 1 << 32))  # fmt: skip
     assert (plan.chunk_bytes, plan.word_bytes) == (today.chunk_bytes, today.word_bytes)
     assert plan.rows.tolist() == today.rows.tolist() == [[3, 7, 2], [9, 1, 1]]
+
+
+def test_bench_notes_the_senders_host_facts_and_splits_per_write() -> None:
+    from scripts.gpu import bench_kv_staging as bench
+
+    per_write = {"bounds": [0.01, 0.03, 0.02], "upload": [0.005] * 3,
+                 "wait until DONE": [0.4] * 3, "host total": [0.02, 0.05, 0.03]}  # fmt: skip
+    line = bench.format_split(per_write)
+    assert line.startswith("host 0.030 (p10-p90 0.022-0.046): bounds 0.020 / upload 0.005")
+    assert "wait until DONE" not in line
+    row = bench.Row("cuda_ipc kernel", "scattered, page ids", 256, 0.5, "0.4-0.6", 1000.0, True,
+                    parts=line, host_steps=per_write, notes="pid 1 on cpu 3")  # fmt: skip
+    table = bench.markdown({}, [row], [])
+    assert (
+        "- cuda_ipc kernel, scattered, page ids, the sender's host facts: pid 1 on cpu 3" in table
+    )
+    assert bench.asdict(row)["host_steps"]["bounds"] == [0.01, 0.03, 0.02]  # into the JSON
+
+
+def test_host_probe_reads_this_process_and_its_peers() -> None:
+    from scripts.gpu import host_probe
+
+    assert host_probe.parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    here = host_probe.snapshot("ffff:ff:1f.7")  # no such device: its node is unknown
+    assert here.pid == os.getpid() and here.gpu_node is None and here.allowed_cpus >= 1
+    assert "MainThread" in here.python_threads and len(here.os_threads) >= 1
+    assert f"pid {os.getpid()} on cpu {here.cpu}" in here.line()
+    assert "interpreter hooks: " in here.hooks and "GC-tracked objects" in here.hooks
+    assert host_probe.mapped_library("libpython") or host_probe.mapped_library("python")
+    assert host_probe.calibration_ms(20) > 0
+    import time
+
+    ready = "print('ready', flush=True)\n"
+    spinner = subprocess.Popen([sys.executable, "-c", ready + "while True: pass"],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    sleeper = subprocess.Popen([sys.executable, "-c", ready + "import time; time.sleep(60)"],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for proc in (spinner, sleeper):  # both started: no start-up CPU in the window
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        with host_probe.cpu_use({"spinner": spinner.pid, "sleeper": sleeper.pid}, 50) as use:
+            time.sleep(1.0)
+    finally:
+        for proc in (spinner, sleeper):
+            proc.kill()
+            proc.wait()
+    assert use.used_s["spinner"] > 0.05 > use.used_s["sleeper"]  # a spinning peer shows
+    assert f"[{spinner.pid}]" in " ".join(use.busiest)  # among the host's busiest (top 50)
+    assert use.line().startswith(f"CPU used during the {use.wall_s:.3f} s window: spinner ")
+    assert host_probe.cpu_seconds(2**22 + 12345) == 0.0  # gone
+    cpus = os.sched_getaffinity(0)
+    assert host_probe.on_cpus({min(cpus)}, lambda: os.sched_getaffinity(0)) == {min(cpus)}
+    assert os.sched_getaffinity(0) == cpus
+
+
+def test_pd_check_says_whether_the_prefill_node_wrote_by_page_ids() -> None:
+    from types import SimpleNamespace
+
+    from proto import node_pb2
+    from scripts.gpu.check_pd import page_id_use
+
+    def reply(writes: int) -> SimpleNamespace:
+        return SimpleNamespace(prefill=node_pb2.PrefillResponse(page_id_writes=writes))
+
+    assert (
+        page_id_use([reply(2), reply(1)])
+        == "write_pages used: yes (2/2 requests, 3 page-id writes)"
+    )
+    assert page_id_use([reply(0), reply(0)]).startswith("write_pages used: NO (0/2")
+    assert page_id_use([reply(0), reply(4)]).startswith("write_pages used: partly (1/2")
+    assert page_id_use([SimpleNamespace(prefill=None)]).startswith("write_pages used: NO (0/0")
 
 
 def test_bench_help_runs_on_a_cpu() -> None:

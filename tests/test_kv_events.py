@@ -187,6 +187,7 @@ def test_turn_two_sends_only_the_pages_the_decode_node_lacks(trio: PDTrio, tiny_
     turn1 = prompt(77, 30)
     first = trio.generate(turn1, greedy())
     assert first.prefill is not None and first.prefill.sent_pages == -(-len(turn1) // PAGE)
+    assert first.prefill.page_id_writes >= 1  # whole pages, one rank each side: by page ids
     turn2 = turn1 + first.token_ids + prompt(78, 13)  # 30 + 5 + 13 = 48 tokens, 12 pages
     second = trio.generate(turn2, greedy())
     assert second.finished is not None and second.prefill is not None

@@ -381,6 +381,7 @@ def test_sender_writes_whole_pages_by_page_ids_and_head_runs_by_ranges() -> None
     assert engine.page_writes == [("d", [3, 4, 5, 6], [7, 8, 9, 30], page, 1 << 20, 1 << 30)]
     assert engine.writes == []
     assert (one.stats.pages, one.stats.descriptors, one.stats.bytes) == (4, 2, 4 * page)
+    assert one.stats.page_id_writes == 1
     assert page_runs([3, 4, 5, 6], [7, 8, 9, 30]) == len(
         coalesce_pages([3, 4, 5, 6], [7, 8, 9, 30], 1, 0, 0)
     )
@@ -394,3 +395,4 @@ def test_sender_writes_whole_pages_by_page_ids_and_head_runs_by_ranges() -> None
     split.send_pages([3, 4, 5, 6], 4)
     assert engine.page_writes == [] and len(engine.writes) == 2
     assert split.stats.descriptors == 8  # a range per page and decode rank
+    assert split.stats.page_id_writes == 0

@@ -15,6 +15,7 @@ from engine.models.cpu_linear import LINEAR_KERNELS
 from engine.node.kv_publisher import add_kv_events_args
 from kvtransfer import TRANSFER_BACKENDS
 from kvtransfer.base import TransferConfig
+from kvtransfer.cuda_batch_copy import COPY_METHODS
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -211,6 +212,14 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
         help="cuda_ipc: both nodes on GPUs of one host (docs/architecture.md)",
     )
     g.add_argument("--transfer-protocol", default="tcp", help="mooncake: tcp or rdma")
+    g.add_argument(
+        "--cuda-ipc-copy",
+        default="kernel",
+        choices=COPY_METHODS,
+        help="cuda_ipc: how whole pages are copied: its Triton kernel, or the driver's batched "
+        "copy (cuMemcpyBatchAsync, CUDA 12.8+; batch-overlap hints copy engines); a driver "
+        "without it falls back to the kernel with a warning",
+    )
     g.add_argument("--transfer-devices", default="", help="mooncake RDMA devices, e.g. mlx5_0")
     g.add_argument("--node-id", default="", help="id to register with (default: assigned)")
     g.add_argument(
@@ -279,4 +288,5 @@ def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
         device_names=args.transfer_devices,
         fail_rate=args.inject_transfer_failures,
         aux_corrupt_rate=args.inject_aux_corruption,
+        ipc_copy=args.cuda_ipc_copy,
     )

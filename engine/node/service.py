@@ -220,6 +220,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             sent_pages=t.pages if t else 0,
             sent_bytes=t.bytes if t else 0,
             descriptors=t.descriptors if t else 0,
+            page_id_writes=t.page_id_writes if t else 0,
             timing=timing_to_proto(finish.timing),
             prompt_logprobs=prompt_logprobs_to_proto(finish.prompt_logprobs),
         )

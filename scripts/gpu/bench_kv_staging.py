@@ -32,7 +32,16 @@ one Triton kernel a write) has a `contiguous` row and its scattered write three 
 (scripts/gpu/ipc_write_paths.py): `scattered` (the engine's `write` of the ranges),
 `scattered, page ids` (its `write_pages`) and `scattered, before` (the write of the
 2026-11-26 report, frozen): each is one kernel launch whatever the layout, timed from `write`
-to its event passed in `poll`, with its host time split step by step in the parts column.
+to its event passed in `poll`, with its host time split step by step in the parts column
+(median; p10-p90 of the host total; every write's steps in the JSON). Three more rows copy
+the same page ids with the driver's batched copy (`--cuda-ipc-copy batch`, one
+`cuMemcpyBatchAsync` call, kvtransfer/cuda_batch_copy.py): `contiguous, driver batch`,
+`scattered, driver batch` and `scattered, driver batch, overlap hint`; a driver without it
+fails those rows (and the run), the others still print. After the page-id row the sender
+notes the facts that explain its host time against the one-process profile
+(scripts/gpu/host_probe.py): its CPU, NUMA nodes, threads, a numpy calibration (the parent's
+is in the header), the CPU the receiver and the parent burned meanwhile, the same split with
+the peer's pool in the sender's own process, and with the sender on the GPU's NUMA node.
 Its reference checks run first in this process (one GPU only): the engine's kernel between
 two pools of this process against torch indexing, timed for both layouts beside torch's
 contiguous copy.
@@ -59,7 +68,7 @@ import os
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -71,11 +80,14 @@ from engine.memory.kv_cache import KVLayout, PagedKVCache
 from engine.memory.staging import PageStager, StagingSpan
 from kvtransfer import MemoryRegion, PeerInfo, TransferConfig, TransferState, create_engine
 from kvtransfer.base import coalesce_pages
+from kvtransfer.cuda_batch_copy import COPY_METHODS, page_descriptors
 from kvtransfer.cuda_ipc_plan import (
     CopyPlan,
     ExportedRegion,
     IpcEndpoint,
     group_ranges,
+    page_ids,
+    page_regions,
     plan_columns,
     plan_pages,
 )
@@ -90,11 +102,19 @@ SEED = 1234
 METHODS = ("contiguous", "scattered", "staged", "staged x4", "prepped")
 PIECES = 4  # "staged x4": gather piece k+1 while the engine moves piece k
 PD_STAGING = ["--kv-staging-pages", "128", "--kv-staging-min-runs", "0"]
-# cuda_ipc: the layout does not change the launch; the scattered write three ways
-# (scripts/gpu/ipc_write_paths.py): the engine's `write` ("scattered"), its `write_pages`,
-# and the write of the 2026-11-26 report, frozen ("before")
-IPC_METHODS = {"scattered": "ranges", "scattered, page ids": "pages", "scattered, before": "before"}
+# cuda_ipc: the layout does not change the launch; row -> (layout, ipc_write_paths.py path):
+# the engine's `write` ("scattered"), its `write_pages`, the write of the 2026-11-26 report,
+# frozen ("before"), and the page ids by the driver's batched copy (`write_pages_batched`)
+IPC_METHODS = {
+    "scattered": ("scattered", "ranges"),
+    "scattered, page ids": ("scattered", "pages"),
+    "scattered, before": ("scattered", "before"),
+    "contiguous, driver batch": ("contiguous", "batch"),
+    "scattered, driver batch": ("scattered", "batch"),
+    "scattered, driver batch, overlap hint": ("scattered", "batch-overlap"),
+}
 ONE_KERNEL = ("contiguous", *IPC_METHODS)
+HOST_FACTS_AFTER = "scattered, page ids"  # the row the sender's host facts follow
 
 
 @dataclass(frozen=True)
@@ -174,7 +194,7 @@ def receiver_main(engine: Engine, setup: Setup, device: str, conn: Any) -> None:
     transfer = _engine(engine, "decode")
     region = _region(cache, device)
     transfer.register([region])
-    conn.send((transfer.local_endpoint(), region))
+    conn.send((transfer.local_endpoint(), region, os.getpid()))
     while (msg := conn.recv())[0] != "quit":
         if msg[0] == "poison":
             cache.storage.view(torch.uint8).fill_(POISON)
@@ -206,14 +226,17 @@ class Row:
     checked: bool = False
     parts: str = ""  # staged: gather / write / scatter medians; cuda_ipc: its host steps
     error: str = ""
+    host_steps: dict[str, list[float]] = field(default_factory=dict)  # cuda_ipc: per write
+    notes: str = ""  # cuda_ipc: the sender's host facts (scripts/gpu/host_probe.py)
 
 
 class Sender:
     """The prefill side: one engine, the receiver's pipe, and one timed way per method."""
 
     def __init__(self, engine: Engine, setup: Setup, conn: Any, endpoint: bytes,
-                 remote: MemoryRegion) -> None:  # fmt: skip
+                 remote: MemoryRegion, receiver_pid: int = 0) -> None:  # fmt: skip
         self.setup, self.conn, self.engine_spec, self.remote = setup, conn, engine, remote
+        self.receiver_pid = receiver_pid
         self.cache = setup.cache(setup.device)
         _bytes(self.cache).copy_(setup.source(setup.device))
         _sync(setup.device)
@@ -317,23 +340,69 @@ class Sender:
         page_bytes = LAYOUT.page_bytes
         return ipc.PageJob("decode", src, dst, page_bytes, self.local.addr, self.remote.addr)
 
-    def ipc_split(self, name: str, src: list[int], dst: list[int], writes: int) -> str:
-        """cuda_ipc: the host steps of one path (medians), "host total: step / step ..."."""
+    def ipc_split(self, path: str, src: list[int], dst: list[int], writes: int,
+                  row: Row | None = None) -> str:  # fmt: skip
+        """cuda_ipc: the host steps of one path, "host total (p10-p90): step / step ..."
+        (medians); every write's steps into `row.host_steps`."""
         from scripts.gpu import ipc_write_paths as ipc
 
-        split = ipc.host_split(self.engine, IPC_METHODS[name], self.ipc_job(src, dst), writes)
-        total = split.pop("host total")
-        split.pop("wait until DONE", None)
-        steps = " / ".join(f"{step} {ms:.3f}" for step, ms in split.items())
-        return f"host {total:.3f}: {steps}"
+        per_write = ipc.host_steps(self.engine, path, self.ipc_job(src, dst), writes)
+        if row is not None:
+            row.host_steps = per_write
+        return format_split(per_write)
+
+    def host_facts(self, src: list[int], dst: list[int], writes: int) -> str:
+        """Why this process's page-id write takes the host time it does, against the
+        one-process profile (scripts/gpu/host_probe.py): where the sender runs, a numpy
+        calibration (the parent's is in the header), the CPU the receiver and the parent
+        burned during a second split, the split with the peer's pool in this process, and
+        with the sender on the GPU's NUMA node."""
+        from scripts.gpu import host_probe
+        from scripts.gpu import ipc_write_paths as ipc
+
+        here = host_probe.snapshot(gpu_bus_id(self.setup.device))
+        facts = [here.line(), f"numpy calibration {host_probe.calibration_ms():.4f} ms"]
+        job = self.ipc_job(src, dst)
+        pids = {"receiver": self.receiver_pid, "parent": os.getppid(), "sender": os.getpid()}
+        with host_probe.cpu_use(pids) as use:
+            again = ipc.host_steps(self.engine, "pages", job, writes)
+        facts.append(f"page ids again: {format_split(again)}; {use.line()}")
+        facts.append(f"peer's pool in this process: {self.local_peer_split(src, dst, writes)}")
+        near = set()
+        if here.gpu_node is not None:
+            near = host_probe.node_cpus(here.gpu_node) & os.sched_getaffinity(0)
+        if near:
+            pinned = host_probe.on_cpus(near, lambda: ipc.host_steps(self.engine, "pages", job,
+                                                                     writes))  # fmt: skip
+            facts.append(f"on the GPU's NUMA node ({len(near)} CPUs): {format_split(pinned)}")
+        else:
+            facts.append("the GPU's NUMA node is unknown: no pinned split")
+        return "; ".join(facts)
+
+    def local_peer_split(self, src: list[int], dst: list[int], writes: int) -> str:
+        """The page-id split into a pool of this process (no IPC mapping, as
+        tune_ipc_copy's profile has it): the same code in this process."""
+        from scripts.gpu import ipc_write_paths as ipc
+
+        pool = torch.empty(self.remote.length, dtype=torch.uint8, device=self.setup.device)
+        peer = _engine(self.engine_spec, "local-decode")
+        region = MemoryRegion("kv", pool.data_ptr(), pool.numel(), self.setup.device)
+        try:
+            peer.register([region])
+            self.engine.connect(PeerInfo("local", peer.local_endpoint(), {"kv": region}))
+            job = ipc.PageJob("local", src, dst, LAYOUT.page_bytes, self.local.addr, region.addr)
+            return format_split(ipc.host_steps(self.engine, "pages", job, writes))
+        finally:
+            self.engine.synchronize()
+            peer.close()
 
     def method(self, name: str, src: list[int], dst: list[int]) -> tuple[Any, int]:
         """(a callable doing one write, its descriptor count)."""
         if self.engine_spec.backend == "cuda_ipc" and name in IPC_METHODS:
             from scripts.gpu import ipc_write_paths as ipc
 
-            job = self.ipc_job(src, dst)
-            return (lambda: ipc.timed_write(self.engine, IPC_METHODS[name], job)), len(src)
+            job, path = self.ipc_job(src, dst), IPC_METHODS[name][1]
+            return (lambda: ipc.timed_write(self.engine, path, job)), ipc.descriptors(path, job)
         if name == "staged":
             return (lambda: self.staged(src, dst)), 1
         if name == "staged x4":
@@ -352,6 +421,8 @@ class Sender:
 
     def row(self, name: str, repeats: int) -> Row:
         layout = "contiguous" if name == "contiguous" else "scattered"
+        if self.engine_spec.backend == "cuda_ipc" and name in IPC_METHODS:
+            layout = IPC_METHODS[name][0]
         src, dst = self.setup.pages()[layout]
         mooncake_batch = name == "prepped" and self.engine_spec.backend != "nixl"
         row = Row(self.engine_spec.label, "library batch call" if mooncake_batch else name)
@@ -373,9 +444,11 @@ class Sender:
         row.gbps = len(src) * LAYOUT.page_bytes / row.ms / 1e6
         if self.engine_spec.backend == "cuda_ipc" and name in IPC_METHODS:
             try:
-                row.parts = self.ipc_split(name, src, dst, max(repeats, 20))
+                row.parts = self.ipc_split(IPC_METHODS[name][1], src, dst, max(repeats, 20), row)
+                if name == HOST_FACTS_AFTER:
+                    row.notes = self.host_facts(src, dst, max(repeats, 20))
             except Exception as exc:  # the split is extra: the row's time stands
-                row.parts = f"split failed: {type(exc).__name__}: {exc}"[:200]
+                row.parts += f" split failed: {type(exc).__name__}: {exc}"[:200]
         if name.startswith("staged"):
             row.parts = " / ".join(
                 f"{statistics.median(v[2:]):.2f}" for v in self.parts.values() if len(v) > 2
@@ -383,9 +456,31 @@ class Sender:
         return row
 
 
+def format_split(per_write: dict[str, list[float]]) -> str:
+    """ "host <median total> (p10-p90 a-b): step <median> / ..." of ipc_write_paths.host_steps."""
+    medians = {step: statistics.median(v) for step, v in per_write.items()}
+    total = per_write["host total"]
+    deciles = statistics.quantiles(total, n=10, method="inclusive") if len(total) > 1 else total * 9
+    steps = " / ".join(f"{step} {ms:.3f}" for step, ms in medians.items()
+                       if step not in ("host total", "wait until DONE"))  # fmt: skip
+    return f"host {medians['host total']:.3f} (p10-p90 {deciles[0]:.3f}-{deciles[-1]:.3f}): {steps}"
+
+
+def gpu_bus_id(device: str) -> str:
+    """ "0000:1b:00.0" of a CUDA device, "" where torch does not say."""
+    try:
+        props = torch.cuda.get_device_properties(torch.device(device))
+    except (AssertionError, RuntimeError):  # no CUDA here (the CPU tests)
+        return ""
+    ids = [getattr(props, f"pci_{part}_id", -1) for part in ("domain", "bus", "device")]
+    if min(ids) < 0:
+        return ""
+    return f"{ids[0]:04x}:{ids[1]:02x}:{ids[2]:02x}.0"
+
+
 def sender_main(engine: Engine, setup: Setup, conn: Any, parent: Any, endpoint: bytes,
-                remote: MemoryRegion, repeats: int) -> None:  # fmt: skip
-    sender = Sender(engine, setup, conn, endpoint, remote)
+                remote: MemoryRegion, repeats: int, receiver_pid: int = 0) -> None:  # fmt: skip
+    sender = Sender(engine, setup, conn, endpoint, remote, receiver_pid)
     for name in engine.methods:
         row = sender.row(name, repeats)
         print(row, flush=True)
@@ -408,8 +503,9 @@ def run_engine(engine: Engine, setup: Setup, receiver_device: str, repeats: int,
     try:
         if not sender_end.poll(timeout_s):
             raise RuntimeError(f"receiver did not start (exit code {receiver.exitcode})")
-        endpoint, remote = sender_end.recv()
-        sender_args = (engine, setup, sender_end, to_parent, endpoint, remote, repeats)
+        endpoint, remote, receiver_pid = sender_end.recv()
+        sender_args = (engine, setup, sender_end, to_parent, endpoint, remote, repeats,
+                       receiver_pid)  # fmt: skip
         sender = ctx.Process(target=sender_main, args=sender_args, daemon=True)
         sender.start()
         receive_rows(sender, from_sender, timeout_s, rows)
@@ -484,9 +580,9 @@ def reference_checks(
 def cuda_ipc_reference(
     setup: Setup, a: PagedKVCache, b: PagedKVCache, repeats: int
 ) -> dict[str, str]:
-    """The cuda_ipc engine's kernel between two pools of this process (no IPC mapping: the
-    same kernel, launch and event as between processes): byte-exact on a poisoned receiver
-    for both layouts, then timed."""
+    """The cuda_ipc engine's kernel, and its driver batch where the driver has one, between
+    two pools of this process (no IPC mapping: the same calls as between processes):
+    byte-exact on a poisoned receiver for both layouts, then timed."""
     out: dict[str, str] = {}
     try:
         sender, receiver = _engine(CUDA_IPC, "ref-prefill"), _engine(CUDA_IPC, "ref-decode")
@@ -499,48 +595,82 @@ def cuda_ipc_reference(
         out["cuda_ipc start error"] = f"{type(exc).__name__}: {exc}"[:400]
         return out
     a_bytes, b_bytes = _bytes(a), _bytes(b)
+    driver = sender._driver
+    version = f"{driver.version // 1000}.{driver.version % 1000 // 10}"
+    copier = driver.batch_copier
+    out["CUDA driver, batched copy"] = (
+        f"{version}, {copier.symbol if copier else 'none: ' + driver.batch_missing}"
+    )
     ok = True
     for layout, (src, dst) in setup.pages().items():
         ranges = coalesce_pages(src, dst, LAYOUT.page_bytes, local.addr, remote.addr)
-
-        def once(ranges: list[Any] = ranges) -> None:
-            handle = sender.write("decode", ranges)
-            while (state := sender.poll(handle)) is TransferState.PENDING:
-                pass
-            sender.release(handle)
-            if state is not TransferState.DONE:
-                raise RuntimeError(f"a cuda_ipc write ended {state.value}")
-
-        a.storage.view(torch.uint8).fill_(POISON)
-        try:
-            once()
-        except Exception as exc:  # a write that failed: its message is the finding
-            out[f"cuda_ipc error, {layout}"] = f"{type(exc).__name__}: {exc}"[:400]
-            ok = False
-            break
-        _sync(setup.device)
-        untouched = torch.ones(a.num_pages, dtype=torch.bool, device=setup.device)
-        untouched[torch.tensor(dst, device=setup.device)] = False
-        landed = torch.equal(a_bytes[dst], b_bytes[src])
-        ok = ok and landed and bool((a_bytes[untouched] == POISON).all())
-        if ok:
-            ms = _time_ms(once, (setup.device,), repeats)
-            nbytes = len(src) * LAYOUT.page_bytes
-            out[f"cuda_ipc kernel, {layout}, one process"] = (
-                f"{ms:.3f} ms ({nbytes / ms / 1e6:.0f} GB/s, {len(ranges)} ranges, 1 launch)"
+        ways: dict[str, Any] = {"kernel": lambda r=ranges: sender.write("decode", r)}
+        if copier is not None:  # the rows of the driver batch fail loudly where it is missing
+            ways["driver batch"] = lambda s=src, d=dst: sender.write_pages_batched(
+                "decode", s, d, LAYOUT.page_bytes, (local.addr, remote.addr)
             )
+        for way, start in ways.items():
+            ms = _reference_write(sender, start, a, (a_bytes, b_bytes), (src, dst), repeats)
+            if isinstance(ms, str):  # a write that failed: its message is the finding
+                out[f"cuda_ipc error, {way}, {layout}"] = ms
+                ok = False
+            elif ms < 0:
+                ok = False
+            else:
+                nbytes = len(src) * LAYOUT.page_bytes
+                out[f"cuda_ipc {way}, {layout}, one process"] = (
+                    f"{ms:.3f} ms ({nbytes / ms / 1e6:.0f} GB/s, {len(ranges)} ranges)"
+                )
     out[CUDA_IPC_CHECK] = "PASS" if ok else "FAIL"
     sender.close()
     receiver.close()
     return out
 
 
+def _reference_write(
+    sender: Any,
+    start: Any,
+    receiver: PagedKVCache,
+    pools: tuple[torch.Tensor, torch.Tensor],
+    pages: tuple[list[int], list[int]],
+    repeats: int,
+) -> float | str:
+    """One write by `start()` into the poisoned `receiver`, checked byte for byte (every
+    destination page its source, every other page still poisoned), then timed: its median
+    ms, -1.0 if its bytes were wrong, or the error of a write that failed."""
+    a_bytes, b_bytes = pools
+    src, dst = pages
+    device = str(a_bytes.device)
+
+    def once() -> None:
+        handle = start()
+        while (state := sender.poll(handle)) is TransferState.PENDING:
+            pass
+        sender.release(handle)
+        if state is not TransferState.DONE:
+            raise RuntimeError(f"a cuda_ipc write ended {state.value}")
+
+    receiver.storage.view(torch.uint8).fill_(POISON)
+    try:
+        once()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:400]
+    _sync(device)
+    untouched = torch.ones(receiver.num_pages, dtype=torch.bool, device=device)
+    untouched[torch.tensor(dst, device=device)] = False
+    landed = torch.equal(a_bytes[dst], b_bytes[src])
+    if not (landed and bool((a_bytes[untouched] == POISON).all())):
+        return -1.0
+    return _time_ms(once, (device,), repeats)
+
+
 def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
-    """The CPU part of a cuda_ipc write before its upload, the scattered pages three ways
+    """The CPU part of a cuda_ipc write before its upload, the scattered pages four ways
     (scripts/gpu/ipc_write_paths.py): `before` (the write of the 2026-11-26 report), `ranges`
     (the engine's `write`: ranges read and checked against both pools, planned into a row
-    table) and `pages` (`write_pages`: page ids checked and planned); median and best of
-    `repeats`. The engine's rows include it."""
+    table), `pages` (`write_pages`: page ids checked and planned) and the driver batch's
+    descriptors (`write_pages_batched`: page ids checked, one descriptor a run); median and
+    best of `repeats`. The engine's rows include it."""
     from scripts.gpu import ipc_write_paths as ipc
 
     src, dst = setup.pages()["scattered"]
@@ -569,6 +699,14 @@ def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
         assert planned is not None
         return planned.plan
 
+    def batch_descriptors(mark: Any) -> CopyPlan:  # the driver batch's host part
+        src_ids, dst_ids = page_ids(src), page_ids(dst)
+        pair = page_regions(src_ids, dst_ids, LAYOUT.page_bytes, bases, [local], peer.regions)
+        assert pair is not None
+        desc = page_descriptors(src_ids, dst_ids, LAYOUT.page_bytes, *bases)
+        mark("page_regions + page_descriptors")
+        return CopyPlan(LAYOUT.page_bytes, 8, np.empty((desc.count, 3), dtype=np.int64))
+
     planned = from_pages(lambda step: None)
 
     def caller(mark: Any) -> CopyPlan:  # what a node pays before `write`: building the ranges
@@ -578,6 +716,7 @@ def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
 
     out_info = {}
     ways = (("before", before), ("ranges", from_ranges), ("pages", from_pages),
+            ("pages as driver-batch descriptors", batch_descriptors),
             ("(for scale) the caller's coalesce_pages alone", caller))  # fmt: skip
     for name, fn in ways:
         times: list[float] = []
@@ -598,9 +737,13 @@ def plan_cost(setup: Setup, repeats: int) -> dict[str, str]:
     return out_info
 
 
-def pd_check(device: str, backends: list[str]) -> list[check_pd.Check]:
+def pd_check(
+    device: str, backends: list[str], ipc_copies: tuple[str, ...] = ("kernel",)
+) -> list[check_pd.Check]:
     """check_pd's PD trio per backend: staging forced on both nodes, except for cuda_ipc,
-    whose kernel writes the scattered pages directly."""
+    whose kernel writes the scattered pages directly: one trio per `--cuda-ipc-copy` method
+    of `ipc_copies` (a node whose driver lacks the batched copy falls back to the kernel
+    with a warning in its log; the header's "CUDA driver, batched copy" line says which)."""
     import tempfile
 
     workdir = Path(tempfile.mkdtemp(prefix="kv-staging-pd-"))
@@ -609,7 +752,11 @@ def pd_check(device: str, backends: list[str]) -> list[check_pd.Check]:
     if staged:
         checks += check_pd.run(device, staged, workdir, PD_STAGING, ", staging forced").checks
     if "cuda_ipc" in backends:
-        checks += check_pd.run(device, ["cuda_ipc"], workdir).checks
+        for method in ipc_copies:
+            extra, label = [], ""
+            if method != "kernel":
+                extra, label = ["--cuda-ipc-copy", method], f", --cuda-ipc-copy {method}"
+            checks += check_pd.run(device, ["cuda_ipc"], workdir / method, extra, label).checks
     return checks
 
 
@@ -636,7 +783,10 @@ def markdown(info: dict[str, str], rows: list[Row], pd: list[check_pd.Check]) ->
     checks = ["| check | result | detail |", "|---|---|---|"]
     checks += [f"| {c.name} | {'PASS' if c.ok else 'FAIL'} | {c.detail.replace('|', '/')} |"
                for c in pd]  # fmt: skip
-    return "\n".join([*head, "", *(checks if pd else []), "", *lines]) + "\n"
+    notes = [f"- {r.engine}, {r.method}, the sender's host facts: {r.notes}" for r in rows
+             if r.notes]  # fmt: skip
+    notes = ["", *notes] if notes else []
+    return "\n".join([*head, "", *(checks if pd else []), "", *lines, *notes]) + "\n"
 
 
 def _version(package: str) -> str:
@@ -655,6 +805,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-pd-check", action="store_true", help="skip the PD trio check")
     parser.add_argument(
         "--pd-backends", nargs="+", default=["nixl"], choices=["nixl", "mooncake", "cuda_ipc"]
+    )
+    parser.add_argument(
+        "--pd-ipc-copy",
+        nargs="+",
+        default=["kernel"],
+        choices=COPY_METHODS,
+        help="--pd-backends cuda_ipc: a PD trio per --cuda-ipc-copy method of both nodes",
     )
     parser.add_argument(
         "--backends",
@@ -700,10 +857,15 @@ def main() -> None:
             "sender -> receiver": f"{args.device} -> {receiver_device}",
             "prompt": f"{args.tokens} tokens = {setup.n} pages of {LAYOUT.page_bytes >> 20} MiB "
                       f"(8B shape, bf16), pools of {args.pool_pages} pages"}  # fmt: skip
-    pd = [] if args.no_pd_check else pd_check(args.device, args.pd_backends)
+    pd = [] if args.no_pd_check else pd_check(args.device, args.pd_backends, args.pd_ipc_copy)
     with_cuda_ipc = "cuda_ipc" in args.backends
     if with_cuda_ipc:
+        from scripts.gpu import host_probe
+
         info.update(plan_cost(setup, args.repeats))
+        info["numpy calibration, parent process (host_probe.calibration_ms)"] = (
+            f"{host_probe.calibration_ms():.4f} ms"
+        )
     info.update(reference_checks(setup, receiver_device, args.repeats, with_cuda_ipc))
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()  # the checks' pools: each process needs its own now

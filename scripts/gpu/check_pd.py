@@ -180,10 +180,21 @@ def _compare(name: str, got: list[Any], ref: list[list[int]], pd: bool) -> Check
     detail = f"requests identical: {len(ref) - len(bad)}/{len(ref)}"
     if pd:
         descs = [f"{r.prefill.sent_pages}/{r.prefill.descriptors}" for r in got if r.prefill]
-        detail += f"; pages/descriptors sent: {' '.join(descs)}"
+        detail += f"; pages/descriptors sent: {' '.join(descs)}; {page_id_use(got)}"
     if bad:
         detail += "; " + "; ".join(bad)
     return Check(name, not bad, detail, len(bad) / len(ref))
+
+
+def page_id_use(got: list[Any]) -> str:
+    """Whether the prefill node wrote KV by page ids (the engine's `write_pages`, which
+    cuda_ipc plans without a range per page) or by ranges: per request, from its reply."""
+    replies = [r.prefill for r in got if r.prefill is not None]
+    by_ids = sum(p.page_id_writes > 0 for p in replies)
+    writes = sum(p.page_id_writes for p in replies)
+    used = "yes" if by_ids == len(replies) and replies else "NO" if not by_ids else "partly"
+    return (f"write_pages used: {used} ({by_ids}/{len(replies)} requests, {writes} "
+            "page-id writes)")  # fmt: skip
 
 
 def check_backend(

@@ -8,6 +8,9 @@
   so that one GPU call can time it beside the engine of today.
 - `ranges`: the engine's `write` (kvtransfer/cuda_ipc.py) of the same ranges.
 - `pages`: the engine's `write_pages`: page ids and a page size, no range objects.
+- `batch`, `batch-overlap`: the engine's `write_pages_batched` (`--cuda-ipc-copy batch`):
+  the same page ids as one `cuMemcpyBatchAsync` call (kvtransfer/cuda_batch_copy.py), without
+  and with the hint to overlap with compute.
 
 Each path is a function `(engine, job, ranges, marks) -> handle` (`ranges`: the job's,
 built beforehand as a node builds them before it writes; the page path ignores them);
@@ -19,6 +22,7 @@ built beforehand as a node builds them before it writes; the page path ignores t
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +35,7 @@ import numpy as np
 import torch
 
 from kvtransfer.base import TransferRange, TransferState, coalesce_pages
+from kvtransfer.cuda_batch_copy import CopyMethod, page_descriptors
 from kvtransfer.cuda_ipc import CudaIpcEngine, CudaIpcHandle
 from kvtransfer.cuda_ipc_kernel import WORD_DTYPES, DevicePointer, copy_rows
 from kvtransfer.cuda_ipc_plan import (
@@ -40,12 +45,15 @@ from kvtransfer.cuda_ipc_plan import (
     ExportedRegion,
     chunk_size,
     group_ranges,
+    page_ids,
+    page_regions,
     plan_columns,
     plan_pages,
     split_rows,
 )
 
-PATHS = ("before", "ranges", "pages")
+PATHS = ("before", "ranges", "pages", "batch", "batch-overlap")
+BATCH_PATHS = {"batch": CopyMethod.BATCH, "batch-overlap": CopyMethod.BATCH_OVERLAP}
 _RANGE_FIELDS = attrgetter("src_addr", "dst_addr", "length")
 
 
@@ -231,11 +239,60 @@ def _queue(engine: CudaIpcEngine, peer_id: str, plan: CopyPlan, bases: tuple[int
     return handle
 
 
+def batch_write(
+    engine: CudaIpcEngine,
+    job: PageJob,
+    ranges: list[TransferRange],
+    marks: Any = None,
+    overlap: bool = False,
+) -> CudaIpcHandle:
+    """The engine's `write_pages_batched`, inlined with marks."""
+    mark = _Marks(marks)
+    mark("start")
+    peer = engine._peer(job.peer_id)
+    copier = engine._driver.batch_copier
+    if copier is None:
+        raise RuntimeError(f"no cuMemcpyBatchAsync here: {engine._driver.batch_missing}")
+    src, dst = page_ids(job.src_pages), page_ids(job.dst_pages)
+    bases = (job.src_base, job.dst_base)
+    pair = page_regions(src, dst, job.page_bytes, bases, engine._regions, peer.endpoint.regions)
+    if pair is None:
+        raise RuntimeError("the pages of this job are not one GPU pool into another")
+    local, remote = engine._regions[pair[0]], peer.endpoint.regions[pair[1]]
+    mapped = peer.bases[pair[1]] + (job.dst_base - remote.addr)
+    desc = page_descriptors(src, dst, job.page_bytes, job.src_base, mapped)
+    mark("page ids: bounds + descriptors")
+    handle = CudaIpcHandle(job.peer_id)
+    handle.keep.append(desc)
+    if torch.cuda.current_device() != local.device_index:
+        raise RuntimeError(f"run the benchmark with cuda:{local.device_index} current")
+    queue = engine._copy_queue(local.device_index)
+    queue.after_caller()
+    mark("stream wait (reused event)")
+    copier.copy(desc, queue.stream.cuda_stream, overlap)
+    mark("batched copy (one driver call)")
+    done = torch.cuda.Event()
+    done.record(queue.stream)
+    handle.events.append(done)
+    mark("event")
+    return handle
+
+
 PATH_FUNCTIONS: dict[str, Callable[..., CudaIpcHandle]] = {
     "before": before_write,
     "ranges": ranges_write,
     "pages": pages_write,
+    "batch": batch_write,
+    "batch-overlap": functools.partial(batch_write, overlap=True),
 }
+
+
+def descriptors(path: str, job: PageJob) -> int:
+    """Descriptors (kernel rows, or batched copies) the path's write of `job` takes."""
+    if path in BATCH_PATHS:
+        return page_descriptors(page_ids(job.src_pages), page_ids(job.dst_pages),
+                                job.page_bytes, 0, 0).count  # fmt: skip
+    return len(job.src_pages) if path == "pages" else len(job.ranges())
 
 
 def engine_call(engine: CudaIpcEngine, path: str, job: PageJob, ranges: list[TransferRange]) -> Any:
@@ -245,6 +302,10 @@ def engine_call(engine: CudaIpcEngine, path: str, job: PageJob, ranges: list[Tra
     if path == "pages":
         return engine.write_pages(job.peer_id, job.src_pages, job.dst_pages, job.page_bytes,
                                   job.src_base, job.dst_base)  # fmt: skip
+    if path in BATCH_PATHS:
+        return engine.write_pages_batched(job.peer_id, job.src_pages, job.dst_pages,
+                                          job.page_bytes, (job.src_base, job.dst_base),
+                                          BATCH_PATHS[path])  # fmt: skip
     return before_write(engine, job, ranges)
 
 
@@ -267,6 +328,14 @@ def timed_write(engine: CudaIpcEngine, path: str, job: PageJob) -> float:
 def host_split(engine: CudaIpcEngine, path: str, job: PageJob, writes: int) -> dict[str, float]:
     """Median ms of each host step of `path` over `writes` writes (5 more first, dropped), the
     host total before the GPU runs on its own, and the wait until DONE."""
+    steps = host_steps(engine, path, job, writes)
+    return {name: statistics.median(v) for name, v in steps.items()}
+
+
+def host_steps(
+    engine: CudaIpcEngine, path: str, job: PageJob, writes: int
+) -> dict[str, list[float]]:
+    """`host_split`'s figures per write: ms of each step of each of the `writes` writes."""
     steps: dict[str, list[float]] = {}
     ranges = job.ranges()
     for i in range(writes + 5):
@@ -281,4 +350,4 @@ def host_split(engine: CudaIpcEngine, path: str, job: PageJob, writes: int) -> d
         for (_, a), (name, b) in pairwise(marks):
             steps.setdefault(name, []).append((b - a) * 1e3)
         steps.setdefault("host total", []).append((host_end - marks[0][1]) * 1e3)
-    return {name: statistics.median(v) for name, v in steps.items()}
+    return steps

@@ -12,8 +12,10 @@ for byte against torch indexing before it is timed (CUDA events around the kerne
 median of `--repeats`), beside torch's contiguous copy of the same bytes. `--profile-write`
 runs the write's paths side by side in this process (`--paths`: `before`, the write of the
 2026-11-26 report, frozen in scripts/gpu/ipc_write_paths.py; `ranges`, the engine's `write`;
-`pages`, its `write_pages`): each checked byte for byte first (exit code 1 on a mismatch),
-timed from `write` to DONE, its host time split step by step, and profiled. Writes
+`pages`, its `write_pages`; `batch` and `batch-overlap`, its `write_pages_batched`, one
+`cuMemcpyBatchAsync` call): each checked byte for byte first (exit code 1 on a mismatch),
+timed from `write` to DONE, its host time split step by step, and profiled; a driver
+without the batched copy fails the run (exit code 1) after the other paths ran. Writes
 `tune_ipc_copy.md|json` or `profile_write.txt` and `profile-<path>.txt` to `--out`.
 """
 
@@ -162,11 +164,36 @@ def profile_write(out: Path, writes: int, paths: list[str]) -> None:
         for layout, (src, dst) in setup.pages().items()
     }
     pools = (bench._bytes(sender_cache), bench._bytes(receiver_cache))
-    lines = compare_paths(sender, pools, jobs, paths, writes, out)
+    missing = sender._driver.batch_missing
+    unrunnable = [p for p in paths if p in ipc.BATCH_PATHS and sender._driver.batch_copier is None]
+    runnable = [p for p in paths if p not in unrunnable]
+    lines = compare_paths(sender, pools, jobs, runnable, writes, out)
+    lines += ["", host_facts(sender)]
+    lines += [f"FAIL: path {p!r} not run: no cuMemcpyBatchAsync here ({missing})"
+              for p in unrunnable]  # fmt: skip
     sender.close()
     receiver.close()
     print("\n".join(lines))
     (out / "profile_write.txt").write_text("\n".join(lines) + "\n")
+    if unrunnable:
+        raise SystemExit(f"FAIL: the driver has no batched copy ({missing})")
+
+
+def host_facts(sender: Any) -> str:
+    """This process's side of bench_kv_staging's "host facts" (scripts/gpu/host_probe.py),
+    to hold the two-process figures against: where it runs, a numpy calibration, the
+    driver and its batched copy."""
+    from scripts.gpu import host_probe
+    from scripts.gpu.bench_kv_staging import gpu_bus_id
+
+    driver = sender._driver
+    copier = driver.batch_copier
+    batch = copier.symbol if copier else f"none ({driver.batch_missing})"
+    version = f"{driver.version // 1000}.{driver.version % 1000 // 10}"
+    here = host_probe.snapshot(gpu_bus_id("cuda:0")).line()
+    numpy_ms = host_probe.calibration_ms()
+    return (f"host facts (this one process): {here}; numpy calibration {numpy_ms:.4f} ms; "
+            f"CUDA driver {version}, batched copy {batch}")  # fmt: skip
 
 
 def compare_paths(
