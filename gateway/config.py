@@ -153,7 +153,7 @@ class GatewayConfig:
     stream_interval: int = 1
     workers: int = 1  # processes serving the port (gateway/workers.py)
     # Which of them this process is (0..workers-1; the supervisor sets it per worker): the
-    # `worker_affinity` policy and the `worker` label of per-node metrics read it.
+    # `worker_affinity` policy and the `worker` label of per-worker metrics read it.
     worker_index: int = 0
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     tokenizer_workers: int = 1  # threads tokenizing long prompts (gateway/tokenize.py)

@@ -82,7 +82,10 @@ class Dispatcher:
         for node in route.nodes:
             node.inflight += 1
             node.inflight_tokens += prompt_tokens
-            self.metrics.node_requests.labels(node.role_name, node.node_id, self.worker).inc()
+            self.metrics.node_requests.labels(node.role_name, node.node_id).inc()
+            self.metrics.worker_node_requests.labels(
+                self.worker, node.role_name, node.node_id
+            ).inc()
         if route.prefill is None:
             self.metrics.local_prefills.inc()
 

@@ -19,8 +19,8 @@ events for a prefix index belongs in the same place as the discovery watch, the 
 each worker subscribes on its own and holds a full index, exactly as it holds the full node
 table now. Metrics are merged over the workers (gateway/metrics.py). Each worker is told its
 index (0..N-1 in `GatewayConfig.worker_index`; a replacement takes its predecessor's): the
-`worker_affinity` routing policy pins a worker to one node by it, and the per-node request
-counter carries it as its `worker` label.
+`worker_affinity` routing policy pins a worker to one node by it, and
+`pdserve_gateway_worker_node_requests` counts each worker's requests per node by it.
 
 The supervisor starts the workers with the `spawn` start method (a fresh interpreter: no forked
 gRPC or event-loop state), waits until every one serves, and then watches them: a worker that

@@ -93,7 +93,7 @@ def test_gateway_cpu_decode_policy_flag_and_pinning_report() -> None:
     # the fake nodes' ids sort as their indices (past 9 too): worker i -> fake node i
     ids = [fake_node_id(i) for i in (0, 1, 2, 10)]
     assert sorted(reversed(ids)) == ids
-    series = "pdserve_gateway_node_requests"
+    series = "pdserve_gateway_worker_node_requests"
     colocated = 'role="colocated"'
     metrics = "\n".join(
         [
@@ -102,6 +102,7 @@ def test_gateway_cpu_decode_policy_flag_and_pinning_report() -> None:
             f'{series}_total{{node_id="fake-01",{colocated},worker="1"}} 9.0',
             f'{series}_total{{node_id="fake-00",{colocated},worker="1"}} 2.0',
             f'{series}_created{{node_id="fake-00",{colocated},worker="0"}} 1.7e9',
+            'pdserve_gateway_node_requests_total{node_id="fake-00",role="colocated"} 14.0',
             'pdserve_gateway_requests_total{endpoint="completions",status="200"} 23.0',
         ]
     )

@@ -5,7 +5,7 @@ token source) and the gateway's two workers.
 - each worker knows its own index: /health, answered by whichever worker took the connection,
   reports indices 0 and 1 from two different pids;
 - each worker's requests all go to one node, worker 0's to the first node in id order and
-  worker 1's to the second (the `worker` label of pdserve_gateway_node_requests_total, merged
+  worker 1's to the second (pdserve_gateway_worker_node_requests_total, merged
   over both workers by /metrics).
 """
 
@@ -92,7 +92,7 @@ def _requests_by_worker(url: str) -> dict[str, dict[str, float]]:
     """worker label -> node id -> choices routed there (/metrics merges both workers)."""
     counts: dict[str, dict[str, float]] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if not line.startswith("pdserve_gateway_node_requests_total{"):
+        if not line.startswith("pdserve_gateway_worker_node_requests_total{"):
             continue
         series, _, value = line.rpartition(" ")
         labels = dict(part.split("=", 1) for part in series.split("{", 1)[1].rstrip("}").split(","))

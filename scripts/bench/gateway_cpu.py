@@ -35,7 +35,7 @@ publish no KV events). With `worker_affinity` gateway worker i sends all its req
 node i mod M (the fake nodes register as fake-00, fake-01, ... so id order is start order):
 with `--fake-nodes 4 --workers 4` each (worker, node) stream carries that worker's whole batch,
 with `--workers 1` worker 0 uses fake-00 alone. Every row prints, per worker, the nodes its
-requests went to (the `worker` label of the gateway's per-node request counter) and each fake
+requests went to (the gateway's `pdserve_gateway_worker_node_requests` counter) and each fake
 node's CPU, so a run shows whether the pinning held.
 
 With `--pin` (scripts/bench/pinning.py) every gateway worker gets a physical core of its own
@@ -330,7 +330,7 @@ def _metrics(port: int) -> str:
         return str(answer.read().decode())
 
 
-_NODE_REQUESTS = re.compile(r"^pdserve_gateway_node_requests_total\{(.*)\} (\S+)$", re.M)
+_NODE_REQUESTS = re.compile(r"^pdserve_gateway_worker_node_requests_total\{(.*)\} (\S+)$", re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
