@@ -30,8 +30,8 @@ name; the prefill and decode sides each get their own policy instance (flags
   down after a failed connection, already failed for this request, or full). Why: with W
   workers and D nodes, every node otherwise keeps a stream to every worker and sends W small
   per-step messages (each worker's share of its running requests); pinned, a node sends fewer,
-  larger messages, and both the gateway and the node spend less CPU per token (a gRPC message
-  costs about as much as the tokens it carries at small batches). The cost: a node's load is
+  larger messages, and both the gateway and the node spend less CPU per token (each message
+  has a fixed cost, paid per message rather than per token). The cost: a node's load is
   only as even as SO_REUSEPORT's spread of client connections over the workers, and no cache
   or load signal moves a request off its node until the node refuses it.
 
@@ -167,7 +167,8 @@ class WorkerAffinity(RoutingPolicy):
         self.spill = LeastLoad(config)
 
     def preferred(self, nodes: Sequence[LiveNode]) -> LiveNode:
-        pool = (self.members() if self.members is not None else None) or nodes
+        pool = self.members() if self.members is not None else nodes
+        pool = pool or nodes  # (never empty: the candidates are members too)
         return pool[self.worker_index % len(pool)]
 
     def pick(self, nodes: Sequence[LiveNode], prompt_ids: Sequence[int]) -> LiveNode:
