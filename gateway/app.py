@@ -187,7 +187,12 @@ class Gateway:
         self.prefix_index = PrefixIndex()
         self.kv_feeds = KVFeeds(self.prefix_index, self.metrics)
         self.dispatcher = Dispatcher(
-            self.directory, config.routing, self.metrics, config.room_tickets, self.prefix_index
+            self.directory,
+            config.routing,
+            self.metrics,
+            config.room_tickets,
+            self.prefix_index,
+            config.worker_index,
         )
         interval = config.stream_interval
         self.encoder = PromptEncoder(
@@ -358,6 +363,7 @@ class Gateway:
             **counts,
             "inflight": self.inflight,  # this worker's (gateway-server --workers)
             "pid": os.getpid(),  # the worker that answered
+            "worker": self.config.worker_index,  # and its index (0..--workers-1)
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 

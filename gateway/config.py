@@ -74,7 +74,7 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    prefill_policy: str  # round_robin | least_load | prefix_aware | kv_aware
+    prefill_policy: str  # round_robin | least_load | prefix_aware | kv_aware | worker_affinity
     decode_policy: str
     # Prompts of at most this many tokens are prefilled by the decode node itself.
     local_prefill_max_tokens: int
@@ -152,6 +152,9 @@ class GatewayConfig:
     # chunk always): fewer frames, fewer detokenizer calls, the same text and token ids.
     stream_interval: int = 1
     workers: int = 1  # processes serving the port (gateway/workers.py)
+    # Which of them this process is (0..workers-1; the supervisor sets it per worker): the
+    # `worker_affinity` policy and the `worker` label of per-worker metrics read it.
+    worker_index: int = 0
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     tokenizer_workers: int = 1  # threads tokenizing long prompts (gateway/tokenize.py)
     # SIGTERM: /health fails and new requests get 503 at once; in-flight ones get this long.
@@ -171,4 +174,9 @@ class GatewayConfig:
             raise ValueError(
                 f"--workers must be in [1, {MAX_WORKERS}] processes, got {self.workers}: "
                 "about one per CPU core the gateway may use"
+            )
+        if not 0 <= self.worker_index < self.workers:
+            raise ValueError(
+                f"worker index {self.worker_index} is outside [0, {self.workers}): the "
+                "supervisor numbers its workers 0..--workers-1"
             )

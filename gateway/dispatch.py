@@ -58,10 +58,13 @@ class Dispatcher:
         metrics: GatewayMetrics,
         tickets: RoomTickets | None = None,
         index: PrefixIndex | None = None,
+        worker_index: int = 0,
     ) -> None:
+        """`worker_index`: which gateway worker this process is (routing, metric labels)."""
         self.directory = directory
         self.tickets = tickets  # signs each room's (prefill, decode) assignment for bootstrap
-        self.router = Router(directory, config, index)
+        self.router = Router(directory, config, index, worker_index)
+        self.worker = str(worker_index)
         self.index = self.router.index
         self.config = config
         self.metrics = metrics
@@ -80,6 +83,9 @@ class Dispatcher:
             node.inflight += 1
             node.inflight_tokens += prompt_tokens
             self.metrics.node_requests.labels(node.role_name, node.node_id).inc()
+            self.metrics.worker_node_requests.labels(
+                self.worker, node.role_name, node.node_id
+            ).inc()
         if route.prefill is None:
             self.metrics.local_prefills.inc()
 

@@ -2,6 +2,10 @@
 
 Per-node counters carry `role` and `node_id` labels, so an operator (and the routing tests) can
 see where traffic went and how much of it hit a prefill node's prefix cache.
+`pdserve_gateway_worker_node_requests` splits the per-node request count by the gateway worker
+that routed it (`worker`: its index, 0 for a single process; a series of its own, so that the
+per-node series keep their labels): it shows whether `worker_affinity` kept each worker on its
+node.
 
 With `--workers N` every worker records into prometheus_client's multiprocess files (one mmap
 file per process and metric kind, in a directory the supervisor makes; gateway/workers.py) and
@@ -58,6 +62,11 @@ class GatewayMetrics:
         self.node_requests = Counter(
             "pdserve_gateway_node_requests", "choices sent to a node", ["role", "node_id"],
             registry=r,
+        )  # fmt: skip
+        self.worker_node_requests = Counter(
+            "pdserve_gateway_worker_node_requests",
+            "choices each gateway worker sent to a node (worker_affinity: one node per worker)",
+            ["worker", "role", "node_id"], registry=r,
         )  # fmt: skip
         self.node_cached_tokens = Counter(
             "pdserve_gateway_node_cached_tokens",

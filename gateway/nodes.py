@@ -79,6 +79,12 @@ class LiveNode:
         return max(self.inflight_tokens, reported)
 
     @property
+    def full(self) -> bool:
+        """Its last heartbeat had no free or evictable KV page: a new request would wait in its
+        queue (`worker_affinity` sends it elsewhere)."""
+        return self.load.total_pages > 0 and self.load.free_pages <= 0
+
+    @property
     def kv_usage(self) -> float:
         total = self.load.total_pages
         return 1.0 - self.load.free_pages / total if total else 0.0
@@ -129,6 +135,10 @@ class NodeDirectory:
         now = time.monotonic()
         healthy = [n for n in nodes if not n.cooling(now)]
         return sorted(healthy or nodes, key=lambda n: n.node_id)
+
+    def members(self, roles: Collection[int]) -> list[LiveNode]:
+        """Every known node of these roles by id, routable or not (draining, cooling down)."""
+        return sorted((n for n in self.nodes.values() if n.role in roles), key=lambda n: n.node_id)
 
     def count(self, role: int) -> int:
         return sum(1 for n in self.nodes.values() if n.role == role)

@@ -24,6 +24,16 @@ name; the prefill and decode sides each get their own policy instance (flags
   carries a hundred times the history in extra streams. When no candidate publishes events (or
   none is synced yet) it is the side's old default: `prefix_aware` for prefill, `least_load`
   for decode.
+- `worker_affinity` (never the default): gateway worker i (`gateway-server --workers N`, 0 for a
+  single process) sends everything to node i mod M of the side's M nodes in id order, and to
+  the least-loaded candidate only when that node cannot take the request (draining, cooling
+  down after a failed connection, already failed for this request, or full). Why: with W
+  workers and D nodes, every node otherwise keeps a stream to every worker and sends W small
+  per-step messages (each worker's share of its running requests); pinned, a node sends fewer,
+  larger messages, and both the gateway and the node spend less CPU per token (each message
+  has a fixed cost, paid per message rather than per token). The cost: a node's load is
+  only as even as SO_REUSEPORT's spread of client connections over the workers, and no cache
+  or load signal moves a request off its node until the node refuses it.
 
 `Router.choose` applies them and the conditional disaggregation rule: a prompt of at most
 `local_prefill_max_tokens` tokens (with `kv_aware` on the decode side: tokens beyond what the
@@ -37,7 +47,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from gateway.config import RoutingConfig
@@ -137,24 +147,67 @@ class KVAware(RoutingPolicy):
         return min(rotated, key=lambda n: (self.cost(n, prompt_ids), n.busy))
 
 
+class WorkerAffinity(RoutingPolicy):
+    """Each gateway worker keeps to one node of the side (see the module docstring).
+
+    The preferred node is `members()[worker_index % len(members())]`: `members` lists every
+    node of the side in id order, routable or not, so that a node draining or failing moves
+    only its own workers' requests (to the least-loaded candidate), not every worker's pin.
+    Without `members` the candidates themselves are the list."""
+
+    def __init__(
+        self,
+        config: RoutingConfig,
+        worker_index: int = 0,
+        members: Callable[[], Sequence[LiveNode]] | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.worker_index = worker_index
+        self.members = members
+        self.spill = LeastLoad(config)
+
+    def preferred(self, nodes: Sequence[LiveNode]) -> LiveNode:
+        pool = self.members() if self.members is not None else nodes
+        pool = pool or nodes  # (never empty: the candidates are members too)
+        return pool[self.worker_index % len(pool)]
+
+    def pick(self, nodes: Sequence[LiveNode], prompt_ids: Sequence[int]) -> LiveNode:
+        preferred = self.preferred(nodes).node_id
+        candidate = next((n for n in nodes if n.node_id == preferred), None)
+        if candidate is not None and not candidate.full:
+            return candidate
+        others = [n for n in nodes if n.node_id != preferred]  # a full one only if alone
+        return self.spill.pick(others or nodes, prompt_ids)
+
+
 POLICIES: dict[str, type[RoutingPolicy]] = {
     "round_robin": RoundRobin,
     "least_load": LeastLoad,
     "prefix_aware": PrefixAware,
     "kv_aware": KVAware,
+    "worker_affinity": WorkerAffinity,
 }
 # What `kv_aware` does on a side where no node publishes KV events.
 KV_AWARE_FALLBACK = {"prefill": "prefix_aware", "decode": "least_load"}
 
 
 def make_policy(
-    name: str, config: RoutingConfig, index: PrefixIndex | None = None, side: str = "prefill"
+    name: str,
+    config: RoutingConfig,
+    index: PrefixIndex | None = None,
+    side: str = "prefill",
+    *,
+    worker_index: int = 0,
+    members: Callable[[], Sequence[LiveNode]] | None = None,
 ) -> RoutingPolicy:
+    """`worker_index` and `members` (every node of the side, by id): for `worker_affinity`."""
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}: use one of {sorted(POLICIES)}")
     if name == "kv_aware":
         fallback = make_policy(KV_AWARE_FALLBACK[side], config)
         return KVAware(config, index if index is not None else PrefixIndex(), fallback, side)
+    if name == "worker_affinity":
+        return WorkerAffinity(config, worker_index, members)
     return POLICIES[name](config)
 
 
@@ -170,13 +223,24 @@ class Route:
 
 class Router:
     def __init__(
-        self, directory: NodeDirectory, config: RoutingConfig, index: PrefixIndex | None = None
+        self,
+        directory: NodeDirectory,
+        config: RoutingConfig,
+        index: PrefixIndex | None = None,
+        worker_index: int = 0,
     ) -> None:
+        """`worker_index`: which gateway worker this process is (`worker_affinity`)."""
         self.directory = directory
         self.config = config
         self.index = index if index is not None else PrefixIndex()
-        self.prefill_policy = make_policy(config.prefill_policy, config, self.index, "prefill")
-        self.decode_policy = make_policy(config.decode_policy, config, self.index, "decode")
+        self.prefill_policy = make_policy(
+            config.prefill_policy, config, self.index, "prefill", worker_index=worker_index,
+            members=lambda: directory.members((PREFILL,)),
+        )  # fmt: skip
+        self.decode_policy = make_policy(
+            config.decode_policy, config, self.index, "decode", worker_index=worker_index,
+            members=lambda: directory.members((DECODE, COLOCATED)),
+        )  # fmt: skip
 
     def choose(self, prompt_ids: Sequence[int], excluded: Collection[str] = ()) -> Route:
         decodes = self.directory.live((DECODE, COLOCATED), excluded)

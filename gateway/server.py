@@ -89,7 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-policy",
         default="kv_aware",
         choices=sorted(POLICIES),
-        help="kv_aware routes on the nodes' KV events (least_load where none publish them)",
+        help="kv_aware routes on the nodes' KV events (least_load where none publish them); "
+        "worker_affinity keeps gateway worker i on node i mod M (least_load when that one is "
+        "draining, failing or full): with --workers N each node then sends fewer, larger "
+        "per-step messages (less CPU per token in gateway and node), but load is only as even "
+        "as the kernel's spread of client connections over the workers",
     )
     g.add_argument(
         "--local-prefill-max-tokens",
@@ -333,7 +337,9 @@ def serve(
 
     app = build_app(gateway)
     logger.info(
-        "gateway for %r on http://%s:%d (prefill policy %s, decode policy %s, stream interval %d)",
+        "gateway worker %d for %r on http://%s:%d (prefill policy %s, decode policy %s, "
+        "stream interval %d)",
+        config.worker_index,
         config.model.served_name,
         config.host,
         config.port,

@@ -17,7 +17,10 @@ between processes) and keeps its own per-node in-flight counts, prefix table and
 `--max-inflight` budget (the limits are per worker). A later feed such as the nodes' KV-cache
 events for a prefix index belongs in the same place as the discovery watch, the app's lifespan:
 each worker subscribes on its own and holds a full index, exactly as it holds the full node
-table now. Metrics are merged over the workers (gateway/metrics.py).
+table now. Metrics are merged over the workers (gateway/metrics.py). Each worker is told its
+index (0..N-1 in `GatewayConfig.worker_index`; a replacement takes its predecessor's): the
+`worker_affinity` routing policy pins a worker to one node by it, and
+`pdserve_gateway_worker_node_requests` counts each worker's requests per node by it.
 
 The supervisor starts the workers with the `spawn` start method (a fresh interpreter: no forked
 gRPC or event-loop state), waits until every one serves, and then watches them: a worker that
@@ -150,7 +153,8 @@ class Supervisor:
 
     def _start(self, index: int) -> Worker:
         ready = self.context.Event()
-        spec = WorkerSpec(self.config, self.log, index, self.metrics_dir, os.getpid())
+        config = replace(self.config, worker_index=index)  # what `worker_affinity` pins by
+        spec = WorkerSpec(config, self.log, index, self.metrics_dir, os.getpid())
         process = self.context.Process(
             target=worker_main, args=(spec, ready), name=f"gateway-worker-{index}", daemon=True
         )

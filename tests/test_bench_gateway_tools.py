@@ -15,7 +15,7 @@ import pytest
 from proto import node_pb2
 from scripts.bench.fake_node import FakeNodeConfig, FakeRequest, StepSource
 from scripts.bench.fake_node import build_config as fake_node_config
-from scripts.bench.gateway_cpu import Row, build_config, table
+from scripts.bench.gateway_cpu import Row, build_config, fake_node_id, requests_by_worker, table
 from scripts.bench.pinning import group_cores, parse_cpu_list, pin_process, pinned, plan_cpus
 from scripts.bench.profile_split import IDLE, split
 from scripts.bench.profile_split import table as profile_table
@@ -57,6 +57,10 @@ def test_fake_node_merges_steps_the_stream_did_not_take() -> None:
 def test_fake_node_flags() -> None:
     config = fake_node_config(["--bootstrap", "h:1", "--port", "5", "--token-ids", "1,2"])
     assert config.step_s == 0 and config.token_ids == (1, 2) and config.address.endswith(":5")
+    assert config.node_id == ""  # the bootstrap names it
+    named = fake_node_config(["--bootstrap", "h:1", "--port", "5", "--token-ids", "1",
+                              "--node-id", "fake-03"])  # fmt: skip
+    assert named.node_id == "fake-03"
     paced = fake_node_config(["--bootstrap", "h:1", "--port", "5", "--token-ids", "1", "--step-ms",
                               "6.4"])  # fmt: skip
     assert paced.step_s == pytest.approx(0.0064)
@@ -78,6 +82,35 @@ def test_gateway_cpu_rows_and_table() -> None:
     assert build_config(["--load-tool", "bench_serving"]).load_tool == "bench_serving"
     with pytest.raises(SystemExit):
         build_config(["--workers", "0"])
+
+
+def test_gateway_cpu_decode_policy_flag_and_pinning_report() -> None:
+    assert build_config([]).decode_policy == "kv_aware"  # the gateway's own default
+    config = build_config(["--decode-policy", "worker_affinity", "--fake-nodes", "4"])
+    assert config.decode_policy == "worker_affinity" and config.fake_nodes == 4
+    with pytest.raises(SystemExit):
+        build_config(["--decode-policy", "pinned"])  # not a registered policy
+    # the fake nodes' ids sort as their indices (past 9 too): worker i -> fake node i
+    ids = [fake_node_id(i) for i in (0, 1, 2, 10)]
+    assert sorted(reversed(ids)) == ids
+    series = "pdserve_gateway_worker_node_requests"
+    colocated = 'role="colocated"'
+    metrics = "\n".join(
+        [
+            f"# TYPE {series}_total counter",
+            f'{series}_total{{node_id="fake-00",{colocated},worker="0"}} 12.0',
+            f'{series}_total{{node_id="fake-01",{colocated},worker="1"}} 9.0',
+            f'{series}_total{{node_id="fake-00",{colocated},worker="1"}} 2.0',
+            f'{series}_created{{node_id="fake-00",{colocated},worker="0"}} 1.7e9',
+            'pdserve_gateway_node_requests_total{node_id="fake-00",role="colocated"} 14.0',
+            'pdserve_gateway_requests_total{endpoint="completions",status="200"} 23.0',
+        ]
+    )
+    assert requests_by_worker(metrics) == {0: {"fake-00": 12}, 1: {"fake-01": 9, "fake-00": 2}}
+    row = Row(4, 1, tokens=1000, requests=8, frames=1000, wall_s=1.0, cpu_s=0.1, node_cpu_s=0.2,
+              decode_policy="worker_affinity", nodes_per_worker=(1, 1, 1, 1),
+              node_busy=(0.25, 0.5))  # fmt: skip
+    assert table([row]).splitlines()[2].endswith("| worker_affinity | 1 1 1 1 | 0.25 0.50 |")
 
 
 def test_in_process_node_wire_is_a_stream_batch() -> None:

@@ -42,6 +42,7 @@ class FakeNodeConfig:
     tokens_per_message: int = 1  # per request per step
     step_s: float = 0.0  # 0: a step whenever the stream takes the previous batch
     per_request_streams: bool = False
+    node_id: str = ""  # "": the bootstrap names it (a fixed id fixes its place in id order)
 
 
 @dataclass
@@ -257,7 +258,10 @@ async def serve(config: FakeNodeConfig) -> None:
     server.add_insecure_port(config.address)
     await server.start()
     info = bootstrap_pb2.NodeInfo(
-        role=bootstrap_pb2.COLOCATED, grpc_address=config.address, transfer_backend="mooncake"
+        node_id=config.node_id,
+        role=bootstrap_pb2.COLOCATED,
+        grpc_address=config.address,
+        transfer_backend="mooncake",
     )
     client = BootstrapClient(config.bootstrap)
     session = NodeSession(
@@ -278,6 +282,9 @@ def build_config(argv: list[str]) -> FakeNodeConfig:
         "--step-ms", type=float, default=0.0, help="one step per this many ms (0: as fast as read)"
     )
     parser.add_argument("--per-request-streams", action="store_true")
+    parser.add_argument(
+        "--node-id", default="", help="the id to register with (default: the bootstrap's choice)"
+    )
     args = parser.parse_args(argv)
     if args.tokens_per_message < 1 or args.step_ms < 0:
         raise SystemExit("--tokens-per-message must be >= 1 and --step-ms >= 0")
@@ -288,6 +295,7 @@ def build_config(argv: list[str]) -> FakeNodeConfig:
         tokens_per_message=args.tokens_per_message,
         step_s=args.step_ms / 1000,
         per_request_streams=args.per_request_streams,
+        node_id=args.node_id,
     )
 
 

@@ -30,6 +30,14 @@ the ratios to the goals: <= 25 us per token, >= 40k tokens/s for one worker, N w
 source, each client: CPU s per wall s), so that a row where a client or the fake node was the
 limit says so.
 
+`--decode-policy NAME` is the gateway's (default `kv_aware`, i.e. `least_load` here: fake nodes
+publish no KV events). With `worker_affinity` gateway worker i sends all its requests to fake
+node i mod M (the fake nodes register as fake-00, fake-01, ... so id order is start order):
+with `--fake-nodes 4 --workers 4` each (worker, node) stream carries that worker's whole batch,
+with `--workers 1` worker 0 uses fake-00 alone. Every row prints, per worker, the nodes its
+requests went to (the gateway's `pdserve_gateway_worker_node_requests` counter) and each fake
+node's CPU, so a run shows whether the pinning held.
+
 With `--pin` (scripts/bench/pinning.py) every gateway worker gets a physical core of its own
 (all its hardware threads), the fake nodes a core each, the clients the cores left, planned
 once for the largest `--workers` so that every row runs on the same cores; `--clients-per-worker`
@@ -56,7 +64,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.queues import Queue
 from pathlib import Path
 
@@ -69,6 +77,7 @@ from gateway.launcher import (
     running_node,
     session_pids,
 )
+from gateway.routing import POLICIES
 from scripts.bench.pinning import CpuPlan, host_cores, pin_process, pinned, plan_cpus
 from scripts.serving.procstat import CLOCK_TICKS
 from scripts.serving.procstat import cpu_seconds as process_cpu_seconds
@@ -103,6 +112,7 @@ class BenchConfig:
     clients_per_worker: int = 0  # > 0: this many client processes per gateway worker
     warmup_s: float = 3.0  # raw load: from the clients' start to the measured window
     py_spy_s: float = 0.0  # > 0: profile every gateway worker this long inside the window
+    decode_policy: str = "kv_aware"  # the gateway's --decode-policy
 
     def client_processes(self, workers: int) -> int:
         return self.clients_per_worker * workers if self.clients_per_worker else self.clients
@@ -128,6 +138,9 @@ class Row:
     client_busy: float = float("nan")  # the busiest client process's CPU s per wall s
     process_busy: tuple[float, ...] = ()  # each gateway process's CPU s per wall s, busiest first
     clients: int = 0  # client processes
+    decode_policy: str = ""
+    nodes_per_worker: tuple[int, ...] = ()  # by worker index: the nodes its requests went to
+    node_busy: tuple[float, ...] = ()  # each fake node's CPU s per wall s, in id order
 
     @property
     def us_per_token(self) -> float:
@@ -275,6 +288,7 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
     command = [console_script("gateway-server"), "--bootstrap", source.bootstrap]
     command += [*(["--model", config.model] if config.model else [])]
     command += ["--workers", str(workers), "--stream-interval", str(interval)]
+    command += ["--decode-policy", config.decode_policy]
     command += ["--max-inflight", "100000", "--log-level", "warning"]
     # Every client is 127.0.0.1: the per-address cap (256 by default) would reset the rest.
     command += ["--max-connections-per-client", "100000"]
@@ -299,9 +313,36 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
         }
         request = _request_bytes(port, body)
         asyncio.run(_one_request(port, request))  # warm: channels open, tokenizer caches
-        return _load(config, source, gateway, port, request, (workers, interval))
+        row = _load(config, source, gateway, port, request, (workers, interval))
+        routes = requests_by_worker(_metrics(port))
+        for worker, nodes in sorted(routes.items()):
+            spread = ", ".join(f"{node} {count:,}" for node, count in sorted(nodes.items()))
+            print(f"  worker {worker} ({config.decode_policy}) requests: {spread}", flush=True)
+        spread_counts = tuple(len(routes.get(w, {})) for w in range(workers))
+        return replace(row, decode_policy=config.decode_policy, nodes_per_worker=spread_counts)
     finally:
         gateway.stop(15)
+
+
+def _metrics(port: int) -> str:
+    """The gateway's /metrics (merged over its workers)."""
+    with urllib.request.urlopen(f"http://{LOCALHOST}:{port}/metrics", timeout=30) as answer:
+        return str(answer.read().decode())
+
+
+_NODE_REQUESTS = re.compile(r"^pdserve_gateway_worker_node_requests_total\{(.*)\} (\S+)$", re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def requests_by_worker(metrics: str) -> dict[int, dict[str, int]]:
+    """Worker index -> node id -> choices it sent there, from the gateway's /metrics text."""
+    routes: dict[int, dict[str, int]] = {}
+    for labels, value in _NODE_REQUESTS.findall(metrics):
+        named = dict(_LABEL.findall(labels))
+        if "worker" in named and float(value) > 0:
+            nodes = routes.setdefault(int(named["worker"]), {})
+            nodes[named.get("node_id", "?")] = int(float(value))
+    return routes
 
 
 def _cpus(cores: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
@@ -430,13 +471,13 @@ def _raw_load(
             client.start()
     time.sleep(max(0.0, window[0] - time.monotonic()))
     before = {pid: cpu_seconds([pid]) for pid in pids}
-    node_before = cpu_seconds(nodes)
+    node_before = [cpu_seconds([pid]) for pid in nodes]
     served = _worker_pids(gateway.pid, row[0])
     threads_before = {pid: thread_cpu(pid) for pid in served}
     profiles = _start_profiles(config, gateway, row[0])
     time.sleep(max(0.0, window[1] - time.monotonic()))
     used = {pid: cpu_seconds([pid]) - before[pid] for pid in pids}
-    node_cpu = cpu_seconds(nodes) - node_before
+    node_used = [cpu_seconds([pid]) - b for pid, b in zip(nodes, node_before, strict=True)]
     wall = config.duration_s
     for pid in served:
         split = _thread_split(threads_before[pid], thread_cpu(pid), wall)
@@ -456,10 +497,11 @@ def _raw_load(
         inside,
         wall,
         sum(used.values()),
-        node_cpu,
+        sum(node_used),
         client_busy=max(total[4] for total in totals) / (wall + config.warmup_s),
         process_busy=tuple(sorted((cpu / wall for cpu in used.values()), reverse=True)),
         clients=len(clients),
+        node_busy=tuple(cpu / wall for cpu in node_used),
     )
 
 
@@ -545,13 +587,19 @@ def token_source(config: BenchConfig) -> Iterator[TokenSource]:
         node += ["--per-request-streams"] if config.per_request_streams else []
         fakes = []
         for i in range(config.fake_nodes):
+            named = [*node[1:], "--node-id", fake_node_id(i)]  # id order = start order
             with pinned(plan.nodes[i] if plan else None):
                 fake = stack.enter_context(
-                    running_node(node[0], node[1:], config.log_dir / f"fake-node-{i}.log",
+                    running_node(node[0], named, config.log_dir / f"fake-node-{i}.log",
                                  probe=node_registered)
                 )  # fmt: skip
             fakes.append(fake.pid)
         yield TokenSource(bootstrap.address, tuple(fakes), plan)
+
+
+def fake_node_id(index: int) -> str:
+    """The id fake node `index` registers with; ids sort as the indices do."""
+    return f"fake-{index:02d}"
 
 
 def table(rows: list[Row]) -> str:
@@ -559,8 +607,9 @@ def table(rows: list[Row]) -> str:
     lines = [
         "| workers | stream interval | gateway CPU us/token | goal 25 us | tokens/s | "
         "tokens/s per worker | vs 1 worker | goal 0.8 x N | workers busy | node busy | "
-        "tokens / frame | clients | busiest client | gateway processes busy | requests |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "tokens / frame | clients | busiest client | gateway processes busy | requests | "
+        "decode policy | nodes per worker | fake nodes busy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         one = ones.get(r.interval)
@@ -576,7 +625,9 @@ def table(rows: list[Row]) -> str:
             f"{GOAL_US_PER_TOKEN / r.us_per_token:.2f} | {r.tokens_s:,.0f} | {per_worker:,.0f} | "
             f"{scale:.2f}x | {goal_rate} | {r.busy:.2f} | {r.node_cpu_s / r.wall_s:.2f} | "
             f"{r.tokens_per_frame:.2f} | {r.clients} | {r.client_busy:.2f} | "
-            f"{' '.join(f'{b:.2f}' for b in r.process_busy) or '-'} | {r.requests} |"
+            f"{' '.join(f'{b:.2f}' for b in r.process_busy) or '-'} | {r.requests} | "
+            f"{r.decode_policy or '-'} | {' '.join(map(str, r.nodes_per_worker)) or '-'} | "
+            f"{' '.join(f'{b:.2f}' for b in r.node_busy) or '-'} |"
         )
     return "\n".join(lines)
 
@@ -617,6 +668,13 @@ def build_config(argv: list[str] | None) -> BenchConfig:
     parser.add_argument("--streams", type=int, default=32, help="open streams per client")
     parser.add_argument("--tokens", type=int, default=512, help="tokens per request")
     parser.add_argument("--fake-nodes", type=int, default=1, help="token source processes")
+    parser.add_argument(
+        "--decode-policy",
+        default="kv_aware",
+        choices=sorted(POLICIES),
+        help="the gateway's --decode-policy; worker_affinity: worker i uses fake node i mod "
+        "--fake-nodes only (kv_aware, the default, is least_load here: no KV events)",
+    )
     parser.add_argument(
         "--tokens-per-message",
         type=int,
@@ -673,6 +731,7 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         clients_per_worker=args.clients_per_worker,
         warmup_s=args.warmup,
         py_spy_s=args.py_spy,
+        decode_policy=args.decode_policy,
     )
 
 
