@@ -24,6 +24,7 @@ import pytest
 
 from engine.ports import free_port
 from gateway.launcher import bootstrap_ready, console_script, node_registered, running_node
+from tests.test_gateway_workers import _health
 
 WAIT_S = 120.0  # bound of every poll below (a failure, never a timing assertion)
 REQUESTS_PER_WORKER = 4
@@ -63,15 +64,6 @@ def gateway_url(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
                 gateway.kill()
                 gateway.wait()
         assert gateway.returncode == 0, log.read_text()[-3000:]
-
-
-def _health(url: str) -> dict[str, object]:
-    """/health on a fresh connection (either worker may take it)."""
-    try:
-        body = httpx.get(url + "/health", timeout=10).json()
-    except (httpx.HTTPError, ValueError):
-        return {}
-    return body if isinstance(body, dict) else {}
 
 
 def _workers_seeing_both_nodes(url: str, log: Path | None = None) -> dict[int, object]:
