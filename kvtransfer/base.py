@@ -10,7 +10,7 @@ Backends live in sibling modules and are chosen by name through `kvtransfer.crea
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -103,9 +103,18 @@ class KVTransferEngine(ABC):
     # kernel stream first waits for it): a write issued from a stream that waits for an event
     # moves what was computed before the event. Otherwise the copy starts once it is posted.
     stream_ordered: bool = False
+    # True when the engine calls the callback of `bind_completion` as its writes end, so that
+    # a caller may wait for it instead of polling often.
+    notifies_completion: bool = False
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
+        self._on_completion: Callable[[], None] = _nothing
+
+    def bind_completion(self, callback: Callable[[], None]) -> None:
+        """`callback` (thread-safe, quick) is called, from any thread, after a write ended
+        (DONE or FAILED; `poll` tells which), by the engines that know (`notifies_completion`)."""
+        self._on_completion = callback
 
     @abstractmethod
     def register(self, regions: Sequence[MemoryRegion]) -> None:
@@ -159,6 +168,10 @@ class KVTransferEngine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Unregister memory and stop the engine."""
+
+
+def _nothing() -> None:
+    return None
 
 
 def coalesce_pages(

@@ -160,6 +160,7 @@ class MooncakeHandle(TransferHandle):
 
 class MooncakeEngine(KVTransferEngine):
     name = "mooncake"
+    notifies_completion = True  # its waiter thread sees each write end: `_completed`
 
     def __init__(self, config: TransferConfig) -> None:
         super().__init__(config)
@@ -268,7 +269,12 @@ class MooncakeEngine(KVTransferEngine):
             handle.completion = self._waiter.submit(
                 engine.get_batch_transfer_status, list(handle.batch_ids)
             )
+            handle.completion.add_done_callback(self._completed)
         return handle
+
+    def _completed(self, completion: Future[int]) -> None:
+        """On the waiter thread: a write ended; tell whoever waits for one (`bind_completion`)."""
+        self._on_completion()
 
     def _yield_to_waiter(self, completion: Future[int]) -> bool:
         """nvlink_intra: let the waiter thread take the GIL now; whether it has answered."""

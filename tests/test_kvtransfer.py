@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -267,6 +268,28 @@ def test_concurrent_writes_to_one_peer(pair: Loopback) -> None:
     dst = target.read()
     assert np.array_equal(dst[:written], initiator.buffer[:written])
     assert (dst[written:] == SENTINEL).all()
+
+
+def test_an_engine_that_notifies_calls_back_once_a_write_ended(pair: Loopback) -> None:
+    """A prefill node's loop waits for this callback instead of polling every 50 us."""
+    initiator, target = pair.initiator, pair.target
+    engine = initiator.engine
+    if not engine.notifies_completion:
+        pytest.skip(f"{engine.name} writes are polled (no completion callback)")
+    ended = threading.Semaphore(0)
+    engine.bind_completion(ended.release)
+    try:
+        assert target.ask(Fill(SENTINEL))
+        length = 4 << 20
+        handle = engine.write(
+            target.peer.node_id, [TransferRange(initiator.base, target.region.addr, length)]
+        )
+        assert ended.acquire(timeout=30), "no completion callback within 30 s"
+        assert engine.poll(handle) is TransferState.DONE  # the callback came after the end
+        engine.release(handle)
+        assert np.array_equal(target.read()[:length], initiator.buffer[:length])
+    finally:
+        engine.bind_completion(lambda: None)
 
 
 def test_write_outside_peer_region_fails(pair: Loopback) -> None:

@@ -313,9 +313,10 @@ def test_the_prefill_server_builds_its_stream_config_from_the_flag() -> None:
     assert CudaIpcEngine.stream_ordered and not (
         NixlEngine.stream_ordered or MooncakeEngine.stream_ordered
     )
-    inner = SimpleNamespace(config=None, stream_ordered=True)
+    inner = SimpleNamespace(config=None, stream_ordered=True, notifies_completion=True)
     wrapped = FaultInjectingEngine(inner)  # type: ignore[arg-type]
     assert wrapped.stream_ordered  # the fault wrapper says what the engine it wraps does
+    assert wrapped.notifies_completion
 
     def parts(groups: int, engine: type[KVTransferEngine], tp: int = 1) -> SimpleNamespace:
         runner = SimpleNamespace(
