@@ -26,6 +26,7 @@ from kvtransfer.base import (
     TransferHandle,
     TransferRange,
     TransferState,
+    total_bytes,
 )
 from kvtransfer.head_routes import (
     HeadRoute,
@@ -136,7 +137,7 @@ class KVSender:
         for by_peer in plan.values():
             for ranges in by_peer.values():
                 self.stats.descriptors += len(ranges)
-                self.stats.bytes += sum(r.length for r in ranges)
+                self.stats.bytes += total_bytes(ranges)
 
     def poll(self) -> TransferState:
         """DONE when every write finished, FAILED once all settled and one failed."""
