@@ -11,7 +11,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -30,6 +30,7 @@ from kvtransfer import (
     coalesce_pages,
     create_engine,
 )
+from kvtransfer.base import RangeColumns
 from kvtransfer.head_routes import RankKV, plan_routes
 from kvtransfer.room import RoomDestination
 from kvtransfer.sender import KVSender, page_runs
@@ -189,7 +190,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Loopback]:
     doomed.process.kill()
 
 
-def write_and_wait(initiator: Initiator, target: Target, ranges: list[TransferRange]) -> None:
+def write_and_wait(initiator: Initiator, target: Target, ranges: Sequence[TransferRange]) -> None:
     assert target.ask(Fill(SENTINEL))
     handle = initiator.engine.write(target.peer.node_id, ranges)
     assert wait(initiator.engine, handle) is TransferState.DONE
@@ -222,16 +223,27 @@ def scattered_mapping(num_pages: int, pool_pages: int, seed: int) -> list[int]:
     return dst
 
 
-@pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "one-per-page"])
-def test_scattered_pages(pair: Loopback, coalesce: bool) -> None:
+@pytest.mark.parametrize("form", ["coalesced", "one-per-page", "columns"])
+def test_scattered_pages(pair: Loopback, form: str) -> None:
+    """Also as RangeColumns, the form of a layer group's write (one range per page and head)."""
     initiator, target = pair.initiator, pair.target
     num_pages = 3000
     dst_pages = scattered_mapping(num_pages, BUFFER_BYTES // PAGE, seed=3)
     src_pages = list(range(num_pages))
     dst_base = target.region.addr
-    if coalesce:
+    ranges: Sequence[TransferRange]
+    if form == "coalesced":
         ranges = coalesce_pages(src_pages, dst_pages, PAGE, initiator.base, dst_base)
         assert len(ranges) < num_pages // 4
+    elif form == "columns":
+        columns = np.stack(
+            [
+                initiator.base + np.array(src_pages) * PAGE,
+                dst_base + np.array(dst_pages) * PAGE,
+                np.full(num_pages, PAGE),
+            ]
+        )
+        ranges = RangeColumns(columns.astype(np.int64))
     else:
         ranges = [
             TransferRange(initiator.base + s * PAGE, dst_base + d * PAGE, PAGE)
