@@ -166,6 +166,9 @@ class KVTransferEngine(ABC):
     # True when the engine calls the callback of `bind_completion` as its writes end, so that
     # a caller may wait for it instead of polling often.
     notifies_completion: bool = False
+    # False when a `poll` costs more than a look at local state (a TP node's: a collective
+    # over its ranks): a caller then polls seldom.
+    cheap_poll: bool = True
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config

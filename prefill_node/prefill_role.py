@@ -111,7 +111,8 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
         config, settling = self.config, self.rooms.in_phase(SETTLING)
         if not settling:
             return config.poll_min_s if self.rooms.in_phase(REPORTED) else None
-        if self.writer.engine.notifies_completion:  # its wakeup ends the wait
+        engine = self.writer.engine
+        if engine.notifies_completion or not engine.cheap_poll:  # woken, or polls cost
             return config.poll_max_s
         youngest = self.clock() - max(e.since for e in settling)
         return min(max(youngest * config.poll_growth, config.poll_min_s), config.poll_max_s)

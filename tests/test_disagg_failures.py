@@ -782,6 +782,7 @@ class FakeEngine:
     """Every write stays in flight until `settle()`."""
 
     notifies_completion = False
+    cheap_poll = True
 
     def __init__(self) -> None:
         self.settled = False
@@ -928,9 +929,11 @@ def test_prefill_role_polls_young_writes_often_and_old_ones_every_ms() -> None:
     assert role.poll_pause_s == pytest.approx(0.002 * config.poll_growth)
     now[0] += 1.0
     assert role.poll_pause_s == config.poll_max_s
-    engine.notifies_completion = True  # type: ignore[misc]  # its wakeup ends the wait
     now[0] = 100.0
+    engine.notifies_completion = True  # type: ignore[misc]  # its wakeup ends the wait
     assert role.poll_pause_s == config.poll_max_s
+    engine.notifies_completion, engine.cheap_poll = False, False  # type: ignore[misc]
+    assert role.poll_pause_s == config.poll_max_s  # a TP node's poll is a collective
     engine.settled = True
     assert role.during_forward(scheduler)  # REPORTED: its pages go at the next step
     assert role.poll_pause_s == config.poll_min_s

@@ -399,10 +399,12 @@ def test_the_prefill_server_builds_its_stream_config_from_the_flag() -> None:
     assert CudaIpcEngine.stream_ordered and not (
         NixlEngine.stream_ordered or MooncakeEngine.stream_ordered
     )
-    inner = SimpleNamespace(config=None, stream_ordered=True, notifies_completion=True)
+    inner = SimpleNamespace(
+        config=None, stream_ordered=True, notifies_completion=True, cheap_poll=False
+    )
     wrapped = FaultInjectingEngine(inner)  # type: ignore[arg-type]
     assert wrapped.stream_ordered  # the fault wrapper says what the engine it wraps does
-    assert wrapped.notifies_completion
+    assert wrapped.notifies_completion and not wrapped.cheap_poll
 
     def parts(groups: int, engine: type[KVTransferEngine], tp: int = 1) -> SimpleNamespace:
         runner = SimpleNamespace(
