@@ -33,6 +33,7 @@ from kvtransfer import (
     coalesce_pages,
     create_engine,
 )
+from kvtransfer.base import RangeColumns, columns_of
 from kvtransfer.cuda_ipc_plan import (
     BACKEND_FLAG,
     MAX_CHUNK_BYTES,
@@ -331,6 +332,12 @@ def test_group_ranges_agrees_with_the_per_range_checks(pools: str) -> None:
             k: [list(r) for r in v] for k, v in expected.items()
         }
         fast += len(got) == 1
+        columns = RangeColumns(columns_of(ranges).copy())  # a layer group's form
+        as_columns = group_ranges(columns, local, peer, "prefill")
+        assert {k: v.tolist() for k, v in as_columns.items()} == {
+            k: v.tolist() for k, v in got.items()
+        }
+        assert not any(np.shares_memory(v, columns.columns) for v in as_columns.values())
     assert refused > 20 and fast > 100  # both paths and the refusals were exercised
 
 
