@@ -6,9 +6,12 @@ per group before the transfer engine sees it, for a model's shape and a prompt's
 Per prompt length: the prompt's pages (a random scattered set, `--page-size` tokens each), one
 layer group of `--layers / --groups` layers, a prefill node of TP 1 writing into a decode node
 of `--decode-tp` ranks. Times `route_pages` with the group's span (kvtransfer/head_routes.py:
-one range per page and KV head) and `KVSender.send_layers` into an engine that only counts
-(the planning plus the sender's bookkeeping), best and median of `--repeat` runs. Run it with
-another checkout on PYTHONPATH to compare two versions of the planning.
+one range per page and KV head), `KVSender.send_layers` into an engine that only counts (the
+planning plus the sender's bookkeeping) and cuda_ipc's check and grouping of the first decode
+rank's ranges (`group_ranges`, the start of its `write`; no GPU needed), best and median of
+`--repeat` runs. Run the file with another checkout on PYTHONPATH to compare two versions:
+
+    cd /tmp && PYTHONPATH=OTHER_CHECKOUT python CHECKOUT/scripts/bench/layer_plan.py
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from kvtransfer.base import (
     TransferRange,
     TransferState,
 )
+from kvtransfer.cuda_ipc_plan import ExportedRegion, IpcEndpoint, group_ranges
 from kvtransfer.head_routes import HeadRoute, LayerSpan, RankKV, plan_routes, route_pages
 from kvtransfer.room import RoomDestination
 from kvtransfer.sender import KVSender
@@ -103,8 +107,11 @@ def main() -> None:
         f"{args.layers} layers, {args.kv_heads} KV heads x {args.head_dim}, page {args.page_size}"
         f" tokens, group of {args.layers // args.groups} layers, decode TP {args.decode_tp}"
     )
-    print("| prompt | pages | ranges | route_pages ms best/median | send_layers ms best/median |")
-    print("|---:|---:|---:|---:|---:|")
+    print(
+        "| prompt | pages | ranges | route_pages ms best/median | send_layers ms best/median "
+        "| cuda_ipc group_ranges ms best/median |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     rng = random.Random(0)
     for length in [int(x) for x in args.lengths.split(",")]:
         print(row(routes, span, args.page_size, length, args.repeat, rng))
@@ -132,9 +139,16 @@ def row(
         KVSender(engine, dest, page_size, routes).send_layers(src_pages, pages, span)
 
     send_s = timed(send, repeat)
+    first = routes[0].dst
+    pool = 4 * pages * len(routes[0].src.kv_heads) * routes[0].src.head_page_bytes
+    local = [ExportedRegion("kv", routes[0].src.kv_base, pool, "cuda:0")]
+    peer = IpcEndpoint("d", "boot", 1, (ExportedRegion("kv", first.kv_base, pool, "cuda:0"),))
+    to_first = plan[routes[0].src.tp_rank][first.peer_id]
+    group_s = timed(lambda: group_ranges(to_first, local, peer, "bench"), repeat)
     return (
         f"| {length} | {pages} | {ranges} | {plan_s[0] * 1e3:.3f} / {plan_s[1] * 1e3:.3f} "
-        f"| {send_s[0] * 1e3:.3f} / {send_s[1] * 1e3:.3f} |"
+        f"| {send_s[0] * 1e3:.3f} / {send_s[1] * 1e3:.3f} "
+        f"| {group_s[0] * 1e3:.3f} / {group_s[1] * 1e3:.3f} |"
     )
 
 
