@@ -644,6 +644,35 @@ class FakeEvent:
         return self.passed
 
 
+class CountingEvent(FakeEvent):
+    def __init__(self, passed: bool) -> None:
+        super().__init__(passed)
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.passed
+
+
+def test_a_write_polled_done_is_released_without_asking_its_events_again() -> None:
+    """A room's last poll reads every write's events, then releases them: one query each
+    (a prefill node polls G + 1 writes of a streamed room as its first token is reported)."""
+    from kvtransfer.cuda_ipc import CudaIpcEngine, CudaIpcHandle
+
+    engine = CudaIpcEngine.__new__(CudaIpcEngine)  # poll and release touch no GPU
+    engine.config = TransferConfig(backend="cuda_ipc", node_name="prefill")
+    event = CountingEvent(False)
+    handle = CudaIpcHandle("decode-1", events=[event])
+    assert engine.poll(handle) is TransferState.PENDING
+    with pytest.raises(TransferError, match="still in flight"):
+        engine.release(handle)
+    event.passed = True
+    assert engine.poll(handle) is TransferState.DONE
+    queries = event.queries
+    engine.release(handle)
+    assert event.queries == queries and handle.events == []
+
+
 def test_row_tables_reuse_a_slot_only_once_its_kernel_is_done() -> None:
     """A slot's host buffer is read by its upload and its device buffer by its kernel: both
     are done once the event after the kernel has passed, and not before."""
