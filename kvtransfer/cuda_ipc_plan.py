@@ -318,8 +318,8 @@ def _check_lengths_and_limits(
 def ranges_to_columns(ranges: Sequence[TransferRange]) -> np.ndarray:
     """int64 [3, n], the caller's to change: source addresses, destination addresses, lengths
     (`columns_of`: one C-level pass per field, no Python frame or tuple per range; a
-    RangeColumns' copied). Columns, not rows: numpy reduces a [3, n]
-    array along its rows several times faster than a [n, 3] one down its columns."""
+    RangeColumns' own, copied). Columns, not rows: numpy reduces a [3, n] array along its rows
+    several times faster than a [n, 3] one down its columns."""
     columns = columns_of(ranges)
     return columns.copy() if isinstance(ranges, RangeColumns) else columns  # ours to change
 

@@ -63,7 +63,7 @@ class PrefillRoleConfig:
     # Polling writes in flight (an engine that does not say when a write ends): the pause
     # grows with the youngest settling room's age (`poll_growth` of it), from `poll_min_s` to
     # `poll_max_s`: a room's last writes are seen ending within ~a quarter of their time,
-    # with ~15 polls per room before the pause reaches 1 ms.
+    # with ~12 polls per room before the pause reaches 1 ms.
     poll_min_s: float = 50e-6
     poll_max_s: float = 1e-3
     poll_growth: float = 0.25
