@@ -212,6 +212,7 @@ class EngineLoop:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        self.wake()  # an idle wait (up to a role's poll pause) ends now
         self._thread.join(timeout)
         if self._trace is not None and not self._thread.is_alive():
             self._trace.close()
