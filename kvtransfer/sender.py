@@ -75,6 +75,11 @@ class KVSender:
     def num_prompt_pages(self) -> int:
         return -(-self.dest.prompt_len // self.page_size)
 
+    @property
+    def all_pages_sent(self) -> bool:
+        """Every prompt page D lacks has been handed to the engine (maybe not landed yet)."""
+        return self.next_page >= self.num_prompt_pages
+
     def dest_pages(self, lo: int, hi: int) -> Sequence[int]:
         """D's pages for prompt pages [lo, hi)."""
         return self.dest.page_ids[lo - self.first_page : hi - self.first_page]

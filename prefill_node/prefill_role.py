@@ -18,7 +18,9 @@ chunk samples nothing, so nothing waited for them), and a transfer engine copies
 streams (NIXL's UCX cuda_ipc), unordered with the compute stream: without a wait it sends pages
 the chunk has not written yet (seen on one H200: prompts of 3+ chunks decoded wrongly from the
 2nd token on, scripts/gpu/check_pd.py). `kv_ready` (the server passes a device synchronize for
-CUDA) is called once per step before the first page of that step is handed to the engine.
+CUDA) is called once per step before the first page of that step is handed to the engine; a
+room whose pages all went out during the forward (layer streaming) posts its aux slot (host
+memory) before that wait.
 
 With `stream` (`--kv-stream-layers G`), a chunk's pages are written layer group by layer group
 while the chunk computes (prefill_node/layer_stream.py), from inside the forward; `after_step`
@@ -138,17 +140,22 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
         finished = scheduler.take_prefilled()
         for req in finished:  # the prompt's last forward ended (sampled), before `kv_ready`
             req.timing.mark("first_token")  # waits for KV copies streamed on other streams
-        finishing = {id(r) for r in finished}
+        sampled = self._active_rooms(finished)
+        # A streamed prompt's pages all went out during the forward: its aux slot (the first
+        # token, in host memory) needs no wait for the GPU and goes at once.
+        for entry in sampled:
+            if entry.sender is not None and entry.sender.all_pages_sent:
+                self._finish_prefill(entry)
         active = self.rooms.in_phase(ACTIVE)
         if active:
             self.kv_ready()  # this step's KV is written before any of it is sent
+        finishing = {id(e.req) for e in sampled}
         for entry in active:
             if id(entry.req) not in finishing:  # those are sent whole by _finish_prefill
                 self._send_chunk(scheduler, entry)
-        for req in finished:
-            done = self.rooms.get(req.room)
-            if done is not None and done.req is req and done.phase is ACTIVE:
-                self._finish_prefill(done)
+        for entry in sampled:
+            if entry.phase is ACTIVE:
+                self._finish_prefill(entry)
         landed = self._report_landed()
         counts = self.rooms.counts()
         inflight = counts[SETTLING] + counts[REPORTED]
@@ -157,6 +164,11 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
 
     def during_forward(self, scheduler: Scheduler) -> list[StepOutput]:
         return self._report_landed()
+
+    def _active_rooms(self, reqs: list[Req]) -> list[PrefillEntry]:
+        """The rooms of `reqs` that are still ACTIVE (not failed meanwhile)."""
+        found = [(req, self.rooms.get(req.room)) for req in reqs]
+        return [e for req, e in found if e is not None and e.req is req and e.phase is ACTIVE]
 
     def _report_landed(self) -> list[StepOutput]:
         """Report the rooms whose writes all landed; their pages stay held until the next

@@ -1003,6 +1003,30 @@ def test_prefill_role_streams_layer_groups_then_writes_only_the_aux_slot() -> No
     assert req.transfer.pages == 4
 
 
+def test_prefill_role_posts_a_streamed_rooms_aux_slot_before_waiting_for_the_gpu() -> None:
+    """Every page of a streamed prompt left during the forward: the aux slot (host memory)
+    goes without `kv_ready` waiting for the GPU (no other room computed, so no wait at all;
+    the copies' own events say when they land); a room with pages left waits for it first."""
+    engine = RecordingEngine()
+    role, _, _, scheduler, req = prefill_role_with_room(engine, STREAM)
+    writes_at_ready: list[int] = []
+    role.kv_ready = lambda: writes_at_ready.append(len(engine.writes))
+    req.slot, req.pages = 0, [0, 1, 2, 3]
+    stream_chunk(role, req, 64)  # the whole prompt in one chunk: 2 groups, 4 pages each
+    assert len(engine.writes) == 2
+    sample_first_token(role, scheduler, req)
+    assert writes_at_ready == [] and len(engine.writes) == 3
+    assert engine.writes[2][0].dst_addr < 1 << 20  # the aux slot: D's aux region, not its KV
+
+    unstreamed = RecordingEngine()  # the per-chunk push: pages, then the aux slot, after it
+    role, _, _, scheduler, req = prefill_role_with_room(unstreamed)
+    writes_at_ready.clear()
+    role.kv_ready = lambda: writes_at_ready.append(len(unstreamed.writes))
+    sample_first_token(role, scheduler, req)
+    assert writes_at_ready == [0] and len(unstreamed.writes) == 1  # (pages: `write_pages`)
+    assert unstreamed.writes[0][0].dst_addr < 1 << 20  # the aux slot, after the wait
+
+
 def test_prefill_role_dooms_a_room_whose_streamed_write_cannot_start() -> None:
     engine = RecordingEngine(refuse_kv=True)
     role, link, _, scheduler, req = prefill_role_with_room(engine, STREAM)
