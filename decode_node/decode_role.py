@@ -72,8 +72,8 @@ class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
         return req.room != 0
 
     @property
-    def needs_polling(self) -> bool:
-        return False  # every change comes as a message or a timeout
+    def poll_pause_s(self) -> float | None:
+        return None  # every change comes as a message or a timeout
 
     def submit(self, scheduler: Scheduler, req: Req) -> None:
         self.rooms.add(DecodeEntry(req, PREALLOC, self.clock()))
@@ -88,8 +88,8 @@ class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
         self.metrics.observe_queues(counts[PREALLOC], counts[TRANSFER], counts[QUARANTINE])
         return outputs
 
-    def after_step(self, scheduler: Scheduler) -> None:
-        return None
+    def after_step(self, scheduler: Scheduler) -> list[StepOutput]:
+        return []
 
     def during_forward(self, scheduler: Scheduler) -> list[StepOutput]:
         return []  # its news comes as bootstrap messages, handled before each step

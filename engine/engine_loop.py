@@ -44,9 +44,11 @@ class NodeRole(Protocol):
     def has_work(self) -> bool: ...
 
     @property
-    def needs_polling(self) -> bool:
-        """True while some of its work only a poll can notice (a prefill node's KV writes in
-        flight). Otherwise an idle scheduler sleeps until a command or the role's wakeup."""
+    def poll_pause_s(self) -> float | None:
+        """While some of its work only a poll can notice (a prefill node's KV writes in
+        flight): how long an idle loop may wait before the next step polls it (a command or
+        the role's wakeup ends the wait sooner). None otherwise: an idle loop then waits for a
+        command or the wakeup alone (its timeouts checked every `LoopConfig.idle_poll_s`)."""
         ...
 
     def bind_wakeup(self, wake: Callable[[], None]) -> None:
@@ -59,7 +61,10 @@ class NodeRole(Protocol):
 
     def before_step(self, scheduler: Scheduler) -> list[StepOutput]: ...
 
-    def after_step(self, scheduler: Scheduler) -> None: ...
+    def after_step(self, scheduler: Scheduler) -> list[StepOutput]:
+        """Start the KV writes of the chunks just computed; requests finished at once (a
+        prefill node's writes that all landed already) go out with the step's outputs."""
+        ...
 
     def during_forward(self, scheduler: Scheduler) -> list[StepOutput]:
         """Called between the model's layers while a step's forward runs (at most every
@@ -207,6 +212,7 @@ class EngineLoop:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        self.wake()  # an idle wait (up to a role's poll pause) ends now
         self._thread.join(timeout)
         if self._trace is not None and not self._thread.is_alive():
             self._trace.close()
@@ -270,14 +276,8 @@ class EngineLoop:
         try:
             self.scheduler.runner.bind_thread()
             while not self._stop.is_set():
-                # A role waiting only for messages (a decode node's rooms before P's DONE)
-                # sleeps until `wake`: a 1 ms poll there took ~8% of a core from the prefill
-                # on the same host. Its timeouts are checked every `idle_poll_s`.
-                polls = self.role is not None and self.role.needs_polling
-                self._drain_commands(block=not (self.scheduler.has_work or polls))
+                self._drain_commands(self._idle_wait())
                 self._step()
-                if polls and not self.scheduler.has_work:
-                    time.sleep(0.001)  # only transfers to poll: don't spin a core
         except BaseException as exc:  # the node cannot serve without its loop: report, die
             logger.exception("engine loop crashed: %s", exc)
             self.fatal_error = exc
@@ -289,9 +289,21 @@ class EngineLoop:
             logging.shutdown()
             os._exit(1)
 
-    def _drain_commands(self, block: bool) -> None:
+    def _idle_wait(self) -> float:
+        """How long to wait for a command before the next step: none while the scheduler has
+        work; the role's poll pause while only a poll sees its work end (KV writes in flight:
+        don't spin a core, but a write's end noticed late is latency); else until a command
+        or the role's wakeup (a decode node's rooms before P's DONE: a 1 ms poll there took
+        ~8% of a core from the prefill on the same host), its timeouts checked every
+        `idle_poll_s`."""
+        if self.scheduler.has_work:
+            return 0.0
+        pause = self.role.poll_pause_s if self.role is not None else None
+        return self.config.idle_poll_s if pause is None else pause
+
+    def _drain_commands(self, wait_s: float) -> None:
         try:
-            cmd = self._commands.get(timeout=self.config.idle_poll_s) if block else None
+            cmd = self._commands.get(timeout=wait_s) if wait_s > 0 else None
             while True:
                 if cmd is None:
                     cmd = self._commands.get_nowait()
@@ -352,7 +364,7 @@ class EngineLoop:
                 if self._trace is not None:
                     self._trace.write(self.scheduler)
         if self.role is not None:
-            self.role.after_step(self.scheduler)
+            outputs = outputs + self.role.after_step(self.scheduler)
         self.metrics.observe_queues(self.scheduler)
         self._step_started = None
         self._send(self._batch(outputs))

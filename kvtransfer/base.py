@@ -10,10 +10,13 @@ Backends live in sibling modules and are chosen by name through `kvtransfer.crea
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NamedTuple
+from operator import attrgetter
+from typing import NamedTuple, overload
+
+import numpy as np
 
 
 class TransferError(RuntimeError):
@@ -94,6 +97,63 @@ class TransferRange(NamedTuple):
     length: int
 
 
+class RangeColumns(Sequence[TransferRange]):
+    """Many descriptors as int64 columns [3, n] (sources, destinations, lengths), as a planner
+    computes them with numpy: a layer group's write (kvtransfer/head_routes.py) is one range
+    per page and KV head, 4,096 for an 8k-token prompt, and building a TransferRange for each
+    took longer than computing them. To a caller it is a Sequence[TransferRange]; an engine
+    that works on columns takes them with `columns_of` at no cost."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self, columns: np.ndarray) -> None:
+        if columns.ndim != 2 or columns.shape[0] != 3:
+            raise ValueError(f"range columns are [3, n] (src, dst, length), got {columns.shape}")
+        self.columns = columns.astype(np.int64, copy=False)
+
+    def __len__(self) -> int:
+        return int(self.columns.shape[1])
+
+    @overload
+    def __getitem__(self, index: int) -> TransferRange: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> RangeColumns: ...
+
+    def __getitem__(self, index: int | slice) -> TransferRange | RangeColumns:
+        if isinstance(index, slice):
+            return RangeColumns(self.columns[:, index])
+        src, dst, length = self.columns[:, index].tolist()
+        return TransferRange(src, dst, length)
+
+    def __iter__(self) -> Iterator[TransferRange]:
+        return map(TransferRange._make, zip(*self.columns.tolist(), strict=True))
+
+    def __repr__(self) -> str:
+        return f"RangeColumns({len(self)} ranges, {total_bytes(self)} bytes)"
+
+
+_FIELDS = (attrgetter("src_addr"), attrgetter("dst_addr"), attrgetter("length"))
+
+
+def columns_of(ranges: Sequence[TransferRange]) -> np.ndarray:
+    """The ranges as int64 columns [3, n]: a RangeColumns' own (read them, don't change them),
+    else built in one C-level pass per field, no Python frame or tuple per range."""
+    if isinstance(ranges, RangeColumns):
+        return ranges.columns
+    n = len(ranges)
+    columns = np.empty((3, n), dtype=np.int64)
+    for i, field_of in enumerate(_FIELDS):
+        columns[i] = np.fromiter(map(field_of, ranges), np.int64, n)
+    return columns
+
+
+def total_bytes(ranges: Sequence[TransferRange]) -> int:
+    if isinstance(ranges, RangeColumns):
+        return int(ranges.columns[2].sum())
+    return sum(r.length for r in ranges)
+
+
 class TransferHandle:
     """Opaque per-backend token for one started write (possibly several engine batches)."""
 
@@ -104,9 +164,21 @@ class KVTransferEngine(ABC):
     # kernel stream first waits for it): a write issued from a stream that waits for an event
     # moves what was computed before the event. Otherwise the copy starts once it is posted.
     stream_ordered: bool = False
+    # True when the engine calls the callback of `bind_completion` as its writes end, so that
+    # a caller may wait for it instead of polling often.
+    notifies_completion: bool = False
+    # False when a `poll` costs more than a look at local state (a TP node's: a collective
+    # over its ranks): a caller then polls seldom.
+    cheap_poll: bool = True
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
+        self._on_completion: Callable[[], None] = _nothing
+
+    def bind_completion(self, callback: Callable[[], None]) -> None:
+        """`callback` (thread-safe, quick) is called, from any thread, after a write ended
+        (DONE or FAILED; `poll` tells which), by the engines that know (`notifies_completion`)."""
+        self._on_completion = callback
 
     @abstractmethod
     def register(self, regions: Sequence[MemoryRegion]) -> None:
@@ -140,7 +212,7 @@ class KVTransferEngine(ABC):
         src, dst = [int(p) for p in src_pages], [int(p) for p in dst_pages]
         return self.write(peer_id, coalesce_pages(src, dst, page_bytes, src_base, dst_base))
 
-    def write_remote(self, plan: dict[int, dict[str, list[TransferRange]]]) -> TransferHandle:
+    def write_remote(self, plan: dict[int, dict[str, Sequence[TransferRange]]]) -> TransferHandle:
         """Start the writes of TP ranks other than 0 (prefill rank -> decode peer -> ranges).
         Only a TP node's engine can (engine/node/tp_transfer.py); a plain engine refuses."""
         ranks = sorted(rank for rank in plan if rank != 0)
@@ -160,6 +232,10 @@ class KVTransferEngine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Unregister memory and stop the engine."""
+
+
+def _nothing() -> None:
+    return None
 
 
 def coalesce_pages(

@@ -94,6 +94,7 @@ class CudaIpcHandle(TransferHandle):
     events: list[Any] = field(default_factory=list)  # torch.cuda.Event after each kernel
     keep: list[Any] = field(default_factory=list)  # the kernels' row tables, until done
     error: str = ""
+    settled: bool = False  # a poll saw every kernel done (release need not ask again)
 
 
 class CudaIpcEngine(KVTransferEngine):
@@ -361,17 +362,18 @@ class CudaIpcEngine(KVTransferEngine):
 
     def poll(self, handle: TransferHandle) -> TransferState:
         assert isinstance(handle, CudaIpcHandle)
-        for event in handle.events:
+        for event in [] if handle.settled else handle.events:
             try:
                 if not event.query():
                     return TransferState.PENDING
             except RuntimeError as exc:  # the kernel faulted (e.g. the peer's memory is gone)
                 self._fail(handle, f"copy kernel: {exc}")
+        handle.settled = True
         return TransferState.FAILED if handle.error else TransferState.DONE
 
     def release(self, handle: TransferHandle) -> None:
         assert isinstance(handle, CudaIpcHandle)
-        if self.poll(handle) is TransferState.PENDING:
+        if self.poll(handle) is TransferState.PENDING:  # no event query once polled settled
             raise TransferError(
                 f"cuda_ipc engine {self.config.node_name!r}: cannot release a write that is "
                 "still in flight; poll until DONE or FAILED"

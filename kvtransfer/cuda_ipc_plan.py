@@ -27,12 +27,17 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
 
-from kvtransfer.base import MemoryRegion, TransferError, TransferRange
+from kvtransfer.base import (
+    MemoryRegion,
+    RangeColumns,
+    TransferError,
+    TransferRange,
+    columns_of,
+)
 
 BACKEND_FLAG = "--transfer-backend cuda_ipc"
 # Measured on one H200 (scripts/gpu/tune_ipc_copy.py): 16 KiB a program, 4 KiB a step, 8 warps
@@ -43,7 +48,6 @@ MAX_CHUNK_BYTES = 16 << 10
 MAX_PIECE_BYTES = 2 << 20
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 ADDRESS_LIMIT = 1 << 62  # no memory lies above; below it, start + length fits in int64
-_FIELDS = (attrgetter("src_addr"), attrgetter("dst_addr"), attrgetter("length"))
 
 
 def boot_id() -> str:
@@ -312,14 +316,12 @@ def _check_lengths_and_limits(
 
 
 def ranges_to_columns(ranges: Sequence[TransferRange]) -> np.ndarray:
-    """int64 [3, n]: source addresses, destination addresses, lengths; one C-level pass per
-    field, no Python frame or tuple per range. Columns, not rows: numpy reduces a [3, n]
-    array along its rows several times faster than a [n, 3] one down its columns."""
-    n = len(ranges)
-    columns = np.empty((3, n), dtype=np.int64)
-    for i, field in enumerate(_FIELDS):
-        columns[i] = np.fromiter(map(field, ranges), np.int64, n)
-    return columns
+    """int64 [3, n], the caller's to change: source addresses, destination addresses, lengths
+    (`columns_of`: one C-level pass per field, no Python frame or tuple per range; a
+    RangeColumns' own, copied). Columns, not rows: numpy reduces a [3, n] array along its rows
+    several times faster than a [n, 3] one down its columns."""
+    columns = columns_of(ranges)
+    return columns.copy() if isinstance(ranges, RangeColumns) else columns  # ours to change
 
 
 def group_ranges(

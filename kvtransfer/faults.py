@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtransfer.aux import AUX_DTYPE
 from kvtransfer.base import (
@@ -57,12 +57,17 @@ class FaultInjectingEngine(KVTransferEngine):
         super().__init__(inner.config)
         self.inner = inner
         self.stream_ordered = inner.stream_ordered
+        self.notifies_completion = inner.notifies_completion
+        self.cheap_poll = inner.cheap_poll
         self.fail_rate = fail_rate
         self.aux_corrupt_rate = aux_corrupt_rate
         self.injected = 0  # failed writes
         self.corrupted = 0  # corrupted aux slots
         self._rng = random.Random(seed)
         self._aux_regions: dict[str, MemoryRegion] = {}  # peer id -> its aux region
+
+    def bind_completion(self, callback: Callable[[], None]) -> None:
+        self.inner.bind_completion(callback)  # an injected failure is FAILED at once
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         self.inner.register(regions)

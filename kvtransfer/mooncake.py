@@ -65,6 +65,7 @@ from kvtransfer.base import (
     TransferHandle,
     TransferRange,
     TransferState,
+    columns_of,
 )
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ class MooncakeHandle(TransferHandle):
 
 class MooncakeEngine(KVTransferEngine):
     name = "mooncake"
+    notifies_completion = True  # its waiter thread sees each write end: `_completed`
 
     def __init__(self, config: TransferConfig) -> None:
         super().__init__(config)
@@ -252,23 +254,27 @@ class MooncakeEngine(KVTransferEngine):
             )
         handle = MooncakeHandle(peer_id=peer_id, batch_ids=[])
         step = self.config.max_descriptors_per_batch
+        src, dst, length = columns_of(ranges)
         for start in range(0, len(ranges), step):
-            chunk = ranges[start : start + step]
+            batch = slice(start, start + step)
             batch_id = engine.batch_transfer_async_write(
-                session,
-                [r.src_addr for r in chunk],
-                [r.dst_addr for r in chunk],
-                [r.length for r in chunk],
+                session, src[batch].tolist(), dst[batch].tolist(), length[batch].tolist()
             )
             if batch_id in INVALID_BATCH_IDS:
-                self._fail(handle, f"a batch of {len(chunk)} descriptors was not accepted")
+                count = len(length[batch])
+                self._fail(handle, f"a batch of {count} descriptors was not accepted")
                 break
             handle.batch_ids.append(batch_id)
         if handle.batch_ids:
             handle.completion = self._waiter.submit(
                 engine.get_batch_transfer_status, list(handle.batch_ids)
             )
+            handle.completion.add_done_callback(self._completed)
         return handle
+
+    def _completed(self, completion: Future[int]) -> None:
+        """On the waiter thread: a write ended; tell whoever waits for one (`bind_completion`)."""
+        self._on_completion()
 
     def _yield_to_waiter(self, completion: Future[int]) -> bool:
         """nvlink_intra: let the waiter thread take the GIL now; whether it has answered."""

@@ -26,6 +26,7 @@ from kvtransfer.base import (
     TransferHandle,
     TransferRange,
     TransferState,
+    total_bytes,
 )
 from kvtransfer.head_routes import (
     HeadRoute,
@@ -74,6 +75,11 @@ class KVSender:
     @property
     def num_prompt_pages(self) -> int:
         return -(-self.dest.prompt_len // self.page_size)
+
+    @property
+    def all_pages_sent(self) -> bool:
+        """Every prompt page D lacks has been handed to the engine (maybe not landed yet)."""
+        return self.next_page >= self.num_prompt_pages
 
     def dest_pages(self, lo: int, hi: int) -> Sequence[int]:
         """D's pages for prompt pages [lo, hi)."""
@@ -138,7 +144,7 @@ class KVSender:
         for by_peer in plan.values():
             for ranges in by_peer.values():
                 self.stats.descriptors += len(ranges)
-                self.stats.bytes += sum(r.length for r in ranges)
+                self.stats.bytes += total_bytes(ranges)
 
     def poll(self) -> TransferState:
         """DONE when every write finished, FAILED once all settled and one failed."""

@@ -5,16 +5,22 @@ REPORTED -> gone); this module makes the moves. The scheduler sees the request o
 ACTIVE (waiting/running there) and holds it parked, pages kept, from its first token (or its
 failure) until the room is released.
 
-The writes are polled before every step and, while a step computes, between the model's layers
-(`during_forward`): a request whose last writes end early in a long prefill step is reported
-then, not when the step ends (on one CPU at 3 req/s the step's end came up to 3.9 s later).
+The writes are polled before every step, at the end of each step (`after_step`: a room whose
+last writes landed while its first token was written is reported in the step that sampled it)
+and, while a step computes, between the model's layers (`during_forward`): a request whose last
+writes end early in a long prefill step is reported then, not when the step ends (on one CPU at
+3 req/s the step's end came up to 3.9 s later). An idle loop with writes in flight polls after
+a pause that grows with the youngest settling room's age (50 us to 1 ms, `poll_pause_s`), or
+sooner when a transfer engine that says when a write ends (Mooncake) wakes it.
 
 KV pools in GPU memory: a step's kernels may still run when `after_step` sees it (a non-final
 chunk samples nothing, so nothing waited for them), and a transfer engine copies on its own
 streams (NIXL's UCX cuda_ipc), unordered with the compute stream: without a wait it sends pages
 the chunk has not written yet (seen on one H200: prompts of 3+ chunks decoded wrongly from the
 2nd token on, scripts/gpu/check_pd.py). `kv_ready` (the server passes a device synchronize for
-CUDA) is called once per step before the first page of that step is handed to the engine.
+CUDA) is called once per step before the first page of that step is handed to the engine; a
+room whose pages all went out during the forward (layer streaming) posts its aux slot (host
+memory) before that wait.
 
 With `stream` (`--kv-stream-layers G`), a chunk's pages are written layer group by layer group
 while the chunk computes (prefill_node/layer_stream.py), from inside the forward; `after_step`
@@ -56,6 +62,13 @@ FENCED = "this prefill node lost its bootstrap lease (missed heartbeats): writes
 class PrefillRoleConfig:
     bootstrap_timeout_s: float = 30.0  # wait this long for D's destination
     transfer_timeout_s: float = 300.0  # a started transfer must settle within this
+    # Polling writes in flight (an engine that does not say when a write ends): the pause
+    # grows with the youngest settling room's age (`poll_growth` of it), from `poll_min_s` to
+    # `poll_max_s`: a room's last writes are seen ending within ~a quarter of their time,
+    # with ~12 polls per room before the pause reaches 1 ms.
+    poll_min_s: float = 50e-6
+    poll_max_s: float = 1e-3
+    poll_growth: float = 0.25
 
 
 class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
@@ -89,9 +102,22 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
     def accepts(self, req: Req) -> bool:
         return req.stop_after_prefill
 
+    def bind_wakeup(self, wake: Callable[[], None]) -> None:
+        super().bind_wakeup(wake)
+        self.writer.engine.bind_completion(wake)  # an engine that says when a write ends
+
     @property
-    def needs_polling(self) -> bool:  # KV writes: only polling the engine sees them end
-        return any(e.phase in (SETTLING, REPORTED) for e in self.rooms)
+    def poll_pause_s(self) -> float | None:
+        """KV writes in flight: only polling the engine sees them end (see PrefillRoleConfig);
+        a REPORTED room's pages go back at the next step."""
+        config, settling = self.config, self.rooms.in_phase(SETTLING)
+        if not settling:
+            return config.poll_min_s if self.rooms.in_phase(REPORTED) else None
+        engine = self.writer.engine
+        if engine.notifies_completion or not engine.cheap_poll:  # woken, or polls cost
+            return config.poll_max_s
+        youngest = self.clock() - max(e.since for e in settling)
+        return min(max(youngest * config.poll_growth, config.poll_min_s), config.poll_max_s)
 
     def submit(self, scheduler: Scheduler, req: Req) -> None:
         self.rooms.add(PrefillEntry(req, BOOTSTRAP, self.clock()))
@@ -106,29 +132,48 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
         self._expire_bootstrap()
         return self._release_settled(scheduler)
 
-    def after_step(self, scheduler: Scheduler) -> None:
+    def after_step(self, scheduler: Scheduler) -> list[StepOutput]:
+        """Write what the step computed; report at once the rooms whose writes all landed
+        already (a first token's aux slot written by the time it returns, the KV streamed
+        during the forward)."""
         self._take_stream_failures()
         finished = scheduler.take_prefilled()
         for req in finished:  # the prompt's last forward ended (sampled), before `kv_ready`
             req.timing.mark("first_token")  # waits for KV copies streamed on other streams
-        finishing = {id(r) for r in finished}
+        sampled = self._active_rooms(finished)
+        # A streamed prompt's pages all went out during the forward: its aux slot (the first
+        # token, in host memory) needs no wait for the GPU and goes at once.
+        for entry in sampled:
+            if entry.sender is not None and entry.sender.all_pages_sent:
+                self._finish_prefill(entry)
         active = self.rooms.in_phase(ACTIVE)
         if active:
             self.kv_ready()  # this step's KV is written before any of it is sent
+        finishing = {id(e.req) for e in sampled}
         for entry in active:
             if id(entry.req) not in finishing:  # those are sent whole by _finish_prefill
                 self._send_chunk(scheduler, entry)
-        for req in finished:
-            done = self.rooms.get(req.room)
-            if done is not None and done.req is req and done.phase is ACTIVE:
-                self._finish_prefill(done)
+        for entry in sampled:
+            if entry.phase is ACTIVE:
+                self._finish_prefill(entry)
+        landed = self._report_landed()
         counts = self.rooms.counts()
         inflight = counts[SETTLING] + counts[REPORTED]
         self.metrics.observe_queues(counts[BOOTSTRAP], counts[ACTIVE], inflight)
+        return landed
 
     def during_forward(self, scheduler: Scheduler) -> list[StepOutput]:
-        """Report the rooms whose writes all landed; their pages stay held until the step
-        ends (`before_step` releases them). Failures wait for `before_step` too."""
+        return self._report_landed()
+
+    def _active_rooms(self, reqs: list[Req]) -> list[PrefillEntry]:
+        """The rooms of `reqs` that are still ACTIVE (not failed meanwhile)."""
+        found = [(req, self.rooms.get(req.room)) for req in reqs]
+        return [e for req, e in found if e is not None and e.req is req and e.phase is ACTIVE]
+
+    def _report_landed(self) -> list[StepOutput]:
+        """Report the rooms whose writes all landed; their pages stay held until the next
+        `before_step` releases them (not during a forward, nor before the step's end).
+        Failures wait for `before_step` too."""
         outputs = []
         for entry in self.rooms.in_phase(SETTLING):
             if entry.failure or entry.sender is None:

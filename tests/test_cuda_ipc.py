@@ -33,6 +33,7 @@ from kvtransfer import (
     coalesce_pages,
     create_engine,
 )
+from kvtransfer.base import RangeColumns, columns_of
 from kvtransfer.cuda_ipc_plan import (
     BACKEND_FLAG,
     MAX_CHUNK_BYTES,
@@ -331,6 +332,12 @@ def test_group_ranges_agrees_with_the_per_range_checks(pools: str) -> None:
             k: [list(r) for r in v] for k, v in expected.items()
         }
         fast += len(got) == 1
+        columns = RangeColumns(columns_of(ranges).copy())  # a layer group's form
+        as_columns = group_ranges(columns, local, peer, "prefill")
+        assert {k: v.tolist() for k, v in as_columns.items()} == {
+            k: v.tolist() for k, v in got.items()
+        }
+        assert not any(np.shares_memory(v, columns.columns) for v in as_columns.values())
     assert refused > 20 and fast > 100  # both paths and the refusals were exercised
 
 
@@ -638,6 +645,35 @@ class FakeEvent:
 
     def query(self) -> bool:
         return self.passed
+
+
+class CountingEvent(FakeEvent):
+    def __init__(self, passed: bool) -> None:
+        super().__init__(passed)
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.passed
+
+
+def test_a_write_polled_done_is_released_without_asking_its_events_again() -> None:
+    """A room's last poll reads every write's events, then releases them: one query each
+    (a prefill node polls G + 1 writes of a streamed room as its first token is reported)."""
+    from kvtransfer.cuda_ipc import CudaIpcEngine, CudaIpcHandle
+
+    engine = CudaIpcEngine.__new__(CudaIpcEngine)  # poll and release touch no GPU
+    engine.config = TransferConfig(backend="cuda_ipc", node_name="prefill")
+    event = CountingEvent(False)
+    handle = CudaIpcHandle("decode-1", events=[event])
+    assert engine.poll(handle) is TransferState.PENDING
+    with pytest.raises(TransferError, match="still in flight"):
+        engine.release(handle)
+    event.passed = True
+    assert engine.poll(handle) is TransferState.DONE
+    queries = event.queries
+    engine.release(handle)
+    assert event.queries == queries and handle.events == []
 
 
 def test_row_tables_reuse_a_slot_only_once_its_kernel_is_done() -> None:

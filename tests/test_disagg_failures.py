@@ -781,9 +781,15 @@ class FakeLink:
 class FakeEngine:
     """Every write stays in flight until `settle()`."""
 
+    notifies_completion = False
+    cheap_poll = True
+
     def __init__(self) -> None:
         self.settled = False
         self.outcome = TransferState.DONE  # what a settled write ends as
+
+    def bind_completion(self, callback: Callable[[], None]) -> None:
+        pass
 
     def connect(self, peer: PeerInfo) -> None:
         pass
@@ -830,7 +836,9 @@ class FakeScheduler:
 
 
 def prefill_role_with_room(
-    engine: FakeEngine | None = None, stream: StreamConfig | None = None
+    engine: FakeEngine | None = None,
+    stream: StreamConfig | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> tuple[PrefillRole, FakeLink, FakeEngine, Any, Req]:
     """A prefill role whose room 7 got its destination and is being computed."""
     link, engine, scheduler = FakeLink(), engine or FakeEngine(), FakeScheduler()
@@ -841,6 +849,7 @@ def prefill_role_with_room(
         aux=AuxBuffer(4),
         kv=NodeKV.single(kv_base=0, head_page_bytes=1024, num_kv_heads=1),
         page_size=16,
+        clock=clock,
         stream=stream,
     )
     req = Req(rid="r", prompt_ids=list(range(64)), params=SamplingParams(), sampler=None)  # type: ignore[arg-type]
@@ -890,6 +899,46 @@ def test_prefill_role_reports_done_mid_forward_and_frees_pages_at_the_step_end()
     assert role.before_step(scheduler) == []  # the step ended: pages go, nothing re-reported
     assert scheduler.released == [(req, True)] and scheduler.parked == []
     assert link.final == [RoomState.DONE] and phase(role) is None
+
+
+def test_prefill_role_reports_writes_landed_by_the_first_token_in_that_step() -> None:
+    """Writes that ended while the first token's aux slot was written (the KV streamed during
+    the forward, a synchronous aux write): DONE goes out from the step that sampled it, not
+    from the next loop turn; the pages still wait for the step boundary."""
+    role, link, engine, scheduler, req = prefill_role_with_room()
+    req.slot, req.pages, req.kv_len = 0, [0, 1, 2, 3], 64
+    req.output_ids, req.output_logprobs, req.output_top_logprobs = [5], [None], [None]
+    scheduler.park(req)
+    scheduler.prefilled.append(req)
+    engine.settled = True
+    (out,) = role.after_step(scheduler)
+    assert out.req is req and out.finished and req.finish_reason is FinishReason.PREFILLED
+    assert link.final == [RoomState.DONE] and phase(role) is PrefillPhase.REPORTED
+    assert scheduler.released == [] and scheduler.parked == [req]
+    assert role.before_step(scheduler) == [] and scheduler.released == [(req, True)]
+
+
+def test_prefill_role_polls_young_writes_often_and_old_ones_every_ms() -> None:
+    now = [100.0]
+    role, _, engine, scheduler, req = prefill_role_with_room(clock=lambda: now[0])
+    assert role.poll_pause_s is None  # ACTIVE: nothing only a poll would see
+    sample_first_token(role, scheduler, req)  # SETTLING since 100.0
+    config = role.config
+    assert role.poll_pause_s == config.poll_min_s
+    now[0] += 0.002
+    assert role.poll_pause_s == pytest.approx(0.002 * config.poll_growth)
+    now[0] += 1.0
+    assert role.poll_pause_s == config.poll_max_s
+    now[0] = 100.0
+    engine.notifies_completion = True  # type: ignore[misc]  # its wakeup ends the wait
+    assert role.poll_pause_s == config.poll_max_s
+    engine.notifies_completion, engine.cheap_poll = False, False  # type: ignore[misc]
+    assert role.poll_pause_s == config.poll_max_s  # a TP node's poll is a collective
+    engine.settled = True
+    assert role.during_forward(scheduler)  # REPORTED: its pages go at the next step
+    assert role.poll_pause_s == config.poll_min_s
+    role.before_step(scheduler)
+    assert role.poll_pause_s is None
 
 
 def test_prefill_role_leaves_a_failed_write_to_the_step_boundary() -> None:
@@ -952,6 +1001,30 @@ def test_prefill_role_streams_layer_groups_then_writes_only_the_aux_slot() -> No
     assert link.final == [RoomState.DONE] and scheduler.released == [(req, True)]
     assert role.rooms.get(ROOM) is None and req.transfer is not None
     assert req.transfer.pages == 4
+
+
+def test_prefill_role_posts_a_streamed_rooms_aux_slot_before_waiting_for_the_gpu() -> None:
+    """Every page of a streamed prompt left during the forward: the aux slot (host memory)
+    goes without `kv_ready` waiting for the GPU (no other room computed, so no wait at all;
+    the copies' own events say when they land); a room with pages left waits for it first."""
+    engine = RecordingEngine()
+    role, _, _, scheduler, req = prefill_role_with_room(engine, STREAM)
+    writes_at_ready: list[int] = []
+    role.kv_ready = lambda: writes_at_ready.append(len(engine.writes))
+    req.slot, req.pages = 0, [0, 1, 2, 3]
+    stream_chunk(role, req, 64)  # the whole prompt in one chunk: 2 groups, 4 pages each
+    assert len(engine.writes) == 2
+    sample_first_token(role, scheduler, req)
+    assert writes_at_ready == [] and len(engine.writes) == 3
+    assert engine.writes[2][0].dst_addr < 1 << 20  # the aux slot: D's aux region, not its KV
+
+    unstreamed = RecordingEngine()  # the per-chunk push: pages, then the aux slot, after it
+    role, _, _, scheduler, req = prefill_role_with_room(unstreamed)
+    writes_at_ready.clear()
+    role.kv_ready = lambda: writes_at_ready.append(len(unstreamed.writes))
+    sample_first_token(role, scheduler, req)
+    assert writes_at_ready == [0] and len(unstreamed.writes) == 1  # (pages: `write_pages`)
+    assert unstreamed.writes[0][0].dst_addr < 1 << 20  # the aux slot, after the wait
 
 
 def test_prefill_role_dooms_a_room_whose_streamed_write_cannot_start() -> None:

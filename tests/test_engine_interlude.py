@@ -35,8 +35,8 @@ class InterludeRole:
         return bool(self.held)
 
     @property
-    def needs_polling(self) -> bool:
-        return False
+    def poll_pause_s(self) -> float | None:
+        return None
 
     def bind_wakeup(self, wake: Callable[[], None]) -> None:
         pass
@@ -50,8 +50,8 @@ class InterludeRole:
     def before_step(self, scheduler: Scheduler) -> list[StepOutput]:
         return []
 
-    def after_step(self, scheduler: Scheduler) -> None:
-        return None
+    def after_step(self, scheduler: Scheduler) -> list[StepOutput]:
+        return []
 
     def during_forward(self, scheduler: Scheduler) -> list[StepOutput]:
         assert self.loop is not None

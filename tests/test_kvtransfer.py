@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -29,6 +30,7 @@ from kvtransfer import (
     coalesce_pages,
     create_engine,
 )
+from kvtransfer.base import RangeColumns
 from kvtransfer.head_routes import RankKV, plan_routes
 from kvtransfer.room import RoomDestination
 from kvtransfer.sender import KVSender, page_runs
@@ -188,7 +190,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Loopback]:
     doomed.process.kill()
 
 
-def write_and_wait(initiator: Initiator, target: Target, ranges: list[TransferRange]) -> None:
+def write_and_wait(initiator: Initiator, target: Target, ranges: Sequence[TransferRange]) -> None:
     assert target.ask(Fill(SENTINEL))
     handle = initiator.engine.write(target.peer.node_id, ranges)
     assert wait(initiator.engine, handle) is TransferState.DONE
@@ -221,16 +223,27 @@ def scattered_mapping(num_pages: int, pool_pages: int, seed: int) -> list[int]:
     return dst
 
 
-@pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "one-per-page"])
-def test_scattered_pages(pair: Loopback, coalesce: bool) -> None:
+@pytest.mark.parametrize("form", ["coalesced", "one-per-page", "columns"])
+def test_scattered_pages(pair: Loopback, form: str) -> None:
+    """Also as RangeColumns, the form of a layer group's write (one range per page and head)."""
     initiator, target = pair.initiator, pair.target
     num_pages = 3000
     dst_pages = scattered_mapping(num_pages, BUFFER_BYTES // PAGE, seed=3)
     src_pages = list(range(num_pages))
     dst_base = target.region.addr
-    if coalesce:
+    ranges: Sequence[TransferRange]
+    if form == "coalesced":
         ranges = coalesce_pages(src_pages, dst_pages, PAGE, initiator.base, dst_base)
         assert len(ranges) < num_pages // 4
+    elif form == "columns":
+        columns = np.stack(
+            [
+                initiator.base + np.array(src_pages) * PAGE,
+                dst_base + np.array(dst_pages) * PAGE,
+                np.full(num_pages, PAGE),
+            ]
+        )
+        ranges = RangeColumns(columns.astype(np.int64))
     else:
         ranges = [
             TransferRange(initiator.base + s * PAGE, dst_base + d * PAGE, PAGE)
@@ -267,6 +280,28 @@ def test_concurrent_writes_to_one_peer(pair: Loopback) -> None:
     dst = target.read()
     assert np.array_equal(dst[:written], initiator.buffer[:written])
     assert (dst[written:] == SENTINEL).all()
+
+
+def test_an_engine_that_notifies_calls_back_once_a_write_ended(pair: Loopback) -> None:
+    """A prefill node's loop waits for this callback instead of polling every 50 us."""
+    initiator, target = pair.initiator, pair.target
+    engine = initiator.engine
+    if not engine.notifies_completion:
+        pytest.skip(f"{engine.name} writes are polled (no completion callback)")
+    ended = threading.Semaphore(0)
+    engine.bind_completion(ended.release)
+    try:
+        assert target.ask(Fill(SENTINEL))
+        length = 4 << 20
+        handle = engine.write(
+            target.peer.node_id, [TransferRange(initiator.base, target.region.addr, length)]
+        )
+        assert ended.acquire(timeout=30), "no completion callback within 30 s"
+        assert engine.poll(handle) is TransferState.DONE  # the callback came after the end
+        engine.release(handle)
+        assert np.array_equal(target.read()[:length], initiator.buffer[:length])
+    finally:
+        engine.bind_completion(lambda: None)
 
 
 def test_write_outside_peer_region_fails(pair: Loopback) -> None:

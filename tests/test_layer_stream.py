@@ -7,9 +7,11 @@ leaked) are in tests/test_disagg.py.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,8 +21,14 @@ from engine.layer_groups import GroupDone, LayerStream, split_layers
 from engine.memory.kv_cache import KVLayout
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
-from kvtransfer.base import KVTransferEngine, TransferRange
-from kvtransfer.head_routes import LayerSpan, RankKV, plan_routes, route_pages
+from kvtransfer.base import (
+    KVTransferEngine,
+    RangeColumns,
+    TransferRange,
+    columns_of,
+    total_bytes,
+)
+from kvtransfer.head_routes import HeadRoute, LayerSpan, RankKV, plan_routes, route_pages
 from kvtransfer.room import RoomDestination
 from kvtransfer.sender import KVSender
 from prefill_node.layer_stream import (
@@ -121,12 +129,90 @@ def test_a_span_of_every_layer_is_whole_pages_again() -> None:
     all_layers = LayerSpan.of(range(LAYERS), lpb)
     plan = route_pages(routes, [3, 4, 5, 9], [0, 1, 2, 3], all_layers)
     page = LAYOUT.page_bytes
-    assert plan[0]["d"] == [
+    assert list(plan[0]["d"]) == [
         TransferRange(3 * page, 0, 3 * page),
         TransferRange(9 * page, 3 * page, page),
     ]
     one_group = route_pages(routes, [3], [0], LayerSpan.of(range(1, 3), lpb))
     assert len(one_group[0]["d"]) == HEADS  # one range per head: heads are apart by the layers
+
+
+def _reference_layer_ranges(
+    route: HeadRoute, src_pages: list[int], dst_pages: list[int], span: LayerSpan
+) -> list[TransferRange]:
+    """The per-range Python planning that `HeadRoute.layer_ranges` replaced (numpy columns),
+    kept here as the reference: one range per page and head, merged where they touch."""
+    src, dst = route.src, route.dst
+    ranges = []
+    for s, d in zip(src_pages, dst_pages, strict=True):
+        src_page = src.kv_base + s * src.page_bytes + span.offset
+        dst_page = dst.kv_base + d * dst.page_bytes + span.offset
+        for i in range(route.num_heads):
+            src_addr = src_page + (route.src_head + i) * src.head_page_bytes
+            dst_addr = dst_page + (route.dst_head + i) * dst.head_page_bytes
+            ranges.append(TransferRange(src_addr, dst_addr, span.length))
+    if span.length != src.head_page_bytes:
+        return ranges
+    merged: list[TransferRange] = []
+    for r in ranges:
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and last.src_addr + last.length == r.src_addr
+            and last.dst_addr + last.length == r.dst_addr
+        ):
+            merged[-1] = TransferRange(last.src_addr, last.dst_addr, last.length + r.length)
+        else:
+            merged.append(r)
+    return merged
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_layer_ranges_as_columns_equal_the_per_range_planning(seed: int) -> None:
+    """Random page sets (runs and scattered pages), head splits and layer spans, the span of
+    every layer included: the numpy planning gives the same ranges in the same order."""
+    rng = random.Random(seed)
+    layers, hpb = 6, 6 * 1024  # 8 KV heads
+    lpb = hpb // layers
+    splits = [[range(0, 8)], [range(0, 4), range(4, 8)], [range(0, 2), range(2, 8)]]
+    src_split, dst_split = rng.choice(splits), rng.choice(splits)
+    src_ranks = [RankKV(r, "", (r + 1) << 32, h, hpb) for r, h in enumerate(src_split)]
+    dst_ranks = [RankKV(r, f"d#{r}", (r + 9) << 32, h, hpb) for r, h in enumerate(dst_split)]
+    routes = plan_routes(src_ranks, dst_ranks)
+    for _ in range(20):
+        count = rng.randrange(0, 300)
+        src_pages = rng.sample(range(4096), count)
+        start = rng.randrange(0, 1000)
+        dst_pages = list(range(start, start + count)) if rng.random() < 0.5 else src_pages[::-1]
+        if rng.random() < 0.3:  # runs contiguous on both sides
+            src_pages = list(range(start + 7, start + 7 + count))
+        first = rng.randrange(layers)
+        span = LayerSpan.of(range(first, rng.randrange(first + 1, layers + 1)), lpb)
+        if rng.random() < 0.3:
+            span = LayerSpan.of(range(layers), lpb)
+        for route in routes:
+            expected = _reference_layer_ranges(route, src_pages, dst_pages, span)
+            assert list(route.layer_ranges(src_pages, dst_pages, span)) == expected
+        plan = route_pages(routes, src_pages, dst_pages, span)
+        for rank, by_peer in plan.items():
+            for peer, ranges in by_peer.items():
+                expected = [
+                    r
+                    for route in routes
+                    if (route.src.tp_rank, route.dst.peer_id) == (rank, peer)
+                    for r in _reference_layer_ranges(route, src_pages, dst_pages, span)
+                ]
+                assert list(ranges) == expected
+
+
+def test_range_columns_read_as_transfer_ranges() -> None:
+    columns = RangeColumns(np.array([[10, 20, 30], [0, 5, 9], [4, 4, 2]], dtype=np.int64))
+    assert len(columns) == 3 and columns[1] == TransferRange(20, 5, 4)
+    assert list(columns[1:]) == [TransferRange(20, 5, 4), TransferRange(30, 9, 2)]
+    assert total_bytes(columns) == 10 == total_bytes(list(columns))
+    assert columns_of(list(columns)).tolist() == columns.columns.tolist()
+    with pytest.raises(ValueError, match=r"\[3, n\]"):
+        RangeColumns(np.zeros((2, 4), dtype=np.int64))
 
 
 # ---- the engine's signals ---------------------------------------------------------------------
@@ -313,9 +399,12 @@ def test_the_prefill_server_builds_its_stream_config_from_the_flag() -> None:
     assert CudaIpcEngine.stream_ordered and not (
         NixlEngine.stream_ordered or MooncakeEngine.stream_ordered
     )
-    inner = SimpleNamespace(config=None, stream_ordered=True)
+    inner = SimpleNamespace(
+        config=None, stream_ordered=True, notifies_completion=True, cheap_poll=False
+    )
     wrapped = FaultInjectingEngine(inner)  # type: ignore[arg-type]
     assert wrapped.stream_ordered  # the fault wrapper says what the engine it wraps does
+    assert wrapped.notifies_completion and not wrapped.cheap_poll
 
     def parts(groups: int, engine: type[KVTransferEngine], tp: int = 1) -> SimpleNamespace:
         runner = SimpleNamespace(

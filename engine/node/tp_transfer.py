@@ -100,6 +100,7 @@ class TPTransferEngine(KVTransferEngine):
     """Rank 0's engine over the whole node (see the module docstring)."""
 
     name = "tp"
+    cheap_poll = False  # a poll of the other ranks' writes is a collective over the node
 
     def __init__(self, local: KVTransferEngine, group: TPGroup) -> None:
         super().__init__(local.config)
