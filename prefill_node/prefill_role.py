@@ -136,6 +136,8 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
         """Write what the step computed; report at once the rooms whose writes all landed
         already (a first token's aux slot written by the time it returns, the KV streamed
         during the forward)."""
+        if self.streamer is not None:
+            self.streamer.finish()  # a forward's last group, held back on a GPU (layer_stream.py)
         self._take_stream_failures()
         finished = scheduler.take_prefilled()
         for req in finished:  # the prompt's last forward ended (sampled), before `kv_ready`

@@ -325,9 +325,11 @@ def _streamer(groups: int, stream_ordered: bool = False) -> LayerStreamer:
     return LayerStreamer(config, lambda req: None)
 
 
-def test_gpu_groups_post_once_their_event_passed_one_group_behind_at_most() -> None:
-    """Not stream-ordered (NIXL, Mooncake): a group is posted once its event passed; at each
-    group's end the host waits for the groups before the previous one; the last waits for all."""
+def test_gpu_groups_post_once_passed_never_waiting_until_the_last_is_queued() -> None:
+    """Not stream-ordered (NIXL, Mooncake): while the forward is queued a group is posted only
+    once its event passed (the host never waits there: the GPU would run dry); at the last
+    group the host waits for each earlier group in turn and posts it, and the last group is
+    posted by `finish`, after the step (or before the next forward begins)."""
     streamer = _streamer(4)
     sender = RecordingSender()
     writes = ForwardWrites(streamer, [_chunk_for(sender, upto=3)])
@@ -339,11 +341,28 @@ def test_gpu_groups_post_once_their_event_passed_one_group_behind_at_most() -> N
     writes.on_group(GroupDone(1, groups[1], events[1]))  # type: ignore[arg-type]
     assert sender.posts == [(0, 3)]  # passed: posted; group 1 still running
     writes.on_group(GroupDone(2, groups[2], events[2]))  # type: ignore[arg-type]
-    assert sender.posts == [(0, 3), (10, 3)] and events[1].waited == 1  # one group ahead
-    assert sender.marked == []
+    assert sender.posts == [(0, 3)] and events[1].waited == 0  # no wait while queuing
     writes.on_group(GroupDone(3, groups[3], events[3]))  # type: ignore[arg-type]
-    assert sender.posts == [(0, 3), (10, 3), (20, 3), (30, 3)]
+    assert sender.posts == [(0, 3), (10, 3), (20, 3)]  # waited for in turn, posted
+    assert events[1].waited == 1 and events[2].waited == 1 and events[3].waited == 0
+    assert sender.marked == [] and streamer.unfinished == [writes]
+    streamer.finish()
+    assert sender.posts == [(0, 3), (10, 3), (20, 3), (30, 3)] and events[3].waited == 1
     assert sender.marked == [3]  # counted once the last group is out
+    assert streamer.unfinished == []
+
+
+def test_a_forward_begins_after_the_last_forwards_groups_are_out() -> None:
+    """With overlap the role may not run between two forwards: `begin` posts what the earlier
+    forward left, so the next chunk's pages start where the sender's count says."""
+    streamer = _streamer(2)
+    sender = RecordingSender()
+    writes = ForwardWrites(streamer, [_chunk_for(sender, upto=2)])
+    for i, group in enumerate(streamer.config.groups):
+        writes.on_group(GroupDone(i, group, FakeEvent()))  # type: ignore[arg-type]
+    assert sender.marked == []
+    assert streamer.begin([], []) is None  # nothing of this batch is streamed
+    assert sender.posts == [(0, 2), (20, 2)] and sender.marked == [2]
 
 
 def test_cpu_groups_post_at_once_and_failures_wait_for_the_role() -> None:
