@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from operator import attrgetter
-from typing import NamedTuple, overload
+from typing import NamedTuple, Protocol, overload
 
 import numpy as np
 
@@ -146,6 +146,26 @@ def columns_of(ranges: Sequence[TransferRange]) -> np.ndarray:
     for i, field_of in enumerate(_FIELDS):
         columns[i] = np.fromiter(map(field_of, ranges), np.int64, n)
     return columns
+
+
+class Extent(Protocol):
+    """Anything with a base address and a length in bytes (a registered or exported region)."""
+
+    @property
+    def addr(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
+
+
+def holding_region(regions: Sequence[Extent], addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Per range [addr, addr + length), the index of the first region that holds it whole, -1
+    where none does (numpy columns in, one pass per region)."""
+    found = np.full(len(addr), -1, dtype=np.int64)
+    for index in reversed(range(len(regions))):  # the first region that holds it wins
+        region = regions[index]
+        found[(addr >= region.addr) & (addr + length <= region.addr + region.length)] = index
+    return found
 
 
 def total_bytes(ranges: Sequence[TransferRange]) -> int:

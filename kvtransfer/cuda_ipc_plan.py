@@ -37,6 +37,7 @@ from kvtransfer.base import (
     TransferError,
     TransferRange,
     columns_of,
+    holding_region,
 )
 
 BACKEND_FLAG = "--transfer-backend cuda_ipc"
@@ -265,15 +266,6 @@ def split_rows(rows: np.ndarray, piece: int) -> np.ndarray:
     return out
 
 
-def _locate(regions: Sequence[ExportedRegion], addr: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """Per row, the index of the region holding [addr, addr + length), or -1."""
-    found = np.full(len(addr), -1, dtype=np.int64)
-    for i, region in enumerate(regions):
-        inside = (addr >= region.addr) & (addr + length <= region.addr + region.length)
-        found[inside & (found < 0)] = i
-    return found
-
-
 def _holder(regions: Sequence[ExportedRegion], lo: int, hi: int) -> int | None:
     """The index of the first region holding all of [lo, hi), or None."""
     for i, region in enumerate(regions):
@@ -342,8 +334,8 @@ def group_ranges(
     pair = _one_pair(columns, low, local, peer.regions)
     if pair is not None:  # the usual write: one pool into the other, checked by its bounds
         return {pair: columns}
-    local_i = _locate(local, columns[0], columns[2])
-    peer_i = _locate(peer.regions, columns[1], columns[2])
+    local_i = holding_region(local, columns[0], columns[2])
+    peer_i = holding_region(peer.regions, columns[1], columns[2])
     outside = (local_i < 0) | (peer_i < 0)
     if outside.any():
         first = int(np.argmax(outside))

@@ -58,6 +58,7 @@ from kvtransfer.base import (
     TransferRange,
     TransferState,
     columns_of,
+    holding_region,
 )
 
 if TYPE_CHECKING:
@@ -103,16 +104,6 @@ def find_kind(regions: Sequence[MemoryRegion], addr: int, length: int) -> Memory
         if region.addr <= addr and addr + length <= region.addr + region.length:
             return memory_kind(region)
     return None
-
-
-def region_of(regions: Sequence[MemoryRegion], addr: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """Per range, the index of the first region that holds it whole, -1 where none does."""
-    found = np.full(len(addr), -1, dtype=np.int64)
-    for index in reversed(range(len(regions))):  # the first region that holds it wins
-        region = regions[index]
-        inside = (addr >= region.addr) & (addr + length <= region.addr + region.length)
-        found[inside] = index
-    return found
 
 
 def _kind_ids(regions: Sequence[MemoryRegion]) -> tuple[list[MemoryKind], np.ndarray]:
@@ -250,8 +241,8 @@ class NixlEngine(KVTransferEngine):
         if len(ranges) <= FEW_RANGES and not isinstance(ranges, RangeColumns):
             return self._group_few(peer, ranges)
         columns = columns_of(ranges)
-        local = region_of(self._regions, columns[0], columns[2])
-        remote = region_of(peer.regions, columns[1], columns[2])
+        local = holding_region(self._regions, columns[0], columns[2])
+        remote = holding_region(peer.regions, columns[1], columns[2])
         outside = (local < 0) | (remote < 0)
         if outside.any():
             first = int(np.argmax(outside))
