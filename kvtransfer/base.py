@@ -168,6 +168,32 @@ def holding_region(regions: Sequence[Extent], addr: np.ndarray, length: np.ndarr
     return found
 
 
+def holding_regions(
+    local: Sequence[Extent],
+    peer: Sequence[Extent],
+    columns: np.ndarray,
+    ranges: Sequence[TransferRange],
+    engine: str,
+    peer_name: str,
+    peer_source: str,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per range (`columns`: `columns_of(ranges)`), the local region holding its source and the
+    peer's region holding its destination; a TransferError naming the first range one of them
+    does not hold (`engine` and `peer_name` say whose, `peer_source` where the peer's regions
+    came from)."""
+    local_i = holding_region(local, columns[0], columns[2])
+    peer_i = holding_region(peer, columns[1], columns[2])
+    outside = (local_i < 0) | (peer_i < 0)
+    if outside.any():
+        first = int(np.argmax(outside))
+        side = "local" if local_i[first] < 0 else f"peer {peer_name!r}"
+        raise TransferError(
+            f"{engine}: range {ranges[first]} lies outside every registered {side} region "
+            f"(the peer's regions come from its {peer_source})"
+        )
+    return local_i, peer_i
+
+
 def total_bytes(ranges: Sequence[TransferRange]) -> int:
     if isinstance(ranges, RangeColumns):
         return int(ranges.columns[2].sum())

@@ -37,7 +37,7 @@ from kvtransfer.base import (
     TransferError,
     TransferRange,
     columns_of,
-    holding_region,
+    holding_regions,
 )
 
 BACKEND_FLAG = "--transfer-backend cuda_ipc"
@@ -334,16 +334,10 @@ def group_ranges(
     pair = _one_pair(columns, low, local, peer.regions)
     if pair is not None:  # the usual write: one pool into the other, checked by its bounds
         return {pair: columns}
-    local_i = holding_region(local, columns[0], columns[2])
-    peer_i = holding_region(peer.regions, columns[1], columns[2])
-    outside = (local_i < 0) | (peer_i < 0)
-    if outside.any():
-        first = int(np.argmax(outside))
-        side = "local" if local_i[first] < 0 else f"peer {peer.node_name!r}"
-        raise TransferError(
-            f"cuda_ipc engine {node_name!r}: range {ranges[first]} lies outside every "
-            f"registered {side} region (the peer's regions come from its endpoint)"
-        )
+    local_i, peer_i = holding_regions(
+        local, peer.regions, columns, ranges,
+        f"cuda_ipc engine {node_name!r}", peer.node_name, "endpoint",
+    )  # fmt: skip
     crossing = (
         np.array([r.on_gpu for r in local])[local_i]
         != np.array([r.on_gpu for r in peer.regions])[peer_i]

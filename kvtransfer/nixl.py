@@ -58,7 +58,7 @@ from kvtransfer.base import (
     TransferRange,
     TransferState,
     columns_of,
-    holding_region,
+    holding_regions,
 )
 
 if TYPE_CHECKING:
@@ -241,16 +241,10 @@ class NixlEngine(KVTransferEngine):
         if len(ranges) <= FEW_RANGES and not isinstance(ranges, RangeColumns):
             return self._group_few(peer, ranges)
         columns = columns_of(ranges)
-        local = holding_region(self._regions, columns[0], columns[2])
-        remote = holding_region(peer.regions, columns[1], columns[2])
-        outside = (local < 0) | (remote < 0)
-        if outside.any():
-            first = int(np.argmax(outside))
-            side = "local" if local[first] < 0 else f"peer {peer.node_id!r}"
-            raise TransferError(
-                f"nixl agent {self.config.node_name!r}: range {ranges[first]} lies outside "
-                f"every registered {side} region (the peer's regions come from its PeerInfo)"
-            )
+        local, remote = holding_regions(
+            self._regions, peer.regions, columns, ranges,
+            f"nixl agent {self.config.node_name!r}", peer.node_id, "PeerInfo",
+        )  # fmt: skip
         local_kinds, local_kind = _kind_ids(self._regions)
         remote_kinds, remote_kind = _kind_ids(peer.regions)
         pair = local_kind[local] * len(remote_kinds) + remote_kind[remote]
