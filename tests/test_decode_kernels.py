@@ -12,6 +12,7 @@ Tile choice and the backend registry are plain Python, tested directly.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -55,6 +56,7 @@ GEMM_CASES = """
     cases = [  # rows, N, K, tile, dtype, bias
         (5, 70, 200, GemmTile(16, 32, 32, split_k=3), torch.float32, True),  # split, ragged K
         (17, 48, 96, GemmTile(16, 16, 32), torch.float32, False),  # two row tiles, no split
+        (4, 64, 128, GemmTile(16, 32, 32, split_k=2), torch.float32, True),  # unmasked weight
         (1, 33, 64, GemmTile(16, 16, 16, split_k=8), torch.float32, True),  # 8 > 4 K blocks
         (3, 40, 64, GemmTile(16, 32, 16, split_k=2), torch.float16, True),
         (0, 16, 32, GemmTile(16, 16, 16), torch.float32, False),  # no rows
@@ -217,3 +219,17 @@ def test_loading_with_triton_on_the_cpu_fails_before_any_weight() -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="needs a CUDA device"):
         load_model(config, "dummy", torch.float32, CPU, linear_kernel="triton")
+
+
+def test_the_tuning_scripts_tiles_are_valid_and_distinct() -> None:
+    from scripts.gpu.tune_decode_kernels import GEMM_SHAPES, SMEM_BYTES, gemm_candidates
+
+    for m, (n, k, _) in itertools.product((16, 64, 256), GEMM_SHAPES.values()):
+        tiles = gemm_candidates(m, n, k)
+        assert tiles and all(t.block_m >= min(m, 64) for t in tiles)
+        keys = {(t.block_m, t.block_n, t.block_k, t.num_splits(k)) for t in tiles}
+        assert len(keys) == len(tiles)
+        for t in tiles:
+            assert (t.block_m + t.block_n) * t.block_k * 2 * t.num_stages <= max(
+                SMEM_BYTES, (t.block_m + t.block_n) * t.block_k * 2 * 2
+            )

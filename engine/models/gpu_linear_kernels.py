@@ -45,6 +45,8 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: every K block is whole, no mask along K
+    EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: every weight row exists
     DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -61,9 +63,18 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        # The weight, read once, is the whole cost: unmasked (vectorised) loads where the
+        # shape allows; the activation rows are few and always masked.
+        if EVEN_K:
+            a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_rows + offs_k[None, :])
+            else:
+                w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)
+        else:
+            mask_k = offs_k < k_end
+            a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
     out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
@@ -123,7 +134,8 @@ def skinny_linear(
         x2d, weight, bias_arg, target, m, n, k, tile.k_per_split(k),
         x2d.stride(0), weight.stride(0), n,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=splits,
-        HAS_BIAS=has_bias and splits == 1, DOT_PRECISION=precision,
+        HAS_BIAS=has_bias and splits == 1, EVEN_K=k % tile.block_k == 0,
+        EVEN_N=n % tile.block_n == 0, DOT_PRECISION=precision,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if splits > 1:
