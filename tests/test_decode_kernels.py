@@ -21,11 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from engine.attention.triton_reference import DEFAULT_DECODE_TUNING, DecodeTuning
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
-from engine.models.gemm_tiles import GemmTile, choose_tile
+from engine.models.gemm_tiles import GemmTile, TileTable, choose_tile, tile_for
+from engine.models.gpu_linear import TritonLinear
 from engine.models.linear_backends import LINEAR_KERNELS, resolve_linear_kernel
 from engine.models.loader import load_model
 
@@ -233,3 +235,33 @@ def test_the_tuning_scripts_tiles_are_valid_and_distinct() -> None:
             assert (t.block_m + t.block_n) * t.block_k * 2 * t.num_stages <= max(
                 SMEM_BYTES, (t.block_m + t.block_n) * t.block_k * 2 * 2
             )
+
+
+def test_a_measured_table_overrides_the_rule_and_routes_to_cublas() -> None:
+    tuned = GemmTile(16, 128, 256, split_k=2, num_warps=4, num_stages=3)
+    table: TileTable = {(4096, 4096): {16: tuned, 64: None}}
+    assert tile_for(1, 4096, 4096, 132, 64, table) == tuned
+    assert tile_for(16, 4096, 4096, 132, 64, table) == tuned
+    assert tile_for(17, 4096, 4096, 132, 64, table) is None  # cuBLAS won at 64 rows
+    assert tile_for(65, 4096, 4096, 132, 64, table) is None  # beyond what was measured
+    # shapes the table lacks: the rule, up to max_rows
+    assert tile_for(16, 6144, 4096, 132, 64, table) == choose_tile(16, 6144, 4096, 132)
+    assert tile_for(65, 6144, 4096, 132, 64, table) is None
+    layer = TritonLinear(nn.Linear(4096, 4096, bias=False, device="meta"), table=table)
+    assert layer.tile_for(8) == tuned and layer.tile_for(32) is None and layer.tile_for(0) is None
+
+
+def test_the_scripts_winner_table_reads_back_as_a_tile_table() -> None:
+    from scripts.gpu.tune_decode_kernels import GemmResult, gemm_table
+
+    tile = GemmTile(16, 64, 128, split_k=4, num_stages=5)
+    results = [
+        GemmResult("o_proj", 16, cublas_ms=0.02, best_ms=0.015, best=tile, engine_ms=0.016),
+        GemmResult("o_proj", 64, cublas_ms=0.02, best_ms=0.025, best=tile),
+        GemmResult("lm_head", 16, cublas_ms=0.4),  # nothing timed
+    ]
+    text = "\n".join(gemm_table(results, copy_bw=3.0e12))
+    assert "| 16 | o_proj [4096x4096] |" in text and "Triton |" in text
+    literal = text.split("```python\n")[1].split("```")[0]
+    table = eval(literal, {"GemmTile": GemmTile})
+    assert table == {(4096, 4096): {16: tile, 64: None}, (128256, 4096): {16: None}}

@@ -7,12 +7,14 @@ of BLOCK_N weight rows is one program, and with few tiles (N=4096 / 64 = 64 of t
 of an H100) split-K cuts the reduction dimension into SPLIT_K slices, each a program of its own,
 so every SM has weight bytes to pull. Plain Python (no Triton): `choose_tile` is tested on CPU
 and the tuning script (scripts/gpu/tune_decode_kernels.py) prints its pick beside the best one
-it measured, so this rule can be replaced by a measured per-shape table.
+it measured, and prints the winners as a `TileTable` literal: a measured per-shape table that
+`tile_for` prefers to the rule (and that also says where cuBLAS won).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeAlias
 
 # Enough programs for about two per multiprocessor keeps the memory pipes full without making
 # the split-K partials (SPLIT_K x M x N fp32, reduced by a second kernel) a cost of their own.
@@ -75,3 +77,20 @@ def choose_tile(m: int, n: int, k: int, num_sms: int) -> GemmTile:
     ):
         split_k *= 2
     return GemmTile(block_m, block_n, block_k, split_k, num_warps=4, num_stages=4)
+
+
+# (N, K) of a weight -> {rows measured: the winning tile, or None where cuBLAS won}.
+TileTable: TypeAlias = dict[tuple[int, int], dict[int, GemmTile | None]]
+
+
+def tile_for(
+    m: int, n: int, k: int, num_sms: int, max_rows: int, table: TileTable | None = None
+) -> GemmTile | None:
+    """The tile an [m, k] x [n, k]^T GEMM runs with, None for cuBLAS. A shape in `table` takes
+    the entry of the smallest measured row count >= m (beyond the largest: cuBLAS); any other
+    shape takes `choose_tile` up to `max_rows` rows."""
+    measured = (table or {}).get((n, k))
+    if measured:
+        above = [rows for rows in sorted(measured) if rows >= m]
+        return measured[above[0]] if above else None
+    return choose_tile(m, n, k, num_sms) if m <= max_rows else None

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.gemm_tiles import GemmTile, choose_tile
+from engine.models.gemm_tiles import GemmTile, TileTable, tile_for
 
 # Decode batches up to this many rows take the Triton kernel. Above it the weight tile is read
 # by several row tiles, and cuBLAS's larger tiles are the better trade.
@@ -59,27 +59,30 @@ def _num_sms(device: torch.device) -> int:
 
 
 class TritonLinear(nn.Module):
-    """`F.linear(x, weight, bias)`; rows <= max_rows through the skinny Triton GEMM."""
+    """`F.linear(x, weight, bias)`; decode-sized calls through the skinny Triton GEMM: rows
+    <= max_rows with the rule's tile, or as a measured `table` says for this weight's shape."""
 
-    def __init__(self, linear: nn.Linear, max_rows: int = MAX_ROWS) -> None:
+    def __init__(
+        self, linear: nn.Linear, max_rows: int = MAX_ROWS, table: TileTable | None = None
+    ) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight  # the same Parameter: tied weights stay tied
         self.bias = linear.bias
         self.max_rows = max_rows
-        self._tiles: dict[int, GemmTile] = {}
+        self.table = table
+        self._tiles: dict[int, GemmTile | None] = {}
 
     def tile_for(self, rows: int) -> GemmTile | None:
         """The tile a call of `rows` rows runs with; None: F.linear (cuBLAS) takes it."""
-        if rows == 0 or rows > self.max_rows:
+        if rows == 0:
             return None
-        tile = self._tiles.get(rows)
-        if tile is None:
+        if rows not in self._tiles:
             n, k = self.weight.shape
-            tile = choose_tile(rows, n, k, _num_sms(self.weight.device))
-            self._tiles[rows] = tile
-        return tile
+            sms = _num_sms(self.weight.device)
+            self._tiles[rows] = tile_for(rows, n, k, sms, self.max_rows, self.table)
+        return self._tiles[rows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -92,12 +95,14 @@ class TritonLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"Triton up to {self.max_rows} rows"
+            f"Triton up to {self.max_rows} rows{', measured tiles' if self.table else ''}"
         )
 
 
 @torch.no_grad()
-def replace_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> int:
+def replace_linears(
+    model: nn.Module, max_rows: int = MAX_ROWS, table: TileTable | None = None
+) -> int:
     """Replace every nn.Linear in `model` by a TritonLinear; returns how many were replaced."""
     targets = [
         (parent, name, child)
@@ -106,5 +111,5 @@ def replace_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> int:
         if isinstance(child, nn.Linear)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, TritonLinear(child, max_rows))
+        setattr(parent, name, TritonLinear(child, max_rows, table))
     return len(targets)

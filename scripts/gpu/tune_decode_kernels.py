@@ -135,14 +135,24 @@ def gemm_candidates(m: int, n: int, k: int) -> list[GemmTile]:
 
 @dataclass
 class GemmResult:
+    """One GEMM shape at one row count: cuBLAS, the sweep's best tile, the engine's pick."""
+
     name: str
     m: int
     cublas_ms: float
     best_ms: float = float("nan")
-    best_tile: str = "-"
+    best: GemmTile | None = None
     engine_ms: float = float("nan")
     engine_tile: str = "-"
     failed: int = 0
+
+    @property
+    def best_tile(self) -> str:
+        return self.best.describe() if self.best else "-"
+
+    @property
+    def triton_wins(self) -> bool:
+        return self.best is not None and self.best_ms < self.cublas_ms
 
 
 def bench_gemm(run: Run, name: str, m: int, copy_bw: float) -> GemmResult:
@@ -175,7 +185,7 @@ def bench_gemm(run: Run, name: str, m: int, copy_bw: float) -> GemmResult:
         res.engine_ms, res.engine_tile = timed[engine_tile], engine_tile.describe()
     if timed:
         best = min(timed, key=lambda t: timed[t])
-        res.best_ms, res.best_tile = timed[best], best.describe()
+        res.best_ms, res.best = timed[best], best
     floor_ms = n * k * 2 / copy_bw * 1e3
     run.log(f"gemm {name} [{n}x{k}] M={m}: cuBLAS {res.cublas_ms * 1e3:.1f} us "
             f"({100 * floor_ms / res.cublas_ms:.0f}% of copy, rel err {cublas_err:.1e}); "
@@ -214,7 +224,7 @@ def gemm_table(results: list[GemmResult], copy_bw: float) -> list[str]:
             return f"{100 * floor / us:.1f}%" if us == us else "-"  # NaN: not timed
 
         best_us, eng_us, cub_us = r.best_ms * 1e3, r.engine_ms * 1e3, r.cublas_ms * 1e3
-        winner = "Triton" if best_us < cub_us else "cuBLAS"
+        winner = "Triton" if r.triton_wins else "cuBLAS"
         lines.append(f"| {r.m} | {r.name} [{n}x{k}] | {floor:.1f} | {cub_us:.1f} | {pct(cub_us)} "
                      f"| {best_us:.1f} | {pct(best_us)} | {r.best_tile} | {eng_us:.1f} "
                      f"| {pct(eng_us)} | {winner} |")  # fmt: skip
@@ -231,7 +241,21 @@ def gemm_table(results: list[GemmResult], copy_bw: float) -> list[str]:
         lines.append(f"- M={m}: floor {floor:.3f}, cuBLAS {cub:.3f} ({100 * floor / cub:.1f}%), "
                      f"winners {best:.3f} ({100 * floor / best:.1f}%), with the engine's picks "
                      f"{eng:.3f} ({100 * floor / eng:.1f}%)")  # fmt: skip
-    return [*lines, ""]
+    return [*lines, "", *tile_table(results)]
+
+
+def tile_table(results: list[GemmResult]) -> list[str]:
+    """The winners as a `gemm_tiles.TileTable` literal (None: cuBLAS won), for
+    `replace_linears(model, table=...)` or a measured table in engine/models/gemm_tiles.py."""
+    lines = ["Winners as a `TileTable` (engine/models/gemm_tiles.py):", "", "```python", "{"]
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for r in results:
+        n, k, _ = GEMM_SHAPES[r.name]
+        tile = repr(r.best) if r.triton_wins else "None"
+        shapes.setdefault((n, k), []).append(f"{r.m}: {tile}")
+    for (n, k), entries in shapes.items():
+        lines.append(f"    ({n}, {k}): {{{', '.join(entries)}}},")
+    return [*lines, "}", "```", ""]
 
 
 # ---- attention --------------------------------------------------------------------------------
