@@ -224,9 +224,9 @@ def test_loading_with_triton_on_the_cpu_fails_before_any_weight() -> None:
 
 
 def test_the_tuning_scripts_tiles_are_valid_and_distinct() -> None:
-    from scripts.gpu.tune_decode_kernels import GEMM_SHAPES, SMEM_BYTES, gemm_candidates
+    from scripts.gpu.tune_decode_kernels import LLAMA3_8B_GEMMS, SMEM_BYTES, gemm_candidates
 
-    for m, (n, k, _) in itertools.product((16, 64, 256), GEMM_SHAPES.values()):
+    for m, (n, k, _) in itertools.product((16, 64, 256), LLAMA3_8B_GEMMS.values()):
         tiles = gemm_candidates(m, n, k)
         assert tiles and all(t.block_m >= min(m, 64) for t in tiles)
         keys = {(t.block_m, t.block_n, t.block_k, t.num_splits(k)) for t in tiles}
@@ -265,3 +265,20 @@ def test_the_scripts_winner_table_reads_back_as_a_tile_table() -> None:
     literal = text.split("```python\n")[1].split("```")[0]
     table = eval(literal, {"GemmTile": GemmTile})
     assert table == {(4096, 4096): {16: tile, 64: None}, (128256, 4096): {16: None}}
+
+
+def test_the_tuning_script_runs_end_to_end_as_a_cpu_smoke_run(tmp_path: Path) -> None:
+    """Every section of scripts/gpu/tune_decode_kernels.py, on tiny shapes under the interpreter:
+    the checks pass, the tables are written, no section fails (the GPU run's figures are not
+    this test's business)."""
+    out = tmp_path / "smoke.md"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "scripts.gpu.tune_decode_kernels", "--smoke", "--rows", "16",
+           "--batches", "2", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    text = out.read_text()
+    assert "## Errors" not in text and "WRONG" not in done.stdout
+    assert text.count("| 16 | ") == 5  # one row per GEMM shape
+    assert "| 2 | default |" in text and "| 2 | best of " in text
+    assert "0 failed" in done.stdout

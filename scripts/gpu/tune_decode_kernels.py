@@ -4,12 +4,13 @@
 
 Llama-3-8B shapes, bf16. One run (about 3 minutes on an H100; `--budget-s` stops sweeps early):
 1. copy bandwidth: a 2 GiB device-to-device copy (bytes read + written), the ceiling of every
-   "% of copy" below;
+   "% of floor" below;
 2. GEMMs (qkv, o_proj, gate_up, down, lm_head) at 16/64/256 rows: cuBLAS (F.linear) against the
    skinny split-K Triton kernel of `linear_kernel="triton"` (engine/models/gpu_linear_kernels.py)
    over a small tile list made for streaming weights at few rows, and against the tile the engine
    picks (`gemm_tiles.choose_tile`). Every variant is first checked against an fp32 F.linear
-   (bf16 tolerance); a variant that fails is not timed. Floor: the weight read once;
+   (bf16 tolerance); a variant that fails is not timed. Floor: the weight read once. The table
+   ends with the winners as a `gemm_tiles.TileTable` literal;
 3. decode attention, B=16/64/256 at context 1024, page 16, 32 q / 8 kv heads, head dim 128: the
    project's Triton split-KV kernel at its defaults, its split count swept (`DecodeTuning`
    blocks per SM), then its launch settings at the best split count; each checked against the
@@ -20,6 +21,10 @@ Times: CUDA events around a CUDA-graph replay of the call (no launch gaps, as in
 graphs), median of many, L2 flushed before each (`triton.testing.do_bench`). The attention
 cache has 2 layers (the page layout of the pool, far smaller than 32); every number is one
 layer's. A section that fails prints its error and the run goes on with the next.
+
+`--smoke` runs the same code on the CPU under Triton's interpreter (set TRITON_INTERPRET=1) with
+tiny shapes and float32, timed by the wall clock: it proves the script, not the kernels' speed
+(tests/test_decode_kernels.py runs it).
 """
 
 from __future__ import annotations
@@ -28,22 +33,23 @@ import argparse
 import functools
 import importlib.util
 import itertools
+import os
+import statistics
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention.triton_reference import DEFAULT_DECODE_TUNING, DecodePlan, DecodeTuning
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.memory.kv_cache import KVLayout, PagedKVCache, ReqToTokenPool
 from engine.models.gemm_tiles import GemmTile, choose_tile
 
-if TYPE_CHECKING:
-    from scripts.gpu.run_all import PagedSetup
-
-GEMM_SHAPES = {  # name: (N, K) of the weight; layers per step
+LLAMA3_8B_GEMMS = {  # name: (N, K) of the weight, times per step
     "qkv_proj": (6144, 4096, 32),
     "o_proj": (4096, 4096, 32),
     "gate_up_proj": (28672, 4096, 32),
@@ -53,12 +59,73 @@ GEMM_SHAPES = {  # name: (N, K) of the weight; layers per step
 BF16_REL_TOL = 2e-2
 MAX_WORKSPACE_BYTES = 256 << 20  # split-K partials beyond this are not tried
 SMEM_BYTES = 200 << 10  # pipeline stages are cut to fit an H100's 228 KiB with headroom
+LAYER = 1
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the run measures on: the GPU at Llama-3-8B shapes, or a CPU smoke run."""
+
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16
+    gemms: dict[str, tuple[int, int, int]] = field(default_factory=lambda: LLAMA3_8B_GEMMS)
+    context: int = 1024
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    copy_elems: int = 1 << 30  # 2 GiB of bf16
+
+    @classmethod
+    def smoke(cls) -> Target:
+        gemms = {name: (n // 256 + 3, k // 64, t) for name, (n, k, t) in LLAMA3_8B_GEMMS.items()}
+        return cls("cpu", torch.float32, gemms, context=40, q_heads=4, kv_heads=2, head_dim=16,
+                   page_size=4, copy_elems=1 << 20)  # fmt: skip
+
+    @property
+    def gpu(self) -> bool:
+        return self.device == "cuda"
+
+    def num_sms(self) -> int:
+        if not self.gpu:
+            return 4
+        return int(torch.cuda.get_device_properties(0).multi_processor_count)
+
+    def time_ms(self, fn: Callable[[], object]) -> float:
+        """GPU: median of CUDA-graph replays, L2 flushed before each; CPU: median wall clock."""
+        if not self.gpu:
+            fn()
+            samples = []
+            for _ in range(3):
+                start = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - start) * 1e3)
+            return statistics.median(samples)
+        import triton  # type: ignore[import-untyped]
+
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        try:
+            ms: float = triton.testing.do_bench(
+                graph.replay, warmup=10, rep=60, return_mode="median"
+            )
+        finally:
+            graph.reset()
+        return ms
+
+    def free_memory(self) -> None:
+        if self.gpu:
+            torch.cuda.empty_cache()
 
 
 @dataclass
 class Run:
     """Progress, budget and the report's lines."""
 
+    target: Target
     budget_s: float
     start: float = field(default_factory=time.monotonic)
     lines: list[str] = field(default_factory=list)
@@ -70,31 +137,18 @@ class Run:
     def over_budget(self) -> bool:
         return time.monotonic() - self.start > self.budget_s
 
+    def failed(self, what: str, exc: Exception) -> None:
+        self.log(f"{what} FAILED: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        self.errors.append(f"{what}: {type(exc).__name__}: {exc}"[:300])
+        self.target.free_memory()
+
     def section(self, name: str, body: Callable[[], None]) -> None:
         self.log(f"section {name}")
         try:
             body()
         except Exception as exc:  # one failing section must not cost the others
-            self.log(f"section {name} FAILED: {type(exc).__name__}: {exc}")
-            traceback.print_exc()
-            self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
-            torch.cuda.empty_cache()
-
-
-def graph_ms(fn: Callable[[], object]) -> float:
-    """Median ms of `fn` replayed from a CUDA graph, L2 flushed before each replay."""
-    import triton  # type: ignore[import-untyped]
-
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    try:
-        ms: float = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
-    finally:
-        graph.reset()
-    return ms
+            self.failed(f"section {name}", exc)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -102,14 +156,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def copy_bandwidth(run: Run) -> float:
-    import triton
-
-    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
+    src = torch.randn(run.target.copy_elems, device=run.target.device).to(run.target.dtype)
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    bw = 2 * (1 << 30) * 2 / (ms * 1e-3)
-    run.log(f"copy bandwidth {bw / 1e9:.0f} GB/s (2 GiB read + written, {ms:.3f} ms)")
-    run.lines += [f"HBM copy bandwidth: **{bw / 1e9:.0f} GB/s** (2 GiB read + written)", ""]
+    ms = run.target.time_ms(lambda: dst.copy_(src))
+    moved = 2 * src.nbytes
+    bw = moved / (ms * 1e-3)
+    run.log(f"copy bandwidth {bw / 1e9:.0f} GB/s ({moved >> 20} MiB read + written, {ms:.3f} ms)")
+    run.lines += [f"Copy bandwidth: **{bw / 1e9:.0f} GB/s** ({moved >> 20} MiB read + written)", ""]
     return bw
 
 
@@ -158,15 +211,15 @@ class GemmResult:
 def bench_gemm(run: Run, name: str, m: int, copy_bw: float) -> GemmResult:
     from engine.models.gpu_linear_kernels import skinny_linear
 
-    n, k, _ = GEMM_SHAPES[name]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    target = run.target
+    n, k, _ = target.gemms[name]
+    gen = torch.Generator(device=target.device).manual_seed(0)
+    x = torch.randn(m, k, device=target.device, generator=gen).to(target.dtype)
+    w = (torch.randn(n, k, device=target.device, generator=gen) * 0.02).to(target.dtype)
     ref = F.linear(x.float(), w.float())
     cublas_err = rel_err(F.linear(x, w), ref)
-    res = GemmResult(name, m, graph_ms(lambda: F.linear(x, w)))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    engine_tile = choose_tile(m, n, k, sms)
+    res = GemmResult(name, m, target.time_ms(lambda: F.linear(x, w)))
+    engine_tile = choose_tile(m, n, k, target.num_sms())
     timed: dict[GemmTile, float] = {}
     for tile in [engine_tile, *gemm_candidates(m, n, k)]:
         if tile in timed or run.over_budget():
@@ -177,7 +230,7 @@ def bench_gemm(run: Run, name: str, m: int, copy_bw: float) -> GemmResult:
                 run.log(f"  {name} M={m} {tile.describe()}: WRONG, rel err {err:.2e}")
                 res.failed += 1
                 continue
-            timed[tile] = graph_ms(functools.partial(skinny_linear, x, w, None, tile))
+            timed[tile] = target.time_ms(functools.partial(skinny_linear, x, w, None, tile))
         except Exception as exc:
             run.log(f"  {name} M={m} {tile.describe()}: {type(exc).__name__}: {exc}"[:200])
             res.failed += 1
@@ -186,9 +239,9 @@ def bench_gemm(run: Run, name: str, m: int, copy_bw: float) -> GemmResult:
     if timed:
         best = min(timed, key=lambda t: timed[t])
         res.best_ms, res.best = timed[best], best
-    floor_ms = n * k * 2 / copy_bw * 1e3
+    floor_ms = n * k * w.element_size() / copy_bw * 1e3
     run.log(f"gemm {name} [{n}x{k}] M={m}: cuBLAS {res.cublas_ms * 1e3:.1f} us "
-            f"({100 * floor_ms / res.cublas_ms:.0f}% of copy, rel err {cublas_err:.1e}); "
+            f"({100 * floor_ms / res.cublas_ms:.0f}% of floor, rel err {cublas_err:.1e}); "
             f"Triton best {res.best_ms * 1e3:.1f} us {res.best_tile} "
             f"({100 * floor_ms / res.best_ms:.0f}%); engine pick {res.engine_ms * 1e3:.1f} us "
             f"{res.engine_tile}; {len(timed)} tiles timed, {res.failed} failed")  # fmt: skip
@@ -197,17 +250,22 @@ def bench_gemm(run: Run, name: str, m: int, copy_bw: float) -> GemmResult:
 
 def gemm_section(run: Run, copy_bw: float, rows: list[int]) -> None:
     results = []
-    for m, name in itertools.product(rows, GEMM_SHAPES):
+    for m, name in itertools.product(rows, run.target.gemms):
         try:
             results.append(bench_gemm(run, name, m, copy_bw))
         except Exception as exc:
-            run.log(f"gemm {name} M={m} FAILED: {type(exc).__name__}: {exc}")
-            run.errors.append(f"gemm {name} M={m}: {type(exc).__name__}: {exc}")
-        torch.cuda.empty_cache()
-    run.lines += gemm_table(results, copy_bw)
+            run.failed(f"gemm {name} M={m}", exc)
+        run.target.free_memory()
+    bytes_per = torch.empty(0, dtype=run.target.dtype).element_size()
+    run.lines += gemm_table(results, copy_bw, run.target.gemms, bytes_per)
 
 
-def gemm_table(results: list[GemmResult], copy_bw: float) -> list[str]:
+def gemm_table(
+    results: list[GemmResult],
+    copy_bw: float,
+    gemms: dict[str, tuple[int, int, int]] = LLAMA3_8B_GEMMS,
+    bytes_per: int = 2,
+) -> list[str]:
     lines = [
         "## GEMMs: cuBLAS vs the skinny split-K Triton kernel (weight read once = floor)",
         "",
@@ -217,8 +275,8 @@ def gemm_table(results: list[GemmResult], copy_bw: float) -> list[str]:
     ]
     step: dict[int, list[float]] = {}
     for r in results:
-        n, k, layers = GEMM_SHAPES[r.name]
-        floor = n * k * 2 / copy_bw * 1e6
+        n, k, times = gemms[r.name]
+        floor = n * k * bytes_per / copy_bw * 1e6
 
         def pct(us: float, floor: float = floor) -> str:
             return f"{100 * floor / us:.1f}%" if us == us else "-"  # NaN: not timed
@@ -230,7 +288,7 @@ def gemm_table(results: list[GemmResult], copy_bw: float) -> list[str]:
                      f"| {pct(eng_us)} | {winner} |")  # fmt: skip
         acc = step.setdefault(r.m, [0.0, 0.0, 0.0, 0.0])
         for i, us in enumerate((floor, cub_us, min(cub_us, best_us), min(cub_us, eng_us))):
-            acc[i] += layers * us / 1e3
+            acc[i] += times * us / 1e3
     lines += [
         "",
         "Per decode step (32 layers + LM head), ms: floor / all cuBLAS / each shape's winner / "
@@ -241,16 +299,16 @@ def gemm_table(results: list[GemmResult], copy_bw: float) -> list[str]:
         lines.append(f"- M={m}: floor {floor:.3f}, cuBLAS {cub:.3f} ({100 * floor / cub:.1f}%), "
                      f"winners {best:.3f} ({100 * floor / best:.1f}%), with the engine's picks "
                      f"{eng:.3f} ({100 * floor / eng:.1f}%)")  # fmt: skip
-    return [*lines, "", *tile_table(results)]
+    return [*lines, "", *tile_table(results, gemms)]
 
 
-def tile_table(results: list[GemmResult]) -> list[str]:
+def tile_table(results: list[GemmResult], gemms: dict[str, tuple[int, int, int]]) -> list[str]:
     """The winners as a `gemm_tiles.TileTable` literal (None: cuBLAS won), for
     `replace_linears(model, table=...)` or a measured table in engine/models/gemm_tiles.py."""
     lines = ["Winners as a `TileTable` (engine/models/gemm_tiles.py):", "", "```python", "{"]
     shapes: dict[tuple[int, int], list[str]] = {}
     for r in results:
-        n, k, _ = GEMM_SHAPES[r.name]
+        n, k, _ = gemms[r.name]
         tile = repr(r.best) if r.triton_wins else "None"
         shapes.setdefault((n, k), []).append(f"{r.m}: {tile}")
     for (n, k), entries in shapes.items():
@@ -259,16 +317,14 @@ def tile_table(results: list[GemmResult]) -> list[str]:
 
 
 # ---- attention --------------------------------------------------------------------------------
-LAYER = 1
-CONTEXT = 1024
-
-
 @dataclass
 class AttentionCase:
-    """A random paged cache of `bs` requests at CONTEXT tokens, the new tokens' q/k/v and the
-    torch-native backend's output (its forward stored k/v: the cache is complete)."""
+    """`bs` requests of `target.context` tokens on shuffled pages of a random 2-layer cache,
+    the new tokens' q/k/v and the torch-native backend's output (its forward stored k/v)."""
 
-    setup: PagedSetup
+    cache: PagedKVCache
+    pool: ReqToTokenPool
+    batch: ForwardBatch
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -276,77 +332,94 @@ class AttentionCase:
 
     @property
     def kv_bytes(self) -> int:
-        return self.q.shape[0] * CONTEXT * 8 * 128 * 2 * 2
+        bs, context = self.q.shape[0], self.batch.seq_lens[0]
+        return bs * context * self.k[0].numel() * self.k.element_size() * 2
 
 
-def attention_case(bs: int) -> AttentionCase:
+def attention_case(t: Target, bs: int) -> AttentionCase:
     from engine.attention.torch_native import TorchNativeBackend
-    from engine.memory.kv_cache import KVLayout
-    from scripts.gpu.run_all import paged_setup
 
-    layout = KVLayout(2, 8, 128, 16, torch.bfloat16)
-    setup = paged_setup(layout, [CONTEXT - 1] * bs, [1] * bs, slack_pages=1)
-    gen = torch.Generator(device="cuda").manual_seed(bs)
-    q, k, v = (torch.randn(bs, h, 128, device="cuda", generator=gen).to(torch.bfloat16)
-               for h in (32, 8, 8))  # fmt: skip
-    backend = TorchNativeBackend(setup.cache, setup.pool)
-    batch = replace(setup.batch, attn_backend=backend)
+    dev, ps = torch.device(t.device), t.page_size
+    pages_per_req = -(-t.context // ps)
+    cache = PagedKVCache(
+        KVLayout(2, t.kv_heads, t.head_dim, ps, t.dtype), 1 + bs * pages_per_req, dev
+    )
+    gen = torch.Generator(device=t.device).manual_seed(bs)
+    for chunk in cache.buffer.split(1024):
+        chunk.normal_(generator=gen)
+    pool = ReqToTokenPool(bs + 1, t.context + ps, dev)
+    order = torch.randperm(bs * pages_per_req, generator=torch.Generator().manual_seed(bs)) + 1
+    locs = (order.view(bs, pages_per_req, 1) * ps + torch.arange(ps)).view(bs, -1)[:, : t.context]
+    pool.table[1:, : t.context] = locs.to(dev)
+    batch = ForwardBatch(
+        mode=ForwardMode.DECODE, input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
+        positions=torch.full((bs,), t.context - 1, device=dev), out_cache_loc=locs[:, -1].to(dev),
+        req_slots=list(range(1, bs + 1)), seq_lens=[t.context] * bs, extend_lens=[1] * bs,
+        attn_backend=None,  # type: ignore[arg-type]
+    )  # fmt: skip
+    q, k, v = (torch.randn(bs, h, t.head_dim, device=dev, generator=gen).to(t.dtype)
+               for h in (t.q_heads, t.kv_heads, t.kv_heads))  # fmt: skip
+    backend = TorchNativeBackend(cache, pool)
+    batch = replace(batch, attn_backend=backend)
     backend.init_metadata(batch)
     ref = backend.forward(q, k, v, LAYER, batch)  # stores the new K/V: the cache is complete
-    return AttentionCase(setup, q, k, v, ref)
+    return AttentionCase(cache, pool, batch, q, k, v, ref)
 
 
 def attention_section(run: Run, copy_bw: float, batches: list[int]) -> None:
-    run.lines += ["## Decode attention: the Triton split-KV kernel's knobs (K/V read once = "
-                  "floor; one layer, context 1024)", "",
+    t = run.target
+    run.lines += [f"## Decode attention: the Triton split-KV kernel's knobs (K/V read once = "
+                  f"floor; one layer, context {t.context}, page {t.page_size})", "",
                   "| B | variant | splits | BLOCK_N / warps / stages | us | % of floor |",
                   "|---|---|---:|---|---:|---:|"]  # fmt: skip
     for bs in batches:
         try:
-            tune_attention_batch(run, bs, copy_bw)
-            flashinfer_batch(run, bs, copy_bw)
+            case = attention_case(t, bs)
+            tune_attention_batch(run, case, copy_bw)
+            flashinfer_batch(run, case, copy_bw)
         except Exception as exc:
-            run.log(f"attention B={bs} FAILED: {type(exc).__name__}: {exc}")
-            run.errors.append(f"attention B={bs}: {type(exc).__name__}: {exc}")
-        torch.cuda.empty_cache()
+            run.failed(f"attention B={bs}", exc)
+        t.free_memory()
     run.lines.append("")
 
 
-def tune_attention_batch(run: Run, bs: int, copy_bw: float) -> None:
+def time_decode(run: Run, case: AttentionCase, tuning: DecodeTuning) -> float | None:
+    """us of the Triton decode with `tuning`, after its output matched the reference; None when
+    it failed or was wrong."""
     from engine.attention import triton_kernels
-    from engine.attention.triton_reference import DEFAULT_DECODE_TUNING, DecodePlan, DecodeTuning
 
-    case = attention_case(bs)
-    cache, pool = case.setup.cache, case.setup.pool
-    k_view, v_view = cache.k_view(LAYER), cache.v_view(LAYER)
-    slots = torch.arange(1, bs + 1, dtype=torch.int32, device="cuda")
-    seq_lens = torch.full((bs,), CONTEXT, dtype=torch.int32, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bs, t = case.q.shape[0], run.target
+    splits = tuning.num_splits(bs, t.kv_heads, t.context, t.num_sms())
+    plan = DecodePlan(
+        torch.tensor(case.batch.req_slots, dtype=torch.int32, device=t.device),
+        torch.tensor(case.batch.seq_lens, dtype=torch.int32, device=t.device),
+        splits,
+    )
+    plan.ensure_workspace(t.q_heads, t.head_dim)
+    out, cfg = torch.empty_like(case.q), tuning.launch_config()
+    k_view, v_view = case.cache.k_view(LAYER), case.cache.v_view(LAYER)
+
+    def call() -> None:
+        triton_kernels.paged_decode(case.q, k_view, v_view, case.pool.table, plan, out, cfg)
+
+    try:
+        call()
+        err = rel_err(out, case.ref)
+        if not err < BF16_REL_TOL:
+            run.log(f"  B={bs} splits {splits} {cfg}: WRONG, rel err {err:.2e}")
+            return None
+        return t.time_ms(call) * 1e3
+    except Exception as exc:
+        run.log(f"  B={bs} splits {splits} {cfg}: {type(exc).__name__}: {exc}"[:200])
+        return None
+
+
+def tune_attention_batch(run: Run, case: AttentionCase, copy_bw: float) -> None:
+    bs, t = case.q.shape[0], run.target
     floor_us = case.kv_bytes / copy_bw * 1e6
 
-    def time_tuning(tuning: DecodeTuning) -> float | None:
-        splits = tuning.num_splits(bs, 8, CONTEXT, sms)
-        plan = DecodePlan(slots, seq_lens, splits)
-        plan.ensure_workspace(32, 128)
-        out = torch.empty_like(case.q)
-        cfg = tuning.launch_config()
-
-        def call() -> None:
-            triton_kernels.paged_decode(case.q, k_view, v_view, pool.table, plan, out, cfg)
-
-        try:
-            call()
-            err = rel_err(out, case.ref)
-            if not err < BF16_REL_TOL:
-                run.log(f"  B={bs} {tuning}: WRONG, rel err {err:.2e}")
-                return None
-            return graph_ms(call) * 1e3
-        except Exception as exc:
-            run.log(f"  B={bs} splits {splits} {cfg}: {type(exc).__name__}: {exc}"[:200])
-            return None
-
     def row(label: str, tuning: DecodeTuning, us: float) -> None:
-        splits = tuning.num_splits(bs, 8, CONTEXT, sms)
+        splits = tuning.num_splits(bs, t.kv_heads, t.context, t.num_sms())
         cfg = f"{tuning.block_n} / {tuning.num_warps} / {tuning.num_stages}"
         run.lines.append(f"| {bs} | {label} | {splits} | {cfg} | {us:.1f} | "
                          f"{100 * floor_us / us:.1f}% |")  # fmt: skip
@@ -357,31 +430,36 @@ def tune_attention_batch(run: Run, bs: int, copy_bw: float) -> None:
     by_splits: dict[int, DecodeTuning] = {}
     for bpsm in (4, 1, 2, 8, 16, 32):  # the default first
         tuning = replace(DEFAULT_DECODE_TUNING, blocks_per_sm=bpsm)
-        by_splits.setdefault(tuning.num_splits(bs, 8, CONTEXT, sms), tuning)
+        by_splits.setdefault(tuning.num_splits(bs, t.kv_heads, t.context, t.num_sms()), tuning)
     for tuning in by_splits.values():
-        if (us := time_tuning(tuning)) is not None:
+        if (us := time_decode(run, case, tuning)) is not None:
             timed[tuning] = us
     if DEFAULT_DECODE_TUNING in timed:
         row("default", DEFAULT_DECODE_TUNING, timed[DEFAULT_DECODE_TUNING])
-    split_best = min(timed, key=lambda t: timed[t])
+    split_best = min(timed, key=lambda tuning: timed[tuning])
     for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3)):
         tuning = replace(split_best, block_n=block_n, num_warps=warps, num_stages=stages)
-        if tuning not in timed and not run.over_budget() and (us := time_tuning(tuning)):
+        if tuning in timed or run.over_budget():
+            continue
+        if (us := time_decode(run, case, tuning)) is not None:
             timed[tuning] = us
-    best = min(timed, key=lambda t: timed[t])
+    best = min(timed, key=lambda tuning: timed[tuning])
     row(f"best of {len(timed)} (blocks/SM {best.blocks_per_sm})", best, timed[best])
 
 
-def flashinfer_batch(run: Run, bs: int, copy_bw: float) -> None:
-    if importlib.util.find_spec("flashinfer") is None:
-        run.lines.append(f"| {bs} | FlashInfer decode | | | not installed | |")
-        run.log(f"attention B={bs} FlashInfer: not installed")
+def flashinfer_batch(run: Run, case: AttentionCase, copy_bw: float) -> None:
+    bs = case.q.shape[0]
+    if not run.target.gpu or importlib.util.find_spec("flashinfer") is None:
+        why = "not installed" if run.target.gpu else "not run (CPU)"
+        run.lines.append(f"| {bs} | FlashInfer decode | | | {why} | |")
+        run.log(f"attention B={bs} FlashInfer: {why}")
         return
+    import triton
+
     from engine.attention.flashinfer_backend import FlashInferBackend
 
-    case = attention_case(bs)
-    backend = FlashInferBackend(case.setup.cache, case.setup.pool)
-    batch = replace(case.setup.batch, attn_backend=backend)
+    backend = FlashInferBackend(case.cache, case.pool)
+    batch = replace(case.batch, attn_backend=backend)
     backend.init_metadata(batch)
     # Stores the same new K/V again (the values the cache holds), plans, runs once.
     out = backend.forward(case.q, case.k, case.v, LAYER, batch)
@@ -390,8 +468,6 @@ def flashinfer_batch(run: Run, bs: int, copy_bw: float) -> None:
         run.lines.append(f"| {bs} | FlashInfer decode | | | WRONG (rel err {err:.1e}) | |")
         return
     md, view = batch.attn_metadata, backend.layer_views[LAYER]
-    import triton
-
     ms = triton.testing.do_bench(lambda: md.wrapper.run(case.q, view, out=out), warmup=10,
                                  rep=60, return_mode="median")  # fmt: skip
     floor_us = case.kv_bytes / copy_bw * 1e6
@@ -402,16 +478,19 @@ def flashinfer_batch(run: Run, bs: int, copy_bw: float) -> None:
 
 # ---- the run ----------------------------------------------------------------------------------
 def header(args: argparse.Namespace) -> list[str]:
-    from scripts.gpu.run_all import environment
+    command = (f"python3 -m scripts.gpu.tune_decode_kernels --rows {args.rows} "
+               f"--batches {args.batches}{' --smoke' if args.smoke else ''}")  # fmt: skip
+    lines = ["# Decode kernels against their HBM floors (scripts/gpu/tune_decode_kernels.py)", ""]
+    if args.smoke:
+        lines.append("- smoke run on the CPU (Triton interpreter, tiny shapes): no real figures")
+    else:
+        from scripts.gpu.run_all import environment
 
-    env = environment()
-    return ["# Decode kernels against their HBM floors (scripts/gpu/tune_decode_kernels.py)", "",
-            *[f"- {k}: {v}" for k, v in env.items()],
-            f"- command: python3 -m scripts.gpu.tune_decode_kernels --rows {args.rows} "
-            f"--batches {args.batches}", ""]  # fmt: skip
+        lines += [f"- {k}: {v}" for k, v in environment().items()]
+    return [*lines, f"- command: {command}", ""]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="write the markdown table here")
     parser.add_argument("--rows", default="16,64,256", help="GEMM row counts (decode batches)")
@@ -420,12 +499,23 @@ def main() -> None:
         "--budget-s", type=float, default=200.0, help="start no new sweep variant after this"
     )
     parser.add_argument("--skip", default="", help="comma list of sections: gemm,attention")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, tiny shapes, TRITON_INTERPRET=1: checks the script",
+    )
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit(
-            "tune_decode_kernels needs a CUDA GPU (torch.cuda.is_available() is False)"
+            "--smoke runs the kernels under Triton's interpreter: set TRITON_INTERPRET=1"
         )
-    run = Run(args.budget_s)
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("tune_decode_kernels needs a CUDA GPU (or --smoke on a CPU)")
+    run = Run(Target.smoke() if args.smoke else Target(), args.budget_s)
     run.lines += header(args)
     copy_bw = 0.0
 
@@ -450,6 +540,8 @@ def main() -> None:
     if args.out:
         args.out.write_text(text)
     run.log("done")
+    if run.errors:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
