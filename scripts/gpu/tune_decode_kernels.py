@@ -60,6 +60,7 @@ BF16_REL_TOL = 2e-2
 MAX_WORKSPACE_BYTES = 256 << 20  # split-K partials beyond this are not tried
 SMEM_BYTES = 200 << 10  # pipeline stages are cut to fit an H100's 228 KiB with headroom
 LAYER = 1
+GEMM_BUDGET_SHARE = 0.6
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,10 @@ class Run:
     def log(self, msg: str) -> None:
         print(f"[{time.monotonic() - self.start:6.1f}s] {msg}", flush=True)
 
-    def over_budget(self) -> bool:
-        return time.monotonic() - self.start > self.budget_s
+    def over_budget(self, share: float = 1.0) -> bool:
+        """Past `share` of the budget: start no new sweep variant (the GEMMs stop at 60%, so
+        the attention sweep keeps time of its own)."""
+        return time.monotonic() - self.start > share * self.budget_s
 
     def failed(self, what: str, exc: Exception) -> None:
         self.log(f"{what} FAILED: {type(exc).__name__}: {exc}")
@@ -222,7 +225,7 @@ def bench_gemm(run: Run, name: str, m: int, copy_bw: float) -> GemmResult:
     engine_tile = choose_tile(m, n, k, target.num_sms())
     timed: dict[GemmTile, float] = {}
     for tile in [engine_tile, *gemm_candidates(m, n, k)]:
-        if tile in timed or run.over_budget():
+        if tile in timed or (tile != engine_tile and run.over_budget(GEMM_BUDGET_SHARE)):
             continue
         try:
             err = rel_err(skinny_linear(x, w, None, tile), ref)
@@ -239,12 +242,16 @@ def bench_gemm(run: Run, name: str, m: int, copy_bw: float) -> GemmResult:
     if timed:
         best = min(timed, key=lambda t: timed[t])
         res.best_ms, res.best = timed[best], best
-    floor_ms = n * k * w.element_size() / copy_bw * 1e3
-    run.log(f"gemm {name} [{n}x{k}] M={m}: cuBLAS {res.cublas_ms * 1e3:.1f} us "
-            f"({100 * floor_ms / res.cublas_ms:.0f}% of floor, rel err {cublas_err:.1e}); "
-            f"Triton best {res.best_ms * 1e3:.1f} us {res.best_tile} "
-            f"({100 * floor_ms / res.best_ms:.0f}%); engine pick {res.engine_ms * 1e3:.1f} us "
-            f"{res.engine_tile}; {len(timed)} tiles timed, {res.failed} failed")  # fmt: skip
+    nbytes = n * k * w.element_size()
+
+    def rate(ms: float) -> str:
+        per_s = nbytes / (ms * 1e-3)
+        return f"{ms * 1e3:.1f} us {per_s / 1e9:.0f} GB/s {100 * per_s / copy_bw:.0f}%"
+
+    run.log(f"gemm {name} [{n}x{k}] M={m}: cuBLAS {rate(res.cublas_ms)} of copy (rel err "
+            f"{cublas_err:.1e}); Triton best {rate(res.best_ms)} {res.best_tile}; engine pick "
+            f"{rate(res.engine_ms)} {res.engine_tile}; {len(timed)} tiles timed, "
+            f"{res.failed} failed")  # fmt: skip
     return res
 
 
@@ -269,9 +276,9 @@ def gemm_table(
     lines = [
         "## GEMMs: cuBLAS vs the skinny split-K Triton kernel (weight read once = floor)",
         "",
-        "| M | GEMM [N x K] | floor us | cuBLAS us | % | Triton best us | % | best tile "
-        "| engine pick us | % | winner |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|",
+        "| M | GEMM [N x K] | floor us | cuBLAS us | GB/s | % | Triton best us | GB/s | % "
+        "| best tile | engine pick us | % | winner |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     step: dict[int, list[float]] = {}
     for r in results:
@@ -281,11 +288,14 @@ def gemm_table(
         def pct(us: float, floor: float = floor) -> str:
             return f"{100 * floor / us:.1f}%" if us == us else "-"  # NaN: not timed
 
+        def gbs(us: float, nbytes: int = n * k * bytes_per) -> str:
+            return f"{nbytes / us / 1e3:.0f}" if us == us else "-"
+
         best_us, eng_us, cub_us = r.best_ms * 1e3, r.engine_ms * 1e3, r.cublas_ms * 1e3
         winner = "Triton" if r.triton_wins else "cuBLAS"
-        lines.append(f"| {r.m} | {r.name} [{n}x{k}] | {floor:.1f} | {cub_us:.1f} | {pct(cub_us)} "
-                     f"| {best_us:.1f} | {pct(best_us)} | {r.best_tile} | {eng_us:.1f} "
-                     f"| {pct(eng_us)} | {winner} |")  # fmt: skip
+        lines.append(f"| {r.m} | {r.name} [{n}x{k}] | {floor:.1f} | {cub_us:.1f} | {gbs(cub_us)} "
+                     f"| {pct(cub_us)} | {best_us:.1f} | {gbs(best_us)} | {pct(best_us)} "
+                     f"| {r.best_tile} | {eng_us:.1f} | {pct(eng_us)} | {winner} |")  # fmt: skip
         acc = step.setdefault(r.m, [0.0, 0.0, 0.0, 0.0])
         for i, us in enumerate((floor, cub_us, min(cub_us, best_us), min(cub_us, eng_us))):
             acc[i] += times * us / 1e3
@@ -370,8 +380,8 @@ def attention_section(run: Run, copy_bw: float, batches: list[int]) -> None:
     t = run.target
     run.lines += [f"## Decode attention: the Triton split-KV kernel's knobs (K/V read once = "
                   f"floor; one layer, context {t.context}, page {t.page_size})", "",
-                  "| B | variant | splits | BLOCK_N / warps / stages | us | % of floor |",
-                  "|---|---|---:|---|---:|---:|"]  # fmt: skip
+                  "| B | variant | splits | BLOCK_N / warps / stages | us | GB/s | % of floor |",
+                  "|---|---|---:|---|---:|---:|---:|"]  # fmt: skip
     for bs in batches:
         try:
             case = attention_case(t, bs)
@@ -421,10 +431,12 @@ def tune_attention_batch(run: Run, case: AttentionCase, copy_bw: float) -> None:
     def row(label: str, tuning: DecodeTuning, us: float) -> None:
         splits = tuning.num_splits(bs, t.kv_heads, t.context, t.num_sms())
         cfg = f"{tuning.block_n} / {tuning.num_warps} / {tuning.num_stages}"
-        run.lines.append(f"| {bs} | {label} | {splits} | {cfg} | {us:.1f} | "
+        gbs = case.kv_bytes / us / 1e3
+        run.lines.append(f"| {bs} | {label} | {splits} | {cfg} | {us:.1f} | {gbs:.0f} | "
                          f"{100 * floor_us / us:.1f}% |")  # fmt: skip
         run.log(f"attention B={bs} {label}: splits {splits} {cfg}: {us:.1f} us, "
-                f"{100 * floor_us / us:.1f}% of the K/V floor ({floor_us:.1f} us)")  # fmt: skip
+                f"{case.kv_bytes / us / 1e3:.0f} GB/s, {100 * floor_us / us:.1f}% of the K/V "
+                f"floor ({floor_us:.1f} us)")  # fmt: skip
 
     timed: dict[DecodeTuning, float] = {}
     by_splits: dict[int, DecodeTuning] = {}
@@ -432,6 +444,8 @@ def tune_attention_batch(run: Run, case: AttentionCase, copy_bw: float) -> None:
         tuning = replace(DEFAULT_DECODE_TUNING, blocks_per_sm=bpsm)
         by_splits.setdefault(tuning.num_splits(bs, t.kv_heads, t.context, t.num_sms()), tuning)
     for tuning in by_splits.values():
+        if tuning != DEFAULT_DECODE_TUNING and run.over_budget():
+            continue
         if (us := time_decode(run, case, tuning)) is not None:
             timed[tuning] = us
     if DEFAULT_DECODE_TUNING in timed:
@@ -451,7 +465,7 @@ def flashinfer_batch(run: Run, case: AttentionCase, copy_bw: float) -> None:
     bs = case.q.shape[0]
     if not run.target.gpu or importlib.util.find_spec("flashinfer") is None:
         why = "not installed" if run.target.gpu else "not run (CPU)"
-        run.lines.append(f"| {bs} | FlashInfer decode | | | {why} | |")
+        run.lines.append(f"| {bs} | FlashInfer decode | | | {why} | | |")
         run.log(f"attention B={bs} FlashInfer: {why}")
         return
     import triton
@@ -465,13 +479,14 @@ def flashinfer_batch(run: Run, case: AttentionCase, copy_bw: float) -> None:
     out = backend.forward(case.q, case.k, case.v, LAYER, batch)
     err = rel_err(out, case.ref)
     if not err < BF16_REL_TOL:
-        run.lines.append(f"| {bs} | FlashInfer decode | | | WRONG (rel err {err:.1e}) | |")
+        run.lines.append(f"| {bs} | FlashInfer decode | | | WRONG (rel err {err:.1e}) | | |")
         return
     md, view = batch.attn_metadata, backend.layer_views[LAYER]
     ms = triton.testing.do_bench(lambda: md.wrapper.run(case.q, view, out=out), warmup=10,
                                  rep=60, return_mode="median")  # fmt: skip
     floor_us = case.kv_bytes / copy_bw * 1e6
-    run.lines.append(f"| {bs} | FlashInfer decode (eager) | | | {ms * 1e3:.1f} | "
+    gbs = case.kv_bytes / ms / 1e6
+    run.lines.append(f"| {bs} | FlashInfer decode (eager) | | | {ms * 1e3:.1f} | {gbs:.0f} | "
                      f"{100 * floor_us / (ms * 1e3):.1f}% |")  # fmt: skip
     run.log(f"attention B={bs} FlashInfer: {ms * 1e3:.1f} us (rel err {err:.1e})")
 
