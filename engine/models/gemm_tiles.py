@@ -5,10 +5,10 @@ MB each in bf16), so their time is the time to stream the weight from HBM once; 
 are tiny. What decides the speed is how many programs stream the weight at once: an output tile
 of BLOCK_N weight rows is one program, and with few tiles (N=4096 / 64 = 64 of them for 132 SMs
 of an H100) split-K cuts the reduction dimension into SPLIT_K slices, each a program of its own,
-so every SM has weight bytes to pull. Plain Python (no Triton): `choose_tile` is tested on CPU
-and the tuning script (scripts/gpu/tune_decode_kernels.py) prints its pick beside the best one
-it measured, and prints the winners as a `TileTable` literal: a measured per-shape table that
-`tile_for` prefers to the rule (and that also says where cuBLAS won).
+so every SM has weight bytes to pull, in whole waves. Plain Python (no Triton): `choose_tile`
+is tested on CPU and the tuning script (scripts/gpu/tune_decode_kernels.py) prints its pick
+beside the best one it measured, and prints the winners as a `TileTable` literal: a measured
+per-shape table that `tile_for` prefers to the rule (and that also says where cuBLAS won).
 """
 
 from __future__ import annotations
@@ -16,10 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
-# Enough programs for about two per multiprocessor keeps the memory pipes full without making
-# the split-K partials (SPLIT_K x M x N fp32, reduced by a second kernel) a cost of their own.
+# Two programs resident per multiprocessor keep the memory pipes full (a program streams 16-20
+# KiB of weight per pipeline stage). Split-K is chosen so the programs fill those slots in whole
+# waves: at WAVE_EFFICIENCY or better, a last, part-empty wave does not idle the chip. Each K
+# slice keeps at least MIN_SLICE_BLOCKS blocks, so a program's pipeline has something to overlap
+# and the split-K partials (SPLIT_K x M x N fp32, summed by a second kernel) stay small.
 PROGRAMS_PER_SM = 2
 MAX_SPLIT_K = 16
+MIN_SLICE_BLOCKS = 4
+WAVE_EFFICIENCY = 0.9
 
 
 @dataclass(frozen=True)
@@ -64,19 +69,32 @@ class GemmTile:
 
 def choose_tile(m: int, n: int, k: int, num_sms: int) -> GemmTile:
     """The tile for an [m, k] x [n, k]^T GEMM: the row tile covers m (up to 64 rows), 64 weight
-    rows per program, and split-K until there are PROGRAMS_PER_SM programs per SM (each slice
-    at least four K blocks long)."""
+    rows per program, and the smallest split-K whose programs fill PROGRAMS_PER_SM slots per SM
+    at WAVE_EFFICIENCY (else the most efficient one allowed)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 64, 128
     tiles = -(-m // block_m) * -(-n // block_n)
-    split_k = 1
-    while (
-        split_k < MAX_SPLIT_K
-        and tiles * split_k < PROGRAMS_PER_SM * num_sms
-        and k // (2 * split_k) >= 4 * block_k
-    ):
-        split_k *= 2
+    split_k = wave_split(tiles, -(-k // block_k), PROGRAMS_PER_SM * num_sms)
     return GemmTile(block_m, block_n, block_k, split_k, num_warps=4, num_stages=4)
+
+
+def wave_efficiency(programs: int, slots: int) -> float:
+    """Busy share of the slots over the waves `programs` take (1.0: whole waves)."""
+    return programs / (-(-programs // slots) * slots)
+
+
+def wave_split(tiles: int, k_blocks: int, slots: int) -> int:
+    """Split-K for `tiles` output tiles over `k_blocks` K blocks on `slots` program slots."""
+    best, best_eff = 1, wave_efficiency(tiles, slots)
+    split = 1
+    while best_eff < WAVE_EFFICIENCY and split < MAX_SPLIT_K:
+        split *= 2
+        if k_blocks < split * MIN_SLICE_BLOCKS:
+            break
+        eff = wave_efficiency(tiles * split, slots)
+        if eff > best_eff:
+            best, best_eff = split, eff
+    return best
 
 
 # (N, K) of a weight -> {rows measured: the winning tile, or None where cuBLAS won}.
