@@ -6,8 +6,10 @@ with split-K, odd row counts, N and K not multiples of the tile, a bias; the eng
 greedily with its linears swapped for `TritonLinear` (decode rows through the kernel) against
 F.linear; the split-KV decode kernel at non-default knobs against the plain-torch reference.
 The interpreter computes bfloat16 `tl.dot` wrongly (numpy has no bf16), so these run in float32
-and float16; the GPU script (scripts/gpu/tune_decode_kernels.py) checks bf16 on the device.
-Tile choice and the backend registry are plain Python, tested directly.
+and float16; bf16 is checked on a GPU: the tests marked `needs_cuda` (skipped here; the device
+machine runs them: the GEMM in bf16 and replayed from a CUDA graph, the engine's greedy output
+with linear_kernel="triton" against "aten") and scripts/gpu/tune_decode_kernels.py. Tile choice,
+the backend registry and the tuning script (its `--smoke` run) are tested directly.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.triton_reference import DEFAULT_DECODE_TUNING, DecodeTuning
@@ -294,3 +297,48 @@ def test_the_tuning_script_runs_end_to_end_as_a_cpu_smoke_run(tmp_path: Path) ->
     assert text.count("| 16 | ") == 5  # one row per GEMM shape
     assert "| 2 | default |" in text and "| 2 | best of " in text
     assert "0 failed" in done.stdout
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the device machine runs these)"
+)
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 7, 16, 64])
+def test_skinny_gemm_on_the_gpu_in_bf16_and_inside_a_cuda_graph(rows: int) -> None:
+    from engine.models.gpu_linear_kernels import skinny_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(1000, 4096, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    bias = torch.randn(1000, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = F.linear(x.float(), w.float(), bias.float())
+    for tile in (choose_tile(rows, 1000, 4096, 132), GemmTile(16, 64, 256, split_k=8)):
+        out = skinny_linear(x, w, bias, tile)
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err < 1e-2, (tile, err)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = skinny_linear(x, w, bias, tile)
+        x.mul_(-1)  # a new input in the same buffer: the replay must see it
+        graph.replay()
+        assert torch.allclose(replayed.float(), -ref + 2 * bias.float(), atol=5e-2, rtol=2e-2)
+        x.mul_(-1)
+
+
+@needs_cuda
+def test_engine_greedy_with_triton_linears_on_the_gpu(tiny_model_dir) -> None:
+    from engine import LLM, SamplingParams
+    from engine.models.gpu_linear import TritonLinear
+
+    prompts = [[1, 5, 9, 200, 31, 7] * k for k in (1, 3, 7)]
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    outs = {}
+    for kernel in ("triton", "aten"):
+        llm = LLM(str(tiny_model_dir("llama")), page_size=4, max_total_tokens=2048,
+                  device="cuda", linear_kernel=kernel)  # fmt: skip
+        swapped = [m for m in llm.runner.model.modules() if isinstance(m, TritonLinear)]
+        assert bool(swapped) == (kernel == "triton")
+        outs[kernel] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["triton"] == outs["aten"]
