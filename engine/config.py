@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.cpu_linear import check_linear_kernel
+from engine.models.linear_backends import check_linear_kernel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,8 +29,9 @@ class EngineConfig:
     # Build step N+1 on the host while the GPU runs step N (engine/overlap.py); None: on for
     # CUDA with tp_size 1, where it pays, off elsewhere (a TP step copies its ids to the host).
     overlap_schedule: bool | None = None
-    # Linear layers: "onednn" packs their weights for oneDNN (CPU), "aten" keeps torch's
-    # F.linear, "auto" packs where it can (engine/models/cpu_linear.py).
+    # Linear layers: "onednn" packs their weights for oneDNN (CPU), "triton" runs decode-sized
+    # GEMMs through a skinny split-K kernel (CUDA), "aten" keeps torch's F.linear, "auto" packs
+    # where it can and is "aten" on CUDA (engine/models/linear_backends.py).
     linear_kernel: str = "auto"
     # KV transfers of scattered pages through a contiguous span (engine/memory/staging.py):
     # pages set aside after the pool (0: off), and the descriptor count above which a write

@@ -21,7 +21,12 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from engine.attention.triton_reference import DecodePlan, ExtendPlan, KVStrides
+from engine.attention.triton_reference import (
+    DEFAULT_DECODE_TUNING,
+    DecodePlan,
+    ExtendPlan,
+    KVStrides,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -29,8 +34,9 @@ _LOG2E = 1.4426950408889634
 # of Llama-3-8B shapes at context 1k, decode B=256 393 us (93% of copy bandwidth; the first
 # setting, BLOCK_N 64 with 2 stages, took 481 us), B=64 112 us (81%); a fresh 4k extend 0.57 ms,
 # 241 TFLOP/s (one query head per tile: 0.56 ms; K/V traffic is not what limits it), where
-# torch's SDPA on contiguous K/V takes 0.26 ms.
-DECODE_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+# torch's SDPA on contiguous K/V takes 0.26 ms. (The knobs, split count included, are
+# `triton_reference.DecodeTuning`; scripts/gpu/tune_decode_kernels.py sweeps them.)
+DECODE_CONFIG = DEFAULT_DECODE_TUNING.launch_config()
 # Extend, re-tuned on an H200 (2026-11-23) once the chunk's own keys came from the packed K/V
 # inputs: a fresh 4k extend 0.416 ms, 331 TFLOP/s (0.64 ms with the H100 setting below, which
 # fp32 models keep: three stages of fp32 tiles exceed the shared memory).

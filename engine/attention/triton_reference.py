@@ -50,11 +50,50 @@ def gather_tokens(view: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
     return flat[token_offsets(locs, page_size, strides)[:, None, None] + head_d]
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+@dataclass(frozen=True)
+class DecodeTuning:
+    """The split-KV decode kernel's knobs; the defaults are what the engine runs.
+
+    The split count (stage 1's programs per request and kv head) comes from the first three:
+    enough (request, kv head, split) programs for `blocks_per_sm` per multiprocessor, each split
+    at least `min_split_tokens` keys long, at most `max_splits`. The last three are the launch
+    settings of stage 1: keys per block (`BLOCK_N`), warps and pipeline stages. None changes
+    the result beyond float summation order. Defaults measured on an H100
+    (scripts/gpu/tune_attention.py, 2026-11-22); scripts/gpu/tune_decode_kernels.py sweeps them
+    against the K/V-read floor.
+    """
+
+    blocks_per_sm: int = 4
+    max_splits: int = 64
+    min_split_tokens: int = MIN_SPLIT_TOKENS
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def num_splits(self, batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+        want = math.ceil(self.blocks_per_sm * num_sms / max(1, batch * num_kv_heads))
+        longest = math.ceil(max_seq_len / self.min_split_tokens)
+        return max(1, min(want, self.max_splits, longest))
+
+    def launch_config(self) -> dict[str, int]:
+        """Stage 1's settings as `triton_kernels.paged_decode` takes them."""
+        return {"BLOCK_N": self.block_n, "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+DEFAULT_DECODE_TUNING = DecodeTuning()
+
+
+def choose_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    tuning: DecodeTuning = DEFAULT_DECODE_TUNING,
+) -> int:
     """Enough (request, kv head, split) programs for four per multiprocessor, each split at least
-    64 keys long, at most 64 splits (measured on an H100: scripts/gpu/tune_attention.py)."""
-    want = math.ceil(4 * num_sms / max(1, batch * num_kv_heads))
-    return max(1, min(want, 64, math.ceil(max_seq_len / MIN_SPLIT_TOKENS)))
+    64 keys long, at most 64 splits (measured on an H100: scripts/gpu/tune_attention.py); other
+    values through `tuning`."""
+    return tuning.num_splits(batch, num_kv_heads, max_seq_len, num_sms)
 
 
 def split_bounds(seq_len: int, num_splits: int, split: int) -> tuple[int, int]:

@@ -15,8 +15,9 @@ growing at the end. So a GEMM of more than 32 rows is padded with zero rows up t
 buckets per power of two (at most 12.5% more rows; 80 counts up to 2,048): the same stream then
 levels off at +203 MiB. Up to 32 rows (decode batches) the count stays exact.
 
-`EngineConfig.linear_kernel` chooses: "onednn" packs, "aten" keeps nn.Linear, "auto" packs on
-the CPU for float32/bfloat16 when this torch build has the oneDNN ops.
+`EngineConfig.linear_kernel` chooses (engine/models/linear_backends.py, where this module is the
+"onednn" backend): "onednn" packs, "aten" keeps nn.Linear, "auto" packs on the CPU for
+float32/bfloat16 when this torch build has the oneDNN ops.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LINEAR_KERNELS = ("auto", "onednn", "aten")
+from engine.models.linear_backends import check_linear_kernel
+
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Row-count hint for the reorder; the packed layout serves any row count (hints of 64, 256 and
 # 2,048 timed alike at 16-2,048 rows).
@@ -50,33 +52,30 @@ def onednn_dtype_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def check_linear_kernel(kernel: str) -> None:
-    if kernel not in LINEAR_KERNELS:
-        raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {kernel!r}")
+def unusable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why oneDNN packing cannot run here, or None when it can (the registry's question)."""
+    available = onednn_linear_available()
+    on_cpu = device.type == "cpu" and dtype in _PACKED_DTYPES
+    if on_cpu and available and onednn_dtype_supported(dtype):
+        return None
+    bf16 = available and onednn_dtype_supported(torch.bfloat16)
+    return (
+        f"needs the CPU, float32 or bfloat16 (bfloat16 only where this CPU has oneDNN's bf16 "
+        f"instructions) and a torch build with oneDNN (device {device}, dtype {dtype}, oneDNN "
+        f"ops {'present' if available else 'missing'}, bf16 instructions "
+        f"{'present' if bf16 else 'missing'})"
+    )
 
 
 def wants_packed_linears(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `kernel` (one of LINEAR_KERNELS) packs the linears of a model on `device`."""
     check_linear_kernel(kernel)
-    if kernel == "aten":
+    if kernel not in ("auto", "onednn"):
         return False
-    available = onednn_linear_available()
-    usable = (
-        device.type == "cpu"
-        and dtype in _PACKED_DTYPES
-        and available
-        and onednn_dtype_supported(dtype)
-    )
-    if kernel == "onednn" and not usable:
-        bf16 = available and onednn_dtype_supported(torch.bfloat16)
-        raise ValueError(
-            f"linear_kernel 'onednn' needs the CPU, float32 or bfloat16 (bfloat16 only where "
-            f"this CPU has oneDNN's bf16 instructions) and a torch build with oneDNN (device "
-            f"{device}, dtype {dtype}, oneDNN ops {'present' if available else 'missing'}, "
-            f"bf16 instructions {'present' if bf16 else 'missing'}); "
-            "use 'auto' or 'aten'"
-        )
-    return usable
+    reason = unusable_reason(device, dtype)
+    if kernel == "onednn" and reason is not None:
+        raise ValueError(f"linear_kernel 'onednn' {reason}; use 'auto' or 'aten'")
+    return reason is None
 
 
 class PackedLinear(nn.Module):
@@ -123,3 +122,6 @@ def pack_linears(model: nn.Module) -> int:
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     return len(targets)
+
+
+replace_linears = pack_linears  # the registry's name for what this backend does at load

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.models import build_model
-from engine.models.cpu_linear import pack_linears, wants_packed_linears
+from engine.models.linear_backends import linear_rewriter
 from engine.tp.group import TPGroup
 from engine.tp.partition import TPShard
 
@@ -30,8 +30,9 @@ def load_model(
     linear_kernel: str = "auto",
 ) -> nn.Module:
     """The model (or one tensor-parallel rank's `shard` of it, talking over `group`); its linear
-    layers packed for oneDNN when `linear_kernel` asks for it (engine/models/cpu_linear.py)."""
-    pack = wants_packed_linears(linear_kernel, device, dtype)
+    layers swapped for `linear_kernel`'s (oneDNN-packed on CPU, Triton for decode-sized GEMMs on
+    CUDA: engine/models/linear_backends.py), checked before any weight is loaded."""
+    rewrite_linears = linear_rewriter(linear_kernel, device, dtype)
     with torch.device(device):
         model = build_model(config, shard, group)
     if load_format == "dummy":
@@ -41,8 +42,7 @@ def load_model(
     else:
         raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
     model = model.to(dtype=dtype).eval()
-    if pack:
-        pack_linears(model)
+    rewrite_linears(model)
     return model
 
 

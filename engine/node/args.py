@@ -11,7 +11,7 @@ from bootstrap.telemetry import LogConfig, add_log_args, add_metrics_port_arg
 from bootstrap.telemetry import configure_logging as _configure_logging
 from engine.config import EngineConfig
 from engine.engine_loop import LoopConfig
-from engine.models.cpu_linear import LINEAR_KERNELS
+from engine.models.linear_backends import LINEAR_KERNELS
 from engine.node.kv_publisher import add_kv_events_args
 from kvtransfer import TRANSFER_BACKENDS
 from kvtransfer.base import TransferConfig
@@ -38,8 +38,9 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         "--linear-kernel",
         default="auto",
         choices=LINEAR_KERNELS,
-        help="matmuls of the linear layers: oneDNN over weights packed at load (CPU), torch's "
-        "F.linear, or auto (oneDNN where it can run); see engine/models/cpu_linear.py",
+        help="matmuls of the linear layers: oneDNN over weights packed at load (CPU), a skinny "
+        "split-K Triton GEMM for decode batches (CUDA), torch's F.linear, or auto (oneDNN where "
+        "it can run, else F.linear); see engine/models/linear_backends.py",
     )
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV capacity in tokens")

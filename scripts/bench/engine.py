@@ -35,7 +35,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model_fetch import ensure_default_model
-from engine.models.cpu_linear import LINEAR_KERNELS
+from engine.models.linear_backends import LINEAR_KERNELS
 from engine.scheduler import StepStats
 
 WARMUP_OUTPUT_LEN = 4

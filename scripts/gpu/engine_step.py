@@ -3,7 +3,7 @@ for a Llama-3-8B-shaped model on one GPU, with and without overlap scheduling (e
 and greedy equality of the two modes.
 
     python3 -m scripts.gpu.engine_step [--batches 16,64,256] [--context 1024] [--steps 64] \
-        [--out table.md] [--profile]
+        [--out table.md] [--profile] [--linear-kernel triton]
 
 One offline engine (Triton backend, bf16 dummy weights, prefix cache off, CUDA graphs) and two
 schedulers over its one runner: the normal `Scheduler` and the `OverlapScheduler`, so both modes
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from engine import LLM, SamplingParams
+from engine.models.linear_backends import LINEAR_KERNELS
 from engine.overlap import OverlapScheduler
 from engine.scheduler import Scheduler
 from scripts.tiny_models import LLAMA3_8B, write_llama_config
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
+    parser.add_argument("--linear-kernel", default="auto", choices=LINEAR_KERNELS,
+                        help="EngineConfig.linear_kernel (docs/decode-kernels.md)")  # fmt: skip
     parser.add_argument("--profile", action="store_true",
                         help="then profile one decode run of the last batch size on the host "
                         "(cProfile, top functions by own time)")  # fmt: skip
@@ -72,13 +75,20 @@ def main() -> None:
               attention_backend="triton", page_size=16,
               max_total_tokens=max(batches) * (longest + 32),
               max_running_requests=max(batches), chunked_prefill_size=16384,
-              enable_prefix_cache=False, overlap_schedule=False)  # fmt: skip
-    print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
+              enable_prefix_cache=False, overlap_schedule=False,
+              linear_kernel=args.linear_kernel)  # fmt: skip
+    print(f"engine built in {time.perf_counter() - t0:.1f} s (linear kernel "
+          f"{args.linear_kernel})", flush=True)  # fmt: skip
     modes = {
         "off": llm.scheduler,
         "on": OverlapScheduler(llm.config, llm.runner, llm.scheduler.stop_checker),
     }
-    lines = ["| check | result | pass |", "|---|---|---|"]
+    lines = [
+        f"linear kernel: {args.linear_kernel}",
+        "",
+        "| check | result | pass |",
+        "|---|---|---|",
+    ]
     lines += equality_rows(llm, modes)
     print("\n".join(lines), flush=True)
     lines += [

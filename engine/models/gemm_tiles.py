@@ -1,0 +1,114 @@
+"""Launch settings of the skinny (decode-sized) Triton GEMM: one frozen tile per GEMM shape.
+
+A decode step's GEMMs have few rows (the batch: 1-256) and large weights (Llama-3-8B: 16-1,050
+MB each in bf16), so their time is the time to stream the weight from HBM once; the activations
+are tiny. What decides the speed is how many programs stream the weight at once: an output tile
+of BLOCK_N weight rows is one program, and with few tiles (N=4096 / 64 = 64 of them for 132 SMs
+of an H100) split-K cuts the reduction dimension into SPLIT_K slices, each a program of its own,
+so every SM has weight bytes to pull, in whole waves. Plain Python (no Triton): `choose_tile`
+is tested on CPU and the tuning script (scripts/gpu/tune_decode_kernels.py) prints its pick
+beside the best one it measured, and prints the winners as a `TileTable` literal: a measured
+per-shape table that `tile_for` prefers to the rule (and that also says where cuBLAS won).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeAlias
+
+# Two programs resident per multiprocessor keep the memory pipes full (a program streams 16-20
+# KiB of weight per pipeline stage). Split-K is chosen so the programs fill those slots in whole
+# waves: at WAVE_EFFICIENCY or better, a last, part-empty wave does not idle the chip. Each K
+# slice keeps at least MIN_SLICE_BLOCKS blocks, so a program's pipeline has something to overlap
+# and the split-K partials (SPLIT_K x M x N fp32, summed by a second kernel) stay small.
+PROGRAMS_PER_SM = 2
+MAX_SPLIT_K = 16
+MIN_SLICE_BLOCKS = 4
+WAVE_EFFICIENCY = 0.9
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """One launch of `gpu_linear_kernels.skinny_linear`: tile sizes, K slices, warps, stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+
+    def k_per_split(self, k: int) -> int:
+        """Length of each K slice: a multiple of block_k, so no slice starts mid-block."""
+        blocks = -(-k // self.block_k)
+        return -(-blocks // self.split_k) * self.block_k
+
+    def num_splits(self, k: int) -> int:
+        """Slices that hold keys at all (the last ones may be empty when K is short)."""
+        return -(-k // self.k_per_split(k))
+
+    def grid(self, m: int, n: int, k: int) -> tuple[int, int, int]:
+        # Row tiles vary fastest: the programs sharing a weight tile run side by side, so the
+        # second and later row tiles find that weight in L2.
+        return (-(-m // self.block_m), -(-n // self.block_n), self.num_splits(k))
+
+    def describe(self) -> str:
+        return (
+            f"BM{self.block_m} BN{self.block_n} BK{self.block_k} splitK{self.split_k} "
+            f"w{self.num_warps} s{self.num_stages}"
+        )
+
+
+def choose_tile(m: int, n: int, k: int, num_sms: int) -> GemmTile:
+    """The tile for an [m, k] x [n, k]^T GEMM: the row tile covers m (up to 64 rows), 64 weight
+    rows per program, and the smallest split-K whose programs fill PROGRAMS_PER_SM slots per SM
+    at WAVE_EFFICIENCY (else the most efficient one allowed)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n, block_k = 64, 128
+    tiles = -(-m // block_m) * -(-n // block_n)
+    split_k = wave_split(tiles, -(-k // block_k), PROGRAMS_PER_SM * num_sms)
+    return GemmTile(block_m, block_n, block_k, split_k, num_warps=4, num_stages=4)
+
+
+def wave_efficiency(programs: int, slots: int) -> float:
+    """Busy share of the slots over the waves `programs` take (1.0: whole waves)."""
+    return programs / (-(-programs // slots) * slots)
+
+
+def wave_split(tiles: int, k_blocks: int, slots: int) -> int:
+    """Split-K for `tiles` output tiles over `k_blocks` K blocks on `slots` program slots."""
+    best, best_eff = 1, wave_efficiency(tiles, slots)
+    split = 1
+    while best_eff < WAVE_EFFICIENCY and split < MAX_SPLIT_K:
+        split *= 2
+        if k_blocks < split * MIN_SLICE_BLOCKS:
+            break
+        eff = wave_efficiency(tiles * split, slots)
+        if eff > best_eff:
+            best, best_eff = split, eff
+    return best
+
+
+# (N, K) of a weight -> {rows measured: the winning tile, or None where cuBLAS won}.
+TileTable: TypeAlias = dict[tuple[int, int], dict[int, GemmTile | None]]
+
+
+def tile_for(
+    m: int, n: int, k: int, num_sms: int, max_rows: int, table: TileTable | None = None
+) -> GemmTile | None:
+    """The tile an [m, k] x [n, k]^T GEMM runs with, None for cuBLAS. A shape in `table` takes
+    the entry of the smallest measured row count >= m (beyond the largest: cuBLAS); any other
+    shape takes `choose_tile` up to `max_rows` rows."""
+    measured = (table or {}).get((n, k))
+    if measured:
+        above = [rows for rows in sorted(measured) if rows >= m]
+        return measured[above[0]] if above else None
+    return choose_tile(m, n, k, num_sms) if m <= max_rows else None

@@ -1,0 +1,344 @@
+"""The decode step's kernels on a CPU: the skinny split-K GEMM, its engine path, the decode knobs.
+
+The Triton kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, in a child process: the
+switch is read when a kernel is decorated) on CPU tensors and are compared with torch: the GEMM
+with split-K, odd row counts, N and K not multiples of the tile, a bias; the engine generating
+greedily with its linears swapped for `TritonLinear` (decode rows through the kernel) against
+F.linear; the split-KV decode kernel at non-default knobs against the plain-torch reference.
+The interpreter computes bfloat16 `tl.dot` wrongly (numpy has no bf16), so these run in float32
+and float16; bf16 is checked on a GPU: the tests marked `needs_cuda` (skipped here; the device
+machine runs them: the GEMM in bf16 and replayed from a CUDA graph, the engine's greedy output
+with linear_kernel="triton" against "aten") and scripts/gpu/tune_decode_kernels.py. Tile choice,
+the backend registry and the tuning script (its `--smoke` run) are tested directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.triton_reference import DEFAULT_DECODE_TUNING, DecodeTuning
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
+from engine.models.gemm_tiles import (
+    GemmTile,
+    TileTable,
+    choose_tile,
+    tile_for,
+    wave_efficiency,
+    wave_split,
+)
+from engine.models.gpu_linear import TritonLinear
+from engine.models.linear_backends import LINEAR_KERNELS, resolve_linear_kernel
+from engine.models.loader import load_model
+
+REPO = Path(__file__).resolve().parents[1]
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def _interpret(script: str, *args: str) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+GEMM_CASES = """
+    import torch
+    import torch.nn.functional as F
+    from engine.models.gemm_tiles import GemmTile
+    from engine.models.gpu_linear_kernels import skinny_linear
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [  # rows, N, K, tile, dtype, bias
+        (5, 70, 200, GemmTile(16, 32, 32, split_k=3), torch.float32, True),  # split, ragged K
+        (17, 48, 96, GemmTile(16, 16, 32), torch.float32, False),  # two row tiles, no split
+        (4, 64, 128, GemmTile(16, 32, 32, split_k=2), torch.float32, True),  # unmasked weight
+        (1, 33, 64, GemmTile(16, 16, 16, split_k=8), torch.float32, True),  # 8 > 4 K blocks
+        (3, 40, 64, GemmTile(16, 32, 16, split_k=2), torch.float16, True),
+        (0, 16, 32, GemmTile(16, 16, 16), torch.float32, False),  # no rows
+    ]
+    for m, n, k, tile, dtype, bias in cases:
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        b = torch.randn(n, generator=gen).to(dtype) if bias else None
+        out = skinny_linear(x, w, b, tile)
+        ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+        assert out.dtype == dtype and out.shape == (m, n), (out.dtype, out.shape)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        err = (out.float() - ref).abs().max().item() if m else 0.0
+        scale = max(1.0, ref.abs().max().item()) if m else 1.0
+        assert err <= tol * scale, (m, n, k, tile, err)
+        print(m, n, k, tile.describe(), tile.num_splits(k), f"{err:.1e}")
+    # a 3-d input ([batch, seq, K]) and a weight view with a row stride wider than K
+    big = torch.randn(40, 80, generator=gen)
+    x3 = torch.randn(2, 3, 64, generator=gen)
+    out = skinny_linear(x3, big[:, :64], None, GemmTile(16, 16, 32, split_k=2))
+    assert torch.allclose(out, F.linear(x3, big[:, :64]), atol=1e-4), "strided weight"
+    print("ok")
+"""
+
+
+def test_skinny_gemm_matches_torch_under_the_interpreter() -> None:
+    out = _interpret(GEMM_CASES)
+    assert out.strip().endswith("ok")
+
+
+ENGINE_PATH = """
+    import sys
+    import torch
+    from engine import LLM, SamplingParams
+    from engine.models import gpu_linear, gpu_linear_kernels
+    from engine.models.gpu_linear import TritonLinear, replace_linears
+
+    calls = []
+    real = gpu_linear_kernels.skinny_linear
+    def counted(x, w, b, tile):
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, w, b, tile)
+    gpu_linear_kernels.skinny_linear = counted
+
+    prompts = [[1, 5, 9, 200, 31, 7] * k for k in (1, 3)]
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    llm = LLM(sys.argv[1], page_size=4, max_total_tokens=512, linear_kernel="aten")
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    model = llm.runner.model
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    # the LLM runs on the CPU, where the registry refuses 'triton': swap the layers directly
+    assert replace_linears(model, max_rows=8) == linears
+    assert all(not isinstance(m, torch.nn.Linear) for m in model.modules())
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want, (got, want)
+    assert calls and max(calls) <= 8, calls  # decode rows through Triton, the 18-row prefill not
+    print("ok", len(calls), sorted(set(calls)))
+"""
+
+
+def test_engine_greedy_is_the_same_through_triton_linears(tiny_model_dir) -> None:
+    out = _interpret(ENGINE_PATH, str(tiny_model_dir("llama")))
+    assert out.strip().startswith("ok")
+
+
+DECODE_KNOBS = """
+    import torch
+    from engine.attention import triton_kernels, triton_reference
+    from engine.attention.triton_reference import DecodePlan, DecodeTuning
+    from tests.test_triton_reference import make_case
+
+    cache, pool, batch, *_ = make_case(4, [37, 5, 70], [1, 1, 1], num_kv_heads=2, group=3)
+    seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
+    slots = torch.tensor(batch.req_slots, dtype=torch.int32)
+    q = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(1))
+    k_view, v_view = cache.k_view(1), cache.v_view(1)
+    ref_plan = DecodePlan(slots, seq_lens, 1)
+    ref_plan.ensure_workspace(6, 16)
+    ref = torch.empty_like(q)
+    triton_reference.paged_decode(q, k_view, v_view, pool.table, ref_plan, ref)
+    for tuning in (
+        DecodeTuning(blocks_per_sm=8, min_split_tokens=16, block_n=16, num_warps=2),
+        DecodeTuning(blocks_per_sm=1, block_n=32, num_stages=3),
+        DecodeTuning(blocks_per_sm=64, max_splits=12, min_split_tokens=4, block_n=16),
+    ):
+        splits = tuning.num_splits(3, 2, max(batch.seq_lens), num_sms=4)
+        plan = DecodePlan(slots, seq_lens, splits)
+        plan.ensure_workspace(6, 16)
+        out = torch.empty_like(q)
+        triton_kernels.paged_decode(q, k_view, v_view, pool.table, plan, out,
+                                    tuning.launch_config())
+        err = (out - ref).abs().max().item()
+        assert err < 1e-5, (tuning, splits, err)
+        print(splits, tuning.launch_config(), f"{err:.1e}")
+    print("ok")
+"""
+
+
+def test_decode_kernel_knobs_match_the_reference_under_the_interpreter() -> None:
+    out = _interpret(DECODE_KNOBS)
+    assert out.strip().endswith("ok")
+
+
+def test_decode_tuning_defaults_are_the_kernels_settings() -> None:
+    from engine.attention.triton_reference import choose_num_splits
+
+    assert DEFAULT_DECODE_TUNING.launch_config() == {
+        "BLOCK_N": 128,
+        "num_warps": 4,
+        "num_stages": 2,
+    }
+    # 16 requests x 8 kv heads on 132 SMs: 5 splits (4 programs per SM); more blocks per SM
+    # give more splits, bounded by the context's 64-key blocks and max_splits.
+    assert choose_num_splits(16, 8, 1024, 132) == 5
+    assert DecodeTuning(blocks_per_sm=16).num_splits(16, 8, 1024, 132) == 16
+    assert DecodeTuning(blocks_per_sm=16, max_splits=8).num_splits(16, 8, 1024, 132) == 8
+    assert DecodeTuning(blocks_per_sm=64, min_split_tokens=32).num_splits(16, 8, 100, 132) == 4
+    assert choose_num_splits(256, 8, 1024, 132) == 1
+
+
+def test_tiles_are_dot_sized_and_split_k_fills_the_chip() -> None:
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        GemmTile(8, 64, 128)
+    with pytest.raises(ValueError, match="split_k"):
+        GemmTile(16, 64, 128, split_k=0)
+    for m, n, k in ((1, 6144, 4096), (16, 4096, 14336), (64, 28672, 4096), (256, 128256, 4096)):
+        tile = choose_tile(m, n, k, num_sms=132)
+        kps = tile.k_per_split(k)
+        assert kps % tile.block_k == 0 and tile.num_splits(k) * kps >= k
+        assert (tile.num_splits(k) - 1) * kps < k  # no split starts past K
+        programs = tile.grid(m, n, k)
+        assert programs[0] * tile.block_m >= m and programs[1] * tile.block_n >= n
+    # o_proj at 16 rows has 64 weight tiles for 132 SMs (264 slots): split-K 4 fills them at 97%
+    o_proj = choose_tile(16, 4096, 4096, 132)
+    assert o_proj.split_k == 4 and wave_efficiency(64 * 4, 264) > 0.96
+    # gate_up: 448 tiles take 1.7 waves (85%); split 4 makes 6.8 waves (97%)
+    assert choose_tile(16, 28672, 4096, 132).split_k == 4
+    # slices keep >= MIN_SLICE_BLOCKS blocks: 8 K blocks allow split 2 at most
+    assert wave_split(tiles=64, k_blocks=8, slots=264) == 2
+    assert wave_split(tiles=264, k_blocks=64, slots=264) == 1  # whole waves already
+    # the LM head has tiles enough: no split
+    assert choose_tile(16, 128256, 4096, 132).split_k == 1
+    # K slices of odd length end exactly at K
+    tile = GemmTile(16, 16, 32, split_k=3)
+    assert tile.k_per_split(200) == 96 and tile.num_splits(200) == 3
+
+
+def test_registry_chooses_and_refuses_with_what_to_do() -> None:
+    assert "triton" in LINEAR_KERNELS
+    assert resolve_linear_kernel("aten", CPU, torch.float32) == "aten"
+    assert resolve_linear_kernel("auto", CUDA, torch.bfloat16) == "aten"  # default unchanged
+    assert resolve_linear_kernel("auto", CPU, torch.float16) == "aten"
+    with pytest.raises(ValueError, match=r"'triton'.*needs a CUDA device.*use 'auto' or 'aten'"):
+        resolve_linear_kernel("triton", CPU, torch.float32)
+    with pytest.raises(ValueError, match="linear_kernel must be one of"):
+        resolve_linear_kernel("cutlass", CUDA, torch.bfloat16)
+    assert EngineConfig(model_path="x", linear_kernel="triton").linear_kernel == "triton"
+
+
+def test_loading_with_triton_on_the_cpu_fails_before_any_weight() -> None:
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=32, hidden_size=16, intermediate_size=32,
+        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        load_model(config, "dummy", torch.float32, CPU, linear_kernel="triton")
+
+
+def test_the_tuning_scripts_tiles_are_valid_and_distinct() -> None:
+    from scripts.gpu.tune_decode_kernels import LLAMA3_8B_GEMMS, SMEM_BYTES, gemm_candidates
+
+    for m, (n, k, _) in itertools.product((16, 64, 256), LLAMA3_8B_GEMMS.values()):
+        tiles = gemm_candidates(m, n, k)
+        assert tiles and all(t.block_m >= min(m, 64) for t in tiles)
+        keys = {(t.block_m, t.block_n, t.block_k, t.num_splits(k)) for t in tiles}
+        assert len(keys) == len(tiles)
+        for t in tiles:
+            assert (t.block_m + t.block_n) * t.block_k * 2 * t.num_stages <= max(
+                SMEM_BYTES, (t.block_m + t.block_n) * t.block_k * 2 * 2
+            )
+
+
+def test_a_measured_table_overrides_the_rule_and_routes_to_cublas() -> None:
+    tuned = GemmTile(16, 128, 256, split_k=2, num_warps=4, num_stages=3)
+    table: TileTable = {(4096, 4096): {16: tuned, 64: None}}
+    assert tile_for(1, 4096, 4096, 132, 64, table) == tuned
+    assert tile_for(16, 4096, 4096, 132, 64, table) == tuned
+    assert tile_for(17, 4096, 4096, 132, 64, table) is None  # cuBLAS won at 64 rows
+    assert tile_for(65, 4096, 4096, 132, 64, table) is None  # beyond what was measured
+    # shapes the table lacks: the rule, up to max_rows
+    assert tile_for(16, 6144, 4096, 132, 64, table) == choose_tile(16, 6144, 4096, 132)
+    assert tile_for(65, 6144, 4096, 132, 64, table) is None
+    layer = TritonLinear(nn.Linear(4096, 4096, bias=False, device="meta"), table=table)
+    assert layer.tile_for(8) == tuned and layer.tile_for(32) is None and layer.tile_for(0) is None
+
+
+def test_the_scripts_winner_table_reads_back_as_a_tile_table() -> None:
+    from scripts.gpu.tune_decode_kernels import GemmResult, gemm_table
+
+    tile = GemmTile(16, 64, 128, split_k=4, num_stages=5)
+    results = [
+        GemmResult("o_proj", 16, cublas_ms=0.02, best_ms=0.015, best=tile, engine_ms=0.016),
+        GemmResult("o_proj", 64, cublas_ms=0.02, best_ms=0.025, best=tile),
+        GemmResult("lm_head", 16, cublas_ms=0.4),  # nothing timed
+    ]
+    text = "\n".join(gemm_table(results, copy_bw=3.0e12))
+    assert "| 16 | o_proj [4096x4096] |" in text and "Triton |" in text
+    literal = text.split("```python\n")[1].split("```")[0]
+    table = eval(literal, {"GemmTile": GemmTile})
+    assert table == {(4096, 4096): {16: tile, 64: None}, (128256, 4096): {16: None}}
+
+
+def test_the_tuning_script_runs_end_to_end_as_a_cpu_smoke_run(tmp_path: Path) -> None:
+    """Every section of scripts/gpu/tune_decode_kernels.py, on tiny shapes under the interpreter:
+    the checks pass, the tables are written, no section fails (the GPU run's figures are not
+    this test's business)."""
+    out = tmp_path / "smoke.md"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "scripts.gpu.tune_decode_kernels", "--smoke", "--rows", "16",
+           "--batches", "2", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    text = out.read_text()
+    assert "## Errors" not in text and "WRONG" not in done.stdout
+    assert text.count("| 16 | ") == 5  # one row per GEMM shape
+    assert "| 2 | default |" in text and "| 2 | best of " in text
+    assert "0 failed" in done.stdout
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the device machine runs these)"
+)
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 7, 16, 64])
+def test_skinny_gemm_on_the_gpu_in_bf16_and_inside_a_cuda_graph(rows: int) -> None:
+    from engine.models.gpu_linear_kernels import skinny_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(1000, 4096, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    bias = torch.randn(1000, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = F.linear(x.float(), w.float(), bias.float())
+    for tile in (choose_tile(rows, 1000, 4096, 132), GemmTile(16, 64, 256, split_k=8)):
+        out = skinny_linear(x, w, bias, tile)
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err < 1e-2, (tile, err)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = skinny_linear(x, w, bias, tile)
+        x.mul_(-1)  # a new input in the same buffer: the replay must see it
+        graph.replay()
+        assert torch.allclose(replayed.float(), -ref + 2 * bias.float(), atol=5e-2, rtol=2e-2)
+        x.mul_(-1)
+
+
+@needs_cuda
+def test_engine_greedy_with_triton_linears_on_the_gpu(tiny_model_dir) -> None:
+    from engine import LLM, SamplingParams
+    from engine.models.gpu_linear import TritonLinear
+
+    prompts = [[1, 5, 9, 200, 31, 7] * k for k in (1, 3, 7)]
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    outs = {}
+    for kernel in ("triton", "aten"):
+        llm = LLM(str(tiny_model_dir("llama")), page_size=4, max_total_tokens=2048,
+                  device="cuda", linear_kernel=kernel)  # fmt: skip
+        swapped = [m for m in llm.runner.model.modules() if isinstance(m, TritonLinear)]
+        assert bool(swapped) == (kernel == "triton")
+        outs[kernel] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["triton"] == outs["aten"]
