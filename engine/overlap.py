@@ -51,7 +51,8 @@ from engine.grammar import GrammarCompiler
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Req
 from engine.sampling import sample_tokens
-from engine.scheduler import Scheduler, StepOutput, StopChecker
+from engine.scheduler import Scheduler, StepOutput, StopChecker, graph_samples
+from engine.step_prep import PackedDecodeStep
 
 
 @dataclass
@@ -128,21 +129,19 @@ class OverlapScheduler(Scheduler):
     def _launch(self, reqs: list[Req], lens: list[int], prev: LaunchedStep | None) -> LaunchedStep:
         future = prev.tokens if prev is not None and prev.sampled else None
         batch = self.runner.build_batch(reqs, lens, future)
-        logits = self.runner.forward(batch)
-        rows = []
+        rows = [
+            i for i, (req, n) in enumerate(zip(reqs, lens, strict=True)) if req.pending_len == n
+        ]
+        if graph_samples(batch, reqs, rows):
+            assert isinstance(batch, PackedDecodeStep)
+            tokens = self.runner.forward_tokens(batch)
+        else:
+            tokens = self._sample(self.runner.forward(batch), reqs, rows)
         extend_of = {}
-        for i, (req, n) in enumerate(zip(reqs, lens, strict=True)):
+        for req, n in zip(reqs, lens, strict=True):
             req.kv_len += n
             extend_of[req] = n
-            if req.pending_len == 0:
-                rows.append(i)
-        device = logits.device
-        if rows:
-            if len(rows) < len(reqs):
-                logits = logits[torch.tensor(rows).to(device, non_blocking=True)]
-            tokens = sample_tokens(logits, [reqs[i].sampler for i in rows])
-        else:
-            tokens = torch.empty(0, dtype=torch.int64, device=device)
+        device = tokens.device
         sampled = []
         for j, i in enumerate(rows):
             req = reqs[i]
@@ -151,12 +150,24 @@ class OverlapScheduler(Scheduler):
             req.output_top_logprobs.append(None)
             sampled.append((req, len(req.output_ids) - 1))
         host_tokens, ready = tokens, None
+        if isinstance(batch, PackedDecodeStep) and device.type != "cuda":
+            host_tokens = tokens.clone()  # the graph's buffer: the next replay overwrites it
         if device.type == "cuda":
             host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host_tokens.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
         return LaunchedStep(sampled, tokens, host_tokens, ready, extend_of)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, reqs: list[Req], rows: list[int]) -> torch.Tensor:
+        """Tokens of batch rows `rows` (requests that sample at this step), on the device."""
+        device = logits.device
+        if not rows:
+            return torch.empty(0, dtype=torch.int64, device=device)
+        if len(rows) < len(reqs):
+            logits = logits[torch.tensor(rows).to(device, non_blocking=True)]
+        return sample_tokens(logits, [reqs[i].sampler for i in rows])
 
     def _resolve(self, step: LaunchedStep | None) -> list[StepOutput]:
         """Put `step`'s tokens in place of its placeholders; finish and report its requests.
