@@ -93,7 +93,10 @@ class DecodeGraphRunner:
         self.future: torch.Tensor | None = None
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.mode is ForwardMode.DECODE and batch.batch_size <= self.buckets[-1]
+        """Whether `replay` takes this batch. Never with step prep: its graphs read the packed
+        rows, not a batch's tensors, so a decode batch built on the host runs eagerly."""
+        decode = batch.mode is ForwardMode.DECODE and batch.batch_size <= self.buckets[-1]
+        return decode and not self.step_prep
 
     def bucket_of(self, batch_size: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
