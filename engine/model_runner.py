@@ -182,8 +182,11 @@ class ModelRunner:
         )
 
     def _packed_step(self, reqs: Sequence[Req], future: torch.Tensor | None) -> PackedDecodeStep:
-        locs = self.kv.take_decode_entries(list(reqs))
-        self.kv.flush_table()  # entries of requests outside this step, if any
+        # The graph writes the step's table entries, unless the backend's host-side plan reads
+        # them before the replay (FlashInfer's page table): then they are flushed as usual.
+        take = not self.attn_backend.plan_reads_table
+        locs = self.kv.decode_locations(list(reqs), take)
+        self.kv.flush_table()  # the entries left in the queue, if any
         ids, slots, seq_lens = [], [], []
         for req in reqs:
             assert req.slot is not None

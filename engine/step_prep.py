@@ -11,7 +11,9 @@ tensor by `derive_decode_step`:
     positions     = seq_len - 1
     out_cache_loc = the new token's KV location (reserved on the host: the packed row)
     req_to_token[slot, position] = out_cache_loc  (the step's table entry, queued by
-                    `KVManager.reserve_decodes`, is written here instead of by `flush_table`)
+                    `KVManager.reserve_decodes`, is written here instead of by `flush_table`,
+                    unless the backend's host-side plan reads the table before the replay:
+                    FlashInfer's page table; then both write the same value)
     input id      = future_tokens[-1 - id] where id < 0 (the overlap scheduler's placeholder)
     attention     = (slot, seq_len) per row, int32; the backend derives the rest (split bounds)
 

@@ -122,6 +122,25 @@ def test_derived_inputs_match_host_built_batch(tiny_model_dir, placeholders: boo
     assert runner.req_to_token.max_context - 1 >= runner.context_length
 
 
+def test_entries_stay_queued_when_the_backend_plan_reads_the_table(tiny_model_dir) -> None:
+    """FlashInfer's host-side plan gathers page ids from req_to_token before the replay: the
+    step's new entries are then flushed as usual (the graph writes the same values again)."""
+    llm = _engine(tiny_model_dir("llama"), overlap_schedule=False)
+    runner, kv = llm.runner, llm.scheduler.kv
+    reqs = _prefilled(llm, [4, 8, 7])  # page size 4: two next tokens open a new page
+    assert kv.reserve_decodes(reqs)
+    expected = {
+        (r.slot, r.kv_len): loc
+        for (r, loc) in zip(reqs, kv.decode_locations(reqs, False), strict=True)
+    }
+    runner.attn_backend.plan_reads_table = True  # type: ignore[misc]
+    step = runner._packed_step(reqs, None)
+    assert not kv._pending
+    table = runner.req_to_token.table
+    assert {(s, p): int(table[s, p]) for (s, p) in expected} == expected
+    assert step.out_cache_locs == list(expected.values())
+
+
 def test_pack_rejects_a_step_larger_than_its_bucket() -> None:
     step = PackedDecodeStep([1, 2, 3], [0, 1, 2], [4, 4, 4], [8, 9, 10])
     with pytest.raises(ValueError, match="does not fit the bucket 2"):

@@ -98,6 +98,7 @@ def pad_page_table(pages: PageTable, pad: int) -> PageTable:
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
+    plan_reads_table = True  # plan_graph_step gathers the page ids from req_to_token
     tensor_core_min_group = TENSOR_CORE_DECODE_MIN_GROUP  # scripts/gpu/check_flashinfer times both
 
     def __init__(self, kv_cache: PagedKVCache, req_to_token: ReqToTokenPool) -> None:
