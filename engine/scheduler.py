@@ -270,9 +270,9 @@ class Scheduler:
         t0 = time.perf_counter()
         if graph_samples(batch, reqs, rows):
             assert isinstance(batch, PackedDecodeStep)
-            tokens = self.runner.forward_tokens(batch).tolist()
-            forward_s = time.perf_counter() - t0
-            outputs = dropped + self._process(reqs, lens, None, tokens)
+            tokens = self.runner.forward_tokens(batch)
+            forward_s = time.perf_counter() - t0  # the launch, as for `forward` below
+            outputs = dropped + self._process(reqs, lens, None, tokens.tolist())
         else:
             logits = self.runner.forward(batch)
             forward_s = time.perf_counter() - t0
