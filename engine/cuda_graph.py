@@ -14,10 +14,11 @@ batch, pad_slot)` copies a step's values into them and resets the padding rows.
 
 Step preparation in the graph (`step_prep=True`, `EngineConfig.graph_step_prep`): the step
 arrives as host lists (`PackedDecodeStep`, engine/step_prep.py), packed into one pinned int64
-tensor [3, bucket] (input ids or future-token placeholders, slots, seq lens; padding rows: slot
-`pad_slot`, seq len 0) and copied to the device in ONE copy before the replay. The graph itself
-derives positions, out_cache_loc (through req_to_token), the future-token substitution and the
-attention metadata (`backend.graph_step_metadata`, captured), runs the model, and ends with the
+tensor [4, bucket] (input ids or future-token placeholders, slots, seq lens, new KV locations;
+padding rows: slot `pad_slot`, seq len 0, location 0) and copied to the device in ONE copy
+before the replay. The graph itself derives positions, writes the step's req_to_token entries,
+substitutes the future tokens, builds the attention metadata (`backend.graph_step_metadata`,
+captured), runs the model, and ends with the
 argmax of every row's logits written to the runner's `future` buffer: a batch whose every row is
 a plain argmax (`sampling.is_plain_argmax`) takes its tokens from there, bit-identical to
 `sample_tokens`; any other batch reads the logits and samples outside, as before. The same
@@ -25,8 +26,10 @@ buffer is where the graph reads the placeholders' tokens, so an overlapped step 
 step copies nothing; after an eager step its tokens are copied into it first (one device copy).
 What the backend cannot derive on the device stays a host step before the replay
 (`backend.plan_graph_step`: FlashInfer's plan, which its API makes on the host; Triton: none).
-The padding invariant holds the same way: padding rows read one key through `pad_slot` and
-write to location 0 (tests/test_step_prep.py).
+The padding invariant holds the same way: padding rows read one key through `pad_slot`, write
+their K/V to location 0 and their table entry to the table's last column, which no request
+reaches (tests/test_step_prep.py). A step-prep runner replays only packed steps: a decode batch
+built on the host (a step the packed path does not take) runs eagerly.
 """
 
 from __future__ import annotations
