@@ -10,7 +10,9 @@ benchmarks/gpu-2026-11-23-h200.md). `OverlapScheduler.step()` instead:
        tensor), so it looks like any decoding request (one pending token);
     2. builds and launches N+1's forward and sampling with no host sync: its input ids take the
        placeholders' tokens from step N's tensor on the device (`ModelRunner.build_batch`), and
-       N+1's tokens stay on the device, copied to pinned host memory behind an event;
+       N+1's tokens stay on the device, copied to pinned host memory behind an event (with
+       `EngineConfig.graph_step_prep` a greedy decode step's tokens are its CUDA graph's own
+       argmax buffer, which the next graph step reads in place: engine/step_prep.py);
     3. only then reads step N's tokens (the GPU has moved on to N+1), puts them in place of the
        placeholders, checks finishes and returns N's outputs: streaming is one step late.
 
