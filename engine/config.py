@@ -38,6 +38,10 @@ class EngineConfig:
     # is staged. Staging runs on one rank: it needs tp_size 1.
     kv_staging_pages: int = 0
     kv_staging_min_runs: int = 16
+    # CUDA-graph decode steps get their inputs as one packed host-to-device copy and derive the
+    # rest (positions, table entries, attention plan, future tokens) inside the graph, which
+    # also computes the greedy tokens (engine/step_prep.py, engine/cuda_graph.py).
+    graph_step_prep: bool = False
 
     def __post_init__(self) -> None:
         _at_least("page_size", self.page_size, 1)

@@ -89,6 +89,19 @@ class KVManager:
             self._pending[(req.slot, start)] = req.pages[start // ps] * ps + start % ps
         return True
 
+    def decode_locations(self, reqs: list[Req], take: bool) -> list[int]:
+        """The KV location of each request's next token (reserved already). `take`: the
+        caller writes their table entries itself (a step-prep CUDA graph, engine/step_prep.py),
+        so they leave the queue that `flush_table` writes."""
+        ps = self.page_size
+        locs = []
+        for req in reqs:
+            position = req.kv_len
+            if take:
+                self._pending.pop((req.slot, position), None)  # type: ignore[arg-type]
+            locs.append(req.pages[position // ps] * ps + position % ps)
+        return locs
+
     def _write_table(self, req: Req, start: int, end: int) -> None:
         assert req.slot is not None
         if end <= start:

@@ -31,6 +31,7 @@ from engine.memory import (
 from engine.model_config import ModelConfig
 from engine.models.loader import load_model
 from engine.request import Req
+from engine.step_prep import PackedDecodeStep
 from engine.tp import messages
 from engine.tp.group import TPGroup
 from engine.tp.partition import plan_tp
@@ -104,7 +105,9 @@ class ModelRunner:
         graphs_ok = self.device.type == "cuda" and self.group.size == 1  # no TP collectives
         if graphs_ok and hasattr(self.attn_backend, "init_graph_metadata"):
             # Padding rows read one key through slot 0 (reads only) and write to location 0.
-            self.graph_runner = DecodeGraphRunner(self.model, self.context_length, pad_slot=0)
+            self.graph_runner = DecodeGraphRunner(
+                self.model, self.context_length, pad_slot=0, step_prep=config.graph_step_prep
+            )
 
     def bind_thread(self) -> None:
         """Make this runner's GPU the calling thread's current device. Streams, events, CUDA
@@ -118,12 +121,15 @@ class ModelRunner:
         reqs: Sequence[Req],
         extend_lens: Sequence[int],
         future_tokens: torch.Tensor | None = None,
-    ) -> ForwardBatch:
+    ) -> ForwardBatch | PackedDecodeStep:
         """Batch running `extend_lens[i]` pending tokens of `reqs[i]` (KV already reserved).
 
         `future_tokens`: the overlap scheduler's tokens still on the device (engine/overlap.py);
         an input id `-1 - j` is a placeholder for `future_tokens[j]`, substituted on the device.
+        A decode step for a step-prep CUDA graph stays host lists (`PackedDecodeStep`).
         """
+        if self._takes_step_prep(reqs, extend_lens, future_tokens):
+            return self._packed_step(reqs, future_tokens)
         self.kv.flush_table()
         ids: list[int] = []
         positions: list[int] = []
@@ -164,9 +170,45 @@ class ModelRunner:
         self.attn_backend.init_metadata(batch)
         return batch
 
+    def _takes_step_prep(
+        self, reqs: Sequence[Req], extend_lens: Sequence[int], future: torch.Tensor | None
+    ) -> bool:
+        graphs = self.graph_runner
+        return (
+            graphs is not None
+            and graphs.can_run_step(len(reqs), future)
+            and all(n == 1 for n in extend_lens)
+            and not any(r.wants_prompt_logprobs for r in reqs)
+        )
+
+    def _packed_step(self, reqs: Sequence[Req], future: torch.Tensor | None) -> PackedDecodeStep:
+        # The graph writes the step's table entries, unless the backend's host-side plan reads
+        # them before the replay (FlashInfer's page table): then they are flushed as usual.
+        take = not self.attn_backend.plan_reads_table
+        locs = self.kv.decode_locations(list(reqs), take)
+        self.kv.flush_table()  # the entries left in the queue, if any
+        ids, slots, seq_lens = [], [], []
+        for req in reqs:
+            assert req.slot is not None
+            ids.extend(req.token_ids(req.kv_len, req.kv_len + 1))
+            slots.append(req.slot)
+            seq_lens.append(req.kv_len + 1)
+        return PackedDecodeStep(ids, slots, seq_lens, locs, future)
+
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward_tokens(self, step: PackedDecodeStep) -> torch.Tensor:
+        """The argmax token of each request's logits [batch_size] on the device, computed
+        inside the step's CUDA graph: what `sample_tokens` returns for samplers that pass
+        `is_plain_argmax`. Valid until the next forward."""
+        assert self.graph_runner is not None
+        return self.graph_runner.replay_step(step, self.attn_backend)[1]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch | PackedDecodeStep) -> torch.Tensor:
         """Logits [batch_size, vocab] of each request's last new token."""
+        if isinstance(batch, PackedDecodeStep):
+            assert self.graph_runner is not None
+            return self.graph_runner.replay_step(batch, self.attn_backend)[0]
         if self.group.size > 1:
             messages.send(self.group, messages.MessageKind.FORWARD, self._step(batch).to_arrays())
         if self.graph_runner is not None and self.graph_runner.can_run(batch):

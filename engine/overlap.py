@@ -10,7 +10,9 @@ benchmarks/gpu-2026-11-23-h200.md). `OverlapScheduler.step()` instead:
        tensor), so it looks like any decoding request (one pending token);
     2. builds and launches N+1's forward and sampling with no host sync: its input ids take the
        placeholders' tokens from step N's tensor on the device (`ModelRunner.build_batch`), and
-       N+1's tokens stay on the device, copied to pinned host memory behind an event;
+       N+1's tokens stay on the device, copied to pinned host memory behind an event (with
+       `EngineConfig.graph_step_prep` a greedy decode step's tokens are its CUDA graph's own
+       argmax buffer, which the next graph step reads in place: engine/step_prep.py);
     3. only then reads step N's tokens (the GPU has moved on to N+1), puts them in place of the
        placeholders, checks finishes and returns N's outputs: streaming is one step late.
 
@@ -51,7 +53,8 @@ from engine.grammar import GrammarCompiler
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Req
 from engine.sampling import sample_tokens
-from engine.scheduler import Scheduler, StepOutput, StopChecker
+from engine.scheduler import Scheduler, StepOutput, StopChecker, graph_samples
+from engine.step_prep import PackedDecodeStep
 
 
 @dataclass
@@ -128,21 +131,19 @@ class OverlapScheduler(Scheduler):
     def _launch(self, reqs: list[Req], lens: list[int], prev: LaunchedStep | None) -> LaunchedStep:
         future = prev.tokens if prev is not None and prev.sampled else None
         batch = self.runner.build_batch(reqs, lens, future)
-        logits = self.runner.forward(batch)
-        rows = []
+        rows = [
+            i for i, (req, n) in enumerate(zip(reqs, lens, strict=True)) if req.pending_len == n
+        ]
+        if graph_samples(batch, reqs, rows):
+            assert isinstance(batch, PackedDecodeStep)
+            tokens = self.runner.forward_tokens(batch)
+        else:
+            tokens = self._sample(self.runner.forward(batch), reqs, rows)
         extend_of = {}
-        for i, (req, n) in enumerate(zip(reqs, lens, strict=True)):
+        for req, n in zip(reqs, lens, strict=True):
             req.kv_len += n
             extend_of[req] = n
-            if req.pending_len == 0:
-                rows.append(i)
-        device = logits.device
-        if rows:
-            if len(rows) < len(reqs):
-                logits = logits[torch.tensor(rows).to(device, non_blocking=True)]
-            tokens = sample_tokens(logits, [reqs[i].sampler for i in rows])
-        else:
-            tokens = torch.empty(0, dtype=torch.int64, device=device)
+        device = tokens.device
         sampled = []
         for j, i in enumerate(rows):
             req = reqs[i]
@@ -151,12 +152,24 @@ class OverlapScheduler(Scheduler):
             req.output_top_logprobs.append(None)
             sampled.append((req, len(req.output_ids) - 1))
         host_tokens, ready = tokens, None
+        if isinstance(batch, PackedDecodeStep) and device.type != "cuda":
+            host_tokens = tokens.clone()  # the graph's buffer: the next replay overwrites it
         if device.type == "cuda":
             host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host_tokens.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
         return LaunchedStep(sampled, tokens, host_tokens, ready, extend_of)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, reqs: list[Req], rows: list[int]) -> torch.Tensor:
+        """Tokens of batch rows `rows` (requests that sample at this step), on the device."""
+        device = logits.device
+        if not rows:
+            return torch.empty(0, dtype=torch.int64, device=device)
+        if len(rows) < len(reqs):
+            logits = logits[torch.tensor(rows).to(device, non_blocking=True)]
+        return sample_tokens(logits, [reqs[i].sampler for i in rows])
 
     def _resolve(self, step: LaunchedStep | None) -> list[StepOutput]:
         """Put `step`'s tokens in place of its placeholders; finish and report its requests.

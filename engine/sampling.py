@@ -285,6 +285,15 @@ class SampleOutput:
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
 
+    @classmethod
+    def observed(cls, token_ids: list[int], samplers: Sequence[RequestSampler]) -> SampleOutput:
+        """Tokens picked elsewhere (a CUDA graph's argmax, for rows without logprobs), each
+        `observe`d on its row's sampler as `sample_batch` would."""
+        for sampler, token_id in zip(samplers, token_ids, strict=True):
+            sampler.observe(token_id)
+        none = [None] * len(token_ids)
+        return cls(token_ids=list(token_ids), logprobs=list(none), top_logprobs=list(none))
+
 
 def sample_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> SampleOutput:
     """Pick one token per row of `logits` ([B, V]) and `observe` it on that row's sampler.
@@ -305,9 +314,15 @@ def sample_tokens(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> t
     """The chosen token of each row as a tensor on the logits' device, with no host sync and no
     `observe`: the overlap scheduler (engine/overlap.py) reads the values a step later."""
     _check_batch(logits, samplers)
-    if any(s.needs_processing for s in samplers):
+    if not is_plain_argmax(samplers):
         return _sample_processed(logits, samplers)
     return row_argmax(logits)
+
+
+def is_plain_argmax(samplers: Sequence[RequestSampler]) -> bool:
+    """True when `sample_tokens` picks every row by one argmax of the raw logits (greedy, no
+    penalty, no grammar): what a CUDA graph may compute in its place (engine/cuda_graph.py)."""
+    return not any(s.needs_processing for s in samplers)
 
 
 def row_argmax(values: torch.Tensor) -> torch.Tensor:

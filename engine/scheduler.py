@@ -36,7 +36,14 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarCompiler
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, PromptLogprob, Req
-from engine.sampling import RequestSampler, SamplingParams, sample_batch
+from engine.sampling import (
+    RequestSampler,
+    SampleOutput,
+    SamplingParams,
+    is_plain_argmax,
+    sample_batch,
+)
+from engine.step_prep import PackedDecodeStep
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +114,18 @@ def record_prompt_logprobs(req: Req, token_logits: torch.Tensor) -> None:
     for j in range(count):
         top_pairs = list(zip(top_ids[j], top_values[j], strict=True))
         req.prompt_logprobs[start + 1 + j] = PromptLogprob(chosen[j], top_pairs)
+
+
+def graph_samples(batch: object, reqs: list[Req], rows: list[int]) -> bool:
+    """True when a step's CUDA graph picks its tokens (engine/cuda_graph.py): a step-prep
+    decode step whose every request samples, greedily, with no penalty, grammar or logprobs
+    (the argmax that `sample_tokens` would take)."""
+    return (
+        isinstance(batch, PackedDecodeStep)
+        and len(rows) == len(reqs) > 0
+        and not any(r.params.logprobs for r in reqs)
+        and is_plain_argmax([r.sampler for r in reqs])
+    )
 
 
 def check_prompt_fits(prompt_ids: list[int], context_length: int) -> None:
@@ -247,12 +266,19 @@ class Scheduler:
             return dropped
         composition = self._composition(reqs, lens)
         batch = self.runner.build_batch(reqs, lens)
+        rows = [i for i, (r, n) in enumerate(zip(reqs, lens, strict=True)) if r.pending_len == n]
         t0 = time.perf_counter()
-        logits = self.runner.forward(batch)
-        forward_s = time.perf_counter() - t0
-        for row, token_logits in batch.token_logits.items():
-            record_prompt_logprobs(reqs[row], token_logits)
-        outputs = dropped + self._process(reqs, lens, logits)
+        if graph_samples(batch, reqs, rows):
+            assert isinstance(batch, PackedDecodeStep)
+            tokens = self.runner.forward_tokens(batch)
+            forward_s = time.perf_counter() - t0  # the launch, as for `forward` below
+            outputs = dropped + self._process(reqs, lens, None, tokens.tolist())
+        else:
+            logits = self.runner.forward(batch)
+            forward_s = time.perf_counter() - t0
+            for row, token_logits in batch.token_logits.items():
+                record_prompt_logprobs(reqs[row], token_logits)
+            outputs = dropped + self._process(reqs, lens, logits)
         self._record_stats(composition, forward_s, start)
         return outputs
 
@@ -354,7 +380,11 @@ class Scheduler:
         return victim
 
     # ---- after the forward ---------------------------------------------------------------
-    def _process(self, reqs: list[Req], lens: list[int], logits) -> list[StepOutput]:  # type: ignore[no-untyped-def]
+    def _process(  # type: ignore[no-untyped-def]
+        self, reqs: list[Req], lens: list[int], logits, tokens: list[int] | None = None
+    ) -> list[StepOutput]:
+        """Sample from `logits`, or take `tokens` (every request's, picked by the CUDA graph),
+        and move each request on."""
         sample_rows = []
         for i, (req, n) in enumerate(zip(reqs, lens, strict=True)):
             req.kv_len += n
@@ -362,8 +392,12 @@ class Scheduler:
                 sample_rows.append(i)
         if not sample_rows:
             return []
-        rows = logits if len(sample_rows) == len(reqs) else logits[sample_rows]
-        sampled = sample_batch(rows, [reqs[i].sampler for i in sample_rows])
+        samplers = [reqs[i].sampler for i in sample_rows]
+        if tokens is not None:
+            sampled = SampleOutput.observed(tokens, samplers)
+        else:
+            rows = logits if len(sample_rows) == len(reqs) else logits[sample_rows]
+            sampled = sample_batch(rows, samplers)
         outputs = []
         for j, i in enumerate(sample_rows):
             req = reqs[i]

@@ -80,3 +80,23 @@ def test_retraction_and_aborts(model_dir) -> None:
     for i, (req, ref) in enumerate(zip(reqs, full, strict=True)):
         n = len(req.output_ids)
         assert req.output_ids == ref.output_ids[:n] and (n < 48) == (i in aborts.values())
+
+
+@pytest.mark.parametrize("overlap_schedule", [False, True])
+def test_graph_step_prep_gives_the_same_tokens(model_dir, overlap_schedule: bool) -> None:
+    """EngineConfig.graph_step_prep (engine/step_prep.py): prep and greedy argmax inside the
+    captured graphs, one packed copy per step; the same tokens as today's graphs, through
+    several buckets, prefill chunks joining, two seeded sampled requests (the logits path)."""
+    prompts = _prompts(24)
+    common = dict(load_format="dummy", dtype="float32", device="cuda", attention_backend="triton",
+                  page_size=16, chunked_prefill_size=256,
+                  overlap_schedule=overlap_schedule)  # fmt: skip
+    today = LLM(str(model_dir), **common)
+    prep = LLM(str(model_dir), graph_step_prep=True, **common)
+    params = [SamplingParams(max_new_tokens=3 + i, temperature=0.0, ignore_eos=True)
+              for i in range(len(prompts))]  # fmt: skip
+    params[3] = SamplingParams(max_new_tokens=20, temperature=0.7, seed=3, ignore_eos=True)
+    params[7] = SamplingParams(max_new_tokens=20, temperature=0.7, seed=7, ignore_eos=True)
+    _same(_run(today, prompts, params), _run(prep, prompts, params))
+    graphs = prep.runner.graph_runner
+    assert graphs is not None and graphs.step_prep and len(graphs.graphs) > 2

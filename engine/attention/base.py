@@ -17,6 +17,9 @@ from engine.memory.kv_cache import PagedKVCache, ReqToTokenPool
 
 class AttentionBackend(ABC):
     name: str = ""
+    # True when a step-prep CUDA graph's host-side plan (`plan_graph_step`) reads req_to_token,
+    # so the step's new table entries must be written before it (engine/step_prep.py).
+    plan_reads_table: bool = False
 
     def __init__(self, kv_cache: PagedKVCache, req_to_token: ReqToTokenPool) -> None:
         self.kv_cache = kv_cache

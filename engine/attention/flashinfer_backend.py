@@ -18,7 +18,9 @@ when the wrapper's current plan is another batch's: once per batch, at its first
 
 CUDA graphs (engine/cuda_graph.py): each batch-size bucket gets its own decode wrapper over fixed
 page-table buffers (FlashInfer's `use_cuda_graph` mode); `update_graph_metadata` re-plans it with
-each step's page table before the replay, and padding rows read the scratch page 0.
+each step's page table before the replay, and padding rows read the scratch page 0. With step
+preparation in the graph (engine/step_prep.py) the graph derives the KV write locations; the page
+table (one gather through req_to_token) and FlashInfer's plan stay host work before the replay.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_cache import PagedKVCache, ReqToTokenPool
+from engine.step_prep import DecodeStepInputs
 
 INSTALL_HINT = "pip install pdserve[gpu]  (installs flashinfer-python)"
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended split-KV workspace
@@ -95,6 +98,7 @@ def pad_page_table(pages: PageTable, pad: int) -> PageTable:
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
+    plan_reads_table = True  # plan_graph_step gathers the page ids from req_to_token
     tensor_core_min_group = TENSOR_CORE_DECODE_MIN_GROUP  # scripts/gpu/check_flashinfer times both
 
     def __init__(self, kv_cache: PagedKVCache, req_to_token: ReqToTokenPool) -> None:
@@ -195,6 +199,24 @@ class FlashInferBackend(AttentionBackend):
             into[:size].copy_(src_t)
             into[size:].fill_(0)
         self._plan(dst, self.num_qo_heads)
+
+    def graph_step_metadata(self, static: ForwardBatch, inputs: DecodeStepInputs) -> None:
+        """Inside a step-prep graph's capture (engine/step_prep.py): the KV write locations
+        from the device-derived step. The page table and split-KV plan stay on the host
+        (`plan_graph_step`): FlashInfer's `plan` is a host function."""
+        md: FlashInferMetadata = static.attn_metadata
+        md.write_at = self.kv_cache.split(inputs.out_cache_loc)
+
+    def plan_graph_step(
+        self, static: ForwardBatch, slots: list[int], seq_lens: list[int], pad_slot: int
+    ) -> None:
+        """Before a step-prep replay: plan `static`'s wrapper with the step's page table in its
+        first rows, padding rows reading one key of the scratch page 0 (as
+        `update_graph_metadata`, without the KV locations, which the graph derives)."""
+        md: FlashInferMetadata = static.attn_metadata
+        pages = page_table(self.req_to_token.table, self.kv_cache.page_size, slots, seq_lens)
+        md.pages = pad_page_table(pages, static.batch_size - len(slots))
+        self._plan(md, self.num_qo_heads)
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(

@@ -8,6 +8,8 @@ plain-torch version of the kernels' algorithm: that is how the CPU tests exercis
 
 Metadata (`TritonMetadata`) is built once per batch; the decode plan's tensors have fixed shapes
 per batch size, which is what the CUDA-graph runner relies on when it replays a captured step.
+With step preparation in the graph (engine/step_prep.py) the plan is derived inside the graph
+from the packed step: nothing of it is built on the host (`graph_step_metadata`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from engine.attention.base import AttentionBackend
 from engine.attention.triton_reference import DecodePlan, ExtendPlan, choose_num_splits
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_cache import PagedKVCache, ReqToTokenPool
+from engine.step_prep import DecodeStepInputs
 
 
 @dataclass
@@ -106,6 +109,21 @@ class TritonBackend(AttentionBackend):
         ):
             into[:size].copy_(src_t)
             into[size:].fill_(pad)
+
+    def graph_step_metadata(self, static: ForwardBatch, inputs: DecodeStepInputs) -> None:
+        """Inside a step-prep graph's capture (engine/step_prep.py): the whole decode plan from
+        the device-derived step (slots, lengths; the kernel splits by length) and the KV write
+        locations; the split count and workspace stay those of `init_graph_metadata`."""
+        md: TritonMetadata = static.attn_metadata
+        assert md.decode is not None
+        md.write_at = self.kv_cache.split(inputs.out_cache_loc)
+        md.decode.slots = inputs.slots
+        md.decode.seq_lens = inputs.seq_lens
+
+    def plan_graph_step(
+        self, static: ForwardBatch, slots: list[int], seq_lens: list[int], pad_slot: int
+    ) -> None:
+        """Host work before a step-prep replay: none, the graph derives the whole plan."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch

@@ -86,6 +86,14 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         help="build the next step on the host while the GPU runs this one (engine/overlap.py); "
         "default: on for CUDA with --tp-size 1, off elsewhere",
     )
+    g.add_argument(
+        "--graph-step-prep",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="CUDA-graph decode steps: one packed host-to-device copy per step, positions, "
+        "table entries, attention plan and greedy sampling inside the graph "
+        "(engine/step_prep.py)",
+    )
     g.add_argument("--watchdog-timeout", type=float, default=300.0, help="seconds per step")
     g.add_argument("--decode-log-interval", type=int, default=40)
     g.add_argument(
@@ -150,6 +158,7 @@ def engine_config(args: argparse.Namespace, model_path: str) -> EngineConfig:
         schedule_policy=args.schedule_policy,
         tp_size=args.tp_size,
         overlap_schedule=args.overlap_schedule,
+        graph_step_prep=args.graph_step_prep,
         linear_kernel=args.linear_kernel,
         kv_staging_pages=args.kv_staging_pages,
         kv_staging_min_runs=args.kv_staging_min_runs,

@@ -3,15 +3,17 @@ for a Llama-3-8B-shaped model on one GPU, with and without overlap scheduling (e
 and greedy equality of the two modes.
 
     python3 -m scripts.gpu.engine_step [--batches 16,64,256] [--context 1024] [--steps 64] \
-        [--out table.md] [--profile] [--linear-kernel triton]
+        [--graph-step-prep] [--linear-kernel triton] [--out table.md] [--profile]
 
 One offline engine (Triton backend, bf16 dummy weights, prefix cache off, CUDA graphs) and two
 schedulers over its one runner: the normal `Scheduler` and the `OverlapScheduler`, so both modes
-run the same weights and graphs. For each batch size B and each mode, B requests of `context - 1`
-random prompt tokens are prefilled (16k-token chunks), 8 decode steps warm up (the bucket's graph
-capture), then `repeats` windows of `steps` decode steps are timed: wall time from a device sync to
-a device sync after `steps` calls of `step()` (in overlap mode one step is in flight at each end of
-the window, the same count as launched), divided by `steps`; median of the windows. Contexts grow
+run the same weights and graphs (`--graph-step-prep`: `EngineConfig.graph_step_prep`, one packed
+copy per step, prep and greedy argmax inside the graph, engine/step_prep.py). For each batch
+size B and each mode, B requests of `context - 1` random prompt tokens are prefilled (16k-token
+chunks), 8 decode steps warm up (the bucket's graph capture), then `repeats` windows of `steps`
+decode steps are timed: wall time from a device sync to a device sync after `steps` calls of
+`step()` (in overlap mode one step is in flight at each end of the window, the same count as
+launched), divided by `steps`; median of the windows. Contexts grow
 from `context` by `repeats * steps` tokens over the windows. Every request then runs to its end.
 After the overlap windows of B=64, 8 steps run under `torch.cuda.set_sync_debug_mode("warn")`:
 the synchronising calls left in a step, by source line (none expected in the overlap mode but the
@@ -61,6 +63,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     parser.add_argument("--linear-kernel", default="auto", choices=LINEAR_KERNELS,
                         help="EngineConfig.linear_kernel (docs/decode-kernels.md)")  # fmt: skip
+    parser.add_argument(
+        "--graph-step-prep",
+        action="store_true",
+        help="EngineConfig.graph_step_prep: step prep and argmax inside the graph",
+    )
     parser.add_argument("--profile", action="store_true",
                         help="then profile one decode run of the last batch size on the host "
                         "(cProfile, top functions by own time)")  # fmt: skip
@@ -76,9 +83,10 @@ def main() -> None:
               max_total_tokens=max(batches) * (longest + 32),
               max_running_requests=max(batches), chunked_prefill_size=16384,
               enable_prefix_cache=False, overlap_schedule=False,
-              linear_kernel=args.linear_kernel)  # fmt: skip
+              linear_kernel=args.linear_kernel,
+              graph_step_prep=args.graph_step_prep)  # fmt: skip
     print(f"engine built in {time.perf_counter() - t0:.1f} s (linear kernel "
-          f"{args.linear_kernel})", flush=True)  # fmt: skip
+          f"{args.linear_kernel}, graph step prep {args.graph_step_prep})", flush=True)  # fmt: skip
     modes = {
         "off": llm.scheduler,
         "on": OverlapScheduler(llm.config, llm.runner, llm.scheduler.stop_checker),
