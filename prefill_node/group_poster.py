@@ -23,6 +23,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from engine.layer_groups import GroupCallback, GroupDone
 
 
@@ -34,7 +36,8 @@ class PosterStats:
 
 
 class GroupPoster:
-    def __init__(self, name: str = "kv-group-poster") -> None:
+    def __init__(self, device: torch.device, name: str = "kv-group-poster") -> None:
+        self.device = device  # a CUDA device is made current on the thread (UCX's copies)
         self.name = name
         self.stats = PosterStats()
         self._jobs: deque[tuple[GroupDone, GroupCallback]] = deque()
@@ -75,6 +78,8 @@ class GroupPoster:
             thread.join()
 
     def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the thread posting copies needs its context
         while True:
             with self._changed:
                 while not self._jobs and not self._closed:

@@ -102,7 +102,8 @@ class LayerStreamer:
         self.unfinished: list[ForwardWrites] = []  # forwards with groups left to post (GPU)
         on_gpu = config.device.type == "cuda"
         self.side_stream = torch.cuda.Stream(config.device) if on_gpu else None
-        self.poster = GroupPoster() if config.poster and not config.stream_ordered else None
+        posts_off_thread = config.poster and not config.stream_ordered
+        self.poster = GroupPoster(config.device) if posts_off_thread else None
 
     def layer_stream(self) -> LayerStream:
         """What the runner calls for each extend batch (ModelRunner.layer_stream)."""
