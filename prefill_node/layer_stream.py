@@ -11,23 +11,24 @@ count as sent, so the after-step `send_computed` / `send_rest` find nothing left
 slot, posted after every KV write of the room. D decides that a room is complete only on P's
 DONE, which the role posts once every write it started (the streamed ones among them) settled.
 
-When a group's KV is in memory:
-- CPU: the layers have run when the signal comes: the group is written at once.
-- GPU, a stream-ordered backend (cuda_ipc: its copies wait for the caller's current CUDA
-  stream): the write is issued from a side stream that waits for the group's event; the host
-  waits for nothing.
+Who posts a group, and when (its KV is in memory at once on the CPU; on a GPU once its event
+passed):
+- A stream-ordered backend on a GPU (cuda_ipc: its copies wait for the caller's current CUDA
+  stream): the engine thread issues the write from a side stream that waits for the group's
+  event; the host waits for nothing.
 - A backend that copies as soon as posted and may be written from another thread
-  (`concurrent_writes`: NIXL), CPU or GPU: the group goes to the poster thread
-  (prefill_node/group_poster.py), which waits for its event and posts it; the engine thread
-  neither waits nor posts (on one H100 its NIXL posts had nearly doubled a 2k prompt's
-  prefill). `finish` waits until the poster has posted every group signalled so far.
-- GPU, the other backends (Mooncake): the engine thread only
-  queues kernels, so while it queues the forward it posts only the groups whose event already
-  passed and never waits (a wait there would leave the GPU with nothing queued while a post
-  runs: with NIXL at G=8 that nearly doubled a 2k prompt's prefill on one H100). Once the last
-  group is queued, it waits for each earlier group in turn and posts it while the later groups
-  compute; the last group is left to `finish`, which the role calls after the step, so the
-  sampling kernels are queued before the host waits for it.
+  (`concurrent_writes`: NIXL), CPU or GPU: the poster thread (prefill_node/group_poster.py)
+  waits for the group and posts it; the engine thread neither waits nor posts. (When it did
+  post, a 2k prompt's prefill on one H100 went from 49 to 87-90 ms at G=8; on the CPU a NIXL
+  post costs ~5 us a descriptor, 1,024 descriptors a group for a 2k prompt of the 8B shape,
+  benchmarks/cpu-2026-11-26-nixl-group-post.md.) `finish` returns once the poster has posted
+  every group signalled so far.
+- The others (Mooncake): on the CPU the group is written at once. On a GPU the engine thread
+  only queues kernels, so while it queues the forward it posts only the groups whose event
+  already passed and never waits (a wait there would leave the GPU with nothing queued while
+  a post runs). Once the last group is queued, it waits for each earlier group in turn and
+  posts it while the later groups compute; the last group is left to `finish`, which the role
+  calls after the step, so the sampling kernels are queued before the host waits for it.
 
 Refused at start (`check_streamable`): a TP prefill node (its other ranks compute in other
 processes, rank 0's signal says nothing about them) and KV staging (it gathers whole pages
