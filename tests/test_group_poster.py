@@ -52,14 +52,15 @@ class GateEvent:
 
 @dataclass
 class RecordingSender:
-    posts: list[tuple[int, int, str]] = field(default_factory=list)  # (offset, upto, thread)
+    # (span offset, span length, upto page, posting thread)
+    posts: list[tuple[int, int, int, str]] = field(default_factory=list)
     marked: list[int] = field(default_factory=list)
     fail_with: Exception | None = None
 
     def send_layers(self, pages, upto: int, span: LayerSpan) -> None:
         if self.fail_with is not None:
             raise self.fail_with
-        self.posts.append((span.offset, upto, threading.current_thread().name))
+        self.posts.append((span.offset, span.length, upto, threading.current_thread().name))
 
     def mark_sent(self, upto: int) -> None:
         self.marked.append(upto)
@@ -75,6 +76,12 @@ def _signal(writes: ForwardWrites, streamer: LayerStreamer, events: list[GateEve
         writes.on_group(GroupDone(i, group, events[i]))  # type: ignore[arg-type]
 
 
+def _wait_for_posts(sender: RecordingSender, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(sender.posts) < count and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def test_groups_are_posted_in_order_on_the_poster_while_the_signaller_goes_on() -> None:
     """The signalling thread returns from every group at once, the GPU still on group 0; the
     poster posts each group once its event passed, in order, and `finish` returns only once
@@ -86,33 +93,47 @@ def test_groups_are_posted_in_order_on_the_poster_while_the_signaller_goes_on() 
     start = time.monotonic()
     _signal(writes, streamer, events)
     assert time.monotonic() - start < 1.0 and sender.posts == []  # nothing waited for
-    events[0].gate.set()
+    for i, event in enumerate(events):
+        event.gate.set()  # the GPU passes group i; the later ones still compute
+        _wait_for_posts(sender, i + 1)
+        assert [p[:3] for p in sender.posts][i] == (10 * i, 10, 3)
+        assert sender.marked == ([3] if i == 3 else [])  # sent once the last group is out
+    streamer.finish()
+    assert len(sender.posts) == 4 and {p[3] for p in sender.posts} == {"kv-group-poster"}
     assert streamer.poster is not None
-    deadline = time.monotonic() + 10
-    while not sender.posts and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert [p[:2] for p in sender.posts] == [(0, 3)]  # group 1 still computing
-    assert sender.marked == []
+    assert (streamer.poster.stats.groups, streamer.poster.stats.writes) == (4, 4)
+    streamer.close()
+
+
+def test_groups_ready_together_go_out_as_one_write() -> None:
+    """The poster fell behind (still waiting on group 0 while groups 1-3 passed): once group 0
+    passes, the four go out as one write of layers 0-3, a quarter of the descriptors."""
+    streamer = _poster_streamer(4)
+    sender = RecordingSender()
+    writes = ForwardWrites(streamer, [ChunkPages(1, sender, [0, 1, 2], 3)])  # type: ignore[arg-type]
+    events = [GateEvent() for _ in range(4)]
     for event in events[1:]:
         event.gate.set()
+    _signal(writes, streamer, events)
+    events[0].gate.set()
     streamer.finish()
-    assert [p[:2] for p in sender.posts] == [(0, 3), (10, 3), (20, 3), (30, 3)]
-    assert {p[2] for p in sender.posts} == {"kv-group-poster"}
-    assert sender.marked == [3] and streamer.poster.stats.groups == 4
+    assert [p[:3] for p in sender.posts] == [(0, 40, 3)] and sender.marked == [3]
+    assert streamer.poster is not None
+    assert (streamer.poster.stats.groups, streamer.poster.stats.writes) == (4, 1)
     streamer.close()
 
 
 def test_a_write_that_cannot_start_is_the_rooms_failure_after_finish() -> None:
     streamer = _poster_streamer(2)
     good, bad = RecordingSender(), RecordingSender(fail_with=TransferError("peer gone"))
-    chunks = [ChunkPages(1, good, [0, 1], 2), ChunkPages(2, bad, [2, 3], 2)]
-    writes = ForwardWrites(streamer, chunks)  # type: ignore[arg-type]
+    chunks = [ChunkPages(1, good, [0, 1], 2), ChunkPages(2, bad, [2, 3], 2)]  # type: ignore[arg-type]
+    writes = ForwardWrites(streamer, chunks)
     events = [GateEvent() for _ in range(2)]
     for event in events:
         event.gate.set()
     _signal(writes, streamer, events)
     streamer.finish()
-    assert [p[:2] for p in good.posts] == [(0, 2), (20, 2)] and good.marked == [2]
+    assert sum(p[1] for p in good.posts) == 40 and good.marked == [2]  # maybe one write
     assert bad.marked == []
     assert streamer.take_failures() == {2: "KV write failed: peer gone"}
     streamer.close()
