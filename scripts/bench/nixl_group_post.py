@@ -21,7 +21,8 @@ Part 2, a prompt's forward on its own thread: `--layers` layers of `--layer-ms` 
 each (BLAS lets go of the GIL, like a GPU computing), the layer groups signalled through
 `LayerStreamer` as the prefill node does; `inline` posts each group on that thread (the path
 before the poster), `poster` hands it to prefill_node/group_poster.py. Forward ms is the layer
-loop's wall time (the prefill), written ms until `finish` returns (every group posted).
+loop's wall time (the prefill), written ms until `finish` returns (every group posted); the
+poster sends groups that are ready together as one write (writes per prompt, of G groups).
 """
 
 from __future__ import annotations
@@ -179,9 +180,10 @@ class Bench:
 
 def forward(
     bench: Bench, src: list[int], dst: list[int], poster: bool, layer_ms: float
-) -> tuple[float, float]:
-    """(forward ms, written ms): a prompt's layers on this thread, groups posted inline or by
-    the poster thread, through the real LayerStreamer and KVSender."""
+) -> tuple[float, float, int]:
+    """(forward ms, written ms, writes): a prompt's layers on this thread, groups posted inline
+    or by the poster thread (which merges groups ready together), through the real
+    LayerStreamer and KVSender."""
     shape = bench.shape
     config = StreamConfig(
         split_layers(shape.layers, shape.groups),
@@ -209,11 +211,12 @@ def forward(
     computed = time.perf_counter()
     streamer.finish()
     written = time.perf_counter()
+    writes_made = streamer.poster.stats.writes if streamer.poster else len(config.groups)
     streamer.close()
     while (state := sender.poll()) is TransferState.PENDING:
         time.sleep(0.0005)
     assert state is TransferState.DONE and sender.all_pages_sent
-    return (computed - start) * 1e3, (written - start) * 1e3
+    return (computed - start) * 1e3, (written - start) * 1e3, writes_made
 
 
 def stat(values: list[float]) -> str:
@@ -287,8 +290,8 @@ def main() -> None:
         print(f"| {length} | {pages * args.kv_heads} | {cells} |")
 
     print("\nPart 2: a prompt's forward, ms best / median of --forwards runs\n")
-    print("| prompt | layer ms | mode | forward | written |")
-    print("|---:|---:|---|---:|---:|")
+    print("| prompt | layer ms | mode | forward | written | writes per prompt |")
+    print("|---:|---:|---|---:|---:|---|")
     for length, per_layer in zip(lengths, layer_ms, strict=False):
         pages = -(-length // args.page_size)
         for poster in (False, True):
@@ -301,7 +304,8 @@ def main() -> None:
                 runs.append(forward(bench, src, dst, poster, per_layer))
             fwd, written = [r[0] for r in runs], [r[1] for r in runs]
             mode = "poster" if poster else "inline"
-            print(f"| {length} | {per_layer} | {mode} | {stat(fwd)} | {stat(written)} |")
+            made = ",".join(str(r[2]) for r in runs)
+            print(f"| {length} | {per_layer} | {mode} | {stat(fwd)} | {stat(written)} | {made} |")
 
     engine.close()
     parent.send("stop")
