@@ -19,10 +19,12 @@ the group's compute, which the poster thread now waits for off the forward's thr
 
 Part 2, a prompt's forward on its own thread: `--layers` layers of `--layer-ms` of numpy matmul
 each (BLAS lets go of the GIL, like a GPU computing), the layer groups signalled through
-`LayerStreamer` as the prefill node does; `inline` posts each group on that thread (the path
-before the poster), `poster` hands it to prefill_node/group_poster.py. Forward ms is the layer
-loop's wall time (the prefill), written ms until `finish` returns (every group posted); the
-poster sends groups that are ready together as one write (writes per prompt, of G groups).
+`LayerStreamer` as the prefill node does; `off` writes nothing (the forward alone, under the
+host's load at the time), `inline` posts each group on that thread (the path before the
+poster), `poster` hands it to prefill_node/group_poster.py; the three modes take turns, one
+forward each. Forward ms is the layer loop's wall time (the prefill), written ms until `finish`
+returns (every group posted); the poster sends groups that are ready together as one write
+(writes per prompt, of G groups).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from kvtransfer.room import RoomDestination
 from kvtransfer.sender import KVSender
 from prefill_node.layer_stream import ChunkPages, ForwardWrites, LayerStreamer, StreamConfig
 
+MODES = ("off", "inline", "poster")
 PARTS = ("plan", "check", "descs", "init", "post", "total", "prepped make", "prepped post")
 
 
@@ -179,7 +182,7 @@ class Bench:
 
 
 def forward(
-    bench: Bench, src: list[int], dst: list[int], poster: bool, layer_ms: float
+    bench: Bench, src: list[int], dst: list[int], mode: str, layer_ms: float
 ) -> tuple[float, float, int]:
     """(forward ms, written ms, writes): a prompt's layers on this thread, groups posted inline
     or by the poster thread (which merges groups ready together), through the real
@@ -191,7 +194,7 @@ def forward(
         16,
         False,
         torch.device("cpu"),
-        poster=poster,
+        poster=mode == "poster",
     )
     streamer = LayerStreamer(config, lambda req: None)
     dest = RoomDestination(1, bench.peer_id, "bench", tuple(dst), 0, 0, len(dst) * 16)
@@ -205,7 +208,7 @@ def forward(
         while time.perf_counter() < until:
             a = a @ a
             a /= np.abs(a).max()
-        if layer in last_of:
+        if layer in last_of and mode != "off":
             index, layers = last_of[layer]
             writes.on_group(GroupDone(index, layers))
     computed = time.perf_counter()
@@ -213,6 +216,8 @@ def forward(
     written = time.perf_counter()
     writes_made = streamer.poster.stats.writes if streamer.poster else len(config.groups)
     streamer.close()
+    if mode == "off":
+        return (computed - start) * 1e3, (written - start) * 1e3, 0
     while (state := sender.poll()) is TransferState.PENDING:
         time.sleep(0.0005)
     assert state is TransferState.DONE and sender.all_pages_sent
@@ -294,17 +299,15 @@ def main() -> None:
     print("|---:|---:|---|---:|---:|---|")
     for length, per_layer in zip(lengths, layer_ms, strict=False):
         pages = -(-length // args.page_size)
-        for poster in (False, True):
-            runs = []
-            for _ in range(args.forwards):
-                src, dst = (
-                    rng.sample(range(pool_pages), pages),
-                    rng.sample(range(pool_pages), pages),
-                )
-                runs.append(forward(bench, src, dst, poster, per_layer))
-            fwd, written = [r[0] for r in runs], [r[1] for r in runs]
-            mode = "poster" if poster else "inline"
-            made = ",".join(str(r[2]) for r in runs)
+        runs: dict[str, list[tuple[float, float, int]]] = {mode: [] for mode in MODES}
+        for _ in range(args.forwards):
+            for mode in MODES:
+                src = rng.sample(range(pool_pages), pages)
+                dst = rng.sample(range(pool_pages), pages)
+                runs[mode].append(forward(bench, src, dst, mode, per_layer))
+        for mode in MODES:
+            fwd, written = [r[0] for r in runs[mode]], [r[1] for r in runs[mode]]
+            made = ",".join(str(r[2]) for r in runs[mode])
             print(f"| {length} | {per_layer} | {mode} | {stat(fwd)} | {stat(written)} | {made} |")
 
     engine.close()
