@@ -216,6 +216,9 @@ class KVTransferEngine(ABC):
     # False when a `poll` costs more than a look at local state (a TP node's: a collective
     # over its ranks): a caller then polls seldom.
     cheap_poll: bool = True
+    # True when `write` may run on one thread while `poll` and `release` run on another (the
+    # engine locks what they share): a caller may then post from a thread of its own.
+    concurrent_writes: bool = False
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config

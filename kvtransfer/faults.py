@@ -59,6 +59,7 @@ class FaultInjectingEngine(KVTransferEngine):
         self.stream_ordered = inner.stream_ordered
         self.notifies_completion = inner.notifies_completion
         self.cheap_poll = inner.cheap_poll
+        self.concurrent_writes = inner.concurrent_writes
         self.fail_rate = fail_rate
         self.aux_corrupt_rate = aux_corrupt_rate
         self.injected = 0  # failed writes

@@ -29,6 +29,12 @@ Facts of nixl 1.5.1 that shape this file (checked on loopback, two processes):
   (`nixlAgentConfig.pthrDelay`, microseconds) to 0: it then spins a whole core per process even
   when idle. `_progress_delay` raises that delay while the agent is built (measured idle CPU:
   100% at 0, 3% at 100 us, 0% at 100 ms).
+- The agent is built with thread sync NONE (the wrapper's default), so this engine serialises
+  its own calls into it (`_agent_lock`): a write may be posted from another thread than the one
+  that polls (`concurrent_writes`; the prefill node's layer-group poster,
+  prefill_node/group_poster.py). `transfer()` lets go of the GIL while UCX posts (the cma copy
+  runs inside it), so the other thread runs on; a `poll` that finds the lock taken answers
+  PENDING instead of waiting for the post.
 """
 
 from __future__ import annotations
@@ -156,6 +162,7 @@ class NixlPeer:
 
 class NixlEngine(KVTransferEngine):
     name = "nixl"
+    concurrent_writes = True
 
     def __init__(self, config: TransferConfig) -> None:
         super().__init__(config)
@@ -181,6 +188,7 @@ class NixlEngine(KVTransferEngine):
         self._regions: list[MemoryRegion] = []
         self._registrations: list[Any] = []  # nixlRegDList, one per region
         self._peers: dict[str, NixlPeer] = {}
+        self._agent_lock = threading.Lock()  # one call into the agent at a time (see top)
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         for region in regions:
@@ -199,6 +207,10 @@ class NixlEngine(KVTransferEngine):
         return bytes(self._agent.get_agent_metadata())
 
     def connect(self, peer: PeerInfo) -> None:
+        with self._agent_lock:
+            self._connect(peer)
+
+    def _connect(self, peer: PeerInfo) -> None:
         known = self._peers.get(peer.node_id)
         if known is not None and known.endpoint == peer.endpoint:
             return
@@ -216,6 +228,10 @@ class NixlEngine(KVTransferEngine):
         )
 
     def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
+        with self._agent_lock:
+            return self._write(peer_id, ranges)
+
+    def _write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
         peer = self._peers.get(peer_id)
         if peer is None:
             raise TransferError(
@@ -312,7 +328,12 @@ class NixlEngine(KVTransferEngine):
 
     def poll(self, handle: TransferHandle) -> TransferState:
         assert isinstance(handle, NixlHandle)
-        states = [self._request_state(handle, request) for request in handle.requests]
+        if not self._agent_lock.acquire(blocking=False):
+            return TransferState.PENDING  # another thread is posting: ask again later
+        try:
+            states = [self._request_state(handle, request) for request in handle.requests]
+        finally:
+            self._agent_lock.release()
         if "PROC" in states:
             return TransferState.PENDING
         if handle.error or "ERR" in states:
@@ -332,6 +353,10 @@ class NixlEngine(KVTransferEngine):
 
     def release(self, handle: TransferHandle) -> None:
         assert isinstance(handle, NixlHandle)
+        with self._agent_lock:
+            self._release(handle)
+
+    def _release(self, handle: NixlHandle) -> None:
         for request in handle.requests:
             try:
                 self._agent.release_xfer_handle(request)
@@ -343,6 +368,10 @@ class NixlEngine(KVTransferEngine):
         handle.requests.clear()
 
     def close(self) -> None:
+        with self._agent_lock:
+            self._close()
+
+    def _close(self) -> None:
         for descs in self._registrations:
             self._agent.deregister_memory(descs)
         self._registrations.clear()

@@ -11,18 +11,24 @@ count as sent, so the after-step `send_computed` / `send_rest` find nothing left
 slot, posted after every KV write of the room. D decides that a room is complete only on P's
 DONE, which the role posts once every write it started (the streamed ones among them) settled.
 
-When a group's KV is in memory:
-- CPU: the layers have run when the signal comes: the group is written at once.
-- GPU, a stream-ordered backend (cuda_ipc: its copies wait for the caller's current CUDA
-  stream): the write is issued from a side stream that waits for the group's event; the host
-  waits for nothing.
-- GPU, the other backends (NIXL, Mooncake copy as soon as posted): the engine thread only
-  queues kernels, so while it queues the forward it posts only the groups whose event already
-  passed and never waits (a wait there would leave the GPU with nothing queued while a post
-  runs: with NIXL at G=8 that nearly doubled a 2k prompt's prefill on one H100). Once the last
-  group is queued, it waits for each earlier group in turn and posts it while the later groups
-  compute; the last group is left to `finish`, which the role calls after the step, so the
-  sampling kernels are queued before the host waits for it.
+Who posts a group, and when (its KV is in memory at once on the CPU; on a GPU once its event
+passed):
+- A stream-ordered backend on a GPU (cuda_ipc: its copies wait for the caller's current CUDA
+  stream): the engine thread issues the write from a side stream that waits for the group's
+  event; the host waits for nothing.
+- A backend that copies as soon as posted and may be written from another thread
+  (`concurrent_writes`: NIXL), CPU or GPU: the poster thread (prefill_node/group_poster.py)
+  waits for the group and posts it; the engine thread neither waits nor posts. (When it did
+  post, a 2k prompt's prefill on one H100 went from 49 to 87-90 ms at G=8; on the CPU a NIXL
+  post costs ~5 us a descriptor, 1,024 descriptors a group for a 2k prompt of the 8B shape,
+  benchmarks/cpu-2026-11-26-nixl-group-post.md.) `finish` returns once the poster has posted
+  every group signalled so far.
+- The others (Mooncake): on the CPU the group is written at once. On a GPU the engine thread
+  only queues kernels, so while it queues the forward it posts only the groups whose event
+  already passed and never waits (a wait there would leave the GPU with nothing queued while
+  a post runs). Once the last group is queued, it waits for each earlier group in turn and
+  posts it while the later groups compute; the last group is left to `finish`, which the role
+  calls after the step, so the sampling kernels are queued before the host waits for it.
 
 Refused at start (`check_streamable`): a TP prefill node (its other ranks compute in other
 processes, rank 0's signal says nothing about them) and KV staging (it gathers whole pages
@@ -43,6 +49,7 @@ from engine.request import Req
 from kvtransfer.base import TransferError
 from kvtransfer.head_routes import LayerSpan
 from kvtransfer.sender import KVSender
+from prefill_node.group_poster import GroupPoster
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class StreamConfig:
     page_size: int
     stream_ordered: bool  # the backend's writes wait for the caller's current CUDA stream
     device: torch.device
+    poster: bool = False  # post from a poster thread (a backend with `concurrent_writes`)
 
 
 def check_streamable(groups: int, num_layers: int, tp_size: int, staging_pages: int) -> None:
@@ -95,6 +103,8 @@ class LayerStreamer:
         self.unfinished: list[ForwardWrites] = []  # forwards with groups left to post (GPU)
         on_gpu = config.device.type == "cuda"
         self.side_stream = torch.cuda.Stream(config.device) if on_gpu else None
+        posts_off_thread = config.poster and not config.stream_ordered
+        self.poster = GroupPoster(config.device) if posts_off_thread else None
 
     def layer_stream(self) -> LayerStream:
         """What the runner calls for each extend batch (ModelRunner.layer_stream)."""
@@ -111,10 +121,19 @@ class LayerStreamer:
 
     def finish(self) -> None:
         """Post the groups the step's forwards left waiting (each forward's last group, on a GPU
-        with a backend that copies as soon as posted); the role calls it after the step."""
+        with a backend that copies as soon as posted, or the poster's queue); the role calls
+        it after the step."""
+        if self.poster is not None:
+            self.poster.drain()
         for writes in self.unfinished:
             writes.post_waiting(keep=0)
         self.unfinished.clear()
+
+    def close(self) -> None:
+        """Post what is left and stop the poster thread, if any."""
+        self.finish()
+        if self.poster is not None:
+            self.poster.close()
 
     def take_failures(self) -> dict[int, str]:
         taken, self.failures = self.failures, {}
@@ -141,8 +160,10 @@ class ForwardWrites:
     waiting: list[GroupDone] = field(default_factory=list)  # signalled, not yet posted (GPU)
 
     def on_group(self, done: GroupDone) -> None:
-        side = self.streamer.side_stream
-        if done.event is None:
+        side, poster = self.streamer.side_stream, self.streamer.poster
+        if poster is not None:
+            poster.submit(done, self._post)  # it waits for the group, the caller goes on
+        elif done.event is None:
             self._post(done)
         elif self.streamer.config.stream_ordered and side is not None:
             side.wait_event(done.event)

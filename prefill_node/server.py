@@ -49,12 +49,14 @@ def stream_config(parts: RoleParts) -> StreamConfig | None:
     check_streamable(groups, num_layers, runner.config.tp_size, runner.config.kv_staging_pages)
     if not groups:
         return None
+    engine = parts.transfer.engine
     return StreamConfig(
         groups=split_layers(num_layers, groups),
         layer_page_bytes=runner.kv_layout.layer_page_bytes,
         page_size=runner.config.page_size,
-        stream_ordered=parts.transfer.engine.stream_ordered,
+        stream_ordered=engine.stream_ordered,
         device=runner.device,
+        poster=engine.concurrent_writes and not engine.stream_ordered,
     )
 
 

@@ -419,11 +419,16 @@ def test_the_prefill_server_builds_its_stream_config_from_the_flag() -> None:
         NixlEngine.stream_ordered or MooncakeEngine.stream_ordered
     )
     inner = SimpleNamespace(
-        config=None, stream_ordered=True, notifies_completion=True, cheap_poll=False
+        config=None,
+        stream_ordered=True,
+        notifies_completion=True,
+        cheap_poll=False,
+        concurrent_writes=True,
     )
     wrapped = FaultInjectingEngine(inner)  # type: ignore[arg-type]
     assert wrapped.stream_ordered  # the fault wrapper says what the engine it wraps does
-    assert wrapped.notifies_completion and not wrapped.cheap_poll
+    assert wrapped.notifies_completion and not wrapped.cheap_poll and wrapped.concurrent_writes
+    assert NixlEngine.concurrent_writes and not MooncakeEngine.concurrent_writes
 
     def parts(groups: int, engine: type[KVTransferEngine], tp: int = 1) -> SimpleNamespace:
         runner = SimpleNamespace(
@@ -433,15 +438,17 @@ def test_the_prefill_server_builds_its_stream_config_from_the_flag() -> None:
             device=torch.device("cpu"),
         )
         args = SimpleNamespace(kv_stream_layers=groups)
-        transfer = SimpleNamespace(engine=SimpleNamespace(stream_ordered=engine.stream_ordered))
+        transfer = SimpleNamespace(engine=engine)
         return SimpleNamespace(args=args, runner=runner, transfer=transfer)
 
     assert stream_config(parts(0, NixlEngine)) is None  # type: ignore[arg-type]
     config = stream_config(parts(2, CudaIpcEngine))  # type: ignore[arg-type]
-    assert config is not None and config.stream_ordered
+    assert config is not None and config.stream_ordered and not config.poster
     assert config.groups == (range(0, 3), range(3, 5))
     assert config.layer_page_bytes == 2 * PAGE * DIM * 4
     config = stream_config(parts(2, MooncakeEngine))  # type: ignore[arg-type]
-    assert config is not None and not config.stream_ordered
+    assert config is not None and not config.stream_ordered and not config.poster
+    config = stream_config(parts(2, NixlEngine))  # type: ignore[arg-type]
+    assert config is not None and config.poster  # NIXL posts from the poster thread
     with pytest.raises(ValueError, match="needs --tp-size 1"):
         stream_config(parts(2, NixlEngine, tp=2))  # type: ignore[arg-type]
