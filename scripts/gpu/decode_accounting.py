@@ -216,7 +216,8 @@ class Gate:
 
 
 def gate(bench: Bench, batch: int, vocab: int) -> Gate:
-    """Greedy tokens of `batch` requests: eager == before == after == after overlapped."""
+    """Greedy tokens of `batch` requests: eager == before == after, and after == before under the
+    overlap scheduler."""
     gen = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, vocab, (GATE_PROMPT,), generator=gen).tolist()
                for _ in range(batch)]  # fmt: skip
@@ -227,6 +228,7 @@ def gate(bench: Bench, batch: int, vocab: int) -> Gate:
         ("eager", "eager", bench.serial),
         ("before", "before", bench.serial),
         ("after", "after", bench.serial),
+        ("before, overlapped", "before", bench.overlap),
         ("after, overlapped", "after", bench.overlap),
     ):
         bench.use(path)
@@ -236,10 +238,23 @@ def gate(bench: Bench, batch: int, vocab: int) -> Gate:
             llm.check_integrity()
         finally:
             llm.scheduler = bench.serial
-    ref = outs["before"]
-    same = {name: sum(a == b for a, b in zip(out, ref, strict=True)) for name, out in outs.items()}
+    # The overlap scheduler may batch a prefill that spans chunks differently from the serial
+    # one (those steps run eagerly), so each scheduler's after path is held to its own before.
+    refs = {"after, overlapped": outs["before, overlapped"]}
+    same = {
+        name: sum(a == b for a, b in zip(out, refs.get(name, outs["before"]), strict=True))
+        for name, out in outs.items()
+    }
     paths_ok = same["after"] == same["after, overlapped"] == batch
-    detail = ", ".join(f"{name} {n}/{batch}" for name, n in same.items() if name != "before")
+    detail = (
+        ", ".join(
+            f"{name} {n}/{batch}"
+            for name, n in same.items()
+            if name not in ("before", "before, overlapped")
+        )
+        + f" (the overlapped after path against the overlapped before path, which matches the"
+        f" serial before path in {same['before, overlapped']}/{batch})"
+    )
     return Gate(paths_ok, same["eager"], batch, f"requests identical to the before path: {detail}")
 
 
@@ -598,7 +613,7 @@ def markdown(args: argparse.Namespace, copy_bw: float, out: Report) -> str:
         f"weights, page size 16; {args.windows} windows of {args.steps} decode steps per path "
         "(best window shown); torch " + torch.__version__ + ".",
         "",
-        "## Gate: greedy tokens, eager == before graphs == after graphs == after overlapped",
+        "## Gate: greedy tokens, eager == before == after graphs; after == before, overlapped",
         "",
         "| backend | B | check | pass |",
         "|---|---:|---|---|",
