@@ -177,6 +177,7 @@ class Gateway:
     ) -> None:
         self.config = config
         self.metrics = GatewayMetrics(multiprocess_dir)
+        self._worker_inflight = self.metrics.worker_inflight.labels(str(config.worker_index))
         self.directory = NodeDirectory(
             config.routing.node_cooldown_s,
             self._nodes_changed,
@@ -327,10 +328,12 @@ class Gateway:
             )
         self.inflight += 1
         self.metrics.inflight.set(self.inflight)
+        self._worker_inflight.set(self.inflight)
 
     def _release(self) -> None:
         self.inflight -= 1
         self.metrics.inflight.set(self.inflight)
+        self._worker_inflight.set(self.inflight)
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.limits.max_body_bytes

@@ -355,7 +355,11 @@ def serve(
             port=config.port,
             loop="uvloop",
             # httptools with timeouts and caps, large bodies handed over whole
-            http=guarded_protocol(config.connections, config.limits.max_body_bytes),
+            http=guarded_protocol(
+                config.connections,
+                config.limits.max_body_bytes,
+                gateway.metrics.worker_connections.labels(str(config.worker_index)).inc,
+            ),
             log_level=config.log_level,
             log_config=None,  # uvicorn's loggers go through ours (one format everywhere)
             access_log=False,

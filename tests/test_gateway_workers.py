@@ -8,6 +8,8 @@ llama with the default model's tokenizer, 1 prefill + 1 decode node, Mooncake ov
   bootstrap with interval 1: the streamed text, token ids, finish reasons and stop-string
   trimming are the same, in fewer chunks;
 - each worker feeds its own prefix index from every node's KV events;
+- the per-worker series (`pdserve_gateway_worker_*`: connections, tokens, node messages and
+  their deltas) count each worker's share;
 - a worker killed with SIGKILL is reported and replaced; killing the supervisor takes its
   workers down;
 - bad `--workers`, `--stream-interval` and `--gateway-workers` values exit with code 2 and a
@@ -156,6 +158,14 @@ def test_two_workers_serve_one_port_and_metrics_sum(cluster: RunningCluster) -> 
         assert _sample(text, "pdserve_gateway_completion_tokens_total") == 4 * total
         assert _sample(text, "pdserve_gateway_live_nodes", 'role="decode"') == 1
         assert _sample(text, "pdserve_gateway_time_to_first_token_seconds_count") == total
+        for worker in ("0", "1"):  # both took connections, requests and node messages
+            label = f'worker="{worker}"'
+            assert _sample(text, "pdserve_gateway_worker_connections_total", label) >= 1, text
+            assert _sample(text, "pdserve_gateway_worker_node_requests_total", label) >= 1, text
+            batches = _sample(text, "pdserve_gateway_worker_node_batches_total", label)
+            assert 1 <= batches <= _sample(text, "pdserve_gateway_worker_node_deltas_total", label)
+        tokens = _sample(text, "pdserve_gateway_worker_completion_tokens_total")
+        assert tokens == 4 * total, text  # the workers' shares add up to the total
 
 
 def _sample(text: str, name: str, *labels: str) -> float:
