@@ -304,15 +304,17 @@ def serve(
     sock: socket.socket | None = None,
     multiprocess_dir: str | None = None,
     on_started: Callable[[], None] | None = None,
+    workers_serving: Callable[[], bool] | None = None,
 ) -> bool:
     """Serve until SIGINT/SIGTERM, on `sock` (a worker's) or on config.host:port; whether the
-    server started at all."""
+    server started at all. `workers_serving`: a worker's view of whether all of them serve
+    (its /health is 503 until then)."""
     import uvicorn
 
     from gateway.app import Gateway, build_app, with_server_send
     from gateway.connections import guarded_protocol
 
-    gateway = Gateway(config, codec, multiprocess_dir)
+    gateway = Gateway(config, codec, multiprocess_dir, workers_serving)
 
     class Server(uvicorn.Server):
         """uvicorn's server, draining on the first SIGTERM/SIGINT (`Gateway.drain`): readiness

@@ -28,6 +28,16 @@ crashes after it served is reported and started again; one that dies before it e
 (bad model directory, address unusable) stops the whole gateway with exit code 1. SIGTERM or
 SIGINT stops the workers gracefully (uvicorn lets open requests finish), then kills what is
 left. Workers ask the kernel for SIGTERM when the supervisor dies, however it dies.
+
+Readiness is the whole gateway's: every worker's /health answers 503 "starting" until every
+worker has served once (the supervisor then sets an event all of them read). The kernel spreads
+connections over the listeners that exist, so load sent while some workers are still starting
+lands on the others only, and long streams keep it there: on the 32-core host two of four
+workers got the whole first wave of 2,048 streams (~1,000 each, the other two none) and four
+workers streamed 2.05x one instead of 3.04x (benchmarks/gpu-2026-11-26-gateway-workers-h100.md,
+read with scripts/bench/gateway_cpu.py's per-worker table). Workers come up 0.4-1.1 s apart on
+the 2-core test host. A worker started in place of a crashed one does not close the gate: the
+others serve meanwhile.
 """
 
 from __future__ import annotations
@@ -87,8 +97,9 @@ class WorkerSpec:
     supervisor_pid: int
 
 
-def worker_main(spec: WorkerSpec, ready: Event) -> None:
-    """A worker's whole life (in the spawned process): serve until SIGTERM."""
+def worker_main(spec: WorkerSpec, ready: Event, all_serving: Event) -> None:
+    """A worker's whole life (in the spawned process): serve until SIGTERM. `ready`: set by
+    this worker once it serves; `all_serving`: set by the supervisor once every worker has."""
     _die_with_supervisor(spec.supervisor_pid)
     configure_logging(spec.log)
     from gateway.server import serve
@@ -98,7 +109,7 @@ def worker_main(spec: WorkerSpec, ready: Event) -> None:
     codec = TextCodec.load(config.model.path)
     sock = reuse_port_socket(config.host, config.port)
     logger.info("gateway worker %d (pid %d) starting", spec.index, os.getpid())
-    serve(config, codec, sock, spec.metrics_dir, on_started=ready.set)
+    serve(config, codec, sock, spec.metrics_dir, ready.set, all_serving.is_set)
 
 
 def _die_with_supervisor(supervisor_pid: int) -> None:
@@ -130,6 +141,7 @@ class Supervisor:
         self.workers: list[Worker] = []
         self.metrics_dir = ""
         self.stopping = False
+        self.all_serving = self.context.Event()  # every worker served once: /health may pass
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (0) or until a worker cannot start (1)."""
@@ -156,7 +168,10 @@ class Supervisor:
         config = replace(self.config, worker_index=index)  # what `worker_affinity` pins by
         spec = WorkerSpec(config, self.log, index, self.metrics_dir, os.getpid())
         process = self.context.Process(
-            target=worker_main, args=(spec, ready), name=f"gateway-worker-{index}", daemon=True
+            target=worker_main,
+            args=(spec, ready, self.all_serving),
+            name=f"gateway-worker-{index}",
+            daemon=True,
         )
         process.start()
         return Worker(index, process, ready)
@@ -170,6 +185,7 @@ class Supervisor:
                     worker.served = True
             if not announced and all(w.served for w in self.workers):
                 announced = True
+                self.all_serving.set()
                 logger.info(
                     "gateway on http://%s:%d: %d workers serving (SO_REUSEPORT)",
                     self.config.host,

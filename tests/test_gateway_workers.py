@@ -8,8 +8,9 @@ llama with the default model's tokenizer, 1 prefill + 1 decode node, Mooncake ov
   bootstrap with interval 1: the streamed text, token ids, finish reasons and stop-string
   trimming are the same, in fewer chunks;
 - each worker feeds its own prefix index from every node's KV events;
-- the per-worker series (`pdserve_gateway_worker_*`: connections, tokens, node messages and
-  their deltas) count each worker's share;
+- /health passes only once every worker serves (the supervisor's gate); the per-worker series
+  (`pdserve_gateway_worker_*`: connections, tokens, node messages and their deltas) count
+  each worker's share;
 - a worker killed with SIGKILL is reported and replaced; killing the supervisor takes its
   workers down;
 - bad `--workers`, `--stream-interval` and `--gateway-workers` values exit with code 2 and a
@@ -30,7 +31,10 @@ import httpx
 import pytest
 
 from engine.ports import free_port
+from gateway.app import Gateway
+from gateway.config import GatewayConfig, LimitsConfig, ModelInfo, RoutingConfig
 from gateway.launcher import console_script, session_pids
+from gateway.text import TextCodec
 from scripts.tiny_models import save_tiny_text_model
 from tests.test_gateway import RunningCluster, launched_cluster
 
@@ -147,6 +151,7 @@ def test_two_workers_serve_one_port_and_metrics_sum(cluster: RunningCluster) -> 
             assert answer.status_code == 200, answer.text
             served[pid] = served.get(pid, 0) + 1
     total = sum(served.values())
+    assert {_health(cluster.url).get("status") for _ in range(8)} == {"ok"}  # the gate is open
     for pid in served:  # each worker's /metrics, on a connection that reached it
         text = ""
         while not text:
@@ -166,6 +171,36 @@ def test_two_workers_serve_one_port_and_metrics_sum(cluster: RunningCluster) -> 
             assert 1 <= batches <= _sample(text, "pdserve_gateway_worker_node_deltas_total", label)
         tokens = _sample(text, "pdserve_gateway_worker_completion_tokens_total")
         assert tokens == 4 * total, text  # the workers' shares add up to the total
+
+
+def test_health_waits_until_every_worker_serves(default_model_dir: Path) -> None:
+    """A worker whose peers are still starting answers /health 503 "starting" (load sent then
+    would pile onto the workers that listen already); once the supervisor's gate opens, the
+    usual checks decide (here: no node yet)."""
+    limits = LimitsConfig(
+        max_inflight=8, max_body_bytes=1 << 20, max_n=4, max_stop=4, max_stop_chars=64
+    )
+    routing = RoutingConfig(
+        prefill_policy="least_load",
+        decode_policy="least_load",
+        local_prefill_max_tokens=4,
+        max_attempts=3,
+        node_cooldown_s=5.0,
+        prefix_block_tokens=4,
+        prefix_max_blocks=1000,
+        prefix_balance_slack=2,
+    )
+    model = ModelInfo(str(default_model_dir), "m", 64)
+    config = GatewayConfig("127.0.0.1", 1, "b:1", model, limits, routing, workers=2)
+    gate: list[bool] = [False]
+    gateway = Gateway(config, TextCodec.load(default_model_dir), None, lambda: gate[0])
+    answer = gateway.health()
+    assert answer.status_code == 503
+    assert json.loads(answer.body)["status"].startswith("starting"), answer.body
+    gate[0] = True
+    answer = gateway.health()
+    assert answer.status_code == 503
+    assert json.loads(answer.body)["status"] == "no decode node", answer.body
 
 
 def _sample(text: str, name: str, *labels: str) -> float:
