@@ -89,6 +89,11 @@ def test_gateway_cpu_rows_and_table() -> None:
     lines = table([one, two]).splitlines()
     assert lines[2].startswith("| 1 | 1 | 20.0 | 1.25 | 40,000 | 40,000 | 1.00x | 1.00 of 40k |")
     assert "| 1.80x | 1.12 |" in lines[3]  # 1.8x for two workers against 0.8 x 2
+    # repeats (`--workers 1,2,1,2`): each row against the one-worker row run last before it
+    again = Row(1, 1, tokens=20_000, requests=1, frames=1, wall_s=1.0, cpu_s=1.0, node_cpu_s=0.0)
+    lines = table([one, two, again, two]).splitlines()
+    assert "| 1.80x |" in lines[3] and "| 3.60x |" not in lines[3]
+    assert "| 3.60x |" in lines[5]  # 72,000 against the 20,000 of the row before it
     assert build_config(["--load-tool", "bench_serving"]).load_tool == "bench_serving"
     with pytest.raises(SystemExit):
         build_config(["--workers", "0"])

@@ -757,7 +757,12 @@ def fake_node_id(index: int) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    ones = {r.interval: r for r in rows if r.workers == 1}
+    # each row against the one-worker row of its interval run last before it (repeats of
+    # `--workers 1,4,1,4` pair up), else the first one after it
+    ones: dict[int, Row] = {}
+    for r in rows:
+        if r.workers == 1:
+            ones.setdefault(r.interval, r)
     lines = [
         "| workers | stream interval | gateway CPU us/token | goal 25 us | tokens/s | "
         "tokens/s per worker | vs 1 worker | goal 0.8 x N | workers busy | node busy | "
@@ -766,6 +771,8 @@ def table(rows: list[Row]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if r.workers == 1:
+            ones[r.interval] = r
         one = ones.get(r.interval)
         scale = r.tokens_s / one.tokens_s if one else float("nan")
         per_worker = r.tokens_s / r.workers
