@@ -31,6 +31,7 @@ from gateway.config import (
     ADMIN,
     INFERENCE,
     SCOPES,
+    WORKER_LISTEN,
     APIKey,
     ConnectionLimits,
     GatewayConfig,
@@ -61,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="processes serving the port (SO_REUSEPORT), each following discovery itself; "
         "/metrics sums them; --max-inflight applies per worker",
+    )
+    parser.add_argument(
+        "--worker-listen",
+        choices=WORKER_LISTEN,
+        default="reuseport",
+        help="with --workers N: reuseport, a listener per worker and the kernel's hash picks "
+        "one per connection; shared, one listener, each connection taken by the worker that "
+        "accepts first (a busy worker accepts later)",
     )
     parser.add_argument(
         "--stream-interval",
@@ -287,6 +296,7 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         room_tickets_from_args(args),
         stream_interval=args.stream_interval,
         workers=args.workers,
+        worker_listen=args.worker_listen,
         connections=ConnectionLimits(
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,

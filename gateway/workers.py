@@ -86,6 +86,16 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+SHARED_BACKLOG = 4096  # the one accept queue of --worker-listen shared (the kernel caps it)
+
+
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port for every worker to accept from (`shared`)."""
+    sock = reuse_port_socket(host, port)  # the same bind and error as the reuseport mode
+    sock.listen(SHARED_BACKLOG)
+    return sock
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a worker process is started with (pickled to the spawned interpreter)."""
@@ -97,9 +107,13 @@ class WorkerSpec:
     supervisor_pid: int
 
 
-def worker_main(spec: WorkerSpec, ready: Event, all_serving: Event) -> None:
+def worker_main(
+    spec: WorkerSpec, ready: Event, all_serving: Event, shared: socket.socket | None = None
+) -> None:
     """A worker's whole life (in the spawned process): serve until SIGTERM. `ready`: set by
-    this worker once it serves; `all_serving`: set by the supervisor once every worker has."""
+    this worker once it serves; `all_serving`: set by the supervisor once every worker has;
+    `shared`: the supervisor's listener (`--worker-listen shared`), else the worker binds its
+    own with SO_REUSEPORT."""
     _die_with_supervisor(spec.supervisor_pid)
     configure_logging(spec.log)
     from gateway.server import serve
@@ -107,7 +121,7 @@ def worker_main(spec: WorkerSpec, ready: Event, all_serving: Event) -> None:
 
     config = spec.config
     codec = TextCodec.load(config.model.path)
-    sock = reuse_port_socket(config.host, config.port)
+    sock = shared if shared is not None else reuse_port_socket(config.host, config.port)
     logger.info("gateway worker %d (pid %d) starting", spec.index, os.getpid())
     serve(config, codec, sock, spec.metrics_dir, ready.set, all_serving.is_set)
 
@@ -142,10 +156,14 @@ class Supervisor:
         self.metrics_dir = ""
         self.stopping = False
         self.all_serving = self.context.Event()  # every worker served once: /health may pass
+        self.shared: socket.socket | None = None  # --worker-listen shared: the one listener
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (0) or until a worker cannot start (1)."""
-        holder = reuse_port_socket(self.config.host, self.config.port)
+        shared = self.config.worker_listen == "shared"
+        make = shared_socket if shared else reuse_port_socket
+        holder = make(self.config.host, self.config.port)
+        self.shared = holder if shared else None
         self.config = replace(self.config, port=holder.getsockname()[1])
         self.metrics_dir = tempfile.mkdtemp(prefix="pdserve-gateway-metrics-")
         os.environ[MULTIPROCESS_ENV] = self.metrics_dir  # the spawned workers inherit it
@@ -169,7 +187,7 @@ class Supervisor:
         spec = WorkerSpec(config, self.log, index, self.metrics_dir, os.getpid())
         process = self.context.Process(
             target=worker_main,
-            args=(spec, ready, self.all_serving),
+            args=(spec, ready, self.all_serving, self.shared),
             name=f"gateway-worker-{index}",
             daemon=True,
         )
@@ -187,10 +205,11 @@ class Supervisor:
                 announced = True
                 self.all_serving.set()
                 logger.info(
-                    "gateway on http://%s:%d: %d workers serving (SO_REUSEPORT)",
+                    "gateway on http://%s:%d: %d workers serving (%s)",
                     self.config.host,
                     self.config.port,
                     len(self.workers),
+                    "one shared listener" if self.shared else "SO_REUSEPORT",
                 )
             for position, worker in enumerate(self.workers):
                 if worker.process.is_alive() or self.stopping:

@@ -152,11 +152,12 @@ def test_gateway_cpu_reads_each_workers_share_from_the_metrics() -> None:
     assert window.window == WorkerCounts(6.0, 6.0, 1024.0, 60.0, 600.0, 7.0)
     assert window.mean_batch == 10.0  # deltas per node message
     row = Row(2, 1, tokens=1, requests=1, frames=1, wall_s=2.0, cpu_s=1.0, node_cpu_s=0.0,
-              per_worker=(window,), step_ms=10.0)  # fmt: skip
+              per_worker=(window,), step_ms=10.0, worker_listen="shared")  # fmt: skip
     line = worker_table([row]).splitlines()[2]
     # 0.6 CPU s over 2 s of window; 0.6 s / 600 deltas = 1000 us per delta
     assert line == (
-        "| 2 | 1 | 10 | 1 | 4242 | 4 | 6 | 6 | 5 -> 7 | 1,024 | 60 | 10.0 | 0.30 | 1000.0 |"
+        "| 2 | 1 | 10 | shared | 1 | 4242 | 4 | 6 | 6 | 5 -> 7 | 1,024 | 60 | 10.0 | 0.30 | "
+        "1000.0 |"
     )
 
 

@@ -8,6 +8,7 @@ llama with the default model's tokenizer, 1 prefill + 1 decode node, Mooncake ov
   bootstrap with interval 1: the streamed text, token ids, finish reasons and stop-string
   trimming are the same, in fewer chunks;
 - each worker feeds its own prefix index from every node's KV events;
+- `--worker-listen shared` (one listener for all workers) streams what one worker streams;
 - /health passes only once every worker serves (the supervisor's gate); the per-worker series
   (`pdserve_gateway_worker_*`: connections, tokens, node messages and their deltas) count
   each worker's share;
@@ -235,6 +236,32 @@ def test_every_worker_feeds_its_own_prefix_index(cluster: RunningCluster) -> Non
         time.sleep(0.2)
     assert cluster.metric(snapshots, kind="snapshot") == 4
     assert cluster.metric("pdserve_gateway_kv_event_errors_total") == 0
+
+
+def test_shared_listener_workers_serve_the_same_tokens(
+    cluster: RunningCluster,
+    reference: RunningCluster,
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`--worker-listen shared`: both workers accept from the supervisor's one listener and
+    stream what one worker streams; the gate and the per-worker series hold as with reuseport."""
+    log = tmp_path_factory.mktemp("gateway-shared") / "gateway.log"
+    gateway = _gateway(cluster, tiny_model, log, "--workers", "2", "--worker-listen", "shared")
+    try:
+        assert len(_worker_pids(gateway.url, 2)) == 2  # each answered on a connection it took
+        assert _health(gateway.url).get("status") == "ok"
+        model = _model_name(gateway.url)
+        body: dict[str, object] = {"model": model, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS}
+        body.update(temperature=0, stream_options={"include_usage": True})
+        shared = _stream_text(gateway.url, "/v1/completions", body)
+        each = _stream_text(reference.url, "/v1/completions", body)
+        assert "".join(shared[0]) == "".join(each[0]) and shared[1] == each[1], (shared, each)
+        text = httpx.get(gateway.url + "/metrics", timeout=30).text
+        assert _sample(text, "pdserve_gateway_worker_connections_total") >= 3, text
+    finally:
+        _stop(gateway)
+    assert "one shared listener" in log.read_text()
 
 
 @pytest.mark.parametrize("stop", [None, ["e"]], ids=["no-stop", "stop-string"])

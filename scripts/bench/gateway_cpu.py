@@ -81,6 +81,7 @@ from multiprocessing.queues import Queue
 from pathlib import Path
 
 from engine.ports import LOCALHOST, free_port
+from gateway.config import WORKER_LISTEN
 from gateway.launcher import (
     ServerProcess,
     bootstrap_ready,
@@ -126,6 +127,7 @@ class BenchConfig:
     py_spy_s: float = 0.0  # > 0: profile every gateway worker this long inside the window
     decode_policy: str = "kv_aware"  # the gateway's --decode-policy
     out: Path | None = None  # the tables are written here too
+    worker_listen: str = "reuseport"  # the gateway's --worker-listen
 
     def client_processes(self, workers: int) -> int:
         return self.clients_per_worker * workers if self.clients_per_worker else self.clients
@@ -196,6 +198,7 @@ class Row:
     node_busy: tuple[float, ...] = ()  # each fake node's CPU s per wall s, in id order
     per_worker: tuple[WorkerWindow, ...] = ()  # by worker index: its share of the window
     step_ms: float = 0.0  # the fake node's
+    worker_listen: str = ""  # the gateway's --worker-listen
     connections: int = 0  # TCP connections the clients opened (one per request)
 
     @property
@@ -346,6 +349,7 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
     command += [*(["--model", config.model] if config.model else [])]
     command += ["--workers", str(workers), "--stream-interval", str(interval)]
     command += ["--decode-policy", config.decode_policy]
+    command += ["--worker-listen", config.worker_listen]
     command += ["--max-inflight", "100000", "--log-level", "warning"]
     # Every client is 127.0.0.1: the per-address cap (256 by default) would reset the rest.
     command += ["--max-connections-per-client", "100000"]
@@ -384,6 +388,7 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
             decode_policy=config.decode_policy,
             nodes_per_worker=spread_counts,
             step_ms=config.step_ms,
+            worker_listen=config.worker_listen,
         )
     finally:
         gateway.stop(15)
@@ -796,17 +801,19 @@ def table(rows: list[Row]) -> str:
 def worker_table(rows: list[Row]) -> str:
     """Each row's workers over the window: how the load spread over them and what it cost."""
     lines = [
-        "| workers | stream interval | step ms | worker | pid | connections before the window "
+        "| workers | stream interval | step ms | worker listen | worker | pid | "
+        "connections before the window "
         "| connections in it | requests in it | open at start -> end | tokens finished | "
         "node messages | deltas per message | cores | CPU us per delta |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for w in r.per_worker:
             got = w.window
             per_delta = w.cpu_s / got.deltas * 1e6 if got.deltas else float("nan")
             lines.append(
-                f"| {r.workers} | {r.interval} | {r.step_ms:g} | {w.index} | {w.pid or '?'} | "
+                f"| {r.workers} | {r.interval} | {r.step_ms:g} | {r.worker_listen or '-'} | "
+                f"{w.index} | {w.pid or '?'} | "
                 f"{w.before.connections:,.0f} | {got.connections:,.0f} | {got.requests:,.0f} | "
                 f"{w.inflight_start:.0f} -> {got.inflight:.0f} | {got.tokens:,.0f} | "
                 f"{got.batches:,.0f} | {w.mean_batch:.1f} | {w.cpu_s / r.wall_s:.2f} | "
@@ -888,6 +895,12 @@ def build_config(argv: list[str] | None) -> BenchConfig:
     parser.add_argument(
         "--out", type=Path, default=None, help="also write the configuration and tables here"
     )
+    parser.add_argument(
+        "--worker-listen",
+        default="reuseport",
+        choices=WORKER_LISTEN,
+        help="the gateway's --worker-listen: a listener per worker (reuseport) or one shared",
+    )
     args = parser.parse_args(argv)
     numbers = [int(v) for v in f"{args.workers},{args.intervals}".split(",")]
     numbers += [args.clients, args.streams, args.tokens, args.tokens_per_message, args.fake_nodes]
@@ -919,6 +932,7 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         py_spy_s=args.py_spy,
         decode_policy=args.decode_policy,
         out=args.out,
+        worker_listen=args.worker_listen,
     )
 
 
