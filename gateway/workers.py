@@ -9,7 +9,11 @@ supervisor binds the address first and keeps it bound without listening (a bound
 no connection): a port taken by another program fails at once with a clear error, and
 `--port 0` resolves to one port that every worker then joins. The cost: connections waiting in
 the accept queue of a worker that crashes are reset, and the spread is per connection, not per
-request (a client that keeps one connection stays on one worker).
+request (a client that keeps one connection stays on one worker), and the hash ignores load: a
+closed-loop client piles its streams onto a worker that gets less CPU. `--worker-listen shared`
+is the other way: the supervisor binds and listens once and hands the socket to every worker
+(as uvicorn's `--workers` and vLLM's `--api-server-count` do), so each connection goes to the
+worker that accepts first, and a busy worker accepts later.
 
 Every worker is a whole gateway (app.py): it loads the tokenizer, follows the bootstrap's node
 events itself (so its routing table is always the one discovery describes, with no state shared
