@@ -173,10 +173,18 @@ class Gateway:
     """The gateway's state and request handling; built once by server.py."""
 
     def __init__(
-        self, config: GatewayConfig, codec: TextCodec, multiprocess_dir: str | None = None
+        self,
+        config: GatewayConfig,
+        codec: TextCodec,
+        multiprocess_dir: str | None = None,
+        workers_serving: Callable[[], bool] | None = None,
     ) -> None:
+        """`workers_serving`: with `--workers N`, whether every worker has served once (the
+        supervisor's word); until then /health answers 503 "starting"."""
         self.config = config
+        self.workers_serving = workers_serving
         self.metrics = GatewayMetrics(multiprocess_dir)
+        self._worker_inflight = self.metrics.worker_inflight.labels(str(config.worker_index))
         self.directory = NodeDirectory(
             config.routing.node_cooldown_s,
             self._nodes_changed,
@@ -327,10 +335,12 @@ class Gateway:
             )
         self.inflight += 1
         self.metrics.inflight.set(self.inflight)
+        self._worker_inflight.set(self.inflight)
 
     def _release(self) -> None:
         self.inflight -= 1
         self.metrics.inflight.set(self.inflight)
+        self._worker_inflight.set(self.inflight)
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.limits.max_body_bytes
@@ -356,8 +366,16 @@ class Gateway:
 
     def health(self) -> JSONResponse:
         counts = {name: self.directory.count(role) for role, name in ROLE_NAMES.items()}
-        ok = counts["decode"] + counts["colocated"] > 0 and not self.draining
-        status = "draining" if self.draining else "ok" if ok else "no decode node"
+        # With --workers N, not ready until every worker listens: load sent earlier lands on
+        # the workers that happen to listen already and stays there (gateway/workers.py).
+        starting = self.workers_serving is not None and not self.workers_serving()
+        ok = counts["decode"] + counts["colocated"] > 0 and not self.draining and not starting
+        if self.draining:
+            status = "draining"
+        elif starting:
+            status = "starting: not every gateway worker serves yet"
+        else:
+            status = "ok" if ok else "no decode node"
         body = {
             "status": status,
             **counts,

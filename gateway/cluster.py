@@ -262,7 +262,9 @@ class Cluster:
             if dead:
                 raise ClusterError(f"{dead[0].name} exited with code {dead[0].process.returncode}")
             health = _get_json(url + "/health")
-            if health is not None and all(health.get(k) == n for k, n in want.items()):
+            # "ok": every gateway worker serves (gateway/workers.py), and the nodes are known
+            counts = health is not None and all(health.get(k) == n for k, n in want.items())
+            if counts and health is not None and health.get("status") == "ok":
                 return
             if time.monotonic() > deadline:
                 raise ClusterError(

@@ -15,6 +15,7 @@ ADMIN = "admin"
 SCOPES = (INFERENCE, ADMIN)
 MAX_STREAM_INTERVAL = 4096  # tokens per streamed chunk
 MAX_WORKERS = 256  # gateway processes on one port
+WORKER_LISTEN = ("reuseport", "shared")  # how they share it (gateway/workers.py)
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,10 @@ class GatewayConfig:
     # Which of them this process is (0..workers-1; the supervisor sets it per worker): the
     # `worker_affinity` policy and the `worker` label of per-worker metrics read it.
     worker_index: int = 0
+    # How the workers share the port (gateway/workers.py): "reuseport", a listener each and the
+    # kernel's hash picks one per connection; "shared", one listener whose connections the
+    # worker free first takes.
+    worker_listen: str = "reuseport"
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     tokenizer_workers: int = 1  # threads tokenizing long prompts (gateway/tokenize.py)
     # SIGTERM: /health fails and new requests get 503 at once; in-flight ones get this long.
@@ -174,6 +179,11 @@ class GatewayConfig:
             raise ValueError(
                 f"--workers must be in [1, {MAX_WORKERS}] processes, got {self.workers}: "
                 "about one per CPU core the gateway may use"
+            )
+        if self.worker_listen not in WORKER_LISTEN:
+            raise ValueError(
+                f"--worker-listen must be one of {', '.join(WORKER_LISTEN)}, got "
+                f"{self.worker_listen!r}"
             )
         if not 0 <= self.worker_index < self.workers:
             raise ValueError(

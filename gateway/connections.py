@@ -43,6 +43,7 @@ import asyncio
 import json
 import socket
 from collections import Counter
+from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -79,9 +80,14 @@ def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     return None
 
 
-def guarded_protocol(limits: ConnectionLimits, max_body_bytes: int = 0) -> type[HttpToolsProtocol]:
+def guarded_protocol(
+    limits: ConnectionLimits,
+    max_body_bytes: int = 0,
+    on_connection: Callable[[], None] | None = None,
+) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with the four guards; one connection count per process.
-    Bodies declared between LARGE_BODY_BYTES and `max_body_bytes` are handed over whole."""
+    Bodies declared between LARGE_BODY_BYTES and `max_body_bytes` are handed over whole.
+    `on_connection` is called for every connection accepted (refused ones too)."""
     open_per_client: Counter[str] = Counter()
     too_many = _raw_error(
         APIError(
@@ -103,6 +109,8 @@ def guarded_protocol(limits: ConnectionLimits, max_body_bytes: int = 0) -> type[
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if on_connection is not None:
+                on_connection()
             peer = self.client[0] if self.client else ""
             if open_per_client[peer] >= limits.max_connections_per_client:
                 transport.write(too_many)

@@ -65,6 +65,10 @@ class Dispatcher:
         self.tickets = tickets  # signs each room's (prefill, decode) assignment for bootstrap
         self.router = Router(directory, config, index, worker_index)
         self.worker = str(worker_index)
+        # this worker's series, looked up once (the batch counters move on every node message)
+        self._batches = metrics.worker_node_batches.labels(self.worker)
+        self._deltas = metrics.worker_node_deltas.labels(self.worker)
+        self.worker_tokens = metrics.worker_completion_tokens.labels(self.worker)
         self.index = self.router.index
         self.config = config
         self.metrics = metrics
@@ -77,6 +81,11 @@ class Dispatcher:
         lane: TokenLane | None = None,
     ) -> Generation:
         return Generation(self, prompt_ids, sampling, rid, lane)
+
+    def count_batch(self, deltas: int) -> None:
+        """A decode node's per-step message with `deltas` request deltas reached this worker."""
+        self._batches.inc()
+        self._deltas.inc(deltas)
 
     def enter(self, route: Route, prompt_tokens: int = 0) -> None:
         for node in route.nodes:
@@ -149,6 +158,7 @@ class Generation:
                 tickets=d.tickets,
                 resumed_tokens=resumed,
                 lane=self.lane,
+                on_batch=d.count_batch,
             )
             if self.lane is not None:
                 self.lane.observers = (stream.record, self._observe)
@@ -329,6 +339,7 @@ class Generation:
         m.cached_tokens.inc(self.cached_tokens)
         m.prompt_tokens.inc(len(self.prompt_ids))
         m.completion_tokens.inc(finished.usage.completion_tokens)
+        self.dispatcher.worker_tokens.inc(finished.usage.completion_tokens)
         m.e2e.observe(time.monotonic() - started)
         prefill = result.prefill if route.prefill is not None else None
         # Done: both calls over (P's answer may come after D's last token; the client waits).

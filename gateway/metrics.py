@@ -5,7 +5,10 @@ see where traffic went and how much of it hit a prefill node's prefix cache.
 `pdserve_gateway_worker_node_requests` splits the per-node request count by the gateway worker
 that routed it (`worker`: its index, 0 for a single process; a series of its own, so that the
 per-node series keep their labels): it shows whether `worker_affinity` kept each worker on its
-node.
+node. The other `pdserve_gateway_worker_*` series show how the load spread over the workers:
+connections accepted, requests in progress, tokens finished, and the nodes' per-step messages
+received with the request deltas in them (deltas / messages is the mean batch a worker sees: a
+worker holding fewer streams gets smaller messages and pays the per-message cost more often).
 
 With `--workers N` every worker records into prometheus_client's multiprocess files (one mmap
 file per process and metric kind, in a directory the supervisor makes; gateway/workers.py) and
@@ -67,6 +70,33 @@ class GatewayMetrics:
             "pdserve_gateway_worker_node_requests",
             "choices each gateway worker sent to a node (worker_affinity: one node per worker)",
             ["worker", "role", "node_id"], registry=r,
+        )  # fmt: skip
+        # Per gateway worker (`worker`: its index): how the load spread over the workers and
+        # how large the node messages it received were (deltas / batches: requests per step).
+        self.worker_connections = Counter(
+            "pdserve_gateway_worker_connections",
+            "TCP connections this gateway worker accepted (--workers: the kernel's spread)",
+            ["worker"], registry=r,
+        )  # fmt: skip
+        self.worker_inflight = Gauge(
+            "pdserve_gateway_worker_inflight",
+            "HTTP requests this gateway worker has in progress",
+            ["worker"], registry=r, multiprocess_mode="livesum",
+        )  # fmt: skip
+        self.worker_completion_tokens = Counter(
+            "pdserve_gateway_worker_completion_tokens",
+            "generated tokens of the choices this gateway worker finished",
+            ["worker"], registry=r,
+        )  # fmt: skip
+        self.worker_node_batches = Counter(
+            "pdserve_gateway_worker_node_batches",
+            "per-step messages (StreamBatch) this gateway worker received from the nodes",
+            ["worker"], registry=r,
+        )  # fmt: skip
+        self.worker_node_deltas = Counter(
+            "pdserve_gateway_worker_node_deltas",
+            "request deltas in those messages (deltas / batches: the mean batch a worker sees)",
+            ["worker"], registry=r,
         )  # fmt: skip
         self.node_cached_tokens = Counter(
             "pdserve_gateway_node_cached_tokens",

@@ -32,7 +32,7 @@ import logging
 import secrets
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeAlias
 
@@ -75,6 +75,10 @@ class PDResult:
         return self.last_chunk_at - self.sent_at if self.last_chunk_at else float("nan")
 
 
+# Told the number of request deltas in each per-step message a mux receives (metrics).
+BatchObserver: TypeAlias = Callable[[int], None]
+
+
 @dataclass(frozen=True)
 class NodeTarget:
     node_id: str
@@ -99,13 +103,16 @@ class PDStream:
         tickets: RoomTickets | None = None,
         resumed_tokens: int = 0,
         lane: TokenLane | None = None,
+        on_batch: BatchObserver | None = None,
     ) -> None:
         """`resumed_tokens`: the last this many `input_ids` were generated for the request on
         another node (a migrated request, gateway/migration.py). `lane`: the streamed choice's
         fast lane (gateway/lane.py), which the mux's reader may hand this call's chunks to;
-        whoever gave it puts `record` among its observers."""
+        whoever gave it puts `record` among its observers. `on_batch`: told the size of every
+        per-step message the decode node's mux receives (`GenerateMux.for_stub`)."""
         self.decode = decode
         self.lane = lane
+        self.on_batch = on_batch
         self.prefill = prefill
         room = (room or new_room()) if prefill is not None else 0
         self.rid = rid or f"r{room or new_room()}"
@@ -140,7 +147,8 @@ class PDStream:
     async def _responses(self) -> AsyncGenerator[Response, None]:
         result = self.result
         result.sent_at = time.monotonic()
-        call = GenerateMux.for_stub(self.decode.stub).open(self._generate, self.lane)
+        mux = GenerateMux.for_stub(self.decode.stub, self.on_batch)
+        call = mux.open(self._generate, self.lane)
         prefill_task = None
         if self.prefill is not None and self._prefill_request is not None:
             prefill_task = asyncio.create_task(self._run_prefill(self.prefill, call))
@@ -279,8 +287,9 @@ class GenerateMux:
         weakref.WeakKeyDictionary()
     )
 
-    def __init__(self, stub: node_pb2_grpc.NodeStub) -> None:
+    def __init__(self, stub: node_pb2_grpc.NodeStub, on_batch: BatchObserver | None = None) -> None:
         self.stub = stub
+        self.on_batch = on_batch  # told each received batch's number of deltas
         self.supported = True  # False once the node answered UNIMPLEMENTED
         self._loop = asyncio.get_running_loop()
         self._outbox: asyncio.Queue[node_pb2.StreamRequest] | None = None
@@ -288,10 +297,15 @@ class GenerateMux:
         self._reader: asyncio.Task[None] | None = None
 
     @classmethod
-    def for_stub(cls, stub: node_pb2_grpc.NodeStub) -> GenerateMux:
+    def for_stub(
+        cls, stub: node_pb2_grpc.NodeStub, on_batch: BatchObserver | None = None
+    ) -> GenerateMux:
+        """The stub's mux on this event loop; `on_batch` is kept if it has none yet."""
         mux = cls._by_stub.get(stub)
         if mux is None or mux._loop is not asyncio.get_running_loop():
-            mux = cls._by_stub[stub] = cls(stub)
+            mux = cls._by_stub[stub] = cls(stub, on_batch)
+        elif mux.on_batch is None:
+            mux.on_batch = on_batch
         return mux
 
     def open(self, request: node_pb2.GenerateRequest, lane: TokenLane | None = None) -> MuxedCall:
@@ -325,7 +339,10 @@ class GenerateMux:
         try:
             async for batch in call:
                 requests = self._requests
-                for delta in batch.deltas:
+                deltas = batch.deltas
+                if self.on_batch is not None:
+                    self.on_batch(len(deltas))
+                for delta in deltas:
                     inbox = requests.get(delta.rid)
                     if inbox is None:
                         continue  # cancelled meanwhile

@@ -31,6 +31,7 @@ from gateway.config import (
     ADMIN,
     INFERENCE,
     SCOPES,
+    WORKER_LISTEN,
     APIKey,
     ConnectionLimits,
     GatewayConfig,
@@ -61,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="processes serving the port (SO_REUSEPORT), each following discovery itself; "
         "/metrics sums them; --max-inflight applies per worker",
+    )
+    parser.add_argument(
+        "--worker-listen",
+        choices=WORKER_LISTEN,
+        default="reuseport",
+        help="with --workers N: reuseport, a listener per worker and the kernel's hash picks "
+        "one per connection; shared, one listener, each connection taken by the worker that "
+        "accepts first (a busy worker accepts later)",
     )
     parser.add_argument(
         "--stream-interval",
@@ -287,6 +296,7 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         room_tickets_from_args(args),
         stream_interval=args.stream_interval,
         workers=args.workers,
+        worker_listen=args.worker_listen,
         connections=ConnectionLimits(
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
@@ -304,15 +314,17 @@ def serve(
     sock: socket.socket | None = None,
     multiprocess_dir: str | None = None,
     on_started: Callable[[], None] | None = None,
+    workers_serving: Callable[[], bool] | None = None,
 ) -> bool:
     """Serve until SIGINT/SIGTERM, on `sock` (a worker's) or on config.host:port; whether the
-    server started at all."""
+    server started at all. `workers_serving`: a worker's view of whether all of them serve
+    (its /health is 503 until then)."""
     import uvicorn
 
     from gateway.app import Gateway, build_app, with_server_send
     from gateway.connections import guarded_protocol
 
-    gateway = Gateway(config, codec, multiprocess_dir)
+    gateway = Gateway(config, codec, multiprocess_dir, workers_serving)
 
     class Server(uvicorn.Server):
         """uvicorn's server, draining on the first SIGTERM/SIGINT (`Gateway.drain`): readiness
@@ -355,7 +367,11 @@ def serve(
             port=config.port,
             loop="uvloop",
             # httptools with timeouts and caps, large bodies handed over whole
-            http=guarded_protocol(config.connections, config.limits.max_body_bytes),
+            http=guarded_protocol(
+                config.connections,
+                config.limits.max_body_bytes,
+                gateway.metrics.worker_connections.labels(str(config.worker_index)).inc,
+            ),
             log_level=config.log_level,
             log_config=None,  # uvicorn's loggers go through ours (one format everywhere)
             access_log=False,

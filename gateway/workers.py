@@ -9,7 +9,11 @@ supervisor binds the address first and keeps it bound without listening (a bound
 no connection): a port taken by another program fails at once with a clear error, and
 `--port 0` resolves to one port that every worker then joins. The cost: connections waiting in
 the accept queue of a worker that crashes are reset, and the spread is per connection, not per
-request (a client that keeps one connection stays on one worker).
+request (a client that keeps one connection stays on one worker), and the hash ignores load: a
+closed-loop client piles its streams onto a worker that gets less CPU. `--worker-listen shared`
+is the other way: the supervisor binds and listens once and hands the socket to every worker
+(as uvicorn's `--workers` and vLLM's `--api-server-count` do), so each connection goes to the
+worker that accepts first, and a busy worker accepts later.
 
 Every worker is a whole gateway (app.py): it loads the tokenizer, follows the bootstrap's node
 events itself (so its routing table is always the one discovery describes, with no state shared
@@ -28,6 +32,16 @@ crashes after it served is reported and started again; one that dies before it e
 (bad model directory, address unusable) stops the whole gateway with exit code 1. SIGTERM or
 SIGINT stops the workers gracefully (uvicorn lets open requests finish), then kills what is
 left. Workers ask the kernel for SIGTERM when the supervisor dies, however it dies.
+
+Readiness is the whole gateway's: every worker's /health answers 503 "starting" until every
+worker has served once (the supervisor then sets an event all of them read). The kernel spreads
+connections over the listeners that exist, so load sent while some workers are still starting
+lands on the others only, and long streams keep it there: on the 32-core host two of four
+workers got the whole first wave of 2,048 streams (~1,000 each, the other two none) and four
+workers streamed 2.05x one instead of 3.04x (benchmarks/gpu-2026-11-26-gateway-workers-h100.md,
+read with scripts/bench/gateway_cpu.py's per-worker table). Workers come up 0.4-1.1 s apart on
+the 2-core test host. A worker started in place of a crashed one does not close the gate: the
+others serve meanwhile.
 """
 
 from __future__ import annotations
@@ -76,6 +90,16 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+SHARED_BACKLOG = 4096  # the one accept queue of --worker-listen shared (the kernel caps it)
+
+
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port for every worker to accept from (`shared`)."""
+    sock = reuse_port_socket(host, port)  # the same bind and error as the reuseport mode
+    sock.listen(SHARED_BACKLOG)
+    return sock
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a worker process is started with (pickled to the spawned interpreter)."""
@@ -87,8 +111,13 @@ class WorkerSpec:
     supervisor_pid: int
 
 
-def worker_main(spec: WorkerSpec, ready: Event) -> None:
-    """A worker's whole life (in the spawned process): serve until SIGTERM."""
+def worker_main(
+    spec: WorkerSpec, ready: Event, all_serving: Event, shared: socket.socket | None = None
+) -> None:
+    """A worker's whole life (in the spawned process): serve until SIGTERM. `ready`: set by
+    this worker once it serves; `all_serving`: set by the supervisor once every worker has;
+    `shared`: the supervisor's listener (`--worker-listen shared`), else the worker binds its
+    own with SO_REUSEPORT."""
     _die_with_supervisor(spec.supervisor_pid)
     configure_logging(spec.log)
     from gateway.server import serve
@@ -96,9 +125,9 @@ def worker_main(spec: WorkerSpec, ready: Event) -> None:
 
     config = spec.config
     codec = TextCodec.load(config.model.path)
-    sock = reuse_port_socket(config.host, config.port)
+    sock = shared if shared is not None else reuse_port_socket(config.host, config.port)
     logger.info("gateway worker %d (pid %d) starting", spec.index, os.getpid())
-    serve(config, codec, sock, spec.metrics_dir, on_started=ready.set)
+    serve(config, codec, sock, spec.metrics_dir, ready.set, all_serving.is_set)
 
 
 def _die_with_supervisor(supervisor_pid: int) -> None:
@@ -130,10 +159,15 @@ class Supervisor:
         self.workers: list[Worker] = []
         self.metrics_dir = ""
         self.stopping = False
+        self.all_serving = self.context.Event()  # every worker served once: /health may pass
+        self.shared: socket.socket | None = None  # --worker-listen shared: the one listener
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (0) or until a worker cannot start (1)."""
-        holder = reuse_port_socket(self.config.host, self.config.port)
+        shared = self.config.worker_listen == "shared"
+        make = shared_socket if shared else reuse_port_socket
+        holder = make(self.config.host, self.config.port)
+        self.shared = holder if shared else None
         self.config = replace(self.config, port=holder.getsockname()[1])
         self.metrics_dir = tempfile.mkdtemp(prefix="pdserve-gateway-metrics-")
         os.environ[MULTIPROCESS_ENV] = self.metrics_dir  # the spawned workers inherit it
@@ -156,7 +190,10 @@ class Supervisor:
         config = replace(self.config, worker_index=index)  # what `worker_affinity` pins by
         spec = WorkerSpec(config, self.log, index, self.metrics_dir, os.getpid())
         process = self.context.Process(
-            target=worker_main, args=(spec, ready), name=f"gateway-worker-{index}", daemon=True
+            target=worker_main,
+            args=(spec, ready, self.all_serving, self.shared),
+            name=f"gateway-worker-{index}",
+            daemon=True,
         )
         process.start()
         return Worker(index, process, ready)
@@ -170,11 +207,13 @@ class Supervisor:
                     worker.served = True
             if not announced and all(w.served for w in self.workers):
                 announced = True
+                self.all_serving.set()
                 logger.info(
-                    "gateway on http://%s:%d: %d workers serving (SO_REUSEPORT)",
+                    "gateway on http://%s:%d: %d workers serving (%s)",
                     self.config.host,
                     self.config.port,
                     len(self.workers),
+                    "one shared listener" if self.shared else "SO_REUSEPORT",
                 )
             for position, worker in enumerate(self.workers):
                 if worker.process.is_alive() or self.stopping:

@@ -15,7 +15,17 @@ import pytest
 from proto import node_pb2
 from scripts.bench.fake_node import FakeNodeConfig, FakeRequest, StepSource
 from scripts.bench.fake_node import build_config as fake_node_config
-from scripts.bench.gateway_cpu import Row, build_config, fake_node_id, requests_by_worker, table
+from scripts.bench.gateway_cpu import (
+    Row,
+    WorkerCounts,
+    WorkerWindow,
+    build_config,
+    fake_node_id,
+    requests_by_worker,
+    table,
+    worker_counts,
+    worker_table,
+)
 from scripts.bench.pinning import group_cores, parse_cpu_list, pin_process, pinned, plan_cpus
 from scripts.bench.profile_split import IDLE, split
 from scripts.bench.profile_split import table as profile_table
@@ -79,6 +89,11 @@ def test_gateway_cpu_rows_and_table() -> None:
     lines = table([one, two]).splitlines()
     assert lines[2].startswith("| 1 | 1 | 20.0 | 1.25 | 40,000 | 40,000 | 1.00x | 1.00 of 40k |")
     assert "| 1.80x | 1.12 |" in lines[3]  # 1.8x for two workers against 0.8 x 2
+    # repeats (`--workers 1,2,1,2`): each row against the one-worker row run last before it
+    again = Row(1, 1, tokens=20_000, requests=1, frames=1, wall_s=1.0, cpu_s=1.0, node_cpu_s=0.0)
+    lines = table([one, two, again, two]).splitlines()
+    assert "| 1.80x |" in lines[3] and "| 3.60x |" not in lines[3]
+    assert "| 3.60x |" in lines[5]  # 72,000 against the 20,000 of the row before it
     assert build_config(["--load-tool", "bench_serving"]).load_tool == "bench_serving"
     with pytest.raises(SystemExit):
         build_config(["--workers", "0"])
@@ -111,6 +126,39 @@ def test_gateway_cpu_decode_policy_flag_and_pinning_report() -> None:
               decode_policy="worker_affinity", nodes_per_worker=(1, 1, 1, 1),
               node_busy=(0.25, 0.5))  # fmt: skip
     assert table([row]).splitlines()[2].endswith("| worker_affinity | 1 1 1 1 | 0.25 0.50 |")
+
+
+def test_gateway_cpu_reads_each_workers_share_from_the_metrics() -> None:
+    metrics = "\n".join(
+        [
+            'pdserve_gateway_worker_connections_total{worker="0"} 30.0',
+            'pdserve_gateway_worker_connections_total{worker="1"} 10.0',
+            'pdserve_gateway_worker_node_requests_total{node_id="fake-00",role="colocated",'
+            'worker="1"} 4.0',
+            'pdserve_gateway_worker_node_requests_total{node_id="fake-01",role="colocated",'
+            'worker="1"} 5.0',
+            'pdserve_gateway_worker_node_batches_total{worker="1"} 100.0',
+            'pdserve_gateway_worker_node_deltas_total{worker="1"} 800.0',
+            'pdserve_gateway_worker_completion_tokens_total{worker="1"} 2048.0',
+            'pdserve_gateway_worker_inflight{worker="1"} 7.0',
+            "pdserve_gateway_inflight 9.0",
+        ]
+    )
+    counts = worker_counts(metrics)
+    assert counts[0] == WorkerCounts(connections=30.0)
+    assert counts[1] == WorkerCounts(10.0, 9.0, 2048.0, 100.0, 800.0, 7.0)  # requests summed
+    before = WorkerCounts(4.0, 3.0, 1024.0, 40.0, 200.0, 5.0)
+    window = WorkerWindow(1, 4242, before, counts[1].minus(before), before.inflight, 0.6)
+    assert window.window == WorkerCounts(6.0, 6.0, 1024.0, 60.0, 600.0, 7.0)
+    assert window.mean_batch == 10.0  # deltas per node message
+    row = Row(2, 1, tokens=1, requests=1, frames=1, wall_s=2.0, cpu_s=1.0, node_cpu_s=0.0,
+              per_worker=(window,), step_ms=10.0, worker_listen="shared")  # fmt: skip
+    line = worker_table([row]).splitlines()[2]
+    # 0.6 CPU s over 2 s of window; 0.6 s / 600 deltas = 1000 us per delta
+    assert line == (
+        "| 2 | 1 | 10 | shared | 1 | 4242 | 4 | 6 | 6 | 5 -> 7 | 1,024 | 60 | 10.0 | 0.30 | "
+        "1000.0 |"
+    )
 
 
 def test_in_process_node_wire_is_a_stream_batch() -> None:

@@ -8,6 +8,10 @@ llama with the default model's tokenizer, 1 prefill + 1 decode node, Mooncake ov
   bootstrap with interval 1: the streamed text, token ids, finish reasons and stop-string
   trimming are the same, in fewer chunks;
 - each worker feeds its own prefix index from every node's KV events;
+- `--worker-listen shared` (one listener for all workers) streams what one worker streams;
+- /health passes only once every worker serves (the supervisor's gate); the per-worker series
+  (`pdserve_gateway_worker_*`: connections, tokens, node messages and their deltas) count
+  each worker's share;
 - a worker killed with SIGKILL is reported and replaced; killing the supervisor takes its
   workers down;
 - bad `--workers`, `--stream-interval` and `--gateway-workers` values exit with code 2 and a
@@ -28,7 +32,10 @@ import httpx
 import pytest
 
 from engine.ports import free_port
+from gateway.app import Gateway
+from gateway.config import GatewayConfig, LimitsConfig, ModelInfo, RoutingConfig
 from gateway.launcher import console_script, session_pids
+from gateway.text import TextCodec
 from scripts.tiny_models import save_tiny_text_model
 from tests.test_gateway import RunningCluster, launched_cluster
 
@@ -145,6 +152,7 @@ def test_two_workers_serve_one_port_and_metrics_sum(cluster: RunningCluster) -> 
             assert answer.status_code == 200, answer.text
             served[pid] = served.get(pid, 0) + 1
     total = sum(served.values())
+    assert {_health(cluster.url).get("status") for _ in range(8)} == {"ok"}  # the gate is open
     for pid in served:  # each worker's /metrics, on a connection that reached it
         text = ""
         while not text:
@@ -156,6 +164,44 @@ def test_two_workers_serve_one_port_and_metrics_sum(cluster: RunningCluster) -> 
         assert _sample(text, "pdserve_gateway_completion_tokens_total") == 4 * total
         assert _sample(text, "pdserve_gateway_live_nodes", 'role="decode"') == 1
         assert _sample(text, "pdserve_gateway_time_to_first_token_seconds_count") == total
+        for worker in ("0", "1"):  # both took connections, requests and node messages
+            label = f'worker="{worker}"'
+            assert _sample(text, "pdserve_gateway_worker_connections_total", label) >= 1, text
+            assert _sample(text, "pdserve_gateway_worker_node_requests_total", label) >= 1, text
+            batches = _sample(text, "pdserve_gateway_worker_node_batches_total", label)
+            assert 1 <= batches <= _sample(text, "pdserve_gateway_worker_node_deltas_total", label)
+        tokens = _sample(text, "pdserve_gateway_worker_completion_tokens_total")
+        assert tokens == 4 * total, text  # the workers' shares add up to the total
+
+
+def test_health_waits_until_every_worker_serves(default_model_dir: Path) -> None:
+    """A worker whose peers are still starting answers /health 503 "starting" (load sent then
+    would pile onto the workers that listen already); once the supervisor's gate opens, the
+    usual checks decide (here: no node yet)."""
+    limits = LimitsConfig(
+        max_inflight=8, max_body_bytes=1 << 20, max_n=4, max_stop=4, max_stop_chars=64
+    )
+    routing = RoutingConfig(
+        prefill_policy="least_load",
+        decode_policy="least_load",
+        local_prefill_max_tokens=4,
+        max_attempts=3,
+        node_cooldown_s=5.0,
+        prefix_block_tokens=4,
+        prefix_max_blocks=1000,
+        prefix_balance_slack=2,
+    )
+    model = ModelInfo(str(default_model_dir), "m", 64)
+    config = GatewayConfig("127.0.0.1", 1, "b:1", model, limits, routing, workers=2)
+    gate: list[bool] = [False]
+    gateway = Gateway(config, TextCodec.load(default_model_dir), None, lambda: gate[0])
+    answer = gateway.health()
+    assert answer.status_code == 503
+    assert json.loads(answer.body)["status"].startswith("starting"), answer.body
+    gate[0] = True
+    answer = gateway.health()
+    assert answer.status_code == 503
+    assert json.loads(answer.body)["status"] == "no decode node", answer.body
 
 
 def _sample(text: str, name: str, *labels: str) -> float:
@@ -190,6 +236,32 @@ def test_every_worker_feeds_its_own_prefix_index(cluster: RunningCluster) -> Non
         time.sleep(0.2)
     assert cluster.metric(snapshots, kind="snapshot") == 4
     assert cluster.metric("pdserve_gateway_kv_event_errors_total") == 0
+
+
+def test_shared_listener_workers_serve_the_same_tokens(
+    cluster: RunningCluster,
+    reference: RunningCluster,
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`--worker-listen shared`: both workers accept from the supervisor's one listener and
+    stream what one worker streams; the gate and the per-worker series hold as with reuseport."""
+    log = tmp_path_factory.mktemp("gateway-shared") / "gateway.log"
+    gateway = _gateway(cluster, tiny_model, log, "--workers", "2", "--worker-listen", "shared")
+    try:
+        assert len(_worker_pids(gateway.url, 2)) == 2  # each answered on a connection it took
+        assert _health(gateway.url).get("status") == "ok"
+        model = _model_name(gateway.url)
+        body: dict[str, object] = {"model": model, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS}
+        body.update(temperature=0, stream_options={"include_usage": True})
+        shared = _stream_text(gateway.url, "/v1/completions", body)
+        each = _stream_text(reference.url, "/v1/completions", body)
+        assert "".join(shared[0]) == "".join(each[0]) and shared[1] == each[1], (shared, each)
+        text = httpx.get(gateway.url + "/metrics", timeout=30).text
+        assert _sample(text, "pdserve_gateway_worker_connections_total") >= 3, text
+    finally:
+        _stop(gateway)
+    assert "one shared listener" in log.read_text()
 
 
 @pytest.mark.parametrize("stop", [None, ["e"]], ids=["no-stop", "stop-string"])

@@ -30,6 +30,16 @@ the ratios to the goals: <= 25 us per token, >= 40k tokens/s for one worker, N w
 source, each client: CPU s per wall s), so that a row where a client or the fake node was the
 limit says so.
 
+Per worker and row (the gateway's own `pdserve_gateway_worker_*` series from /metrics, read at
+the window's edges; pids from /health; CPU from /proc): TCP connections accepted before and
+inside the window, requests routed and open at the window's start and end, tokens of the
+requests it finished, the nodes' per-step messages it received and the deltas in each (the batch
+a step gave it: a worker holding fewer streams gets smaller messages and pays the per-message
+cost more often), its cores and CPU us per delta; and how many connections the clients opened
+(one per request: the kernel places each request anew). The load starts only once /health
+passes, which with `--workers N` is once every worker serves (gateway/workers.py): a first wave
+sent earlier piles onto the workers that listen already. `--out FILE` writes the tables too.
+
 `--decode-policy NAME` is the gateway's (default `kv_aware`, i.e. `least_load` here: fake nodes
 publish no KV events). With `worker_affinity` gateway worker i sends all its requests to fake
 node i mod M (the fake nodes register as fake-00, fake-01, ... so id order is start order):
@@ -45,6 +55,7 @@ sizes the client processes to each row's workers.
 
     python -m scripts.bench.gateway_cpu [--workers 1,2] [--intervals 1,8] [--duration 10]
     python -m scripts.bench.gateway_cpu --pin --workers 1,4 --clients-per-worker 2
+    python -m scripts.bench.gateway_cpu --workers 1,2 --intervals 1 --step-ms 10 --out x.md
 """
 
 from __future__ import annotations
@@ -62,6 +73,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -69,6 +81,7 @@ from multiprocessing.queues import Queue
 from pathlib import Path
 
 from engine.ports import LOCALHOST, free_port
+from gateway.config import WORKER_LISTEN
 from gateway.launcher import (
     ServerProcess,
     bootstrap_ready,
@@ -113,6 +126,8 @@ class BenchConfig:
     warmup_s: float = 3.0  # raw load: from the clients' start to the measured window
     py_spy_s: float = 0.0  # > 0: profile every gateway worker this long inside the window
     decode_policy: str = "kv_aware"  # the gateway's --decode-policy
+    out: Path | None = None  # the tables are written here too
+    worker_listen: str = "reuseport"  # the gateway's --worker-listen
 
     def client_processes(self, workers: int) -> int:
         return self.clients_per_worker * workers if self.clients_per_worker else self.clients
@@ -123,6 +138,46 @@ class TokenSource:
     bootstrap: str  # host:port of the bootstrap-server
     node_pids: tuple[int, ...]
     plan: CpuPlan | None = None  # with --pin
+
+
+@dataclass(frozen=True)
+class WorkerCounts:
+    """One gateway worker's `pdserve_gateway_worker_*` counters at one moment (/metrics)."""
+
+    connections: float = 0.0  # TCP connections it accepted
+    requests: float = 0.0  # choices it sent to a node
+    tokens: float = 0.0  # completion tokens of the choices it finished
+    batches: float = 0.0  # per-step node messages it received
+    deltas: float = 0.0  # request deltas in them
+    inflight: float = 0.0  # requests it holds open (a gauge, not a counter)
+
+    def minus(self, before: WorkerCounts) -> WorkerCounts:
+        """The counters' growth since `before`; `inflight` stays this moment's."""
+        return WorkerCounts(
+            self.connections - before.connections,
+            self.requests - before.requests,
+            self.tokens - before.tokens,
+            self.batches - before.batches,
+            self.deltas - before.deltas,
+            self.inflight,
+        )
+
+
+@dataclass(frozen=True)
+class WorkerWindow:
+    """One gateway worker over the measured window."""
+
+    index: int
+    pid: int  # 0: not known (no /health answer from it)
+    before: WorkerCounts  # from the gateway's start to the window's start
+    window: WorkerCounts  # growth inside the window (inflight: at its end)
+    inflight_start: float  # requests it held open when the window opened
+    cpu_s: float  # its process's CPU inside the window (nan: pid not known)
+
+    @property
+    def mean_batch(self) -> float:
+        """Request deltas per node message it received (the batch a step gave it)."""
+        return self.window.deltas / self.window.batches if self.window.batches else float("nan")
 
 
 @dataclass(frozen=True)
@@ -141,6 +196,10 @@ class Row:
     decode_policy: str = ""
     nodes_per_worker: tuple[int, ...] = ()  # by worker index: the nodes its requests went to
     node_busy: tuple[float, ...] = ()  # each fake node's CPU s per wall s, in id order
+    per_worker: tuple[WorkerWindow, ...] = ()  # by worker index: its share of the window
+    step_ms: float = 0.0  # the fake node's
+    worker_listen: str = ""  # the gateway's --worker-listen
+    connections: int = 0  # TCP connections the clients opened (one per request)
 
     @property
     def us_per_token(self) -> float:
@@ -210,7 +269,8 @@ async def _one_request(
 
 async def _client(port: int, request: bytes, streams: int, window: Window) -> tuple[float, ...]:
     """Keep `streams` requests open until the window ends; (tokens, requests, frames, frames
-    inside the window, CPU seconds)."""
+    inside the window, CPU seconds). Each request opens a connection of its own (`Connection:
+    close`), so the kernel places every request on a worker anew."""
     tokens = requests = frames = inside = 0
 
     async def stream() -> None:
@@ -289,6 +349,7 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
     command += [*(["--model", config.model] if config.model else [])]
     command += ["--workers", str(workers), "--stream-interval", str(interval)]
     command += ["--decode-policy", config.decode_policy]
+    command += ["--worker-listen", config.worker_listen]
     command += ["--max-inflight", "100000", "--log-level", "warning"]
     # Every client is 127.0.0.1: the per-address cap (256 by default) would reset the rest.
     command += ["--max-connections-per-client", "100000"]
@@ -313,13 +374,22 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
         }
         request = _request_bytes(port, body)
         asyncio.run(_one_request(port, request))  # warm: channels open, tokenizer caches
-        row = _load(config, source, gateway, port, request, (workers, interval))
+        pids = worker_pids(port, workers) if workers > 1 else {0: gateway.pid}
+        if len(pids) < workers:
+            print(f"  only workers {sorted(pids)} of {workers} answered /health", flush=True)
+        row = _load(config, source, gateway, port, request, (workers, interval), pids)
         routes = requests_by_worker(_metrics(port))
         for worker, nodes in sorted(routes.items()):
             spread = ", ".join(f"{node} {count:,}" for node, count in sorted(nodes.items()))
             print(f"  worker {worker} ({config.decode_policy}) requests: {spread}", flush=True)
         spread_counts = tuple(len(routes.get(w, {})) for w in range(workers))
-        return replace(row, decode_policy=config.decode_policy, nodes_per_worker=spread_counts)
+        return replace(
+            row,
+            decode_policy=config.decode_policy,
+            nodes_per_worker=spread_counts,
+            step_ms=config.step_ms,
+            worker_listen=config.worker_listen,
+        )
     finally:
         gateway.stop(15)
 
@@ -343,6 +413,52 @@ def requests_by_worker(metrics: str) -> dict[int, dict[str, int]]:
             nodes = routes.setdefault(int(named["worker"]), {})
             nodes[named.get("node_id", "?")] = int(float(value))
     return routes
+
+
+_WORKER_SERIES = re.compile(
+    r"^pdserve_gateway_worker_(connections_total|completion_tokens_total|node_batches_total|"
+    r"node_deltas_total|node_requests_total|inflight)\{(.*)\} (\S+)$",
+    re.M,
+)
+_WORKER_FIELDS = {
+    "connections_total": "connections",
+    "completion_tokens_total": "tokens",
+    "node_batches_total": "batches",
+    "node_deltas_total": "deltas",
+    "node_requests_total": "requests",  # summed over its nodes
+    "inflight": "inflight",  # summed over the worker's live processes
+}
+
+
+def worker_counts(metrics: str) -> dict[int, WorkerCounts]:
+    """Worker index -> its `pdserve_gateway_worker_*` series, from the gateway's /metrics."""
+    sums: dict[int, dict[str, float]] = {}
+    for series, labels, value in _WORKER_SERIES.findall(metrics):
+        named = dict(_LABEL.findall(labels))
+        if "worker" not in named:
+            continue
+        fields = sums.setdefault(int(named["worker"]), {})
+        field = _WORKER_FIELDS[series]
+        fields[field] = fields.get(field, 0.0) + float(value)
+    return {worker: WorkerCounts(**fields) for worker, fields in sums.items()}
+
+
+def worker_pids(port: int, workers: int, deadline_s: float = 20.0) -> dict[int, int]:
+    """Worker index -> pid, from /health answers (each new connection reaches the worker the
+    kernel picks); workers that did not answer by the deadline are left out."""
+    found: dict[int, int] = {}
+    deadline = time.monotonic() + deadline_s
+    while len(found) < workers and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{LOCALHOST}:{port}/health", timeout=5) as got:
+                body = json.loads(got.read())
+        except urllib.error.HTTPError as exc:  # 503 (starting, draining) still names it
+            body = json.loads(exc.read() or b"{}")
+        except (OSError, ValueError):
+            continue
+        if "worker" in body and "pid" in body:
+            found[int(body["worker"])] = int(body["pid"])
+    return found
 
 
 def _cpus(cores: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
@@ -389,10 +505,11 @@ def _load(
     port: int,
     request: bytes,
     row: tuple[int, int],
+    pids: dict[int, int],
 ) -> Row:
     if config.load_tool == "bench_serving":
         return _bench_serving_load(config, source, gateway, port, row)
-    return _raw_load(config, source, gateway, port, request, row)
+    return _raw_load(config, source, gateway, port, request, row, pids)
 
 
 def _bench_serving_load(
@@ -451,6 +568,7 @@ def _raw_load(
     port: int,
     request: bytes,
     row: tuple[int, int],
+    worker_pid: dict[int, int],
 ) -> Row:
     """The clients' load, measured over a steady window: from `--warmup` seconds after the
     clients start (every stream open) for `--duration` seconds. CPU is read at the window's
@@ -471,6 +589,7 @@ def _raw_load(
             client.start()
     time.sleep(max(0.0, window[0] - time.monotonic()))
     before = {pid: cpu_seconds([pid]) for pid in pids}
+    counts_before = worker_counts(_metrics(port))
     node_before = [cpu_seconds([pid]) for pid in nodes]
     served = _worker_pids(gateway.pid, row[0])
     threads_before = {pid: thread_cpu(pid) for pid in served}
@@ -478,7 +597,11 @@ def _raw_load(
     time.sleep(max(0.0, window[1] - time.monotonic()))
     used = {pid: cpu_seconds([pid]) - before[pid] for pid in pids}
     node_used = [cpu_seconds([pid]) - b for pid, b in zip(nodes, node_before, strict=True)]
+    counts_after = worker_counts(_metrics(port))
     wall = config.duration_s
+    per_worker = _worker_windows(row[0], worker_pid, counts_before, counts_after, used)
+    for w in per_worker:
+        print(f"  {describe_worker(w, wall)}", flush=True)
     for pid in served:
         split = _thread_split(threads_before[pid], thread_cpu(pid), wall)
         print(f"  worker {pid} threads (cores): {split}", flush=True)
@@ -488,6 +611,11 @@ def _raw_load(
     _report_profiles(profiles)
     tokens, requests, frames, inside = (
         int(sum(column)) for column in list(zip(*totals, strict=True))[:4]
+    )
+    print(
+        f"  clients: {len(clients)} processes x {config.streams} streams opened {requests:,} "
+        "connections (one per request)",
+        flush=True,
     )
     per_frame = tokens / frames if frames else 1.0
     return Row(
@@ -502,6 +630,37 @@ def _raw_load(
         process_busy=tuple(sorted((cpu / wall for cpu in used.values()), reverse=True)),
         clients=len(clients),
         node_busy=tuple(cpu / wall for cpu in node_used),
+        per_worker=per_worker,
+        connections=requests,
+    )
+
+
+def _worker_windows(
+    workers: int,
+    worker_pid: dict[int, int],
+    before: dict[int, WorkerCounts],
+    after: dict[int, WorkerCounts],
+    used: dict[int, float],
+) -> tuple[WorkerWindow, ...]:
+    """Each worker's counters before and inside the window, and its CPU in it."""
+    windows = []
+    for index in range(workers):
+        start, end = before.get(index, WorkerCounts()), after.get(index, WorkerCounts())
+        pid = worker_pid.get(index, 0)
+        cpu = used.get(pid, float("nan"))
+        windows.append(WorkerWindow(index, pid, start, end.minus(start), start.inflight, cpu))
+    return tuple(windows)
+
+
+def describe_worker(w: WorkerWindow, wall: float) -> str:
+    """One line on one worker's window."""
+    got = w.window
+    return (
+        f"worker {w.index} pid {w.pid or '?'}: {got.connections:,.0f} connections, "
+        f"{got.requests:,.0f} requests in the window ({w.before.connections:,.0f} connections "
+        f"before it), {w.inflight_start:.0f} -> {got.inflight:.0f} open, "
+        f"{got.tokens:,.0f} tokens finished, {got.batches:,.0f} node messages with "
+        f"{w.mean_batch:.1f} deltas each, {w.cpu_s / wall:.2f} cores"
     )
 
 
@@ -603,7 +762,12 @@ def fake_node_id(index: int) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    ones = {r.interval: r for r in rows if r.workers == 1}
+    # each row against the one-worker row of its interval run last before it (repeats of
+    # `--workers 1,4,1,4` pair up), else the first one after it
+    ones: dict[int, Row] = {}
+    for r in rows:
+        if r.workers == 1:
+            ones.setdefault(r.interval, r)
     lines = [
         "| workers | stream interval | gateway CPU us/token | goal 25 us | tokens/s | "
         "tokens/s per worker | vs 1 worker | goal 0.8 x N | workers busy | node busy | "
@@ -612,6 +776,8 @@ def table(rows: list[Row]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if r.workers == 1:
+            ones[r.interval] = r
         one = ones.get(r.interval)
         scale = r.tokens_s / one.tokens_s if one else float("nan")
         per_worker = r.tokens_s / r.workers
@@ -629,6 +795,30 @@ def table(rows: list[Row]) -> str:
             f"{r.decode_policy or '-'} | {' '.join(map(str, r.nodes_per_worker)) or '-'} | "
             f"{' '.join(f'{b:.2f}' for b in r.node_busy) or '-'} |"
         )
+    return "\n".join(lines)
+
+
+def worker_table(rows: list[Row]) -> str:
+    """Each row's workers over the window: how the load spread over them and what it cost."""
+    lines = [
+        "| workers | stream interval | step ms | worker listen | worker | pid | "
+        "connections before the window "
+        "| connections in it | requests in it | open at start -> end | tokens finished | "
+        "node messages | deltas per message | cores | CPU us per delta |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for w in r.per_worker:
+            got = w.window
+            per_delta = w.cpu_s / got.deltas * 1e6 if got.deltas else float("nan")
+            lines.append(
+                f"| {r.workers} | {r.interval} | {r.step_ms:g} | {r.worker_listen or '-'} | "
+                f"{w.index} | {w.pid or '?'} | "
+                f"{w.before.connections:,.0f} | {got.connections:,.0f} | {got.requests:,.0f} | "
+                f"{w.inflight_start:.0f} -> {got.inflight:.0f} | {got.tokens:,.0f} | "
+                f"{got.batches:,.0f} | {w.mean_batch:.1f} | {w.cpu_s / r.wall_s:.2f} | "
+                f"{per_delta:.1f} |"
+            )
     return "\n".join(lines)
 
 
@@ -702,6 +892,15 @@ def build_config(argv: list[str] | None) -> BenchConfig:
     parser.add_argument("--waves", type=int, default=3, help="bench_serving: requests per slot")
     parser.add_argument("--model", default=None, help="tokenizer directory (default model)")
     parser.add_argument("--log-dir", type=Path, default=None, help="default: a temporary one")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="also write the configuration and tables here"
+    )
+    parser.add_argument(
+        "--worker-listen",
+        default="reuseport",
+        choices=WORKER_LISTEN,
+        help="the gateway's --worker-listen: a listener per worker (reuseport) or one shared",
+    )
     args = parser.parse_args(argv)
     numbers = [int(v) for v in f"{args.workers},{args.intervals}".split(",")]
     numbers += [args.clients, args.streams, args.tokens, args.tokens_per_message, args.fake_nodes]
@@ -732,13 +931,16 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         warmup_s=args.warmup,
         py_spy_s=args.py_spy,
         decode_policy=args.decode_policy,
+        out=args.out,
+        worker_listen=args.worker_listen,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     config = build_config(argv)
-    print(f"logs in {config.log_dir}; {os.cpu_count()} CPUs; {config}", flush=True)
+    header = f"logs in {config.log_dir}; {os.cpu_count()} CPUs; {config}"
+    print(header, flush=True)
     rows = []
     with token_source(config) as source:
         for interval in config.intervals:
@@ -753,7 +955,11 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 rows.append(row)
-    print(table(rows))
+    report = f"{table(rows)}\n\nPer worker over the window:\n\n{worker_table(rows)}\n"
+    print(report, end="")
+    if config.out is not None:
+        config.out.write_text(f"{header}\n\n{report}")
+        print(f"written to {config.out}", flush=True)
     return 0
 
 
