@@ -45,9 +45,11 @@ def test_graph_step_prep_gives_the_same_tokens(tmp_path, overlap_schedule: bool)
     the step's prep and the greedy argmax run in the graph): today's graphs' tokens, through
     several buckets, requests opening new pages as they decode."""
     from engine import LLM, SamplingParams
-    from scripts.tiny_models import SMALL_LLAMA, write_llama_config
+    from scripts.tiny_models import llama_config, write_llama_config
 
-    model_dir = write_llama_config(tmp_path / "small-llama", SMALL_LLAMA)
+    # Head dim 128 (SMALL_LLAMA's 32 is not one of FlashInfer's prefill configurations).
+    config = llama_config(hidden_size=512, num_attention_heads=4, num_key_value_heads=2)
+    model_dir = write_llama_config(tmp_path / "small-llama", config)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 2048, (5 + 29 * i,), generator=gen).tolist() for i in range(12)]
     params = [SamplingParams(max_new_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True)
