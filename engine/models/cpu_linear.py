@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.linear_backends import check_linear_kernel
+from engine.models.linear_backends import check_linear_kernel, swap_linears
 
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Row-count hint for the reorder; the packed layout serves any row count (hints of 64, 256 and
@@ -113,15 +113,7 @@ def bucket_rows(rows: int) -> int:
 @torch.no_grad()
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear in `model` by a PackedLinear; returns how many were packed."""
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
-    ]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
-    return len(targets)
+    return swap_linears(model, PackedLinear)
 
 
 replace_linears = pack_linears  # the registry's name for what this backend does at load

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.gemm_tiles import GemmTile, TileTable, tile_for
+from engine.models.linear_backends import swap_linears
 
 # Decode batches up to this many rows take the Triton kernel. Above it the weight tile is read
 # by several row tiles, and cuBLAS's larger tiles are the better trade.
@@ -104,12 +105,4 @@ def replace_linears(
     model: nn.Module, max_rows: int = MAX_ROWS, table: TileTable | None = None
 ) -> int:
     """Replace every nn.Linear in `model` by a TritonLinear; returns how many were replaced."""
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
-    ]
-    for parent, name, child in targets:
-        setattr(parent, name, TritonLinear(child, max_rows, table))
-    return len(targets)
+    return swap_linears(model, lambda linear: TritonLinear(linear, max_rows, table))

@@ -46,6 +46,20 @@ def replace_linears(model: nn.Module) -> int:
     return 0
 
 
+def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every nn.Linear of `model` by `make(linear)`; returns how many were replaced.
+    The backends' `replace_linears` are this with their own layer."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, make(child))
+    return len(targets)
+
+
 def _backend(name: str) -> ModuleType:
     return importlib.import_module(LINEAR_BACKENDS[name])
 
