@@ -160,10 +160,21 @@ class GatewayConfig:
     # kernel's hash picks one per connection; "shared", one listener whose connections the
     # worker free first takes.
     worker_listen: str = "reuseport"
+    # --worker-cpus: worker i runs on worker_cpus[i % len] (gateway/cpus.py); empty: unpinned.
+    worker_cpus: tuple[int, ...] = ()
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     tokenizer_workers: int = 1  # threads tokenizing long prompts (gateway/tokenize.py)
     # SIGTERM: /health fails and new requests get 503 at once; in-flight ones get this long.
     drain_timeout_s: float = 20.0
+
+    @property
+    def cpu(self) -> int | None:
+        """The CPU this worker runs on (--worker-cpus), None when unpinned."""
+        return (
+            self.worker_cpus[self.worker_index % len(self.worker_cpus)]
+            if self.worker_cpus
+            else None
+        )
 
     def __post_init__(self) -> None:
         if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:

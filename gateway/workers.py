@@ -64,6 +64,7 @@ from types import FrameType
 
 from bootstrap.telemetry import LogConfig, configure_logging
 from gateway.config import GatewayConfig
+from gateway.cpus import pin_this_process
 from gateway.metrics import MULTIPROCESS_ENV
 
 logger = logging.getLogger("pdserve.gateway.workers")
@@ -119,14 +120,17 @@ def worker_main(
     `shared`: the supervisor's listener (`--worker-listen shared`), else the worker binds its
     own with SO_REUSEPORT."""
     _die_with_supervisor(spec.supervisor_pid)
+    config = spec.config
+    if config.cpu is not None:  # first: every thread started from here on inherits it
+        pin_this_process(config.cpu)
     configure_logging(spec.log)
     from gateway.server import serve
     from gateway.text import TextCodec
 
-    config = spec.config
     codec = TextCodec.load(config.model.path)
     sock = shared if shared is not None else reuse_port_socket(config.host, config.port)
-    logger.info("gateway worker %d (pid %d) starting", spec.index, os.getpid())
+    on_cpu = "" if config.cpu is None else f" on CPU {config.cpu}"
+    logger.info("gateway worker %d (pid %d) starting%s", spec.index, os.getpid(), on_cpu)
     serve(config, codec, sock, spec.metrics_dir, ready.set, all_serving.is_set)
 
 
