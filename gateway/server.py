@@ -3,7 +3,8 @@
 Flags -> frozen `GatewayConfig` -> tokenizer -> Starlette app on uvicorn (uvloop, httptools).
 Nodes are not configured here: they are discovered from the bootstrap (`--bootstrap`). SIGINT /
 SIGTERM: uvicorn stops accepting, lets open requests finish, then the app closes its channels.
-`--workers N` (N > 1) runs N such processes on one port under a supervisor (gateway/workers.py).
+`--workers N` (N > 1) runs N such processes on one port under a supervisor (gateway/workers.py);
+`--worker-cpus LIST` pins each to a CPU (gateway/cpus.py), or the one process without --workers.
 """
 
 from __future__ import annotations
