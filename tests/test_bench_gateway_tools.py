@@ -197,6 +197,9 @@ def test_gateway_cpu_sizes_clients_to_the_workers() -> None:
     config = build_config(["--clients-per-worker", "2", "--pin"])
     assert config.pin and config.client_processes(4) == 8 and config.client_processes(1) == 2
     assert build_config(["--clients", "3"]).client_processes(4) == 3
+    assert build_config(["--worker-cpus", "0,1"]).worker_cpus == "0,1"
+    with pytest.raises(SystemExit):
+        build_config(["--worker-cpus", "0,1", "--pin"])  # --pin plans the workers' CPUs
     with pytest.raises(SystemExit):
         build_config(["--clients-per-worker", "-1"])
 

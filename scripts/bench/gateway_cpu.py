@@ -58,6 +58,7 @@ the bench pins the fake nodes and the clients itself.
 
     python -m scripts.bench.gateway_cpu [--workers 1,2] [--intervals 1,8] [--duration 10]
     python -m scripts.bench.gateway_cpu --pin --workers 1,4 --clients-per-worker 2
+    python -m scripts.bench.gateway_cpu --workers 2 --worker-cpus 0,1  (only the gateway pinned)
     python -m scripts.bench.gateway_cpu --workers 1,2 --intervals 1 --step-ms 10 --out x.md
 """
 
@@ -132,6 +133,7 @@ class BenchConfig:
     decode_policy: str = "kv_aware"  # the gateway's --decode-policy
     out: Path | None = None  # the tables are written here too
     worker_listen: str = "reuseport"  # the gateway's --worker-listen
+    worker_cpus: str = ""  # the gateway's --worker-cpus without --pin ("": unpinned)
 
     def client_processes(self, workers: int) -> int:
         return self.clients_per_worker * workers if self.clients_per_worker else self.clients
@@ -361,6 +363,8 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
     log = config.log_dir / f"gateway-w{workers}-k{interval}.log"
     if source.plan is not None:  # the product's own pinning: worker i on its core's first CPU
         command += ["--worker-cpus", source.plan.worker_cpus(workers)]
+    elif config.worker_cpus:
+        command += ["--worker-cpus", config.worker_cpus]
     gateway = ServerProcess.start("gateway", command, address=f"{LOCALHOST}:{port}", log_path=log)
     try:
         _wait_gateway(gateway, f"http://{LOCALHOST}:{port}", config.fake_nodes)
@@ -377,9 +381,9 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
         pids = worker_pids(port, workers) if workers > 1 else {0: gateway.pid}
         if len(pids) < workers:
             print(f"  only workers {sorted(pids)} of {workers} answered /health", flush=True)
-        if source.plan is not None:  # show that the gateway's --worker-cpus held
+        if source.plan is not None or config.worker_cpus:  # show that --worker-cpus held
             on = ", ".join(f"{i} on {_affinity(pid)}" for i, pid in sorted(pids.items()))
-            print(f"  --pin: gateway workers {on}", flush=True)
+            print(f"  --worker-cpus: gateway workers {on}", flush=True)
         row = _load(config, source, gateway, port, request, (workers, interval), pids)
         routes = requests_by_worker(_metrics(port))
         for worker, nodes in sorted(routes.items()):
@@ -896,9 +900,18 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         choices=WORKER_LISTEN,
         help="the gateway's --worker-listen: a listener per worker (reuseport) or one shared",
     )
+    parser.add_argument(
+        "--worker-cpus",
+        default="",
+        metavar="LIST",
+        help="the gateway's --worker-cpus (worker i on CPU LIST[i mod len]), the rest unpinned; "
+        "--pin sets it from its plan instead",
+    )
     args = parser.parse_args(argv)
     numbers = [int(v) for v in f"{args.workers},{args.intervals}".split(",")]
     numbers += [args.clients, args.streams, args.tokens, args.tokens_per_message, args.fake_nodes]
+    if args.pin and args.worker_cpus:
+        raise SystemExit("--worker-cpus and --pin: choose one (--pin pins the workers itself)")
     if args.clients_per_worker < 0:
         raise SystemExit("--clients-per-worker must be >= 0")
     if min(numbers) < 1:
@@ -928,6 +941,7 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         decode_policy=args.decode_policy,
         out=args.out,
         worker_listen=args.worker_listen,
+        worker_cpus=args.worker_cpus,
     )
 
 
