@@ -55,9 +55,11 @@ from bootstrap.telemetry import add_log_args
 from engine.ports import LOCALHOST as HOST
 from engine.ports import free_port
 from gateway.config import MAX_WORKERS
+from gateway.cpus import allowed_cpus, worker_cpus
 from gateway.launcher import ServerProcess, console_script, loopback_transports
 
 _POLL_S = 0.25
+_CPUS_FLAG = "--gateway-worker-cpus"
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class ClusterConfig:
     decode_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     gateway_workers: int = 1  # gateway-server --workers
+    gateway_worker_cpus: str = ""  # gateway-server --worker-cpus (checked; "": unpinned)
     gateways: int = 1  # gateway-servers on the one bootstrap, each on its own port
     ready_timeout_s: float = 600.0
     stop_grace_s: float = 15.0
@@ -143,6 +146,7 @@ class Cluster:
             self._spawn(f"decode-{i}", "decode-server", args, metrics=True)
         gateway_args = ["--bootstrap", bootstrap.address, *self._model_args(), *c.room_key_args]
         gateway_args += ["--workers", str(c.gateway_workers), *c.gateway_args]
+        gateway_args += ["--worker-cpus", c.gateway_worker_cpus] if c.gateway_worker_cpus else []
         for i in range(c.gateways):
             name = "gateway" if c.gateways == 1 else f"gateway-{i}"
             # One gateway is essential; of several, the others serve on when one dies.
@@ -420,6 +424,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--gateway-workers", type=int, default=1, help="gateway processes on its port"
     )
     parser.add_argument(
+        "--gateway-worker-cpus",
+        default="",
+        metavar="LIST",
+        help="gateway-server --worker-cpus: gateway worker i on CPU LIST[i mod len(LIST)] "
+        "(Linux cpulist, e.g. 0-3; fewer CPUs than workers: they share; with --gateways N "
+        "every gateway uses the same list)",
+    )
+    parser.add_argument(
         "--devices",
         default="",
         help="comma-separated devices given to the nodes in turn, prefill nodes first "
@@ -452,6 +464,8 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         raise ValueError(
             f"--gateway-workers must be in [1, {MAX_WORKERS}], got {args.gateway_workers}"
         )
+    if args.gateway_worker_cpus.strip():  # a bad list fails here, not in the gateway's log
+        worker_cpus(args.gateway_worker_cpus, allowed_cpus(_CPUS_FLAG), _CPUS_FLAG)
     auth = internal_auth_from_args(args)  # reads the files now: a bad path fails here
     room_tickets_from_args(args)
     return ClusterConfig(
@@ -466,6 +480,7 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         decode_args=tuple(shlex.split(args.decode_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),
         gateway_workers=args.gateway_workers,
+        gateway_worker_cpus=args.gateway_worker_cpus.strip(),
         gateways=args.gateways,
         ready_timeout_s=args.ready_timeout,
         log_dir=args.log_dir,

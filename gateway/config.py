@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from bootstrap.security import InternalAuth, RoomTickets
 from engine.generation_defaults import GenerationDefaults
+from gateway.cpus import cpu_of_worker
 
 # API key scopes. A route belongs to one scope; a key may call the routes of its scopes only
 # (403 otherwise). `inference`: the OpenAI and native generation routes and /v1/models.
@@ -160,10 +161,17 @@ class GatewayConfig:
     # kernel's hash picks one per connection; "shared", one listener whose connections the
     # worker free first takes.
     worker_listen: str = "reuseport"
+    # --worker-cpus: worker i runs on worker_cpus[i % len] (gateway/cpus.py); empty: unpinned.
+    worker_cpus: tuple[int, ...] = ()
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     tokenizer_workers: int = 1  # threads tokenizing long prompts (gateway/tokenize.py)
     # SIGTERM: /health fails and new requests get 503 at once; in-flight ones get this long.
     drain_timeout_s: float = 20.0
+
+    @property
+    def cpu(self) -> int | None:
+        """The CPU this worker runs on (--worker-cpus), None when unpinned."""
+        return cpu_of_worker(self.worker_cpus, self.worker_index)
 
     def __post_init__(self) -> None:
         if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:

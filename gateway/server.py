@@ -3,7 +3,8 @@
 Flags -> frozen `GatewayConfig` -> tokenizer -> Starlette app on uvicorn (uvloop, httptools).
 Nodes are not configured here: they are discovered from the bootstrap (`--bootstrap`). SIGINT /
 SIGTERM: uvicorn stops accepting, lets open requests finish, then the app closes its channels.
-`--workers N` (N > 1) runs N such processes on one port under a supervisor (gateway/workers.py).
+`--workers N` (N > 1) runs N such processes on one port under a supervisor (gateway/workers.py);
+`--worker-cpus LIST` pins each to a CPU (gateway/cpus.py), or the one process without --workers.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from gateway.config import (
     RequestDefaults,
     RoutingConfig,
 )
+from gateway.cpus import allowed_cpus, pin_this_process, worker_cpus
 from gateway.routing import POLICIES
 
 if TYPE_CHECKING:
@@ -70,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --workers N: reuseport, a listener per worker and the kernel's hash picks "
         "one per connection; shared, one listener, each connection taken by the worker that "
         "accepts first (a busy worker accepts later)",
+    )
+    parser.add_argument(
+        "--worker-cpus",
+        default="",
+        metavar="LIST",
+        help="pin worker i to CPU LIST[i mod len(LIST)], LIST in Linux cpulist syntax "
+        "(0-3 or 4,6,8,10; without --workers, the one process to LIST[0]); fewer CPUs than "
+        "workers: they share them in turn; a replaced worker keeps its CPU (default: unpinned)",
     )
     parser.add_argument(
         "--stream-interval",
@@ -297,6 +307,7 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         stream_interval=args.stream_interval,
         workers=args.workers,
         worker_listen=args.worker_listen,
+        worker_cpus=worker_cpus(args.worker_cpus, allowed_cpus()) if args.worker_cpus else (),
         connections=ConnectionLimits(
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
@@ -395,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
             from gateway.workers import Supervisor
 
             return Supervisor(config, log).run()
+        if config.cpu is not None:  # before the tokenizer and the server start threads
+            pin_this_process(config.cpu)
+            logger.info("gateway-server (pid %d) pinned to CPU %d", os.getpid(), config.cpu)
         from gateway.text import TextCodec
 
         codec = TextCodec.load(model_path)

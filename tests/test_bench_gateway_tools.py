@@ -8,10 +8,10 @@ import asyncio
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from gateway.cpus import worker_cpus
 from proto import node_pb2
 from scripts.bench.fake_node import FakeNodeConfig, FakeRequest, StepSource
 from scripts.bench.fake_node import build_config as fake_node_config
@@ -26,7 +26,7 @@ from scripts.bench.gateway_cpu import (
     worker_counts,
     worker_table,
 )
-from scripts.bench.pinning import group_cores, parse_cpu_list, pin_process, pinned, plan_cpus
+from scripts.bench.pinning import group_cores, parse_cpu_list, pinned, plan_cpus
 from scripts.bench.profile_split import IDLE, split
 from scripts.bench.profile_split import table as profile_table
 from scripts.bench.stream_path import _field_one
@@ -175,6 +175,8 @@ def test_cpu_plan_gives_each_gateway_worker_a_core_of_its_own() -> None:
     plan = plan_cpus(cores, gateway=4, nodes=1)
     assert plan.gateway == ((0, 8), (1, 9), (2, 10), (3, 11))
     assert plan.gateway_cpus == (0, 8, 1, 9, 2, 10, 3, 11)
+    assert plan.worker_cpus(4) == "0,1,2,3" and plan.worker_cpus(2) == "0,1"  # a thread a core
+    assert worker_cpus(plan.worker_cpus(4), range(16)) == (0, 1, 2, 3)  # what the gateway takes
     assert plan.nodes == ((4, 12),)
     assert plan.clients == (5, 13, 6, 14, 7, 15)
     every = [*plan.gateway_cpus, *(c for core in plan.nodes for c in core), *plan.clients]
@@ -195,6 +197,9 @@ def test_gateway_cpu_sizes_clients_to_the_workers() -> None:
     config = build_config(["--clients-per-worker", "2", "--pin"])
     assert config.pin and config.client_processes(4) == 8 and config.client_processes(1) == 2
     assert build_config(["--clients", "3"]).client_processes(4) == 3
+    assert build_config(["--worker-cpus", "0,1"]).worker_cpus == "0,1"
+    with pytest.raises(SystemExit):
+        build_config(["--worker-cpus", "0,1", "--pin"])  # --pin plans the workers' CPUs
     with pytest.raises(SystemExit):
         build_config(["--clients-per-worker", "-1"])
 
@@ -211,27 +216,6 @@ def test_pinned_processes_inherit_the_cpu_set() -> None:
         )
     assert child.stdout.strip() == f"[{cpu}]"
     assert os.sched_getaffinity(0) == before  # restored
-
-
-def test_pin_process_moves_every_thread() -> None:
-    cpu = min(os.sched_getaffinity(0))
-    code = (
-        "import os, sys, threading\n"
-        "threading.Thread(target=sys.stdin.readline, daemon=True).start()\n"
-        "print('up', flush=True); sys.stdin.readline()\n"
-    )
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "up"
-        pin_process(child.pid, [cpu])
-        tasks = list(Path(f"/proc/{child.pid}/task").iterdir())
-        assert len(tasks) >= 2
-        assert all(os.sched_getaffinity(int(task.name)) == {cpu} for task in tasks)
-    finally:
-        child.kill()
-        child.wait()
-    pin_process(child.pid, [cpu])  # gone: nothing to do
 
 
 def test_profile_split_buckets() -> None:

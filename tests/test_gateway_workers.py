@@ -12,14 +12,19 @@ llama with the default model's tokenizer, 1 prefill + 1 decode node, Mooncake ov
 - /health passes only once every worker serves (the supervisor's gate); the per-worker series
   (`pdserve_gateway_worker_*`: connections, tokens, node messages and their deltas) count
   each worker's share;
-- a worker killed with SIGKILL is reported and replaced; killing the supervisor takes its
-  workers down;
-- bad `--workers`, `--stream-interval` and `--gateway-workers` values exit with code 2 and a
-  message that names the flag and its range.
+- a worker killed with SIGKILL is reported and replaced (on its predecessor's CPU with
+  `--worker-cpus`); killing the supervisor takes its workers down;
+- `pd-cluster --gateway-worker-cpus A,B`: worker 0 runs on CPU A and worker 1 on B, every
+  thread of each (`/proc/<pid>/task/*/status`, Cpus_allowed_list); a one-process gateway with
+  `--worker-cpus` runs on the list's first CPU;
+- bad `--workers`, `--stream-interval`, `--worker-cpus`, `--gateway-workers` and
+  `--gateway-worker-cpus` values exit with code 2 and a message that names the flag and its
+  range.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -44,6 +49,9 @@ GATEWAY_ARGS = ["--local-prefill-max-tokens", "0"]
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "def main():"]
 MAX_TOKENS = 23  # not a multiple of INTERVAL: the last chunk is a partial one
 WAIT_S = 120.0  # bound of every poll below (a failure, never a timing assertion)
+# --worker-cpus for two workers: two CPUs this process may use (one shared on a 1-CPU host)
+CPUS = (sorted(os.sched_getaffinity(0)) * 2)[:2]
+CPU_LIST = ",".join(dict.fromkeys(str(cpu) for cpu in CPUS))  # worker i on CPUS[i]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +66,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     port = free_port()
     command = [console_script("pd-cluster"), "--model", str(tiny_model), "--port", str(port)]
     command += ["--max-total-tokens", "8192", "--gateway-workers", "2"]
+    command += ["--gateway-worker-cpus", CPU_LIST]
     args = [*GATEWAY_ARGS, "--stream-interval", str(INTERVAL)]
     command += ["--gateway-args", " ".join(args)]
     with launched_cluster(command, port, log) as running:
@@ -65,7 +74,9 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def _gateway(cluster: RunningCluster, model: Path, log: Path, *args: str) -> RunningCluster:
-    """A gateway-server on the cluster's bootstrap, ready to route (both nodes discovered)."""
+    """A gateway-server on the cluster's bootstrap, ready to route: both nodes discovered and,
+    with --workers N, every worker serving (status ok: the supervisor opens its gate up to half
+    a second after the last worker answers)."""
     port = free_port()
     command = [console_script("gateway-server"), "--bootstrap", cluster.node_address("bootstrap")]
     command += ["--model", str(model), "--port", str(port), *GATEWAY_ARGS, *args]
@@ -75,7 +86,8 @@ def _gateway(cluster: RunningCluster, model: Path, log: Path, *args: str) -> Run
         )
     gateway = RunningCluster(process, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + WAIT_S
-    while _health(gateway.url).get("prefill") != 1 or _health(gateway.url).get("decode") != 1:
+    ready = {"prefill": 1, "decode": 1, "status": "ok"}
+    while not ready.items() <= _health(gateway.url).items():
         assert process.poll() is None, log.read_text()
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.2)
@@ -117,6 +129,29 @@ def _worker_pids(url: str, want: int) -> set[int]:
         if isinstance(pid, int):
             seen.add(pid)
     return seen
+
+
+def _workers_by_index(url: str, want: int) -> dict[int, int]:
+    """Worker index -> pid, from /health answers (each on a fresh connection)."""
+    found: dict[int, int] = {}
+    deadline = time.monotonic() + WAIT_S
+    while len(found) < want:
+        assert time.monotonic() < deadline, f"only workers {found} answered"
+        body = _health(url)
+        if isinstance(body.get("worker"), int) and isinstance(body.get("pid"), int):
+            found[int(body["worker"])] = int(body["pid"])  # type: ignore[call-overload]
+    return found
+
+
+def _cpus_of_threads(pid: int) -> set[str]:
+    """The Cpus_allowed_list of every thread of a process (one value if they all agree)."""
+    lists = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    lists.add(line.split(":", 1)[1].strip())
+    return lists
 
 
 def _model_name(url: str) -> str:
@@ -313,10 +348,11 @@ def test_a_killed_worker_is_replaced_and_workers_die_with_the_supervisor(
     cluster: RunningCluster, tiny_model: Path, tmp_path: Path
 ) -> None:
     log = tmp_path / "gateway.log"
-    gateway = _gateway(cluster, tiny_model, log, "--workers", "2")
+    gateway = _gateway(cluster, tiny_model, log, "--workers", "2", "--worker-cpus", CPU_LIST)
     try:
         first = _worker_pids(gateway.url, 2)
         victim = min(first)
+        index = {pid: i for i, pid in _workers_by_index(gateway.url, 2).items()}[victim]
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + WAIT_S
         while f"pid {victim}) exited with code -9: starting another" not in gateway.log():
@@ -324,6 +360,9 @@ def test_a_killed_worker_is_replaced_and_workers_die_with_the_supervisor(
             time.sleep(0.2)
         after = _worker_pids(gateway.url, 2)
         assert victim not in after and len(after & first) == 1, (first, after)
+        successor = _workers_by_index(gateway.url, 2)[index]
+        assert successor not in first
+        assert _cpus_of_threads(successor) == {str(CPUS[index])}  # its predecessor's CPU
         gateway.process.send_signal(signal.SIGKILL)  # no chance to stop them itself
         gateway.process.wait(60)
         while any(Path(f"/proc/{pid}").exists() for pid in session_pids(gateway.process.pid)):
@@ -334,9 +373,32 @@ def test_a_killed_worker_is_replaced_and_workers_die_with_the_supervisor(
             _stop(gateway)
 
 
+def test_pd_cluster_pins_each_gateway_worker_to_its_cpu(cluster: RunningCluster) -> None:
+    for index, pid in _workers_by_index(cluster.url, 2).items():
+        status = Path(f"/proc/{pid}/status").read_text()
+        assert f"Cpus_allowed_list:\t{CPUS[index]}\n" in status, (index, pid, status)
+        assert _cpus_of_threads(pid) == {str(CPUS[index])}, (index, pid)  # every thread
+
+
+def test_a_one_process_gateway_runs_on_the_lists_first_cpu(
+    cluster: RunningCluster, tiny_model: Path, tmp_path: Path
+) -> None:
+    cpus = ",".join(dict.fromkeys(str(cpu) for cpu in reversed(CPUS)))  # CPUS[1] first
+    gateway = _gateway(cluster, tiny_model, tmp_path / "gateway.log", "--worker-cpus", cpus)
+    try:
+        pid = _health(gateway.url)["pid"]
+        assert pid == gateway.process.pid, gateway.log()  # no supervisor: the server itself
+        assert _cpus_of_threads(pid) == {str(CPUS[1])}, gateway.log()
+        assert f"pinned to CPU {CPUS[1]}" in gateway.log()
+    finally:
+        _stop(gateway)
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
+        ("--worker-cpus", "0-x", "--worker-cpus '0-x': '0-x' is not a CPU number or range"),
+        ("--worker-cpus", "8191", "--worker-cpus: CPU 8191 is not one this process may run on"),
         ("--workers", "0", "--workers must be in [1, 256] processes, got 0"),
         ("--workers", "100000", "--workers must be in [1, 256] processes, got 100000"),
         ("--stream-interval", "0", "--stream-interval must be in [1, 4096] tokens, got 0"),
@@ -357,6 +419,13 @@ def test_bad_gateway_workers_flag_of_pd_cluster() -> None:
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "--gateway-workers must be in [1, 256], got 0" in result.stderr
+
+
+def test_bad_gateway_worker_cpus_flag_of_pd_cluster() -> None:
+    command = [console_script("pd-cluster"), "--gateway-worker-cpus", "3-1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "--gateway-worker-cpus '3-1': the range '3-1' runs backwards" in result.stderr
 
 
 def test_a_taken_port_fails_the_supervisor_at_once(tiny_model: Path) -> None:

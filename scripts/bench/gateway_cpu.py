@@ -48,13 +48,17 @@ with `--workers 1` worker 0 uses fake-00 alone. Every row prints, per worker, th
 requests went to (the gateway's `pdserve_gateway_worker_node_requests` counter) and each fake
 node's CPU, so a run shows whether the pinning held.
 
-With `--pin` (scripts/bench/pinning.py) every gateway worker gets a physical core of its own
-(all its hardware threads), the fake nodes a core each, the clients the cores left, planned
-once for the largest `--workers` so that every row runs on the same cores; `--clients-per-worker`
-sizes the client processes to each row's workers.
+With `--pin` (scripts/bench/pinning.py) every gateway worker gets a physical core of its own,
+the fake nodes a core each, the clients the cores left, planned once for the largest `--workers`
+so that every row runs on the same cores; `--clients-per-worker` sizes the client processes to
+each row's workers. The gateway workers are pinned by the product itself, `gateway-server
+--worker-cpus` with the first hardware thread of each worker's core (the measured setting is the
+one a deployment gets; on an SMT host the core's other threads stay idle, given to no client);
+the bench pins the fake nodes and the clients itself.
 
     python -m scripts.bench.gateway_cpu [--workers 1,2] [--intervals 1,8] [--duration 10]
     python -m scripts.bench.gateway_cpu --pin --workers 1,4 --clients-per-worker 2
+    python -m scripts.bench.gateway_cpu --workers 2 --worker-cpus 0,1  (only the gateway pinned)
     python -m scripts.bench.gateway_cpu --workers 1,2 --intervals 1 --step-ms 10 --out x.md
 """
 
@@ -82,6 +86,7 @@ from pathlib import Path
 
 from engine.ports import LOCALHOST, free_port
 from gateway.config import WORKER_LISTEN
+from gateway.cpus import format_cpu_list
 from gateway.launcher import (
     ServerProcess,
     bootstrap_ready,
@@ -91,7 +96,7 @@ from gateway.launcher import (
     session_pids,
 )
 from gateway.routing import POLICIES
-from scripts.bench.pinning import CpuPlan, host_cores, pin_process, pinned, plan_cpus
+from scripts.bench.pinning import CpuPlan, host_cores, pinned, plan_cpus
 from scripts.serving.procstat import CLOCK_TICKS
 from scripts.serving.procstat import cpu_seconds as process_cpu_seconds
 
@@ -128,6 +133,7 @@ class BenchConfig:
     decode_policy: str = "kv_aware"  # the gateway's --decode-policy
     out: Path | None = None  # the tables are written here too
     worker_listen: str = "reuseport"  # the gateway's --worker-listen
+    worker_cpus: str = ""  # the gateway's --worker-cpus without --pin ("": unpinned)
 
     def client_processes(self, workers: int) -> int:
         return self.clients_per_worker * workers if self.clients_per_worker else self.clients
@@ -355,15 +361,13 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
     command += ["--max-connections-per-client", "100000"]
     command += ["--host", LOCALHOST, "--port", str(port)]
     log = config.log_dir / f"gateway-w{workers}-k{interval}.log"
-    plan = source.plan
-    with pinned(_cpus(plan.gateway[:workers]) if plan else None):
-        gateway = ServerProcess.start(
-            "gateway", command, address=f"{LOCALHOST}:{port}", log_path=log
-        )
+    if source.plan is not None:  # the product's own pinning: worker i on its core's first CPU
+        command += ["--worker-cpus", source.plan.worker_cpus(workers)]
+    elif config.worker_cpus:
+        command += ["--worker-cpus", config.worker_cpus]
+    gateway = ServerProcess.start("gateway", command, address=f"{LOCALHOST}:{port}", log_path=log)
     try:
         _wait_gateway(gateway, f"http://{LOCALHOST}:{port}", config.fake_nodes)
-        if plan is not None:
-            _pin_workers(gateway.pid, plan.gateway[:workers])
         body = {
             "model": _served_name(port),
             "prompt": list(range(1000, 1016)),
@@ -377,6 +381,9 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
         pids = worker_pids(port, workers) if workers > 1 else {0: gateway.pid}
         if len(pids) < workers:
             print(f"  only workers {sorted(pids)} of {workers} answered /health", flush=True)
+        if source.plan is not None or config.worker_cpus:  # show that --worker-cpus held
+            on = ", ".join(f"{i} on {_affinity(pid)}" for i, pid in sorted(pids.items()))
+            print(f"  --worker-cpus: gateway workers {on}", flush=True)
         row = _load(config, source, gateway, port, request, (workers, interval), pids)
         routes = requests_by_worker(_metrics(port))
         for worker, nodes in sorted(routes.items()):
@@ -461,20 +468,12 @@ def worker_pids(port: int, workers: int, deadline_s: float = 20.0) -> dict[int, 
     return found
 
 
-def _cpus(cores: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
-    return tuple(c for core in cores for c in core)
-
-
-def _pin_workers(leader: int, cores: tuple[tuple[int, ...], ...]) -> None:
-    """Each gateway worker (the server itself when it has one; else the supervisor's spawned
-    children) onto a core of its own; all of them started inside the cores' union."""
-    served = _worker_pids(leader, len(cores))
-    if len(served) != len(cores):
-        print(f"  --pin: found {len(served)} gateway workers, not {len(cores)}: they share "
-              f"CPUs {_cpus(cores)}", flush=True)  # fmt: skip
-        return
-    for core, pid in zip(cores, served, strict=True):
-        pin_process(pid, core)
+def _affinity(pid: int) -> str:
+    """The CPUs a process may run on, as a cpulist ('?' once it is gone)."""
+    try:
+        return format_cpu_list(sorted(os.sched_getaffinity(pid)))
+    except OSError:
+        return "?"
 
 
 def _worker_pids(leader: int, workers: int) -> list[int]:
@@ -901,9 +900,18 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         choices=WORKER_LISTEN,
         help="the gateway's --worker-listen: a listener per worker (reuseport) or one shared",
     )
+    parser.add_argument(
+        "--worker-cpus",
+        default="",
+        metavar="LIST",
+        help="the gateway's --worker-cpus (worker i on CPU LIST[i mod len]), the rest unpinned; "
+        "--pin sets it from its plan instead",
+    )
     args = parser.parse_args(argv)
     numbers = [int(v) for v in f"{args.workers},{args.intervals}".split(",")]
     numbers += [args.clients, args.streams, args.tokens, args.tokens_per_message, args.fake_nodes]
+    if args.pin and args.worker_cpus:
+        raise SystemExit("--worker-cpus and --pin: choose one (--pin pins the workers itself)")
     if args.clients_per_worker < 0:
         raise SystemExit("--clients-per-worker must be >= 0")
     if min(numbers) < 1:
@@ -933,6 +941,7 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         decode_policy=args.decode_policy,
         out=args.out,
         worker_listen=args.worker_listen,
+        worker_cpus=args.worker_cpus,
     )
 
 

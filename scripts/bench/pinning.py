@@ -7,13 +7,13 @@ that are not the gateway's. `plan_cpus` gives each gateway worker a physical cor
 (all its hardware threads: the worker's event loop on one, its gRPC threads free to use the
 other), each token-source process a core of its own, and the client processes every hardware
 thread left. `pinned` starts processes inside a CPU set (what a process starts inherits its
-affinity, threads and children included); `pin_process` moves a running process, every thread.
+affinity, threads and children included). The gateway pins its own workers
+(`gateway-server --worker-cpus`, one CPU a worker): `CpuPlan.worker_cpus` is that flag's value.
 
     plan = plan_cpus(host_cores(), gateway=4, nodes=1)
-    with pinned(plan.gateway_cpus):
-        start the gateway
-    for core, worker in zip(plan.gateway, worker_pids):
-        pin_process(worker, core)
+    with pinned(plan.nodes[0]):
+        start the token source
+    start gateway-server --workers 4 --worker-cpus plan.worker_cpus(4)
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ class CpuPlan:
     @property
     def gateway_cpus(self) -> tuple[int, ...]:
         return tuple(c for core in self.gateway for c in core)
+
+    def worker_cpus(self, workers: int) -> str:
+        """`gateway-server --worker-cpus` for the first `workers` gateway cores: the first
+        hardware thread of each (the product pins a worker to one CPU; the core's other
+        threads are in no other set, so nothing else runs there)."""
+        return ",".join(str(core[0]) for core in self.gateway[:workers])
 
     def describe(self) -> str:
         return (
@@ -100,15 +106,6 @@ def parse_cpu_list(text: str) -> Core:
 
 def _cpu_list(cpus: Sequence[int]) -> str:
     return ",".join(str(c) for c in cpus)
-
-
-def pin_process(pid: int, cpus: Sequence[int]) -> None:
-    """Every thread of a running process onto `cpus` (the threads it starts later inherit it).
-    A thread or process that exits meanwhile is skipped."""
-    with contextlib.suppress(FileNotFoundError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(int(task.name), cpus)
 
 
 @contextlib.contextmanager
