@@ -53,7 +53,13 @@ from engine.grammar import GrammarCompiler
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Req
 from engine.sampling import sample_tokens
-from engine.scheduler import Scheduler, StepOutput, StopChecker, graph_samples
+from engine.scheduler import (
+    Scheduler,
+    StepOutput,
+    StopChecker,
+    graph_samples,
+    sampling_rows,
+)
 from engine.step_prep import PackedDecodeStep
 
 
@@ -131,9 +137,7 @@ class OverlapScheduler(Scheduler):
     def _launch(self, reqs: list[Req], lens: list[int], prev: LaunchedStep | None) -> LaunchedStep:
         future = prev.tokens if prev is not None and prev.sampled else None
         batch = self.runner.build_batch(reqs, lens, future)
-        rows = [
-            i for i, (req, n) in enumerate(zip(reqs, lens, strict=True)) if req.pending_len == n
-        ]
+        rows = sampling_rows(reqs, lens)
         if graph_samples(batch, reqs, rows):
             assert isinstance(batch, PackedDecodeStep)
             tokens = self.runner.forward_tokens(batch)

@@ -116,6 +116,12 @@ def record_prompt_logprobs(req: Req, token_logits: torch.Tensor) -> None:
         req.prompt_logprobs[start + 1 + j] = PromptLogprob(chosen[j], top_pairs)
 
 
+def sampling_rows(reqs: list[Req], lens: list[int]) -> list[int]:
+    """The batch rows that sample a token at this step: the requests whose `lens[i]` tokens are
+    all they have pending (a chunk that leaves part of the prompt for later samples nothing)."""
+    return [i for i, (req, n) in enumerate(zip(reqs, lens, strict=True)) if req.pending_len == n]
+
+
 def graph_samples(batch: object, reqs: list[Req], rows: list[int]) -> bool:
     """True when a step's CUDA graph picks its tokens (engine/cuda_graph.py): a step-prep
     decode step whose every request samples, greedily, with no penalty, grammar or logprobs
@@ -266,19 +272,19 @@ class Scheduler:
             return dropped
         composition = self._composition(reqs, lens)
         batch = self.runner.build_batch(reqs, lens)
-        rows = [i for i, (r, n) in enumerate(zip(reqs, lens, strict=True)) if r.pending_len == n]
+        rows = sampling_rows(reqs, lens)
         t0 = time.perf_counter()
         if graph_samples(batch, reqs, rows):
             assert isinstance(batch, PackedDecodeStep)
             tokens = self.runner.forward_tokens(batch)
             forward_s = time.perf_counter() - t0  # the launch, as for `forward` below
-            outputs = dropped + self._process(reqs, lens, None, tokens.tolist())
+            outputs = dropped + self._process(reqs, lens, rows, None, tokens.tolist())
         else:
             logits = self.runner.forward(batch)
             forward_s = time.perf_counter() - t0
             for row, token_logits in batch.token_logits.items():
                 record_prompt_logprobs(reqs[row], token_logits)
-            outputs = dropped + self._process(reqs, lens, logits)
+            outputs = dropped + self._process(reqs, lens, rows, logits)
         self._record_stats(composition, forward_s, start)
         return outputs
 
@@ -381,15 +387,17 @@ class Scheduler:
 
     # ---- after the forward ---------------------------------------------------------------
     def _process(  # type: ignore[no-untyped-def]
-        self, reqs: list[Req], lens: list[int], logits, tokens: list[int] | None = None
+        self,
+        reqs: list[Req],
+        lens: list[int],
+        sample_rows: list[int],
+        logits,
+        tokens: list[int] | None = None,
     ) -> list[StepOutput]:
-        """Sample from `logits`, or take `tokens` (every request's, picked by the CUDA graph),
-        and move each request on."""
-        sample_rows = []
-        for i, (req, n) in enumerate(zip(reqs, lens, strict=True)):
+        """Sample rows `sample_rows` (`sampling_rows`) from `logits`, or take `tokens` (every
+        request's, picked by the CUDA graph), and move each request on."""
+        for req, n in zip(reqs, lens, strict=True):
             req.kv_len += n
-            if req.pending_len == 0:
-                sample_rows.append(i)
         if not sample_rows:
             return []
         samplers = [reqs[i].sampler for i in sample_rows]
