@@ -79,8 +79,9 @@ def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
     return min(runs), statistics.median(runs)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_kv_shape_args(parser: argparse.ArgumentParser) -> None:
+    """Prompt lengths and the KV pool's shape (Llama-3-8B's by default) split into layer
+    groups: the flags of the layer-streaming benches."""
     parser.add_argument("--lengths", default="2048,8192")
     parser.add_argument("--layers", type=int, default=32, help="Llama-3-8B's shape by default")
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -88,6 +89,11 @@ def main() -> None:
     parser.add_argument("--dtype-bytes", type=int, default=2)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--groups", type=int, default=8)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_kv_shape_args(parser)
     parser.add_argument("--decode-tp", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=50)
     args = parser.parse_args()

@@ -49,6 +49,7 @@ from kvtransfer.nixl import NixlEngine
 from kvtransfer.room import RoomDestination
 from kvtransfer.sender import KVSender
 from prefill_node.layer_stream import ChunkPages, ForwardWrites, LayerStreamer, StreamConfig
+from scripts.bench.layer_plan import add_kv_shape_args
 
 MODES = ("off", "inline", "poster")
 PARTS = ("plan", "check", "descs", "init", "post", "total", "prepped make", "prepped post")
@@ -230,13 +231,7 @@ def stat(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", default="2048,8192")
-    parser.add_argument("--layers", type=int, default=32, help="Llama-3-8B's shape by default")
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype-bytes", type=int, default=2)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--groups", type=int, default=8)
+    add_kv_shape_args(parser)
     parser.add_argument("--repeat", type=int, default=3, help="prompts per length (part 1)")
     parser.add_argument("--forwards", type=int, default=3, help="forwards per mode (part 2)")
     parser.add_argument("--layer-ms", default="1.5,7.0", help="per length: one layer's compute")
