@@ -31,6 +31,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -38,11 +39,12 @@ import pytest
 
 from engine.ports import free_port
 from gateway.app import Gateway
-from gateway.config import GatewayConfig, LimitsConfig, ModelInfo, RoutingConfig
+from gateway.config import GatewayConfig, ModelInfo
 from gateway.launcher import console_script, session_pids
 from gateway.text import TextCodec
 from scripts.tiny_models import save_tiny_text_model
 from tests.test_gateway import RunningCluster, launched_cluster
+from tests.test_gateway_units import LIMITS, ROUTING
 
 INTERVAL = 5
 GATEWAY_ARGS = ["--local-prefill-max-tokens", "0"]
@@ -213,21 +215,9 @@ def test_health_waits_until_every_worker_serves(default_model_dir: Path) -> None
     """A worker whose peers are still starting answers /health 503 "starting" (load sent then
     would pile onto the workers that listen already); once the supervisor's gate opens, the
     usual checks decide (here: no node yet)."""
-    limits = LimitsConfig(
-        max_inflight=8, max_body_bytes=1 << 20, max_n=4, max_stop=4, max_stop_chars=64
-    )
-    routing = RoutingConfig(
-        prefill_policy="least_load",
-        decode_policy="least_load",
-        local_prefill_max_tokens=4,
-        max_attempts=3,
-        node_cooldown_s=5.0,
-        prefix_block_tokens=4,
-        prefix_max_blocks=1000,
-        prefix_balance_slack=2,
-    )
+    routing = replace(ROUTING, prefill_policy="least_load", decode_policy="least_load")
     model = ModelInfo(str(default_model_dir), "m", 64)
-    config = GatewayConfig("127.0.0.1", 1, "b:1", model, limits, routing, workers=2)
+    config = GatewayConfig("127.0.0.1", 1, "b:1", model, LIMITS, routing, workers=2)
     gate: list[bool] = [False]
     gateway = Gateway(config, TextCodec.load(default_model_dir), None, lambda: gate[0])
     answer = gateway.health()
