@@ -104,6 +104,9 @@ class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
         counts = self.rooms.counts()
         return f"#prealloc-req {counts[PREALLOC]}, #transfer-req {counts[TRANSFER]}"
 
+    def close(self) -> None:
+        pass  # no thread of its own
+
     def abort(self, scheduler: Scheduler, rid: str) -> Req | None:
         entry = self.rooms.find(rid)
         if entry is None or entry.phase is QUARANTINE:

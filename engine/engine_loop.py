@@ -85,6 +85,11 @@ class NodeRole(Protocol):
         """The PD queue sizes for the step log line, e.g. `#prealloc-req 2, #transfer-req 1`."""
         ...
 
+    def close(self) -> None:
+        """Stop the role's own threads (a prefill role's layer-group poster), on the engine
+        thread: once another role replaced it, or when the loop ends."""
+        ...
+
 
 logger = logging.getLogger("pdserve.engine")
 
@@ -269,7 +274,10 @@ class EngineLoop:
                 f"{len(scheduler.live_requests())} in the scheduler): drain it before switching "
                 "its role"
             )
+        old = self.role
         self._bind_role(role)
+        if old is not None:
+            old.close()
 
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -278,6 +286,8 @@ class EngineLoop:
             while not self._stop.is_set():
                 self._drain_commands(self._idle_wait())
                 self._step()
+            if self.role is not None:
+                self.role.close()
         except BaseException as exc:  # the node cannot serve without its loop: report, die
             logger.exception("engine loop crashed: %s", exc)
             self.fatal_error = exc

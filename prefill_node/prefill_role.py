@@ -194,6 +194,10 @@ class PrefillRole(RoomRole[PrefillPhase, PrefillEntry]):
         inflight, waiting = self.load_queues()
         return f"#bootstrap-req {waiting}, #inflight-req {inflight}"
 
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+
     def abort(self, scheduler: Scheduler, rid: str) -> Req | None:
         entry = self.rooms.find(rid)
         if entry is None or entry.phase not in (BOOTSTRAP, ACTIVE):

@@ -67,6 +67,9 @@ class InterludeRole:
     def queue_summary(self) -> str:
         return ""
 
+    def close(self) -> None:
+        pass
+
 
 def _req(rid: str, prompt_len: int) -> Req:
     params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)

@@ -33,6 +33,7 @@ class PollingRole:
         self.stepped = threading.Condition()
         self.wake: Callable[[], None] = lambda: None
         self.layer_stream = None
+        self.closed = threading.Event()
 
     @property
     def has_work(self) -> bool:
@@ -69,6 +70,9 @@ class PollingRole:
     def queue_summary(self) -> str:
         return ""
 
+    def close(self) -> None:
+        self.closed.set()
+
     def wait_steps(self, count: int, timeout_s: float) -> bool:
         """Whether `count` more steps ran within `timeout_s`."""
         with self.stepped:
@@ -77,15 +81,19 @@ class PollingRole:
 
 
 @pytest.fixture
-def role(tiny_model_dir) -> Iterator[PollingRole]:
+def loop(tiny_model_dir) -> Iterator[EngineLoop]:
     engine = build_engine(EngineConfig(str(Path(tiny_model_dir("llama"))), max_total_tokens=256))
-    role = PollingRole()
-    loop = EngineLoop(engine.scheduler, LoopConfig(idle_poll_s=0.05), role=role)  # type: ignore[arg-type]
+    loop = EngineLoop(engine.scheduler, LoopConfig(idle_poll_s=0.05), role=PollingRole())  # type: ignore[arg-type]
     LoopOutput(loop)
     loop.start()
-    yield role
+    yield loop
     loop.stop()
     assert loop.fatal_error is None
+
+
+@pytest.fixture
+def role(loop: EngineLoop) -> PollingRole:
+    return loop.role  # type: ignore[return-value]
 
 
 def test_nothing_to_poll_waits_for_a_command(role: PollingRole) -> None:
@@ -108,3 +116,13 @@ def test_a_wakeup_ends_a_long_pause(role: PollingRole) -> None:
     role.wait_steps(1, 5)  # now waiting its 30 s pause
     role.wake()  # e.g. Mooncake's waiter: a write ended
     assert role.wait_steps(1, timeout_s=5)
+
+
+def test_a_replaced_role_and_the_last_one_are_closed(loop: EngineLoop) -> None:
+    """A role's threads (a prefill role's group poster) stop when a switch replaces it, and the
+    role bound when the loop ends is closed too."""
+    first, second = loop.role, PollingRole()
+    loop.replace_role(second).result(timeout=10)  # type: ignore[arg-type]
+    assert first.closed.wait(5) and not second.closed.is_set()  # type: ignore[union-attr]
+    loop.stop()
+    assert second.closed.is_set()
