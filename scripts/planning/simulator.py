@@ -6,11 +6,22 @@ prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from 
 - gateway: each arrival goes to the decode node and the prefill node with the fewest requests
   in flight (least load); tokens reach the client `gateway_s` after the node emits them.
 - decode node, disaggregated: prealloc queue (FIFO) -> admitted when fewer than
-  max_running_requests are busy and the KV pool holds prompt + decode_headroom tokens -> the
-  destination reaches the prefill node `handoff_s` later -> prefill (below) -> KV bytes and
-  P's DONE through bootstrap (`transfer_s`) -> at the node's next step boundary the request
-  joins the running batch and its first token (sampled by P) is emitted -> one token per
-  decode step until output_len.
+  max_running_requests are busy and the KV pool holds prompt + decode_headroom tokens beside
+  a page per decoding request (only the prompt's pages are taken) -> the destination reaches
+  the prefill node `handoff_s` later -> prefill (below) -> KV bytes and P's DONE through
+  bootstrap (`transfer_s`) -> at the node's next step boundary the request joins the running
+  batch and its first token (sampled by P) is emitted -> one token per decode step until
+  output_len.
+- KV memory and retraction (decode and colocated nodes, as engine/scheduler.py): pages of
+  `page_size` tokens, `max_total_tokens // page_size` of them. Each decode step needs one more
+  KV slot per decoding request; when the pool is short the newest running request is retracted:
+  its pages go back (its full pages into the node's prefix cache: evictable, least recently
+  used first, whole), it goes to the front of the node's waiting queue with its generated
+  tokens, and when the node can admit it again (a page kept per decoding request, its first
+  chunk's pages) it is prefilled again on that node, prompt + generated tokens less the cached
+  pages it finds again, in chunks beside the decoding batch; the chunk that ends it samples
+  its next token. A request alone that outgrows the pool is aborted (error
+  `kv_pool_exhausted`). Retractions and recomputed tokens are counted per node.
 - prefill node: waiting queue (FIFO); a step carries partially prefilled requests first, then
   new ones, under the chunked_prefill_size token budget; a request whose last chunk ran starts
   its transfer (transfer_s of its prompt). The node reports DONE as soon as the transfer
@@ -18,7 +29,8 @@ prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from 
   layers), but frees the pages only between steps: a transfer that completes during a step
   holds its pages until that step's end.
 - colocated node: one scheduler; a step carries every decoding request plus prefill chunks under
-  the budget; a request's first token is emitted at the end of its last prefill chunk.
+  the budget (admission by the first chunk's pages, as above, not the whole output); a
+  request's first token is emitted at the end of its last prefill chunk.
 - shared host (CPU): with host_cores > 0 the cores are shared (processor sharing): while k
   nodes are stepping, each step progresses at 1 / max(1, (k * threads_per_node + b) /
   host_cores) of its profiled speed, re-evaluated whenever a step starts or ends, so a long
@@ -33,8 +45,9 @@ prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from 
 Prefix cache hits: an arrival's `cached_len` leading tokens are not computed by whichever node
 prefills it (their attention is: each chunk's pairs count its prefix), as if routing always
 found the node holding them (`kv_aware`); their KV is still counted whole in each request's
-pages and sent whole from a prefill node. Not modelled: retraction, multi-turn sessions,
-network jitter.
+pages and sent whole from a prefill node. Not modelled: multi-turn sessions, network jitter,
+a decode node's prefix hits on new prompts, and a prefill node's chunk-by-chunk page
+reservation (it holds a prompt's pages whole from admission).
 """
 
 from __future__ import annotations
