@@ -275,6 +275,11 @@ def test_the_predicted_table_compares_the_best_split_per_phase_with_the_best_sta
     table = prediction_table(made_up, workload)
     assert "| best split per phase, switches free | 100% | 100% | 3.000 |" in table
     assert "ideal planner / best static split: 1.29x" in table  # 90 / 70
+    # Each split's retractions per phase, with the tokens prefilled again after them.
+    retracting = Prediction("2P1D", (1.0, 0.5), retractions=(0, 3), recomputed=(0, 400))
+    assert "| 2P1D | 100% | 50% | 2.167 | 0 (0) / 3 (400) |" in prediction_table(
+        [retracting], workload
+    )
 
 
 def test_the_search_ranks_pairings_by_what_an_ideal_planner_gains() -> None:

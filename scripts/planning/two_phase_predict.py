@@ -32,6 +32,7 @@ class Prediction:
     split: str
     attainment: tuple[float, ...]  # per phase
     retractions: tuple[int, ...] = ()  # per phase: requests its nodes retracted (KV short)
+    recomputed: tuple[int, ...] = ()  # per phase: tokens prefilled again after them
 
     def goodput(self, workload: Workload) -> float:
         """Requests meeting the SLO per second over the whole run."""
@@ -44,7 +45,7 @@ def predict(profile: NodeProfile, workload: Workload, splits: Sequence[Split],
             host: HostConfig) -> list[Prediction]:  # fmt: skip
     rows = []
     for split in splits:
-        attainment, retractions = [], []
+        attainment, retractions, recomputed = [], [], []
         for i, phase in enumerate(workload.phases):
             dataset = DatasetConfig("random", 1000, seed=workload.seed + 1000 * (i + 1),
                                     input_len=phase.input_len, output_len=phase.output_len,
@@ -54,17 +55,21 @@ def predict(profile: NodeProfile, workload: Workload, splits: Sequence[Split],
             outcome = simulate_outcome(profile, split, dataset, load, workload.slo, host)
             attainment.append(float(outcome.summary.slo_attainment or 0.0))
             retractions.append(outcome.retractions)
-        rows.append(Prediction(split.name, tuple(attainment), tuple(retractions)))
+            recomputed.append(outcome.recomputed_tokens)
+        rows.append(Prediction(split.name, tuple(attainment), tuple(retractions),
+                               tuple(recomputed)))  # fmt: skip
     return rows
 
 
 def prediction_table(rows: Sequence[Prediction], workload: Workload) -> str:
     names = " | ".join(p.name for p in workload.phases)
-    lines = [f"| split | {names} | whole-run goodput req/s | retractions per phase |",
+    lines = [f"| split | {names} | whole-run goodput req/s | retractions per phase "
+             "(tokens prefilled again) |",
              "|---|" + "---:|" * (len(workload.phases) + 2)]  # fmt: skip
     for row in rows:
         cells = " | ".join(f"{a:.0%}" for a in row.attainment)
-        retracted = " / ".join(str(n) for n in row.retractions) or "-"
+        retracted = " / ".join(f"{n} ({t})" for n, t in zip(row.retractions, row.recomputed,
+                                                               strict=True)) or "-"  # fmt: skip
         lines.append(f"| {row.split} | {cells} | {row.goodput(workload):.3f} | {retracted} |")
     best_static = max(r.goodput(workload) for r in rows)
     ideal = Prediction("ideal planner", tuple(max(r.attainment[i] for r in rows)
