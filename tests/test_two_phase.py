@@ -269,12 +269,18 @@ def test_the_predicted_table_compares_the_best_split_per_phase_with_the_best_sta
     rows = predict(_profile(), workload, [Split(1, 2), Split(2, 1)], HostConfig())
     assert [r.split for r in rows] == ["1P2D", "2P1D"]
     assert all(0.0 <= a <= 1.0 for r in rows for a in r.attainment)
+    assert all(len(r.retractions) == len(r.recomputed) == 2 for r in rows)  # one per phase
     made_up = [Prediction("1P2D", (0.5, 1.0)), Prediction("2P1D", (1.0, 0.5))]
     # 1P2D: (0.5 x 2 req/s x 20 s + 1.0 x 5 x 10) / 30 s; 2P1D: (40 + 25) / 30
     assert made_up[0].goodput(workload) == pytest.approx(70 / 30)
     table = prediction_table(made_up, workload)
     assert "| best split per phase, switches free | 100% | 100% | 3.000 |" in table
     assert "ideal planner / best static split: 1.29x" in table  # 90 / 70
+    # Each split's retractions per phase, with the tokens prefilled again after them.
+    retracting = Prediction("2P1D", (1.0, 0.5), retractions=(0, 3), recomputed=(0, 400))
+    assert "| 2P1D | 100% | 50% | 2.167 | 0 (0) / 3 (400) |" in prediction_table(
+        [retracting], workload
+    )
 
 
 def test_the_search_ranks_pairings_by_what_an_ideal_planner_gains() -> None:

@@ -633,8 +633,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def node_profile(args: argparse.Namespace) -> NodeProfile:
     """`--profile` with the nodes' KV pool and running cap where given: a node's capacity in
-    streams (a decode node holds pool / (prompt + output) long requests) is the node's flag,
-    not the profiled host's."""
+    streams (a decode node holds about pool / (prompt + output) long requests at full length,
+    more with retractions) is the node's flag, not the profiled host's."""
     profile = NodeProfile.load(args.profile)
     if args.node_max_total_tokens is not None:
         profile = replace(profile, max_total_tokens=args.node_max_total_tokens)

@@ -45,6 +45,13 @@ def arrivals(dataset: DatasetConfig, load: LoadConfig) -> list[Arrival]:
     return out
 
 
+@dataclass(frozen=True)
+class SimOutcome:
+    summary: Summary
+    retractions: int  # on every node over the whole simulated run, warm-up included
+    recomputed_tokens: int  # prefilled again after those retractions
+
+
 def simulate(
     profile: NodeProfile,
     split: Split,
@@ -57,11 +64,26 @@ def simulate(
     """The simulated run's summary. With `score_after_s`, only the requests that arrive from
     then on are scored (the earlier ones fill the queues and batches: a steady state, where a
     run from an empty cluster flatters an overloaded split)."""
+    return simulate_outcome(profile, split, dataset, load, slo, host, score_after_s).summary
+
+
+def simulate_outcome(
+    profile: NodeProfile,
+    split: Split,
+    dataset: DatasetConfig,
+    load: LoadConfig,
+    slo: SLO,
+    host: HostConfig,
+    score_after_s: float = 0.0,
+) -> SimOutcome:
+    """`simulate`'s summary with the run's retractions beside it."""
     sim = Simulation(profile, split.prefill, split.decode, host, load.max_concurrency)
     traces = sim.run(arrivals(dataset, load))
     scored = [t for t in traces if t.sent >= score_after_s] or traces[-1:]
     duration = max(t.done for t in scored) - min(score_after_s, min(t.sent for t in scored))
-    return summarize(scored, max(duration, 1e-9), slo)
+    summary = summarize(scored, max(duration, 1e-9), slo)
+    recomputed = sum(node.recomputed_tokens for node in sim.nodes)
+    return SimOutcome(summary, sim.retractions, recomputed)
 
 
 def max_rate(

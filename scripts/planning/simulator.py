@@ -6,11 +6,23 @@ prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from 
 - gateway: each arrival goes to the decode node and the prefill node with the fewest requests
   in flight (least load); tokens reach the client `gateway_s` after the node emits them.
 - decode node, disaggregated: prealloc queue (FIFO) -> admitted when fewer than
-  max_running_requests are busy and the KV pool holds prompt + decode_headroom tokens -> the
-  destination reaches the prefill node `handoff_s` later -> prefill (below) -> KV bytes and
-  P's DONE through bootstrap (`transfer_s`) -> at the node's next step boundary the request
-  joins the running batch and its first token (sampled by P) is emitted -> one token per
-  decode step until output_len.
+  max_running_requests are busy and the KV pool holds prompt + decode_headroom tokens beside
+  a page per decoding request (only the prompt's pages are taken) -> the destination reaches
+  the prefill node `handoff_s` later -> prefill (below) -> KV bytes and P's DONE through
+  bootstrap (`transfer_s`) -> at the node's next step boundary the request joins the running
+  batch and its first token (sampled by P) is emitted -> one token per decode step until
+  output_len.
+- KV memory and retraction (decode and colocated nodes, as engine/scheduler.py): pages of
+  `page_size` tokens, `max_total_tokens // page_size` of them. Each decode step needs one more
+  KV slot per decoding request; when the pool is short the newest running request is retracted:
+  its pages go back (its full pages into the node's prefix cache: evictable, least recently
+  used first, whole), it goes to the front of the node's waiting queue with its generated
+  tokens, and when the node can admit it again (a page kept per decoding request, its first
+  chunk's pages; on a decode node after that step's prealloc admissions, as the decode role
+  runs before the scheduler) it is prefilled again on that node, prompt + generated tokens
+  less the cached pages it finds again, in chunks beside the decoding batch; the chunk that
+  ends it samples its next token. A request alone that outgrows the pool is aborted (error
+  `kv_pool_exhausted`). Retractions and recomputed tokens are counted per node.
 - prefill node: waiting queue (FIFO); a step carries partially prefilled requests first, then
   new ones, under the chunked_prefill_size token budget; a request whose last chunk ran starts
   its transfer (transfer_s of its prompt). The node reports DONE as soon as the transfer
@@ -18,7 +30,8 @@ prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from 
   layers), but frees the pages only between steps: a transfer that completes during a step
   holds its pages until that step's end.
 - colocated node: one scheduler; a step carries every decoding request plus prefill chunks under
-  the budget; a request's first token is emitted at the end of its last prefill chunk.
+  the budget (admission by the first chunk's pages, as above, not the whole output); a
+  request's first token is emitted at the end of its last prefill chunk.
 - shared host (CPU): with host_cores > 0 the cores are shared (processor sharing): while k
   nodes are stepping, each step progresses at 1 / max(1, (k * threads_per_node + b) /
   host_cores) of its profiled speed, re-evaluated whenever a step starts or ends, so a long
@@ -33,8 +46,9 @@ prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from 
 Prefix cache hits: an arrival's `cached_len` leading tokens are not computed by whichever node
 prefills it (their attention is: each chunk's pairs count its prefix), as if routing always
 found the node holding them (`kv_aware`); their KV is still counted whole in each request's
-pages and sent whole from a prefill node. Not modelled: retraction, multi-turn sessions,
-network jitter.
+pages and sent whole from a prefill node. Not modelled: multi-turn sessions, network jitter,
+a decode node's prefix hits on new prompts, and a prefill node's chunk-by-chunk page
+reservation (it holds a prompt's pages whole from admission).
 """
 
 from __future__ import annotations
@@ -42,7 +56,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -82,39 +96,147 @@ class SimRequest:
     index: int
     arrival: Arrival
     sent: float = 0.0
-    prefilled: int = 0
+    # Tokens whose KV the node now running it holds, as the engine's `Req.kv_len`: on a prefill
+    # node its progress through the prompt; on a decode node the prompt from the take-over on.
+    kv_len: int = 0
+    pages: int = 0  # KV pages it holds on its decode / colocated node
+    retractions: int = 0
     emitted: list[float] = field(default_factory=list)
+    error: str = ""  # aborted by its node (the pool too small for it alone)
+    ended: float = 0.0
     decode: Node | None = None
     prefill: Node | None = None
 
     @property
     def finished(self) -> bool:
-        return len(self.emitted) >= self.arrival.output_len
+        return bool(self.error) or len(self.emitted) >= self.arrival.output_len
 
     @property
     def context(self) -> int:
+        """Prompt + the tokens generated so far (the engine's `seq_len`)."""
         return self.arrival.prompt_len + len(self.emitted)
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to run through the model before its next token is sampled."""
+        return self.context - self.kv_len
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool(self.emitted) and self.pending == 1
+
+
+class PagePool:
+    """A node's KV pages as the engine counts them (engine/memory/allocator.py): free + used +
+    cached == total. Cached pages are the full pages a finished or retracted request left in the
+    node's prefix cache (engine/memory/radix_cache.py), one entry per request, evicted whole and
+    least recently used first when the free pages run short; they count as available."""
+
+    def __init__(self, total: int, page_size: int) -> None:
+        self.total = total
+        self.page_size = page_size
+        self.used = 0
+        self.cached: OrderedDict[int, int] = OrderedDict()  # request index -> pages, LRU first
+        self.cached_pages = 0
+
+    @property
+    def free(self) -> int:
+        return self.total - self.used - self.cached_pages
+
+    @property
+    def available(self) -> int:
+        """Pages a reservation could get: free now plus what eviction could free."""
+        return self.total - self.used
+
+    def pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def take(self, pages: int) -> bool:
+        """`pages` more in use, evicting cached entries if needed; False (nothing changed) if
+        even eviction cannot make room."""
+        if pages > self.available:
+            return False
+        while pages > self.free:
+            _, evicted = self.cached.popitem(last=False)
+            self.cached_pages -= evicted
+        self.used += pages
+        return True
+
+    def give_back(self, pages: int, key: int, keep: int) -> None:
+        """`pages` no longer in use; the first `keep` of them stay cached under `key`."""
+        self.used -= pages
+        if keep:
+            self.cached[key] = keep
+            self.cached_pages += keep
+
+    def attach(self, key: int) -> int:
+        """In use again: the pages cached under `key` (0 if evicted since)."""
+        pages = self.cached.pop(key, 0)
+        self.cached_pages -= pages
+        self.used += pages
+        return pages
+
+    def check(self) -> None:
+        """free + used + cached == total, none of them negative (tests call it after a run)."""
+        if min(self.free, self.used, self.cached_pages) < 0 or self.cached_pages != sum(
+            self.cached.values()
+        ):
+            raise AssertionError(
+                f"pages: {self.used} used + {self.cached_pages} cached of {self.total}"
+            )
 
 
 class Node:
-    """One node's queues; `role` is prefill, decode or colocated."""
+    """One node's queues and KV pages; `role` is prefill, decode or colocated.
+
+    A decode or colocated node's pages in use are its requests' `pages` (decode: the parked
+    ones' too); a prefill node holds a prompt's pages whole from admission to the end of its
+    transfer and caches nothing (its prefix hits are the arrivals' `cached_len`)."""
 
     def __init__(self, sim: Simulation, role: str, index: int) -> None:
         self.sim = sim
         self.role = role
         self.name = f"{role}-{index}"
-        self.waiting: deque[SimRequest] = deque()  # P/colocated: to prefill; D: prealloc
-        self.running: list[SimRequest] = []
+        self.prealloc: deque[SimRequest] = deque()  # D: waiting for pages for its prompt
+        self.waiting: deque[SimRequest] = deque()  # P/colocated: to prefill; D: retracted
+        self.running: list[SimRequest] = []  # in admission order: the newest is retracted
         self.arrived: list[SimRequest] = []  # D: transfer done, joins at the next step
         self.sent: list[SimRequest] = []  # P: transfer complete, pages freed at the step's end
-        self.reserved = 0  # D: requests between prealloc and the running batch
-        self.kv_used = 0
+        self.parked = 0  # D: requests between prealloc and the running batch (pages held)
+        profile = sim.profile
+        self.pool = PagePool(profile.max_total_tokens // profile.page_size, profile.page_size)
         self.assigned = 0  # requests routed here and not finished (the gateway's load)
+        self.retractions = 0
+        self.recomputed_tokens = 0  # prefilled again after a retraction
         self.stepping = False
+
+    def _grow(self, req: SimRequest, tokens: int) -> bool:
+        """Pages for `req`'s first `tokens` tokens; False (nothing changed) if the pool is short."""
+        need = max(0, self.pool.pages(tokens) - req.pages)
+        if not self.pool.take(need):
+            return False
+        req.pages += need
+        return True
+
+    def _release(self, req: SimRequest, cache: bool) -> None:
+        """`req`'s pages back; with `cache`, its full pages stay in the prefix cache."""
+        full = req.kv_len // self.pool.page_size if cache else 0
+        self.pool.give_back(req.pages, req.index, min(full, req.pages))
+        req.pages = 0
+        req.kv_len = 0
+
+    def _attach_cached(self, req: SimRequest) -> int:
+        """On admission: a retracted request's pages still in the prefix cache, and as many
+        tokens less to prefill again (engine/kv_manager.py `attach_prefix`); returns them."""
+        if req.pages or not req.retractions:
+            return 0
+        req.pages = self.pool.attach(req.index)
+        req.kv_len = req.pages * self.pool.page_size
+        return req.pages
 
     # -- work arriving --------------------------------------------------------------------
     def submit(self, req: SimRequest) -> None:
-        self.waiting.append(req)
+        (self.prealloc if self.role == "decode" else self.waiting).append(req)
         self.kick()
 
     def transfer_done(self, req: SimRequest) -> None:
@@ -129,79 +251,125 @@ class Node:
     def start_step(self) -> None:
         if self.stepping:
             return
-        profile = self.sim.profile
         if self.role == "decode":
-            self._admit_prealloc()
             self._take_over()
-        plan = self._prefill_plan() if self.role != "decode" else []
-        decoding = [r for r in self.running if r.emitted] if self.role != "prefill" else []
+            self._admit_prealloc()
+        decoding = self._reserve_decodes() if self.role != "prefill" else []
+        plan = self._prefill_plan(len(decoding))
         if not plan and not decoding:
             return
-        chunks = [(n, req.prefilled) for req, n in plan]
+        chunks = [(n, req.kv_len) for req, n in plan]
+        self.recomputed_tokens += sum(n for req, n in plan if req.retractions)
         context = sum(r.context for r in decoding) / len(decoding) if decoding else 0.0
-        work = profile.mixed_s(chunks, len(decoding), context)
+        work = self.sim.profile.mixed_s(chunks, len(decoding), context)
+        batch = [(req, 1) for req in decoding] + plan
         self.stepping = True
-        self.sim.begin_step(work, lambda: self._end_step(plan, decoding))
+        self.sim.begin_step(work, lambda: self._end_step(batch))
 
-    def _end_step(self, plan: list[tuple[SimRequest, int]], decoding: list[SimRequest]) -> None:
+    def _end_step(self, batch: list[tuple[SimRequest, int]]) -> None:
         now = self.sim.now
         self.stepping = False
         for req in self.sent:
             self._free_prefill(req)
         self.sent.clear()
-        for req, n in plan:
-            req.prefilled += n
-            if req.prefilled < req.arrival.prompt_len:
-                continue
+        for req, n in batch:
+            req.kv_len += n
+            if req.pending:
+                continue  # a chunk that leaves part of the prompt for a later step
             if self.role == "prefill":
                 self.running.remove(req)
                 done_at = now + self.sim.profile.transfer_s(req.arrival.prompt_len)
                 self.sim.at(done_at, functools.partial(self._transfer_complete, req))
             else:
-                decoding.append(req)  # colocated: first token at the end of the last chunk
-        for req in decoding:
-            self._emit(req, now)
+                self._emit(req, now)  # a decode step's token, or the one after a last chunk
         self.kick()
 
-    def _prefill_plan(self) -> list[tuple[SimRequest, int]]:
-        profile = self.sim.profile
-        budget = profile.chunked_prefill_size
-        plan = []
-        for req in self.running:
-            left = req.arrival.prompt_len - req.prefilled
-            if left > 0 and budget > 0:
-                plan.append((req, min(left, budget)))
-                budget -= plan[-1][1]
-        while budget > 0 and self.waiting:
-            req = self.waiting[0]
-            need = req.arrival.prompt_len + (
-                req.arrival.output_len if self.role == "colocated" else 0
-            )
-            if len(self.running) >= profile.max_running_requests or (
-                self.kv_used + need > profile.max_total_tokens
-            ):
+    def _reserve_decodes(self) -> list[SimRequest]:
+        """One more KV slot per decoding request, retracting the newest running request while
+        the pool is short (engine/scheduler.py `_reserve_decodes`)."""
+        decoding = [r for r in self.running if r.is_decoding]
+        needs = [max(0, self.pool.pages(r.kv_len + 1) - r.pages) for r in decoding]
+        if self.pool.take(sum(needs)):  # all at once: the common case
+            for req, need in zip(decoding, needs, strict=True):
+                req.pages += need
+            return decoding
+        for req in list(decoding):
+            while req in self.running and not self._grow(req, req.kv_len + 1):
+                if not self._retract_newest():
+                    break
+        return [r for r in decoding if r in self.running]
+
+    def _retract_newest(self) -> bool:
+        """The newest running request back to the front of the waiting queue, its KV freed and
+        its tokens kept: it is prefilled again, prompt + generated tokens, on this node, less
+        the full pages of them still in the prefix cache then. Alone, it is aborted as the
+        engine does (the pool is too small for it); False then."""
+        if len(self.running) <= 1:
+            if self.running:
+                self._abort(self.running[0], "kv_pool_exhausted")
+            return False
+        victim = self.running.pop()
+        self._release(victim, cache=True)
+        victim.retractions += 1
+        self.retractions += 1
+        self.waiting.appendleft(victim)
+        return True
+
+    def _prefill_plan(self, num_decoding: int) -> list[tuple[SimRequest, int]]:
+        """Prefill chunks under the token budget: partly prefilled requests first, then the
+        waiting queue's head while it can be admitted (engine/scheduler.py `_schedule`)."""
+        budget = self.sim.profile.chunked_prefill_size
+        plan: list[tuple[SimRequest, int]] = []
+        for req in [r for r in self.running if not r.is_decoding]:
+            if budget <= 0:
                 break
+            chunk = min(req.pending, budget)
+            if self.role != "prefill" and not self._grow(req, req.kv_len + chunk):
+                break
+            plan.append((req, chunk))
+            budget -= chunk
+        cap = self.sim.profile.max_running_requests
+        while budget > 0 and self.waiting and len(self.running) + self.parked < cap:
+            req = self.waiting[0]
+            if not self._admit(req, budget, num_decoding):
+                break
+            chunk = min(req.pending, budget)
             self.waiting.popleft()
-            self.kv_used += need
             self.running.append(req)
-            plan.append((req, min(req.arrival.prompt_len - req.prefilled, budget)))
-            budget -= plan[-1][1]
+            plan.append((req, chunk))
+            budget -= chunk
         return plan
 
+    def _admit(self, req: SimRequest, chunk_budget: int, num_decoding: int) -> bool:
+        """Take the pages admitting `req` takes; False (nothing taken) if the pool is short."""
+        if self.role == "prefill":  # the prompt's pages whole, held until its transfer ends
+            return self.pool.take(self.pool.pages(req.arrival.prompt_len))
+        # A page kept per decoding request for its next step (engine/scheduler.py
+        # `_can_admit`), then the prefix cache's pages and the first chunk's.
+        if self.pool.available <= num_decoding:
+            return False
+        attached = self._attach_cached(req)
+        if self._grow(req, req.kv_len + min(req.pending, chunk_budget)):
+            return True
+        if attached:
+            self._release(req, cache=True)  # back to the cache, most recently used
+        return False
+
     def _admit_prealloc(self) -> None:
+        """D: publish a destination for each request at the prealloc queue's head while the pool
+        holds its prompt + decode_headroom tokens beside a page per decoding request; only the
+        prompt's pages are taken (decode_node/decode_role.py `_admit`)."""
         profile = self.sim.profile
-        while self.waiting:
-            req = self.waiting[0]
-            need = req.arrival.prompt_len + max(profile.decode_headroom, req.arrival.output_len)
-            busy = len(self.running) + self.reserved
-            if (
-                busy >= profile.max_running_requests
-                or self.kv_used + need > profile.max_total_tokens
-            ):
+        decoding = sum(1 for r in self.running if r.is_decoding)
+        while self.prealloc:
+            req = self.prealloc[0]
+            need = self.pool.pages(req.arrival.prompt_len + profile.decode_headroom) + decoding
+            busy = len(self.running) + self.parked
+            if busy >= profile.max_running_requests or self.pool.available < need:
                 return
-            self.waiting.popleft()
-            self.kv_used += need
-            self.reserved += 1
+            self.prealloc.popleft()
+            self._grow(req, req.arrival.prompt_len)
+            self.parked += 1
             assert req.prefill is not None
             self.sim.at(
                 self.sim.now + profile.handoff_s, functools.partial(req.prefill.submit, req)
@@ -209,7 +377,8 @@ class Node:
 
     def _take_over(self) -> None:
         for req in self.arrived:
-            self.reserved -= 1
+            self.parked -= 1
+            req.kv_len = req.arrival.prompt_len
             self.running.append(req)
             self._emit(req, self.sim.now)  # the first token, sampled by the prefill node
         self.arrived.clear()
@@ -223,23 +392,25 @@ class Node:
             self._free_prefill(req)
 
     def _free_prefill(self, req: SimRequest) -> None:
-        self.kv_used -= req.arrival.prompt_len
+        self.pool.give_back(self.pool.pages(req.arrival.prompt_len), req.index, keep=0)
         self.assigned -= 1
 
     def _emit(self, req: SimRequest, now: float) -> None:
         req.emitted.append(now + self.sim.profile.gateway_s)
         self.sim.streamed.append(now)
         if req.finished:
-            self.running.remove(req)
-            profile = self.sim.profile
-            if self.role == "decode":
-                self.kv_used -= req.arrival.prompt_len + max(
-                    profile.decode_headroom, req.arrival.output_len
-                )
-            else:
-                self.kv_used -= req.arrival.prompt_len + req.arrival.output_len
-            self.assigned -= 1
-            self.sim.finished(req)
+            self._end(req, now)
+
+    def _abort(self, req: SimRequest, error: str) -> None:
+        req.error = error
+        self._end(req, self.sim.now)
+
+    def _end(self, req: SimRequest, now: float) -> None:
+        req.ended = now + self.sim.profile.gateway_s
+        self.running.remove(req)
+        self._release(req, cache=not req.error)
+        self.assigned -= 1
+        self.sim.finished(req)
 
 
 @dataclass(eq=False)
@@ -282,6 +453,11 @@ class Simulation:
     @property
     def nodes(self) -> list[Node]:
         return self.prefill_nodes + self.decode_nodes
+
+    @property
+    def retractions(self) -> int:
+        """Requests retracted on any node so far (each node counts its own: `Node.retractions`)."""
+        return sum(node.retractions for node in self.nodes)
 
     def at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (when, next(self._seq), action))
@@ -332,7 +508,7 @@ class Simulation:
         return per_token * len(self.streamed) / HOST_WINDOW_S
 
     def run(self, arrivals: Sequence[Arrival]) -> list[RequestTrace]:
-        requests = [SimRequest(i, a, prefilled=a.cached_len) for i, a in enumerate(arrivals)]
+        requests = [SimRequest(i, a, kv_len=a.cached_len) for i, a in enumerate(arrivals)]
         for req in requests:
             self.at(req.arrival.at, functools.partial(self._arrive, req))
         while self._events:
@@ -341,7 +517,15 @@ class Simulation:
         if len(self.done) != len(requests):
             stuck = len(requests) - len(self.done)
             raise RuntimeError(f"{stuck} requests never finished: a request too large for a node?")
+        self.check_pages()
         return [self._trace(r) for r in requests]
+
+    def check_pages(self) -> None:
+        """After a run: every node's pool adds up and no page is left in use (a leak)."""
+        for node in self.nodes:
+            node.pool.check()
+            if node.pool.used:
+                raise AssertionError(f"{node.name}: {node.pool.used} pages in use after the run")
 
     def _arrive(self, req: SimRequest) -> None:
         if self.max_concurrency is not None and self._in_flight >= self.max_concurrency:
@@ -371,7 +555,9 @@ class Simulation:
         return RequestTrace(
             sent=req.sent,
             chunks=list(req.emitted),
-            done=req.emitted[-1],
+            done=req.ended,
+            error=req.error,
+            error_detail="the KV pool is too small for this request alone" if req.error else "",
             prompt_tokens=req.arrival.prompt_len,
             output_tokens=len(req.emitted),
             session=req.index,

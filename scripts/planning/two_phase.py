@@ -20,8 +20,9 @@ switch` starts the cluster here and runs `pd-planner --actuator switch --bootstr
 `--headroom 1`, `--sim-warmup` (its steady state) and the host model `--predict` uses, so that
 what it predicts for a window is the goodput of the window's own requests at its rate.
 `--max-total-tokens` and `--max-running-requests` set every node's KV pool and running cap (a
-node holds pool / (prompt + output) long streams: the memory a decode-heavy phase needs), and
-the same values go to the planner's simulator and to `--predict`.
+node holds about pool / (prompt + output) long streams at full length, more while it retracts
+and prefills them again: the memory a decode-heavy phase needs), and the same values go to the
+planner's simulator and to `--predict`.
 A run ends `--grace` seconds after the last phase: requests unfinished then are cancelled and
 count as lost (an overloaded split's backlog would otherwise drain for many minutes).
 

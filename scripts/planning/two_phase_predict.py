@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scripts.planning.planner import simulate
+from scripts.planning.planner import simulate_outcome
 from scripts.planning.profile import NodeProfile
 from scripts.planning.simulator import HostConfig
 from scripts.planning.sweep import Split
@@ -31,6 +31,8 @@ CALM_HOST = HostConfig(host_cores=2, threads_per_node=1, slowdown=1.15,
 class Prediction:
     split: str
     attainment: tuple[float, ...]  # per phase
+    retractions: tuple[int, ...] = ()  # per phase: requests its nodes retracted (KV short)
+    recomputed: tuple[int, ...] = ()  # per phase: tokens prefilled again after them
 
     def goodput(self, workload: Workload) -> float:
         """Requests meeting the SLO per second over the whole run."""
@@ -43,32 +45,38 @@ def predict(profile: NodeProfile, workload: Workload, splits: Sequence[Split],
             host: HostConfig) -> list[Prediction]:  # fmt: skip
     rows = []
     for split in splits:
-        attainment = []
+        attainment, retractions, recomputed = [], [], []
         for i, phase in enumerate(workload.phases):
             dataset = DatasetConfig("random", 1000, seed=workload.seed + 1000 * (i + 1),
                                     input_len=phase.input_len, output_len=phase.output_len,
                                     range_ratio=phase.range_ratio)  # fmt: skip
             load = LoadConfig(phase.rate, num_sessions=None, duration_s=phase.duration_s,
                               seed=workload.seed + i)  # fmt: skip
-            summary = simulate(profile, split, dataset, load, workload.slo, host)
-            attainment.append(float(summary.slo_attainment or 0.0))
-        rows.append(Prediction(split.name, tuple(attainment)))
+            outcome = simulate_outcome(profile, split, dataset, load, workload.slo, host)
+            attainment.append(float(outcome.summary.slo_attainment or 0.0))
+            retractions.append(outcome.retractions)
+            recomputed.append(outcome.recomputed_tokens)
+        rows.append(Prediction(split.name, tuple(attainment), tuple(retractions),
+                               tuple(recomputed)))  # fmt: skip
     return rows
 
 
 def prediction_table(rows: Sequence[Prediction], workload: Workload) -> str:
     names = " | ".join(p.name for p in workload.phases)
-    lines = [f"| split | {names} | whole-run goodput req/s |",
-             "|---|" + "---:|" * (len(workload.phases) + 1)]  # fmt: skip
+    lines = [f"| split | {names} | whole-run goodput req/s | retractions per phase "
+             "(tokens prefilled again) |",
+             "|---|" + "---:|" * (len(workload.phases) + 2)]  # fmt: skip
     for row in rows:
         cells = " | ".join(f"{a:.0%}" for a in row.attainment)
-        lines.append(f"| {row.split} | {cells} | {row.goodput(workload):.3f} |")
+        retracted = " / ".join(f"{n} ({t})" for n, t in zip(row.retractions, row.recomputed,
+                                                               strict=True)) or "-"  # fmt: skip
+        lines.append(f"| {row.split} | {cells} | {row.goodput(workload):.3f} | {retracted} |")
     best_static = max(r.goodput(workload) for r in rows)
     ideal = Prediction("ideal planner", tuple(max(r.attainment[i] for r in rows)
                                               for i in range(len(workload.phases))))  # fmt: skip
     cells = " | ".join(f"{a:.0%}" for a in ideal.attainment)
     lines.append(f"| best split per phase, switches free | {cells} | "
-                 f"{ideal.goodput(workload):.3f} |")  # fmt: skip
+                 f"{ideal.goodput(workload):.3f} | |")  # fmt: skip
     lines.append("")
     lines.append(f"ideal planner / best static split: {ideal.goodput(workload) / best_static:.2f}x")
     return "\n".join(lines)
