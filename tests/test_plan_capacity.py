@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from scripts.planning.planner import (
     max_rate,
     workload_from_settings,
 )
-from scripts.planning.profile import NodeProfile, ProfileError, fit_prefill
+from scripts.planning.profile import HostMismatch, NodeProfile, ProfileError, fit_prefill, this_host
 from scripts.planning.simulator import Arrival, HostConfig, Simulation
 from scripts.planning.sweep import (
     Split,
@@ -89,6 +90,27 @@ def test_a_profile_from_before_the_fit_is_refitted_on_load(tmp_path: Path) -> No
     path.write_text(json.dumps({"decode_coef": [0.05, 0, 0]}))
     with pytest.raises(ProfileError, match="is not a node profile"):
         NodeProfile.load(path)
+
+
+def test_a_cpu_profile_from_another_processor_warns_on_load(tmp_path: Path) -> None:
+    """Step times are the processor's: a profile recorded on another one says so and what to do;
+    this host's own, a GPU profile and a profile that records no host load quietly."""
+    here = this_host()
+    assert here["cpu"] and here["cores"] >= 1
+    other = (
+        {**here, "family": "26", "model": "2"}
+        if here["family"] != "26"
+        else {**here, "family": "25"}
+    )
+    path = tmp_path / "p.json"
+    profile(meta={"host": other}).save(path)
+    with pytest.warns(HostMismatch, match="profile this host .* --profile FILE"):
+        NodeProfile.load(path)
+    for meta in ({"host": here}, {"host": other, "device": "cuda"}, {}):
+        profile(meta=meta).save(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            NodeProfile.load(path)
 
 
 def test_one_node_deterministic_service_all_at_once() -> None:

@@ -63,7 +63,7 @@ from scripts.planning.planner import (
     simulate,
     workload_from_settings,
 )
-from scripts.planning.profile import NodeProfile, fit_prefill
+from scripts.planning.profile import NodeProfile, fit_prefill, this_host
 from scripts.planning.simulator import HostConfig
 from scripts.planning.sweep import Split, SweepError, parse_splits
 from scripts.serving.bench_serving import (
@@ -238,6 +238,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             "device": plan.device,
             "dtype": plan.dtype,
             "attention_backend": plan.attention_backend,
+            "host": this_host(),
             "prefill_points": measured.prefill,
             "decode_points": measured.decode,
         },

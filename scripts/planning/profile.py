@@ -10,11 +10,19 @@
 - transfer: KV bytes / bandwidth, plus the DONE message (handoff_s);
 - gateway_s: latency the gateway and HTTP add to the first token.
 A colocated mixed step costs prefill(chunks) + decode(batch, context) - d0 (one fixed cost).
+
+A CPU profile holds for the processor it was measured on: `meta["host"]` records it, and
+loading the profile on another processor warns (`HostMismatch`): a 2-core Zen 4 host runs the
+default model's prefill about 2x slower than the Zen 5 host of the 2026-11-24 profile, and
+every prediction made with the wrong one is off by as much.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +35,27 @@ Chunk = tuple[int, int]  # (new tokens, tokens of the same request already in th
 
 class ProfileError(ValueError):
     """A profile file that is missing, unreadable or incomplete."""
+
+
+class HostMismatch(UserWarning):
+    """A CPU profile measured on another processor than this one."""
+
+
+def this_host(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """What a CPU profile's step times depend on: the processor and its core count."""
+    fields: dict[str, str] = {}
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return {
+        "cpu": fields.get("model name") or platform.processor(),
+        "family": fields.get("cpu family", ""),
+        "model": fields.get("model", ""),
+        "cores": os.cpu_count() or 0,
+    }
 
 
 @dataclass(frozen=True)
@@ -70,6 +99,22 @@ class NodeProfile:
             return self.prefill_s(chunks)
         return self.prefill_s(chunks) + self.decode_s(batch, context) - self.decode_coef[0]
 
+    def host_mismatch(self, host: dict[str, Any] | None = None) -> str | None:
+        """Why this CPU profile may not hold on `host` (default: this one); None if it does,
+        if it is a GPU profile, or if it does not record its host (before 2026-11-26)."""
+        recorded = self.meta.get("host")
+        if self.meta.get("device", "cpu") != "cpu" or not recorded:
+            return None
+        host = host or this_host()
+        if all(recorded.get(key) == host[key] for key in ("cpu", "family", "model", "cores")):
+            return None
+        return (
+            f"measured on {_host_name(recorded)}, but this host is {_host_name(host)}: step "
+            "times differ between processors (2x between two 2-core AMD EPYC hosts here), "
+            "so profile this host (`python -m scripts.planning.plan_capacity profile --output "
+            "FILE`) and pass --profile FILE"
+        )
+
     def transfer_s(self, prompt_tokens: int) -> float:
         return self.handoff_s + prompt_tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
 
@@ -87,11 +132,22 @@ class NodeProfile:
                 raw.setdefault("meta", {})["prefill_points"] = points
             raw["prefill_coef"] = tuple(raw["prefill_coef"])
             raw["decode_coef"] = tuple(raw["decode_coef"])
-            return cls(**raw)
+            profile = cls(**raw)
         except FileNotFoundError:
             raise ProfileError(f"--profile {path}: no such file (run `profile` first)") from None
         except (ValueError, KeyError, TypeError) as exc:
             raise ProfileError(f"--profile {path} is not a node profile: {exc}") from None
+        mismatch = profile.host_mismatch()
+        if mismatch:
+            warnings.warn(f"--profile {path}: {mismatch}", HostMismatch, stacklevel=2)
+        return profile
+
+
+def _host_name(host: dict[str, Any]) -> str:
+    return (
+        f"{host.get('cpu')} (family {host.get('family')}, model {host.get('model')}), "
+        f"{host.get('cores')} cores"
+    )
 
 
 def fit_prefill(points: Sequence[tuple[int, int, float]]) -> tuple[float, float, float]:
