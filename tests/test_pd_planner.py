@@ -50,7 +50,8 @@ def profile() -> NodeProfile:
 
 
 def metrics_text(requests: int, prompt: int, completion: int, itl_s: float, itls: int,
-                 prefill: int, decode: int, cached: int = 0) -> str:  # fmt: skip
+                 prefill: int, decode: int, cached: int = 0,
+                 ttft_s: float = 0.5) -> str:  # fmt: skip
     """What a gateway that answered this much would publish (its own metric objects)."""
     m = GatewayMetrics()
     m.requests.labels("chat", "200").inc(requests)
@@ -60,7 +61,7 @@ def metrics_text(requests: int, prompt: int, completion: int, itl_s: float, itls
     if cached:
         m.node_cached_tokens.labels("decode", "d0").inc(cached)
     for _ in range(requests):
-        m.ttft.observe(0.5)
+        m.ttft.observe(ttft_s)
         m.e2e.observe(1.0)
     for _ in range(itls):
         m.itl.observe(itl_s)
@@ -239,6 +240,31 @@ def test_the_correction_follows_measured_tpot() -> None:
     assert window is not None and window.tpot_s == pytest.approx(0.06)
     planner.decide(window, 10.0)
     assert planner.correction == pytest.approx(2.0, rel=0.1)
+
+
+def test_the_prefill_correction_follows_measured_ttft() -> None:
+    """A prefill-heavy window (4 output tokens) on a host whose prefill runs 3x its profile:
+    TPOT matches the profile, TTFT does not. The prefill cost follows TTFT until the
+    prediction meets the measurement; TTFT below the prediction never makes prefill cheaper
+    than profiled (an overloaded split's young queue would read so)."""
+    config = PlannerConfig(3, SLO_, sim_seconds=20.0, correction_weight=1.0)
+    planner = Planner(profile(), config)
+    a = parse_scrape(metrics_text(10, 4000, 40, 0.03, 30, 1, 2, ttft_s=2.0), at=0.0)
+    b = parse_scrape(metrics_text(15, 6000, 60, 0.03, 45, 1, 2, ttft_s=2.0), at=10.0)
+    window = Window.between(a, b)  # 0.5 req/s of 400-token prompts, 0.65 s of prefill each
+    assert window is not None and window.ttft_s == pytest.approx(2.0)
+    before = planner._run(window.split, window, window.rate).ttft_ms.mean / 1000
+    for _ in range(3):
+        decision = planner.decide(window, 10.0)
+    after = planner._run(window.split, window, window.rate).ttft_ms.mean / 1000
+    assert before < 1.1 and after == pytest.approx(2.0, rel=0.1)
+    assert decision.prefill_correction > 1.5 and planner.correction == pytest.approx(1.0, rel=0.1)
+    fast = parse_scrape(metrics_text(15, 6000, 60, 0.03, 45, 1, 2, ttft_s=0.1), at=10.0)
+    quick = Window.between(a, fast)
+    assert quick is not None
+    for _ in range(3):
+        planner.decide(quick, 20.0)
+    assert planner.prefill_correction == 1.0
 
 
 def test_the_correction_follows_a_host_ten_times_slower_than_its_profile() -> None:
