@@ -28,12 +28,13 @@ the highest predicted SLO attainment is the target. The planner
 switches only when the target beats the current split by at least `--hysteresis` (attainment,
 absolute) and the last action is at least `--cooldown` seconds old; otherwise it holds and says
 why. The corrections: after each window the ratio of the measured mean TPOT to the one
-predicted for the current split at the measured rate moves every step's time (`correction`), and
-the ratio of the measured mean TTFT to the predicted one moves the prefill cost on top of it
-(`prefill_correction`, never below 1: see `_correct`); each is an exponential average (`--correction-weight`), so a profile
-taken on other hardware or another day converges. TTFT alone tells a prefill-heavy window: its
-few output tokens leave TPOT near the profile's while its prompts queue (2026-11-26: a planner
-corrected by TPOT alone predicted 100% for 1P2D where 68% met the TTFT SLO).
+predicted for the current split at the measured rate moves every step's time (`correction`),
+and the ratio of the measured mean TTFT to the predicted one moves the prefill cost on top of
+it (`prefill_correction`, never below 1: see `_correct`); each is an exponential average
+(`--correction-weight`), so a profile taken on other hardware or another day converges. Only
+TTFT tells on a prefill-heavy window: its few output tokens leave TPOT near the profile's while
+its prompts queue (2026-11-26: corrected by TPOT alone, the planner predicted 100% for 1P2D
+where 68% met the TTFT SLO).
 
 Each decision is one JSON line on stdout: its inputs (the window), the predicted attainment of
 every split, the current and target split, the action, the reason, the correction, and whether
