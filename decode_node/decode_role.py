@@ -124,6 +124,10 @@ class DecodeRole(RoomRole[DecodePhase, DecodeEntry]):
         waiting = self.rooms.in_phase(PREALLOC)
         if not waiting:
             return
+        if any(req.num_retractions for req in scheduler.waiting):
+            # A request retracted for want of pages resumes first: a new room admitted now
+            # would take the pages it waits for, and under steady arrivals it would wait on.
+            return
         counts = self.rooms.counts()
         busy = len(scheduler.running) + counts[TRANSFER] + counts[QUARANTINE]
         decoding = sum(1 for r in scheduler.running if r.is_decoding)

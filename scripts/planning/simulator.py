@@ -18,8 +18,8 @@ prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from 
   its pages go back (its full pages into the node's prefix cache: evictable, least recently
   used first, whole), it goes to the front of the node's waiting queue with its generated
   tokens, and when the node can admit it again (a page kept per decoding request, its first
-  chunk's pages; on a decode node after that step's prealloc admissions, as the decode role
-  runs before the scheduler) it is prefilled again on that node, prompt + generated tokens
+  chunk's pages; on a decode node no new room gets pages while a retracted request waits,
+  as decode_node/decode_role.py `_admit`) it is prefilled again on that node, prompt + generated tokens
   less the cached pages it finds again, in chunks beside the decoding batch; the chunk that
   ends it samples its next token. A request alone that outgrows the pool is aborted (error
   `kv_pool_exhausted`). Retractions and recomputed tokens are counted per node.
@@ -359,6 +359,8 @@ class Node:
         """D: publish a destination for each request at the prealloc queue's head while the pool
         holds its prompt + decode_headroom tokens beside a page per decoding request; only the
         prompt's pages are taken (decode_node/decode_role.py `_admit`)."""
+        if self.waiting:  # retracted requests (a decode node's only waiting ones) go first
+            return
         profile = self.sim.profile
         decoding = sum(1 for r in self.running if r.is_decoding)
         while self.prealloc:
