@@ -19,10 +19,10 @@ prefill_node/prefill_role.py, decode_node/decode_role.py), with step times from 
   used first, whole), it goes to the front of the node's waiting queue with its generated
   tokens, and when the node can admit it again (a page kept per decoding request, its first
   chunk's pages; on a decode node no new room gets pages while a retracted request waits,
-  as decode_node/decode_role.py `_admit`) it is prefilled again on that node, prompt + generated tokens
-  less the cached pages it finds again, in chunks beside the decoding batch; the chunk that
-  ends it samples its next token. A request alone that outgrows the pool is aborted (error
-  `kv_pool_exhausted`). Retractions and recomputed tokens are counted per node.
+  as decode_node/decode_role.py `_admit`) it is prefilled again on that node, prompt +
+  generated tokens less the cached pages it finds again, in chunks beside the decoding batch;
+  the chunk that ends it samples its next token. A request alone that outgrows the pool is
+  aborted (error `kv_pool_exhausted`). Retractions and recomputed tokens are counted per node.
 - prefill node: waiting queue (FIFO); a step carries partially prefilled requests first, then
   new ones, under the chunked_prefill_size token budget; a request whose last chunk ran starts
   its transfer (transfer_s of its prompt). The node reports DONE as soon as the transfer
