@@ -13,6 +13,7 @@ import pytest
 
 from gateway.cpus import worker_cpus
 from proto import node_pb2
+from scripts.bench.core_speed import load_table, rates
 from scripts.bench.fake_node import FakeNodeConfig, FakeRequest, StepSource
 from scripts.bench.fake_node import build_config as fake_node_config
 from scripts.bench.gateway_cpu import (
@@ -202,6 +203,28 @@ def test_gateway_cpu_sizes_clients_to_the_workers() -> None:
         build_config(["--worker-cpus", "0,1", "--pin"])  # --pin plans the workers' CPUs
     with pytest.raises(SystemExit):
         build_config(["--clients-per-worker", "-1"])
+    assert build_config(["--pin", "--idle-cpus", "16-17,20"]).idle_cpus == (16, 17, 20)
+    with pytest.raises(SystemExit):
+        build_config(["--idle-cpus", "16"])  # shapes the --pin plan only
+
+
+def test_cpu_plan_gives_idle_cpus_to_no_one() -> None:
+    cores = [(c,) for c in range(8)]
+    plan = plan_cpus(cores, gateway=2, nodes=1, idle=(5, 6))
+    assert plan.gateway == ((0,), (1,)) and plan.nodes == ((2,),)
+    assert plan.clients == (3, 4, 7)
+    smt = [(0, 4), (1, 5), (2, 6), (3, 7)]  # a CPU of a core idles the whole core
+    assert plan_cpus(smt, gateway=1, nodes=1, idle=(5,)).clients == (3, 7)
+    with pytest.raises(ValueError, match="needs 3 physical cores"):
+        plan_cpus(cores[:4], gateway=1, nodes=1, idle=(0, 1))
+
+
+def test_core_speed_probe_measures_pinned_processes() -> None:
+    cpu = min(os.sched_getaffinity(0))
+    rate = rates([cpu], 0.05)
+    assert set(rate) == {cpu} and rate[cpu] > 0
+    text = load_table([cpu], [1], 0.05)
+    assert text.splitlines()[2].startswith("| 1 |") and "| 1.000 |" in text
 
 
 def test_pinned_processes_inherit_the_cpu_set() -> None:

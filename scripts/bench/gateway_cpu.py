@@ -54,7 +54,15 @@ so that every row runs on the same cores; `--clients-per-worker` sizes the clien
 each row's workers. The gateway workers are pinned by the product itself, `gateway-server
 --worker-cpus` with the first hardware thread of each worker's core (the measured setting is the
 one a deployment gets; on an SMT host the core's other threads stay idle, given to no client);
-the bench pins the fake nodes and the clients itself.
+the bench pins the fake nodes and the clients itself. `--idle-cpus LIST` gives some CPUs to no
+process (a virtual machine's hidden SMT siblings; `scripts/bench/core_speed.py --pairs` looks
+for them).
+
+Compare rows of different `--workers` with `--step-ms` near an engine's step (10 ms): at the
+default 0 the fake node runs ahead of a fast gateway, sends each request's tokens as fast as
+gRPC's window allows and then has only the newly opened requests left to step. One-worker rows
+then get node messages of 3-25 deltas (four-worker rows 20-120) and pay the per-message cost
+more often (`benchmarks/gpu-2026-11-26-gateway-host-h100.md`).
 
     python -m scripts.bench.gateway_cpu [--workers 1,2] [--intervals 1,8] [--duration 10]
     python -m scripts.bench.gateway_cpu --pin --workers 1,4 --clients-per-worker 2
@@ -96,7 +104,7 @@ from gateway.launcher import (
     session_pids,
 )
 from gateway.routing import POLICIES
-from scripts.bench.pinning import CpuPlan, host_cores, pinned, plan_cpus
+from scripts.bench.pinning import CpuPlan, host_cores, parse_cpu_list, pinned, plan_cpus
 from scripts.serving.procstat import CLOCK_TICKS
 from scripts.serving.procstat import cpu_seconds as process_cpu_seconds
 
@@ -134,6 +142,7 @@ class BenchConfig:
     out: Path | None = None  # the tables are written here too
     worker_listen: str = "reuseport"  # the gateway's --worker-listen
     worker_cpus: str = ""  # the gateway's --worker-cpus without --pin ("": unpinned)
+    idle_cpus: tuple[int, ...] = ()  # with --pin: CPUs no process gets
 
     def client_processes(self, workers: int) -> int:
         return self.clients_per_worker * workers if self.clients_per_worker else self.clients
@@ -728,10 +737,11 @@ def token_source(config: BenchConfig) -> Iterator[TokenSource]:
     plan = None
     if config.pin:
         try:
-            plan = plan_cpus(host_cores(), max(config.workers), config.fake_nodes)
+            plan = plan_cpus(host_cores(), max(config.workers), config.fake_nodes, config.idle_cpus)
         except ValueError as exc:
             raise SystemExit(f"--pin: {exc}") from None
-        print(f"pinned: {plan.describe()}", flush=True)
+        idle_text = f", idle {format_cpu_list(config.idle_cpus)}" if config.idle_cpus else ""
+        print(f"pinned: {plan.describe()}{idle_text}", flush=True)
     with contextlib.ExitStack() as stack:
         with pinned(plan.nodes[0] if plan else None):  # idle while the load runs
             bootstrap = stack.enter_context(
@@ -907,7 +917,16 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         help="the gateway's --worker-cpus (worker i on CPU LIST[i mod len]), the rest unpinned; "
         "--pin sets it from its plan instead",
     )
+    parser.add_argument(
+        "--idle-cpus",
+        default="",
+        metavar="LIST",
+        help="with --pin: CPUs given to no process (e.g. the hidden SMT siblings of the workers' "
+        "CPUs on a virtual machine; scripts/bench/core_speed.py --pairs finds them)",
+    )
     args = parser.parse_args(argv)
+    if args.idle_cpus and not args.pin:
+        raise SystemExit("--idle-cpus needs --pin (it shapes the pinning plan)")
     numbers = [int(v) for v in f"{args.workers},{args.intervals}".split(",")]
     numbers += [args.clients, args.streams, args.tokens, args.tokens_per_message, args.fake_nodes]
     if args.pin and args.worker_cpus:
@@ -942,6 +961,7 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         out=args.out,
         worker_listen=args.worker_listen,
         worker_cpus=args.worker_cpus,
+        idle_cpus=parse_cpu_list(args.idle_cpus),
     )
 
 

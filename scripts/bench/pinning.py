@@ -51,9 +51,12 @@ class CpuPlan:
         )
 
 
-def plan_cpus(cores: Sequence[Core], gateway: int, nodes: int) -> CpuPlan:
-    """`gateway` workers one core each, `nodes` token sources one core each, clients the rest.
-    Raises ValueError naming what is missing when the host has too few cores."""
+def plan_cpus(cores: Sequence[Core], gateway: int, nodes: int, idle: Sequence[int] = ()) -> CpuPlan:
+    """`gateway` workers one core each, `nodes` token sources one core each, clients the rest;
+    a core holding a CPU of `idle` goes to no one (e.g. a virtual machine's hidden SMT
+    siblings of the workers' CPUs). Raises ValueError naming what is missing when the host
+    has too few cores."""
+    cores = [core for core in cores if not set(idle) & set(core)]
     wanted = gateway + nodes + 1  # at least one core for the clients
     if len(cores) < wanted:
         raise ValueError(
