@@ -31,6 +31,7 @@ from scripts.planning.pd_planner import (
 )
 from scripts.planning.profile import NodeProfile
 from scripts.planning.sweep import Split
+from scripts.planning.two_phase_replay import replay, report
 from scripts.serving.metrics import SLO
 
 SLO_ = SLO(ttft_ms=3000.0, tpot_ms=100.0)
@@ -280,6 +281,27 @@ def test_the_correction_follows_a_host_ten_times_slower_than_its_profile() -> No
     assert decision.predicted["1P2D"] < 0.5  # TPOT ~0.3 s against the 100 ms SLO
 
 
+def test_a_window_with_few_intervals_moves_the_correction_less() -> None:
+    """TPOT from a few dozen intervals (a prefill-heavy window's 4-token outputs) moves the
+    correction by their share of --correction-full-samples; with 0, by the full weight."""
+    a = parse_scrape(metrics_text(10, 500, 1000, 0.3, 990, 1, 2), at=0.0)
+    b = parse_scrape(metrics_text(20, 1000, 1040, 0.3, 1000, 1, 2), at=10.0)  # 10 intervals
+    window = Window.between(a, b)
+    assert window is not None and window.tpot_samples == 10
+    config = PlannerConfig(3, SLO_, sim_seconds=20.0, correction_weight=1.0)
+    assert config.correction_full_samples == 50
+    planner = Planner(profile(), config)
+    predicted = planner._run(window.split, window, window.rate).tpot_ms.mean / 1000
+    planner.decide(window, 10.0)
+    assert planner.correction == pytest.approx((0.3 / predicted) ** (10 / 50), rel=1e-6)
+    assert 1.3 < planner.correction < 2.0  # not the 10x a full-weight window gives
+    full = Planner(profile(), replace(config, correction_full_samples=0))
+    full.decide(window, 10.0)
+    assert full.correction == pytest.approx(0.3 / predicted, rel=1e-6)
+    with pytest.raises(PlannerError, match="--correction-full-samples must be >= 0"):
+        replace(config, correction_full_samples=-1)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -452,3 +474,16 @@ def test_the_switch_actuator_needs_the_bootstrap(tmp_path: Path, capsys) -> None
             "--actuator", "switch"]  # fmt: skip
     assert main(argv) == 2
     assert "--actuator switch needs --bootstrap HOST:PORT" in capsys.readouterr().err
+
+
+def test_a_recorded_run_replays_to_its_own_predictions() -> None:
+    """The two-phase run of 2026-11-26 (two-phase-5), decided again on its recorded scrapes:
+    the same predictions as live (mean |error| 5.2% over its 7 steady-state windows); with the
+    TPOT correction at full weight from every window, as before, one prefill-heavy window of 27
+    intervals moves it to 1.58 and predicts 0 where 9 of 10 met the SLO (17.9%)."""
+    run = Path(__file__).parent.parent / "benchmarks/serving-2026-11-26-two-phase-5/evidence"
+    table, mean = report(run, replay(run, []))
+    assert mean == pytest.approx(0.052, abs=0.001)
+    assert "| 88-118 | colocated x3 | 10 | 9 | 0.300 | 0.333332 | 0.333332 |" in table
+    _, before = report(run, replay(run, ["--correction-full-samples", "0"]))
+    assert before == pytest.approx(0.179, abs=0.001)

@@ -34,7 +34,11 @@ it (`prefill_correction`, never below 1: see `_correct`); each is an exponential
 (`--correction-weight`), so a profile taken on other hardware or another day converges. Only
 TTFT tells on a prefill-heavy window: its few output tokens leave TPOT near the profile's while
 its prompts queue (2026-11-26: corrected by TPOT alone, the planner predicted 100% for 1P2D
-where 68% met the TTFT SLO).
+where 68% met the TTFT SLO). The same few tokens make that window's TPOT a small and noisy
+sample, most of its intervals beside a prefill chunk: a window moves the TPOT correction by
+its full weight only when `--correction-full-samples` inter-token intervals back it, and by
+their share below (one window of 27 intervals had moved it 1.00 -> 1.62, and every split's
+prediction to 0).
 
 Each decision is one JSON line on stdout: its inputs (the window), the predicted attainment of
 every split, the current and target split, the action, the reason, the correction, and whether
@@ -153,6 +157,7 @@ class Window:
     ttft_s: float | None  # mean, measured
     tpot_s: float | None  # mean inter-token latency, measured
     split: Split  # live nodes at the window's end
+    tpot_samples: float = 0.0  # inter-token intervals behind tpot_s
 
     @classmethod
     def between(cls, a: Scrape, b: Scrape) -> Window | None:
@@ -181,6 +186,7 @@ class Window:
             ttft_s=mean(b.ttft_sum - a.ttft_sum, b.ttft_count - a.ttft_count),
             tpot_s=mean(b.itl_sum - a.itl_sum, b.itl_count - a.itl_count),
             split=Split(b.prefill_nodes, b.decode_nodes),
+            tpot_samples=b.itl_count - a.itl_count,
         )
 
 
@@ -203,6 +209,11 @@ class PlannerConfig:
     # steps 10-40x its profile (benchmarks/serving-2026-11-26-two-phase.md); at the old limit
     # of 4 every prediction stayed optimistic and the planner never acted.
     correction_limit: float = 64.0
+    # A window's TPOT moves the correction by its full weight only when this many inter-token
+    # intervals back it, proportionally less below: the 4-token outputs of a prefill-heavy
+    # window give a few dozen intervals, most of them beside a prefill chunk
+    # (benchmarks/serving-2026-11-26-two-phase-5.md).
+    correction_full_samples: float = 50.0
     host: HostConfig = field(default_factory=HostConfig)
 
     def __post_init__(self) -> None:
@@ -220,6 +231,10 @@ class PlannerConfig:
         if not 0 < self.correction_weight <= 1:
             raise PlannerError(
                 f"--correction-weight must be in (0, 1], got {self.correction_weight}"
+            )
+        if self.correction_full_samples < 0:
+            raise PlannerError(
+                f"--correction-full-samples must be >= 0, got {self.correction_full_samples}"
             )
 
 
@@ -326,7 +341,9 @@ class Planner:
         run = self._run(window.split, window, window.rate)
         predicted_tpot, predicted_ttft = run.tpot_ms.mean / 1000, run.ttft_ms.mean / 1000
         if tpot is not None and predicted_tpot > 0:
-            self.correction = self._moved(self.correction, tpot / predicted_tpot)
+            full = self.config.correction_full_samples
+            evidence = 1.0 if full <= 0 else min(1.0, window.tpot_samples / full)
+            self.correction = self._moved(self.correction, tpot / predicted_tpot, evidence)
         if window.ttft_s is not None and predicted_ttft > 0:
             # Never below 1: a split the model sees overloaded has no steady state, and its
             # measured TTFT (a queue as old as the window) reads below the prediction; taken
@@ -334,8 +351,9 @@ class Planner:
             ratio = window.ttft_s / predicted_ttft
             self.prefill_correction = max(1.0, self._moved(self.prefill_correction, ratio))
 
-    def _moved(self, factor: float, ratio: float) -> float:
-        w, limit = self.config.correction_weight, self.config.correction_limit
+    def _moved(self, factor: float, ratio: float, evidence: float = 1.0) -> float:
+        """`factor` moved towards `ratio` by the correction weight times `evidence` (0-1)."""
+        w, limit = self.config.correction_weight * evidence, self.config.correction_limit
         return min(limit, max(1 / limit, factor * ratio**w))
 
 
@@ -546,6 +564,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the nodes' --max-running-requests (default: the profile's)",
     )
     parser.add_argument("--correction-weight", type=float, default=0.5)
+    parser.add_argument(
+        "--correction-full-samples",
+        type=float,
+        default=50.0,
+        help="inter-token intervals a window needs to move the TPOT correction by its full "
+        "weight (fewer: proportionally less; 0: always the full weight)",
+    )
     parser.add_argument("--host-cores", type=int, default=0, help="0: a device per node (GPU)")
     parser.add_argument("--threads-per-node", type=int, default=1)
     parser.add_argument("--slowdown", type=float, default=1.0, help="scales every step time")
@@ -624,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
             sim_seconds=args.sim_seconds,
             sim_warmup_s=args.sim_warmup,
             correction_weight=args.correction_weight,
+            correction_full_samples=args.correction_full_samples,
             host=host_config(args),  # plan_capacity.py's host model, validated on 11-24
         )
         planner = Planner(node_profile(args), config)

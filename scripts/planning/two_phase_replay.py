@@ -1,0 +1,126 @@
+"""A recorded two-phase planner run, decided again by today's `pd-planner` (other flags too):
+its predicted goodput per window against the goodput the run measured.
+
+`two_phase.py` keeps, for its planner run, the metrics the planner read
+(`planner_scrapes.jsonl[.gz]`) and each window's measured goodput (`two_phase.json`: the
+requests the client sent in the window that met the SLO). The measured side does not depend on
+what the planner predicted, only on the split that was live, and a replay decides on the same
+scrapes with that same live split. So a replay scores another correction rule or weight on the
+run's own windows, deterministically:
+
+    python -m scripts.planning.two_phase_replay benchmarks/serving-2026-11-26-two-phase-5/evidence \
+        [-- --correction-full-samples 0]
+
+The planner gets the flags `two_phase.py` gave it (from `two_phase.json`), then the ones after
+`--`. Prints each window (recorded prediction, replayed prediction, the replay's TPOT correction,
+error) and the mean |error| over the steady-state windows, as `two_phase.py` scores them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from scripts.planning.two_phase import host_args
+from scripts.planning.two_phase_predict import CALM_HOST
+
+
+def planner_flags(doc: dict[str, Any]) -> list[str]:
+    """The flags `two_phase.py` ran `pd-planner` with, from its `two_phase.json`."""
+    p, slo = doc["planner"], doc["workload"]["slo"]
+    flags = ["--budget", str(doc["budget"]), "--profile", str(p["profile"]),
+             "--interval", str(p["interval_s"]), "--cooldown", str(p["cooldown_s"]),
+             "--hysteresis", str(p["hysteresis"]), "--headroom", "1",
+             "--sim-seconds", str(p["sim_seconds"]),
+             "--slo-ttft-ms", str(slo["ttft_ms"]), "--slo-tpot-ms", str(slo["tpot_ms"]),
+             "--host-cores", str(p["host_cores"]),
+             "--threads-per-node", str(p["threads_per_node"])]  # fmt: skip
+    if "sim_warmup_s" in p:  # runs before 2026-11-26 14:00 used the planner's default
+        flags += ["--sim-warmup", str(p["sim_warmup_s"])]
+    nodes = doc.get("nodes", {})
+    if nodes.get("max_total_tokens") is not None:
+        flags += ["--node-max-total-tokens", str(nodes["max_total_tokens"])]
+    if nodes.get("max_running_requests") is not None:
+        flags += ["--node-max-running-requests", str(nodes["max_running_requests"])]
+    return flags + host_args(CALM_HOST)
+
+
+def scrapes_file(run_dir: Path, into: Path) -> Path:
+    plain, packed = run_dir / "planner_scrapes.jsonl", run_dir / "planner_scrapes.jsonl.gz"
+    if plain.exists():
+        return plain
+    if not packed.exists():
+        raise SystemExit(f"{run_dir}: no planner_scrapes.jsonl[.gz] (not a planner run?)")
+    into.write_bytes(gzip.decompress(packed.read_bytes()))
+    return into
+
+
+def replay(run_dir: Path, extra: list[str]) -> list[dict[str, Any]]:
+    """The replayed decisions, one dict per window."""
+    doc = json.loads((run_dir / "two_phase.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        scrapes = scrapes_file(run_dir, Path(tmp) / "scrapes.jsonl")
+        argv = [sys.executable, "-m", "scripts.planning.pd_planner", "--replay", str(scrapes),
+                "--dry-run", *planner_flags(doc), *extra]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"pd-planner --replay failed:\n{done.stderr}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def report(run_dir: Path, decisions: list[dict[str, Any]]) -> tuple[str, float | None]:
+    """The windows table and the mean |error| over the scored (steady-state) windows."""
+    doc = json.loads((run_dir / "two_phase.json").read_text())
+    run = next(r for r in doc["runs"] if r["planner"])
+    if any("scored" not in w for w in run.get("windows", [{}])):
+        raise SystemExit(f"{run_dir}: its two_phase.json has no scored windows (an older run)")
+    # The replay decides on the recorded scrape pairs in order: its k-th decision is the run's
+    # k-th, and a window is the run's decision with the window's (exact) measured rate.
+    recorded = [json.loads(line) for line in (run_dir / "planner_decisions.jsonl").open()]
+    if len(recorded) != len(decisions):
+        raise SystemExit(f"the replay made {len(decisions)} decisions, the run {len(recorded)}")
+    index = {float(d["window"]["rate"]): k for k, d in enumerate(recorded)}
+    lines = ["| window s | live split | sent | met SLO | measured goodput | recorded prediction "
+             "| replayed prediction | TPOT correction | error | scored |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    errors = []
+    for w in run["windows"]:
+        k = index.get(float(w["rate"]))
+        d = None if k is None else decisions[k]
+        new = None if d is None else d.get("predicted_goodput")
+        measured = w["measured_goodput"]
+        error = None if new is None or measured <= 0 else new / measured - 1
+        if w["scored"] and error is not None:
+            errors.append(abs(error))
+        shown = "unbounded" if error is None else f"{error:+.0%}"
+        lines.append(
+            f"| {w['start_s']:.0f}-{w['end_s']:.0f} | {w['split']} | {w['sent']} | {w['met']} | "
+            f"{measured:.3f} | {w['predicted_goodput']} | {new} | "
+            f"{d['correction'] if d else '-'} | {shown} | {'yes' if w['scored'] else 'no'} |"
+        )
+    mean = sum(errors) / len(errors) if errors else None
+    return "\n".join(lines), mean
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    extra = args[args.index("--") + 1 :] if "--" in args else []
+    own = args[: args.index("--")] if "--" in args else args
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path, help="a two_phase.py --out folder's planner run")
+    run_dir = parser.parse_args(own).run_dir
+    table, mean = report(run_dir, replay(run_dir, extra))
+    print(table)
+    shown = "n/a" if mean is None else f"{mean:.1%}"
+    print(f"\nmean |error| over the scored windows: {shown} (pd-planner flags added: {extra})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
