@@ -254,10 +254,10 @@ def test_the_prefill_correction_follows_measured_ttft() -> None:
     b = parse_scrape(metrics_text(15, 6000, 60, 0.03, 45, 1, 2, ttft_s=2.0), at=10.0)
     window = Window.between(a, b)  # 0.5 req/s of 400-token prompts, 0.65 s of prefill each
     assert window is not None and window.ttft_s == pytest.approx(2.0)
-    before = planner._run(window.split, window, window.rate).ttft_ms.mean / 1000
+    before = planner._run(window.split, window, window.rate).summary.ttft_ms.mean / 1000
     for _ in range(3):
         decision = planner.decide(window, 10.0)
-    after = planner._run(window.split, window, window.rate).ttft_ms.mean / 1000
+    after = planner._run(window.split, window, window.rate).summary.ttft_ms.mean / 1000
     assert before < 1.1 and after == pytest.approx(2.0, rel=0.1)
     assert decision.prefill_correction > 1.5 and planner.correction == pytest.approx(1.0, rel=0.1)
     fast = parse_scrape(metrics_text(15, 6000, 60, 0.03, 45, 1, 2, ttft_s=0.1), at=10.0)
@@ -291,7 +291,7 @@ def test_a_window_with_few_intervals_moves_the_correction_less() -> None:
     config = PlannerConfig(3, SLO_, sim_seconds=20.0, correction_weight=1.0)
     assert config.correction_full_samples == 50
     planner = Planner(profile(), config)
-    predicted = planner._run(window.split, window, window.rate).tpot_ms.mean / 1000
+    predicted = planner._run(window.split, window, window.rate).summary.tpot_ms.mean / 1000
     planner.decide(window, 10.0)
     assert planner.correction == pytest.approx((0.3 / predicted) ** (10 / 50), rel=1e-6)
     assert 1.3 < planner.correction < 2.0  # not the 10x a full-weight window gives
@@ -487,3 +487,20 @@ def test_a_recorded_run_replays_to_its_own_predictions() -> None:
     assert "| 88-118 | colocated x3 | 10 | 9 | 0.300 | 0.333332 | 0.333332 |" in table
     _, before = report(run, replay(run, ["--correction-full-samples", "0"]))
     assert before == pytest.approx(0.179, abs=0.001)
+
+
+def test_a_decision_names_the_retractions_each_split_would_make() -> None:
+    """Requests of 100 + 300 tokens at 1 req/s stay ~9 s on a decode node (0.03 s a token):
+    about 9 at once, 3,600 tokens, where a 2,048-token pool holds 5. The one-decode-node split
+    retracts, the two-decode-node ones need fewer or none; the line says so per split."""
+    small = replace(profile(), max_total_tokens=2048)
+    planner = Planner(small, PlannerConfig(3, SLO_, sim_seconds=20.0, headroom=1.0))
+    a = parse_scrape(metrics_text(10, 1000, 3000, 0.03, 2990, 2, 1), at=0.0)
+    b = parse_scrape(metrics_text(20, 2000, 6000, 0.03, 5980, 2, 1), at=10.0)
+    window = Window.between(a, b)
+    assert window is not None
+    decision = planner.decide(window, 10.0)
+    retractions = json.loads(decision.json())["predicted_retractions"]
+    assert set(retractions) == set(decision.predicted)
+    assert retractions["2P1D"] > 0
+    assert retractions["2P1D"] > retractions["1P2D"]

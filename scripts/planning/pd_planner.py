@@ -41,7 +41,9 @@ their share below (one window of 27 intervals had moved it 1.00 -> 1.62, and eve
 prediction to 0).
 
 Each decision is one JSON line on stdout: its inputs (the window), the predicted attainment of
-every split, the current and target split, the action, the reason, the correction, and whether
+every split and the retractions its nodes would make (`predicted_retractions`: requests put
+back for want of KV pages over the simulated run, warm-up included), the current and target
+split, the action, the reason, the correction, and whether
 it acted; and `predicted_goodput`, the window's own prediction: the requests *admitted* in the
 window (`window.admitted`, at `window.rate`) that will meet the SLO, per second of the window =
 the live split's steady-state attainment at the window's rate (headroom 1) x that rate. What
@@ -75,7 +77,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bootstrap.admin import AdminError, NodeSummary, list_nodes, switch_role
 from bootstrap.security import InternalAuth, add_internal_auth_args, internal_auth_from_args
 from scripts.planning.plan_capacity import host_config
-from scripts.planning.planner import simulate
+from scripts.planning.planner import SimOutcome, simulate_outcome
 from scripts.planning.profile import NodeProfile
 from scripts.planning.simulator import HostConfig
 from scripts.planning.sweep import Split, parse_splits
@@ -255,6 +257,8 @@ class Decision:
     acted: bool = False
     actuator: str = ""  # what the actuator did
     prefill_correction: float = 1.0  # the prefill-cost factor on top of `correction`
+    # split name -> requests its nodes would retract (KV short) over the simulated run
+    predicted_retractions: dict[str, int] = field(default_factory=dict)
 
     def json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -273,7 +277,8 @@ class Planner:
         c = self.config
         self._correct(window)
         rate = window.rate * c.headroom
-        predicted = {name: self._attainment(s, window, rate) for name, s in self.splits.items()}
+        outcomes = {name: self._run(s, window, rate) for name, s in self.splits.items()}
+        predicted = {name: _attainment(outcome) for name, outcome in outcomes.items()}
         current = window.split.name
         # Highest attainment; among equals the one with the fewest prefill nodes (stable).
         target = max(predicted, key=lambda n: (round(predicted[n], 6), -self.splits[n].prefill))
@@ -293,9 +298,11 @@ class Planner:
             reason += "add nodes (--budget)"
         window_doc = {**asdict(window), "split": current}
         goodput = self._window_goodput(window, predicted)
+        retractions = {name: outcome.retractions for name, outcome in outcomes.items()}
         return Decision(now, window_doc, current, target, action, reason, predicted,
                         round(self.correction, 4), goodput,
-                        prefill_correction=round(self.prefill_correction, 4))  # fmt: skip
+                        prefill_correction=round(self.prefill_correction, 4),
+                        predicted_retractions=retractions)  # fmt: skip
 
     def _window_goodput(self, window: Window, predicted: dict[str, float]) -> float | None:
         """The predicted goodput of the window's own requests: see `Decision`."""
@@ -305,7 +312,7 @@ class Planner:
         if self.config.headroom == 1.0:
             attainment = predicted[live]  # simulated at window.rate already
         else:
-            attainment = self._attainment(self.splits[live], window, window.rate)
+            attainment = _attainment(self._run(self.splits[live], window, window.rate))
         return round(attainment * window.rate, 6)
 
     def acted(self, now: float) -> None:
@@ -319,18 +326,15 @@ class Planner:
                                  prefix_len=cached, prefix_group_size=16)  # fmt: skip
         return DatasetConfig("random", 1000, input_len=prompt, output_len=out)
 
-    def _run(self, split: Split, window: Window, rate: float) -> Any:
+    def _run(self, split: Split, window: Window, rate: float) -> SimOutcome:
         c = self.config
         load = LoadConfig(request_rate=rate, num_sessions=None,
                           duration_s=c.sim_warmup_s + c.sim_seconds)  # fmt: skip
         host = replace(c.host, slowdown=c.host.slowdown * self.correction)
         prefill_coef = tuple(x * self.prefill_correction for x in self.profile.prefill_coef)
         profile = replace(self.profile, prefill_coef=prefill_coef)
-        return simulate(profile, split, self._workload(window), load, c.slo, host,
-                        score_after_s=c.sim_warmup_s)  # fmt: skip
-
-    def _attainment(self, split: Split, window: Window, rate: float) -> float:
-        return float(self._run(split, window, rate).slo_attainment or 0.0)
+        return simulate_outcome(profile, split, self._workload(window), load, c.slo, host,
+                                score_after_s=c.sim_warmup_s)  # fmt: skip
 
     def _correct(self, window: Window) -> None:
         """Move the corrections by the current split's measured / predicted TPOT and TTFT,
@@ -338,7 +342,7 @@ class Planner:
         tpot = window.tpot_s if window.split.decode >= 1 else None
         if tpot is None and window.ttft_s is None:
             return
-        run = self._run(window.split, window, window.rate)
+        run = self._run(window.split, window, window.rate).summary
         predicted_tpot, predicted_ttft = run.tpot_ms.mean / 1000, run.ttft_ms.mean / 1000
         if tpot is not None and predicted_tpot > 0:
             full = self.config.correction_full_samples
@@ -355,6 +359,11 @@ class Planner:
         """`factor` moved towards `ratio` by the correction weight times `evidence` (0-1)."""
         w, limit = self.config.correction_weight * evidence, self.config.correction_limit
         return min(limit, max(1 / limit, factor * ratio**w))
+
+
+def _attainment(outcome: SimOutcome) -> float:
+    """A simulated run's SLO attainment (0 when nothing was scored)."""
+    return float(outcome.summary.slo_attainment or 0.0)
 
 
 # -- acting ----------------------------------------------------------------------------------
