@@ -219,13 +219,19 @@ def run_static(config: BenchConfig, split: Split, schedule: Schedule) -> RunResu
 
 def planner_argv(config: BenchConfig, run: PlannerRun, slo: SLO) -> list[str]:
     return [sys.executable, "-m", "scripts.planning.pd_planner", "--actuator", run.actuator,
-            "--budget", str(config.budget), "--profile", str(run.profile),
+            *planner_flags(config.budget, run, slo, config.nodes)]  # fmt: skip
+
+
+def planner_flags(budget: int, run: PlannerRun, slo: SLO, nodes: NodeCapacity) -> list[str]:
+    """Every `pd-planner` flag of a planner run but the actuator's (two_phase_replay.py gives
+    a recorded run's planner the same)."""
+    return ["--budget", str(budget), "--profile", str(run.profile),
             "--interval", str(run.interval_s), "--cooldown", str(run.cooldown_s),
             "--hysteresis", str(run.hysteresis), "--headroom", "1",
             "--sim-seconds", str(run.sim_seconds), "--slo-ttft-ms", str(slo.ttft_ms),
             "--slo-tpot-ms", str(slo.tpot_ms), "--host-cores", str(run.host_cores),
             "--threads-per-node", str(run.threads_per_node), "--sim-warmup",
-            str(run.sim_warmup_s), *config.nodes.planner_args(), *host_args(CALM_HOST)]  # fmt: skip
+            str(run.sim_warmup_s), *nodes.planner_args(), *host_args(CALM_HOST)]  # fmt: skip
 
 
 def host_args(host: HostConfig) -> list[str]:

@@ -27,28 +27,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from scripts.planning.two_phase import host_args
-from scripts.planning.two_phase_predict import CALM_HOST
+from scripts.planning.sweep import parse_splits
+from scripts.planning.two_phase import NodeCapacity, PlannerRun, planner_flags
+from scripts.serving.metrics import SLO
 
 
-def planner_flags(doc: dict[str, Any]) -> list[str]:
-    """The flags `two_phase.py` ran `pd-planner` with, from its `two_phase.json`."""
-    p, slo = doc["planner"], doc["workload"]["slo"]
-    flags = ["--budget", str(doc["budget"]), "--profile", str(p["profile"]),
-             "--interval", str(p["interval_s"]), "--cooldown", str(p["cooldown_s"]),
-             "--hysteresis", str(p["hysteresis"]), "--headroom", "1",
-             "--sim-seconds", str(p["sim_seconds"]),
-             "--slo-ttft-ms", str(slo["ttft_ms"]), "--slo-tpot-ms", str(slo["tpot_ms"]),
-             "--host-cores", str(p["host_cores"]),
-             "--threads-per-node", str(p["threads_per_node"])]  # fmt: skip
-    if "sim_warmup_s" in p:  # runs before 2026-11-26 14:00 used the planner's default
-        flags += ["--sim-warmup", str(p["sim_warmup_s"])]
-    nodes = doc.get("nodes", {})
-    if nodes.get("max_total_tokens") is not None:
-        flags += ["--node-max-total-tokens", str(nodes["max_total_tokens"])]
-    if nodes.get("max_running_requests") is not None:
-        flags += ["--node-max-running-requests", str(nodes["max_running_requests"])]
-    return flags + host_args(CALM_HOST)
+def recorded_flags(doc: dict[str, Any]) -> list[str]:
+    """The flags `two_phase.py` ran `pd-planner` with (but the actuator), from its record."""
+    p, budget = doc["planner"], int(doc["budget"])
+    if "sim_warmup_s" not in p:
+        raise SystemExit("this two_phase.json predates --sim-warmup in the record (an older run)")
+    start = {s.name: s for s in parse_splits("all", budget)}[p["start"]]
+    run = PlannerRun(**{**p, "start": start, "profile": Path(p["profile"])})
+    slo = SLO(**doc["workload"]["slo"])
+    return planner_flags(budget, run, slo, NodeCapacity(**doc["nodes"]))
 
 
 def scrapes_file(run_dir: Path, into: Path) -> Path:
@@ -67,7 +59,7 @@ def replay(run_dir: Path, extra: list[str]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         scrapes = scrapes_file(run_dir, Path(tmp) / "scrapes.jsonl")
         argv = [sys.executable, "-m", "scripts.planning.pd_planner", "--replay", str(scrapes),
-                "--dry-run", *planner_flags(doc), *extra]  # fmt: skip
+                "--dry-run", *recorded_flags(doc), *extra]  # fmt: skip
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"pd-planner --replay failed:\n{done.stderr}")
