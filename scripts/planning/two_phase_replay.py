@@ -73,18 +73,21 @@ def report(run_dir: Path, decisions: list[dict[str, Any]]) -> tuple[str, float |
     if any("scored" not in w for w in run.get("windows", [{}])):
         raise SystemExit(f"{run_dir}: its two_phase.json has no scored windows (an older run)")
     # The replay decides on the recorded scrape pairs in order: its k-th decision is the run's
-    # k-th, and a window is the run's decision with the window's (exact) measured rate.
+    # k-th. The windows are some of the run's decisions, in order: each is the next one with
+    # the window's (exact) measured rate.
     recorded = [json.loads(line) for line in (run_dir / "planner_decisions.jsonl").open()]
     if len(recorded) != len(decisions):
         raise SystemExit(f"the replay made {len(decisions)} decisions, the run {len(recorded)}")
-    index = {float(d["window"]["rate"]): k for k, d in enumerate(recorded)}
+    k = 0
     lines = ["| window s | live split | sent | met SLO | measured goodput | recorded prediction "
              "| replayed prediction | TPOT correction | error | scored |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     errors = []
     for w in run["windows"]:
-        k = index.get(float(w["rate"]))
-        d = None if k is None else decisions[k]
+        while k < len(recorded) and float(recorded[k]["window"]["rate"]) != float(w["rate"]):
+            k += 1
+        d = decisions[k] if k < len(recorded) else None
+        k += 1
         new = None if d is None else d.get("predicted_goodput")
         measured = w["measured_goodput"]
         error = None if new is None or measured <= 0 else new / measured - 1
