@@ -75,3 +75,26 @@ def test_model_logits_fused_vs_torch_elementwise() -> None:
         with ew.torch_elementwise():
             ref = model(batch)
     assert rel_err(fused, ref) < 1e-5
+
+
+def test_decode_logits_with_fused_gate_up_and_rotary_store_vs_torch_elementwise() -> None:
+    """A bf16 decode batch takes both fusions (gate_up + SiLU in one kernel, rotary written
+    straight into the cache); under torch_elementwise() it takes neither."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = build_model(replace(TINY, num_layers=2)).to(torch.bfloat16).eval()
+    case = make_case(4, [7, 3, 20], [1, 1, 1], num_kv_heads=2, group=2, head_dim=16,
+                     device="cuda", dtype=torch.bfloat16)  # fmt: skip
+    cache, pool, batch, *_ = case
+    ids = torch.randint(0, 256, (batch.input_ids.numel(),), device="cuda")
+    batch = replace(batch, input_ids=ids, attn_backend=TritonBackend(cache, pool))
+    batch.attn_backend.init_metadata(batch)
+    with torch.inference_mode():
+        before = cache.buffer.clone()
+        fused = model(batch)
+        fused_cache = cache.buffer.clone()
+        cache.buffer.copy_(before)
+        with ew.torch_elementwise():
+            ref = model(batch)
+    assert rel_err(fused, ref) < 2e-2
+    assert rel_err(fused_cache, cache.buffer) < 2e-2

@@ -144,7 +144,8 @@ def test_splits_cover_the_context_once(seq_len: int, num_splits: int) -> None:
 
 def test_num_splits_fill_the_chip_with_at_least_one_key_block_each() -> None:
     assert choose_num_splits(1, 8, 1024, 132) == 16  # 64-token splits: 128 programs
-    assert choose_num_splits(64, 8, 1024, 132) == 2
+    assert choose_num_splits(64, 8, 1024, 132) == 1
+    assert choose_num_splits(16, 8, 1024, 132) == 2
     assert choose_num_splits(256, 8, 1024, 132) == 1
     assert choose_num_splits(1, 8, 10, 132) == 1
     assert choose_num_splits(1, 1, 100_000, 132) == 64

@@ -8,11 +8,15 @@ new tokens and the attention over the cached context.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.memory.kv_cache import PagedKVCache, ReqToTokenPool
+
+if TYPE_CHECKING:
+    from engine.models.layers import RotaryEmbedding
 
 
 class AttentionBackend(ABC):
@@ -34,3 +38,17 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         """q: [N, Hq, D], k/v: [N, Hkv, D] for the batch's new tokens -> [N, Hq, D]."""
+
+    def rotary_forward(
+        self,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        layer: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """`forward` of q and k rotated by `rope` at `positions`. A backend may override it to
+        rotate k straight into its cache (one kernel for the rotation and the KV write)."""
+        q, k, v = qkv
+        q, k = rope(positions, q, k)
+        return self.forward(q, k, v, layer, batch)

@@ -24,6 +24,8 @@ from engine.attention.base import AttentionBackend
 from engine.attention.triton_reference import DecodePlan, ExtendPlan, choose_num_splits
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_cache import PagedKVCache, ReqToTokenPool
+from engine.models.elementwise import kernels_on as elementwise_kernels_on
+from engine.models.layers import RotaryEmbedding
 from engine.step_prep import DecodeStepInputs
 
 
@@ -131,13 +133,42 @@ class TritonBackend(AttentionBackend):
         md: TritonMetadata = batch.attn_metadata
         k_view, v_view = self.kv_cache.k_view(layer), self.kv_cache.v_view(layer)
         self.ops.store_kv(k, v, k_view, v_view, md.write_at)
-        table = self.req_to_token.table
         q = q.contiguous()  # the kernels assume head_dim is the innermost, unit-stride axis
-        out = torch.empty_like(q)
         if md.decode is not None:
-            md.decode.ensure_workspace(q.shape[1], q.shape[2])
-            self.ops.paged_decode(q, k_view, v_view, table, md.decode, out)
-        else:
-            assert md.extend is not None
-            self.ops.paged_extend(q, k_view, v_view, table, md.extend, out, (k, v))
+            return self._decode(q, layer, md.decode)
+        assert md.extend is not None
+        out = torch.empty_like(q)
+        table = self.req_to_token.table
+        self.ops.paged_extend(q, k_view, v_view, table, md.extend, out, (k, v))
+        return out
+
+    def rotary_forward(
+        self,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        layer: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """A decode batch rotates q and writes k (rotated) and v into the cache in one kernel
+        (rotary_store_kv), then attends; an extend batch, whose kernel also reads the new K/V
+        as tensors, rotates and writes in two steps (`forward`)."""
+        md: TritonMetadata = batch.attn_metadata
+        q = qkv[0]
+        fusable = q.dtype == self.kv_cache.layout.dtype and (
+            not q.is_cuda or elementwise_kernels_on(q)
+        )
+        if md.decode is None or not fusable:
+            return super().rotary_forward(qkv, positions, rope, layer, batch)
+        views = (self.kv_cache.k_view(layer), self.kv_cache.v_view(layer))
+        tables = (rope.cos_table, rope.sin_table)
+        q = self.ops.rotary_store_kv(qkv, positions, tables, views, md.write_at)
+        return self._decode(q, layer, md.decode)
+
+    def _decode(self, q: torch.Tensor, layer: int, plan: DecodePlan) -> torch.Tensor:
+        """Attention of a decode batch whose K/V are in the cache: q [B, Hq, D] contiguous."""
+        out = torch.empty_like(q)
+        plan.ensure_workspace(q.shape[1], q.shape[2])
+        k_view, v_view = self.kv_cache.k_view(layer), self.kv_cache.v_view(layer)
+        self.ops.paged_decode(q, k_view, v_view, self.req_to_token.table, plan, out)
         return out

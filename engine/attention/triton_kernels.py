@@ -27,6 +27,7 @@ from engine.attention.triton_reference import (
     ExtendPlan,
     KVStrides,
 )
+from engine.models.elementwise_kernels import _rope_angles, _rotate_heads
 
 _LOG2E = 1.4426950408889634
 
@@ -83,9 +84,12 @@ def _decode_split_kernel(
     seq_lens_ptr,  # [B] int32
     mid_o_ptr,  # [B, Hq, S, D] fp32
     mid_lse_ptr,  # [B, Hq, S] fp32
+    o_ptr,  # [B, Hq, D]: written here directly when NUM_SPLITS == 1 (no merge)
     sm_scale_log2,
     stride_qb,
     stride_qh,
+    stride_ob,
+    stride_oh,
     stride_table,
     stride_page,
     stride_tok,
@@ -132,12 +136,17 @@ def _decode_split_kernel(
         )  # fmt: skip
 
     # An empty split (a context shorter than the split count) leaves l_i == 0: weight 0 in stage 2.
-    mid = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_h[:, None])
-    tl.store(mid_lse_ptr + mid, lse, mask=mask_h)
+    if NUM_SPLITS == 1:
+        # The merge of one split is the split itself (weight exp2(0) = 1): round and store it.
+        dst = o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None])
+    else:
+        mid = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_h[:, None])
+        tl.store(mid_lse_ptr + mid, lse, mask=mask_h)
 
 
 @triton.jit
@@ -338,13 +347,15 @@ def paged_decode(
     group = num_heads // num_kv_heads
     sm_scale_log2 = head_dim**-0.5 * _LOG2E
     _decode_split_kernel[(batch, num_kv_heads, plan.num_splits)](
-        q, k_view, v_view, table, plan.slots, plan.seq_lens, plan.mid_o, plan.mid_lse,
-        sm_scale_log2, q.stride(0), q.stride(1), table.stride(0),
+        q, k_view, v_view, table, plan.slots, plan.seq_lens, plan.mid_o, plan.mid_lse, out,
+        sm_scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1), table.stride(0),
         strides.page, strides.token, strides.head,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=k_view.shape[1], NUM_SPLITS=plan.num_splits, BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION=_dot_precision(q), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
+    if plan.num_splits == 1:
+        return
     _decode_merge_kernel[(batch, num_heads)](
         plan.mid_o, plan.mid_lse, out, out.stride(0), out.stride(1),
         NUM_SPLITS=plan.num_splits, BLOCK_S=triton.next_power_of_2(plan.num_splits),
@@ -424,3 +435,65 @@ def store_kv(
         NUM_KV_HEADS=num_kv_heads, BLOCK_H=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, num_warps=4,
     )  # fmt: skip
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr,
+    pages_ptr, offsets_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
+    stride_table, stride_page, stride_tok, stride_head,
+    HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    cos, sin, mask_d, offs_d = _rope_angles(pos_ptr, cos_ptr, sin_ptr, t, stride_table, HALF,
+                                            BLOCK_D)  # fmt: skip
+    _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
+                  mask_d, offs_d, HQ, BLOCK_HQ, HALF)  # fmt: skip
+    # k is rotated straight into its cache slot (token stride 0 from the slot's address); v is
+    # copied beside it.
+    slot = tl.load(pages_ptr + t).to(tl.int64) * stride_page
+    slot += tl.load(offsets_ptr + t).to(tl.int64) * stride_tok
+    _rotate_heads(k_ptr, k_cache_ptr + slot, t, stride_kt, stride_kh, 0, stride_head, cos, sin,
+                  mask_d, offs_d, HK, BLOCK_HK, HALF)  # fmt: skip
+    heads = tl.arange(0, BLOCK_HK)
+    dims = tl.arange(0, HEAD_DIM)
+    mask = (heads < HK)[:, None]
+    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(v_cache_ptr + slot + heads[:, None] * stride_head + dims[None, :], v, mask=mask)
+
+
+def rotary_store_kv(
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    positions: torch.Tensor,
+    tables: tuple[torch.Tensor, torch.Tensor],
+    views: tuple[torch.Tensor, torch.Tensor],
+    where: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """RoPE of q and k (`elementwise.rotary`) and the KV write (`store_kv`) in one launch: q
+    [N, Hq, D] comes back rotated and contiguous, k [N, Hkv, D] goes rotated into the layer's
+    cache views at (pages, offsets), v beside it. Each value is rounded once, as the two launches
+    round it when the cache has the activations' dtype (the caller checks that)."""
+    q, k, v = qkv
+    cos_table, sin_table = tables
+    k_view, v_view = views
+    strides = KVStrides.of(k_view)
+    assert KVStrides.of(v_view) == strides
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    assert cos_table.is_contiguous() and sin_table.is_contiguous()
+    num_tokens, hq, dim = q.shape
+    hk = k.shape[1]
+    q_out = torch.empty((num_tokens, hq, dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    _rotary_store_kv_kernel[(num_tokens,)](
+        q, k, v, q_out, k_view, v_view, positions, cos_table, sin_table, where[0], where[1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), cos_table.stride(0),
+        strides.page, strides.token, strides.head,
+        HQ=hq, HK=hk, HALF=dim // 2, HEAD_DIM=dim,
+        BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
+        BLOCK_D=triton.next_power_of_2(dim // 2), num_warps=4,
+    )  # fmt: skip
+    return q_out

@@ -1,5 +1,6 @@
 """The decoder layers' elementwise steps: RMSNorm (alone and fused with the residual add),
-SiLU(gate) * up, and the rotary embedding of q and k together.
+SiLU(gate) * up (on decode batches fused with the gate_up GEMM before it), and the rotary
+embedding of q and k together.
 
 On a CUDA tensor each step is one Triton kernel of `elementwise_kernels` (one pass over memory
 where torch's eager version makes four to ten, each a kernel launch). Anywhere else, the
@@ -21,6 +22,9 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from engine.models.gemm_tiles import GATE_UP_SILU_MAX_ROWS, gate_up_silu_tile
 
 _force_torch = False
 
@@ -50,8 +54,21 @@ def _load_kernels() -> ModuleType:
     return elementwise_kernels
 
 
+@functools.cache
+def _gemm_kernels() -> ModuleType:
+    from engine.models import gpu_linear_kernels
+
+    return gpu_linear_kernels
+
+
 def _kernels(x: torch.Tensor) -> ModuleType | None:
     return _load_kernels() if x.is_cuda and not _force_torch else None
+
+
+def kernels_on(x: torch.Tensor) -> bool:
+    """Whether `x`'s elementwise steps run as Triton kernels (a CUDA tensor, outside
+    `torch_elementwise()`): a caller fusing one of them into its own kernel checks this."""
+    return _kernels(x) is not None
 
 
 # ---- public steps -----------------------------------------------------------------------------
@@ -81,6 +98,27 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if ops is None:
         return silu_and_mul_reference(gate_up)
     out: torch.Tensor = ops.silu_and_mul(gate_up)
+    return out
+
+
+def gate_up_silu(x: torch.Tensor, gate_up_proj: nn.Module) -> torch.Tensor:
+    """`silu_and_mul(gate_up_proj(x))`. A decode-sized 16-bit call on CUDA (at most
+    GATE_UP_SILU_MAX_ROWS rows, no bias) runs one kernel that streams the gate and up weight
+    rows and writes SiLU(gate) * up, rounded where the two steps round (its GEMM sums in
+    another order than cuBLAS, so a bf16 gate or up may differ in its last bit)."""
+    rows = x.numel() // x.shape[-1]
+    weight = getattr(gate_up_proj, "weight", None)  # a CPU backend's packed layer has none
+    fusable = (
+        _kernels(x) is not None
+        and 0 < rows <= GATE_UP_SILU_MAX_ROWS
+        and isinstance(weight, torch.Tensor)
+        and getattr(gate_up_proj, "bias", None) is None
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+    )
+    if not fusable:
+        return silu_and_mul(gate_up_proj(x))
+    out: torch.Tensor = _gemm_kernels().gate_up_silu(x, weight, gate_up_silu_tile(rows))
     return out
 
 

@@ -112,3 +112,19 @@ def tile_for(
         above = [rows for rows in sorted(measured) if rows >= m]
         return measured[above[0]] if above else None
     return choose_tile(m, n, k, num_sms) if m <= max_rows else None
+
+
+# The fused gate_up + SiLU kernel (`gpu_linear_kernels.gate_up_silu`) takes decode batches up to
+# this many rows; larger ones run cuBLAS and the SiLU kernel.
+GATE_UP_SILU_MAX_ROWS = 64
+
+
+def gate_up_silu_tile(m: int) -> GemmTile:
+    """The fused gate_up + SiLU kernel's tile for m rows: 32 output columns (64 weight rows, gate
+    and up) per program, no split-K. Measured in a 32-layer chain on an H100 at Llama-3-8B
+    shapes (scripts/gpu/gemm_chain.py, 2026-11-26): the best of 40 tiles at 16 and 64 rows."""
+    if m > GATE_UP_SILU_MAX_ROWS:
+        raise ValueError(f"gate_up_silu takes at most {GATE_UP_SILU_MAX_ROWS} rows, got {m}")
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_k = 256 if m <= 16 else 128
+    return GemmTile(block_m, 32, block_k, split_k=1, num_warps=4, num_stages=3)

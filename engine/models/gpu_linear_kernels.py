@@ -12,6 +12,11 @@ request's logits do not depend on which other requests share its batch or on tim
 output stays reproducible), and no memset plus cast kernels are needed around the atomics.
 The partials are small (16 rows x 4096 x 4 slices x 4 bytes = 1 MiB) and stay in L2.
 
+`_gate_up_silu_kernel` is the gated MLP's first half in one pass: each program streams the gate
+rows and the up rows of the same output columns and writes `SiLU(gate) * up`, rounded where
+`elementwise.silu_and_mul` rounds (gate and up to the activation dtype, then SiLU, then the
+product), so the [M, 2I] gate_up output never goes to memory and the SiLU launch is gone.
+
 Every size is fixed by (M, N, K, tile): nothing syncs with the host and nothing is tuned at
 launch, so a captured CUDA graph replays these launches. The tile comes from `gemm_tiles`.
 """
@@ -108,17 +113,21 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _rows(x: torch.Tensor, weight: torch.Tensor, who: str) -> torch.Tensor:
+    """x [..., K] as [M, K] with unit stride along K; the weight must have it already."""
+    if weight.stride(-1) != 1:
+        raise ValueError(f"{who} needs a weight with unit stride along K")
+    x2d = x.reshape(-1, x.shape[-1])
+    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+
+
 def skinny_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: GemmTile
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., K] through the skinny kernels with `tile`."""
     k = x.shape[-1]
     n = weight.shape[0]
-    if weight.stride(-1) != 1:
-        raise ValueError("skinny_linear needs a weight with unit stride along K")
-    x2d = x.reshape(-1, k)
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
+    x2d = _rows(x, weight, "skinny_linear")
     m = x2d.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -144,3 +153,78 @@ def skinny_linear(
             SPLIT_K=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK, num_warps=4,
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
+
+
+@triton.jit
+def _gate_up_silu_kernel(
+    x_ptr,  # [M, K], unit stride along K
+    w_ptr,  # [2 INTER, K]: the gate rows, then the up rows
+    out_ptr,  # [M, INTER]
+    M,
+    INTER,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < INTER
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    gate_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    up_rows = gate_rows + INTER * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K and EVEN_N:
+            a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+            wg = tl.load(gate_rows + offs_k[None, :])
+            wu = tl.load(up_rows + offs_k[None, :])
+        else:
+            mask_k = offs_k < K
+            a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            mask_w = mask_n[:, None] & mask_k[None, :]
+            wg = tl.load(gate_rows + offs_k[None, :], mask=mask_w, other=0.0)
+            wu = tl.load(up_rows + offs_k[None, :], mask=mask_w, other=0.0)
+        acc_gate += tl.dot(a, tl.trans(wg), input_precision=DOT_PRECISION)
+        acc_up += tl.dot(a, tl.trans(wu), input_precision=DOT_PRECISION)
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # F.silu rounds to the dtype here
+    out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(out_ptr + out_offs, act.to(tl.float32) * up, mask=mask)
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, tile: GemmTile) -> torch.Tensor:
+    """`silu_and_mul(F.linear(x, weight))` for a gate_up weight [2I, K] (gate rows first) and x
+    [..., K], in one kernel with `tile` (its split_k must be 1: the SiLU needs whole sums)."""
+    if tile.split_k != 1:
+        raise ValueError(f"gate_up_silu needs a tile without split-K, got {tile.describe()}")
+    k = x.shape[-1]
+    inter = weight.shape[0] // 2
+    x2d = _rows(x, weight, "gate_up_silu")
+    m = x2d.shape[0]
+    out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], inter)
+    grid = (triton.cdiv(m, tile.block_m), triton.cdiv(inter, tile.block_n))
+    _gate_up_silu_kernel[grid](
+        x2d, weight, out, m, inter, k, x2d.stride(0), weight.stride(0), inter,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_K=k % tile.block_k == 0, EVEN_N=inter % tile.block_n == 0,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+    return out.reshape(*x.shape[:-1], inter)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.model_config import RopeScaling
-from engine.models.elementwise import add_rms_norm, rms_norm, rotary, silu_and_mul
+from engine.models.elementwise import add_rms_norm, gate_up_silu, rms_norm, rotary
 
 
 class RMSNorm(nn.Module):
@@ -77,4 +77,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(gate_up_silu(x, self.gate_up_proj))

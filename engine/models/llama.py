@@ -56,8 +56,8 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
-        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
+        attn = batch.attn_backend
+        out = attn.rotary_forward((q, k, v), positions, self.rope, self.layer_id, batch)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -499,7 +499,8 @@ PROFILED_STEPS = 5
 COMPONENTS = (
     ("attention", re.compile(r"_decode_split_kernel|_decode_merge_kernel|flash|attn", re.I)),
     ("kv store", re.compile(r"_store_kv_kernel")),
-    ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|sm90_|sm80_|matmul|splitK", re.I)),
+    # the fused gate_up + SiLU kernel is a GEMM: its floor is its weight
+    ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|sm90_|sm80_|matmul|splitK|gate_up", re.I)),
     (
         "elementwise",
         re.compile(

@@ -3,7 +3,8 @@ for a Llama-3-8B-shaped model on one GPU, with and without overlap scheduling (e
 and greedy equality of the two modes.
 
     python3 -m scripts.gpu.engine_step [--batches 16,64,256] [--context 1024] [--steps 64] \
-        [--graph-step-prep] [--linear-kernel triton] [--out table.md] [--profile]
+        [--graph-step-prep] [--linear-kernel triton] [--out table.md] [--profile] \
+        [--decode-blocks-per-sm N] [--tokens-out tokens.json]
 
 One offline engine (Triton backend, bf16 dummy weights, prefix cache off, CUDA graphs) and two
 schedulers over its one runner: the normal `Scheduler` and the `OverlapScheduler`, so both modes
@@ -28,14 +29,19 @@ overlap mode (other batch sizes, other graph buckets: bf16 near ties may flip; r
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from engine import LLM, SamplingParams
+from engine.attention import triton_backend
+from engine.attention.triton_reference import DEFAULT_DECODE_TUNING, choose_num_splits
 from engine.models.linear_backends import LINEAR_KERNELS
 from engine.overlap import OverlapScheduler
 from engine.scheduler import Scheduler
@@ -68,10 +74,25 @@ def main() -> None:
         action="store_true",
         help="EngineConfig.graph_step_prep: step prep and argmax inside the graph",
     )
+    parser.add_argument(
+        "--decode-blocks-per-sm",
+        type=int,
+        default=None,
+        help="override DecodeTuning.blocks_per_sm, the split-KV rule (A/B runs)",
+    )
+    parser.add_argument(
+        "--tokens-out",
+        type=Path,
+        default=None,
+        help="write the greedy equality run's tokens (JSON) to compare trees",
+    )
     parser.add_argument("--profile", action="store_true",
                         help="then profile one decode run of the last batch size on the host "
                         "(cProfile, top functions by own time)")  # fmt: skip
     args = parser.parse_args()
+    if args.decode_blocks_per_sm is not None:
+        tuning = replace(DEFAULT_DECODE_TUNING, blocks_per_sm=args.decode_blocks_per_sm)
+        triton_backend.choose_num_splits = functools.partial(choose_num_splits, tuning=tuning)
     model_dir = Path(tempfile.mkdtemp()) / "llama3-8b-shaped"
     model_dir.mkdir()
     write_llama_config(model_dir, LLAMA3_8B_CONFIG)
@@ -97,7 +118,7 @@ def main() -> None:
         "| check | result | pass |",
         "|---|---|---|",
     ]
-    lines += equality_rows(llm, modes)
+    lines += equality_rows(llm, modes, args.tokens_out)
     print("\n".join(lines), flush=True)
     lines += [
         "",
@@ -123,7 +144,7 @@ def main() -> None:
         profile_host(llm, batches[-1], args.context, args.steps)
 
 
-def equality_rows(llm: LLM, modes: dict[str, Scheduler]) -> list[str]:
+def equality_rows(llm: LLM, modes: dict[str, Scheduler], tokens_out: Path | None) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128256, (255,), generator=gen).tolist() for _ in range(64)]
     uniform = [SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)] * 64
@@ -132,6 +153,8 @@ def equality_rows(llm: LLM, modes: dict[str, Scheduler]) -> list[str]:
         llm.scheduler = scheduler
         outs[mode] = [o.token_ids for o in llm.generate(prompts, uniform)]
         llm.check_integrity()
+    if tokens_out is not None:
+        tokens_out.write_text(json.dumps(outs))
     same = sum(a == b for a, b in zip(outs["off"], outs["on"], strict=True))
     rows = [f"| greedy, 64 x 255-token prompts, 48 new tokens, overlap on == off "
             f"| {same}/64 requests identical | {'yes' if same == 64 else 'NO'} |"]  # fmt: skip

@@ -451,7 +451,7 @@ def tune_attention_batch(run: Run, case: AttentionCase, copy_bw: float) -> None:
 
     timed: dict[DecodeTuning, float] = {}
     by_splits: dict[int, DecodeTuning] = {}
-    for bpsm in (4, 1, 2, 8, 16, 32):  # the default first
+    for bpsm in (DEFAULT_DECODE_TUNING.blocks_per_sm, 1, 2, 4, 8, 16, 32):  # the default first
         tuning = replace(DEFAULT_DECODE_TUNING, blocks_per_sm=bpsm)
         by_splits.setdefault(tuning.num_splits(bs, t.kv_heads, t.context, t.num_sms()), tuning)
     for tuning in by_splits.values():
