@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,8 +26,10 @@ from engine.attention.triton_reference import DecodePlan, ExtendPlan, choose_num
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_cache import PagedKVCache, ReqToTokenPool
 from engine.models.elementwise import kernels_on as elementwise_kernels_on
-from engine.models.layers import RotaryEmbedding
 from engine.step_prep import DecodeStepInputs
+
+if TYPE_CHECKING:
+    from engine.models.layers import RotaryEmbedding
 
 
 @dataclass
