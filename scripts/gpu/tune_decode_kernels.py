@@ -18,7 +18,11 @@ Llama-3-8B shapes, bf16. One run (about 3 minutes on an H100; `--budget-s` stops
 4. FlashInfer's decode on the same cache when flashinfer imports ("not installed" otherwise).
 
 Times: CUDA events around a CUDA-graph replay of the call (no launch gaps, as inside the engine's
-graphs), median of many, L2 flushed before each (`triton.testing.do_bench`). The attention
+graphs), median of many, L2 flushed before each (`triton.testing.do_bench`). The flush is a
+256 MiB write whose dirty lines are written back while the timed kernel reads, so GEMM times
+here run above the engine's (qkv at 64 rows on an H100: 29.8 us here, 21.3 us profiled in a
+step); `scripts/gpu/gemm_chain.py` times GEMMs over 32 distinct weights in one graph instead,
+as a step runs them, and is the one to choose tiles by. The attention
 cache has 2 layers (the page layout of the pool, far smaller than 32); every number is one
 layer's. A section that fails prints its error and the run goes on with the next.
 
