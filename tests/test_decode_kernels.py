@@ -213,42 +213,66 @@ def test_decode_kernel_knobs_match_the_reference_under_the_interpreter() -> None
     assert out.strip().endswith("ok")
 
 
-ROTARY_STORE = """
+DECODE_ROPE = """
     import torch
     from engine.attention import triton_kernels, triton_reference
+    from engine.attention.triton_reference import DecodePlan, NewToken
     from engine.model_config import RopeScaling
+    from engine.models import elementwise_kernels
     from engine.models.layers import RotaryEmbedding
     from tests.test_triton_reference import make_case
 
-    for dtype in (torch.float32, torch.float16):
+    for dtype, splits in ((torch.float32, 1), (torch.float32, 3), (torch.float16, 2)):
         cache, pool, batch, *_ = make_case(4, [37, 5, 70], [1, 1, 1], num_kv_heads=2, group=3,
                                            dtype=dtype)
-        gen = torch.Generator().manual_seed(2)
+        gen = torch.Generator().manual_seed(splits)
         # q, k, v as the strided column views of one fused QKV output, as the model passes them
         qkv = torch.randn(3, (6 + 2 + 2) * 16, generator=gen).to(dtype)
         q, k, v = (t.view(3, -1, 16) for t in qkv.split([96, 32, 32], dim=-1))
         rope = RotaryEmbedding(16, 128, 10000.0, RopeScaling())
-        tables = (rope.cos_table, rope.sin_table)
         where = cache.split(batch.out_cache_loc)
-        ref_cache = cache.buffer.clone()
+        new = NewToken(k, v, batch.positions, rope.cos_table, rope.sin_table, where)
+        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
+        slots = torch.tensor(batch.req_slots, dtype=torch.int32)
         views = (cache.k_view(1), cache.v_view(1))
-        got_q = triton_kernels.rotary_store_kv((q, k, v), batch.positions, tables, views, where)
-        got = cache.buffer.clone()
-        cache.buffer.copy_(ref_cache)
-        want_q = triton_reference.rotary_store_kv((q, k, v), batch.positions, tables, views, where)
-        assert got_q.is_contiguous() and got_q.shape == (3, 6, 16)
-        assert torch.equal(got_q, want_q), (got_q - want_q).abs().max()
-        assert torch.equal(got, cache.buffer), (got.float() - cache.buffer.float()).abs().max()
-        assert not torch.equal(got, ref_cache)  # something was written
-        print(dtype, "ok")
+        before = cache.buffer.clone()
+
+        def run(fused):
+            cache.buffer.copy_(before)
+            plan = DecodePlan(slots, seq_lens, splits)
+            plan.ensure_workspace(6, 16)
+            out = torch.empty(3, 6, 16, dtype=dtype)
+            if fused:
+                triton_kernels.paged_decode(q, *views, pool.table, plan, out, new_token=new)
+            else:  # the three launches the fused path replaces
+                q_rot, k_rot = elementwise_kernels.rotary(q, k, batch.positions, rope.cos_table,
+                                                          rope.sin_table)
+                triton_kernels.store_kv(k_rot, v, *views, where)
+                triton_kernels.paged_decode(q_rot, *views, pool.table, plan, out)
+            return out, cache.buffer.clone()
+
+        got, got_cache = run(True)
+        want, want_cache = run(False)
+        assert torch.equal(got_cache, want_cache) and not torch.equal(got_cache, before)
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+        cache.buffer.copy_(before)
+        ref_plan = DecodePlan(slots, seq_lens, splits)
+        ref_plan.ensure_workspace(6, 16)
+        ref = torch.empty(3, 6, 16, dtype=dtype)
+        triton_reference.paged_decode(q, *views, pool.table, ref_plan, ref, new_token=new)
+        assert torch.equal(cache.buffer, want_cache)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        assert (ref.float() - got.float()).abs().max() < tol
+        print(dtype, splits, "ok")
     print("ok")
 """
 
 
-def test_rotary_store_kv_kernel_equals_rotary_then_store_under_the_interpreter() -> None:
-    """The fused decode kernel (rotate q; rotate k into its cache slot; copy v) gives the same
-    bits as the rotary reference followed by the KV write, from strided QKV views."""
-    out = _interpret(ROTARY_STORE)
+def test_decode_kernel_with_rope_equals_rotary_store_and_decode_under_the_interpreter() -> None:
+    """The decode kernel given the new token unrotated (it rotates q and k and writes the K/V
+    itself) gives the bits of the rotary kernel + store_kv + the decode kernel, cache included,
+    with 1, 2 and 3 splits, from strided QKV views; and the reference agrees."""
+    out = _interpret(DECODE_ROPE)
     assert out.strip().endswith("ok"), out
 
 
@@ -447,27 +471,42 @@ def test_gate_up_silu_on_the_gpu_in_bf16(rows: int) -> None:
 
 
 @needs_cuda
-def test_rotary_store_kv_on_the_gpu_in_bf16_equals_the_two_kernels() -> None:
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_kernel_with_rope_on_the_gpu_in_bf16_equals_the_three_kernels(splits: int) -> None:
     from engine.attention import triton_kernels
+    from engine.attention.triton_reference import DecodePlan, NewToken
     from engine.model_config import RopeScaling
     from engine.models.elementwise import rotary
     from engine.models.layers import RotaryEmbedding
     from tests.test_triton_reference import make_case
 
-    cache, _, batch, *_ = make_case(16, [300, 5, 1000], [1, 1, 1], num_kv_heads=8, group=4,
-                                    head_dim=128, device="cuda", dtype=torch.bfloat16)  # fmt: skip
+    cache, pool, batch, *_ = make_case(
+        16, [300, 5, 1000], [1, 1, 1], num_kv_heads=8, group=4, head_dim=128, device="cuda",
+        dtype=torch.bfloat16,
+    )  # fmt: skip
     rope = RotaryEmbedding(128, 4096, 500000.0, RopeScaling()).cuda()
     gen = torch.Generator(device="cuda").manual_seed(3)
     qkv = torch.randn(3, 48 * 128, device="cuda", generator=gen).to(torch.bfloat16)
     q, k, v = (t.view(3, -1, 128) for t in qkv.split([4096, 1024, 1024], dim=-1))
     where = cache.split(batch.out_cache_loc)
     views = (cache.k_view(0), cache.v_view(0))
+    seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device="cuda")
+    slots = torch.tensor(batch.req_slots, dtype=torch.int32, device="cuda")
     before = cache.buffer.clone()
-    want_q, want_k = rotary(q, k, batch.positions, rope.cos_table, rope.sin_table)
-    triton_kernels.store_kv(want_k, v, *views, where)
-    want = cache.buffer.clone()
-    cache.buffer.copy_(before)
-    tables = (rope.cos_table, rope.sin_table)
-    got_q = triton_kernels.rotary_store_kv((q, k, v), batch.positions, tables, views, where)
-    assert torch.equal(got_q, want_q)
-    assert torch.equal(cache.buffer, want)
+    outs, caches = [], []
+    for fused in (True, False):
+        cache.buffer.copy_(before)
+        plan = DecodePlan(slots, seq_lens, splits)
+        plan.ensure_workspace(32, 128)
+        out = torch.empty(3, 32, 128, dtype=torch.bfloat16, device="cuda")
+        if fused:
+            new = NewToken(k, v, batch.positions, rope.cos_table, rope.sin_table, where)
+            triton_kernels.paged_decode(q, *views, pool.table, plan, out, new_token=new)
+        else:
+            q_rot, k_rot = rotary(q, k, batch.positions, rope.cos_table, rope.sin_table)
+            triton_kernels.store_kv(k_rot, v, *views, where)
+            triton_kernels.paged_decode(q_rot, *views, pool.table, plan, out)
+        outs.append(out)
+        caches.append(cache.buffer.clone())
+    assert torch.equal(caches[0], caches[1])
+    assert torch.equal(outs[0], outs[1])

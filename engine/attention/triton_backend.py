@@ -22,7 +22,7 @@ import torch
 
 from engine.attention import triton_reference
 from engine.attention.base import AttentionBackend
-from engine.attention.triton_reference import DecodePlan, ExtendPlan, choose_num_splits
+from engine.attention.triton_reference import DecodePlan, ExtendPlan, NewToken, choose_num_splits
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_cache import PagedKVCache, ReqToTokenPool
 from engine.models.elementwise import kernels_on as elementwise_kernels_on
@@ -153,25 +153,30 @@ class TritonBackend(AttentionBackend):
         layer: int,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        """A decode batch rotates q and writes k (rotated) and v into the cache in one kernel
-        (rotary_store_kv), then attends; an extend batch, whose kernel also reads the new K/V
-        as tensors, rotates and writes in two steps (`forward`)."""
+        """A decode batch hands q, k and v to the decode kernel unrotated: it rotates them and
+        writes the new K/V itself, so the step has no rotary and no KV-store launch. An extend
+        batch, whose kernel also reads the new K/V as tensors, rotates and writes in two steps
+        (`forward`)."""
         md: TritonMetadata = batch.attn_metadata
-        q = qkv[0]
+        q, k, v = qkv
         fusable = q.dtype == self.kv_cache.layout.dtype and (
             not q.is_cuda or elementwise_kernels_on(q)
         )
         if md.decode is None or not fusable:
             return super().rotary_forward(qkv, positions, rope, layer, batch)
-        views = (self.kv_cache.k_view(layer), self.kv_cache.v_view(layer))
-        tables = (rope.cos_table, rope.sin_table)
-        q = self.ops.rotary_store_kv(qkv, positions, tables, views, md.write_at)
-        return self._decode(q, layer, md.decode)
+        new = NewToken(k, v, positions, rope.cos_table, rope.sin_table, md.write_at)
+        return self._decode(q, layer, md.decode, new)
 
-    def _decode(self, q: torch.Tensor, layer: int, plan: DecodePlan) -> torch.Tensor:
-        """Attention of a decode batch whose K/V are in the cache: q [B, Hq, D] contiguous."""
-        out = torch.empty_like(q)
+    def _decode(
+        self, q: torch.Tensor, layer: int, plan: DecodePlan, new_token: NewToken | None = None
+    ) -> torch.Tensor:
+        """Attention of a decode batch: q [B, Hq, D]; its K/V in the cache, or `new_token`."""
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         plan.ensure_workspace(q.shape[1], q.shape[2])
         k_view, v_view = self.kv_cache.k_view(layer), self.kv_cache.v_view(layer)
-        self.ops.paged_decode(q, k_view, v_view, self.req_to_token.table, plan, out)
+        table = self.req_to_token.table
+        if new_token is None:
+            self.ops.paged_decode(q, k_view, v_view, table, plan, out)
+        else:
+            self.ops.paged_decode(q, k_view, v_view, table, plan, out, new_token=new_token)
         return out

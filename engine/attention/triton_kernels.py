@@ -26,8 +26,9 @@ from engine.attention.triton_reference import (
     DecodePlan,
     ExtendPlan,
     KVStrides,
+    NewToken,
 )
-from engine.models.elementwise_kernels import _rope_angles, _rotate_heads
+from engine.models.elementwise_kernels import _rope_at, _rotate_heads
 
 _LOG2E = 1.4426950408889634
 
@@ -85,11 +86,23 @@ def _decode_split_kernel(
     mid_o_ptr,  # [B, Hq, S, D] fp32
     mid_lse_ptr,  # [B, Hq, S] fp32
     o_ptr,  # [B, Hq, D]: written here directly when NUM_SPLITS == 1 (no merge)
+    new_k_ptr,  # ROPE: the new tokens' K and V before RoPE [B, Hkv, D], any row/head strides
+    new_v_ptr,
+    pos_ptr,  # ROPE: [B] positions
+    cos_ptr,  # ROPE: [max_positions, HEAD_DIM / 2] tables
+    sin_ptr,
+    pages_ptr,  # ROPE: [B] where each new token's K/V goes
+    offsets_ptr,
     sm_scale_log2,
     stride_qb,
     stride_qh,
     stride_ob,
     stride_oh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    stride_cs,
     stride_table,
     stride_page,
     stride_tok,
@@ -101,6 +114,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -115,11 +129,29 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + offs_h
     mask_h = offs_h < GROUP
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None],
-        other=0.0,
-    )
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    if ROPE:
+        # RoPE and the KV write of the new token, in this kernel instead of two launches before
+        # it: the group's q heads are rotated into `out` (their scratch until the output lands
+        # there; every split writes the same values), and the split that holds the new token
+        # rotates its k into the cache and copies its v beside it. The same `_rotate_heads` as
+        # the rotary kernel, so the same bits.
+        new_pos = tl.load(pos_ptr + b).to(tl.int64)
+        cos, sin, mask_r, offs_r = _rope_at(new_pos, cos_ptr, sin_ptr, stride_cs, HEAD_DIM // 2,
+                                            HEAD_DIM // 2)  # fmt: skip
+        _rotate_heads(q_ptr + kvh * GROUP * stride_qh, o_ptr + kvh * GROUP * stride_oh, b,
+                      stride_qb, stride_qh, stride_ob, stride_oh, cos, sin, mask_r, offs_r,
+                      GROUP, BLOCK_H, HEAD_DIM // 2)  # fmt: skip
+        if (end == seq_len) & (start < end):
+            dst = tl.load(pages_ptr + b).to(tl.int64) * stride_page + kvh * stride_head
+            dst += tl.load(offsets_ptr + b).to(tl.int64) * stride_tok
+            _rotate_heads(new_k_ptr + kvh * stride_kh, k_ptr + dst, b, stride_kb, 0, 0, 0, cos,
+                          sin, mask_r, offs_r, 1, 2, HEAD_DIM // 2)  # fmt: skip
+            v_new = tl.load(new_v_ptr + b * stride_vb + kvh * stride_vh + offs_d)
+            tl.store(v_ptr + dst + offs_d, v_new)
+        tl.debug_barrier()  # the writes above, by other threads, are read below
+        q_rows = o_ptr + b * stride_ob + heads[:, None] * stride_oh
+    q = tl.load(q_rows + offs_d[None, :], mask=mask_h[:, None], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -338,21 +370,37 @@ def paged_decode(
     plan: DecodePlan,
     out: torch.Tensor,
     config: dict[str, int] | None = None,
+    new_token: NewToken | None = None,
 ) -> None:
-    """q, out: [B, Hq, D]; k_view/v_view: the layer's [pages, page_size, Hkv, D] cache views."""
+    """q, out: [B, Hq, D]; k_view/v_view: the layer's [pages, page_size, Hkv, D] cache views.
+    With `new_token`, q (any row/head strides) and the new K are rotated and the new K/V
+    written to the cache inside the kernel (the caller checks the cache has q's dtype, so each
+    value is rounded once, as the rotary kernel and `store_kv` round it); without, q is rotated
+    and the K/V already written."""
     cfg = config or DECODE_CONFIG
     batch, num_heads, head_dim = q.shape
     strides = KVStrides.of(k_view)
     num_kv_heads = k_view.shape[2]
     group = num_heads // num_kv_heads
     sm_scale_log2 = head_dim**-0.5 * _LOG2E
+    nt = new_token
+    if nt is not None:
+        assert KVStrides.of(v_view) == strides and nt.cos_table.is_contiguous()
+        assert q.stride(-1) == nt.k.stride(-1) == nt.v.stride(-1) == 1
+        new_k, new_v, pos, cos, sin = nt.k, nt.v, nt.positions, nt.cos_table, nt.sin_table
+        pages, offsets = nt.where
+    else:  # unused pointers: any tensor
+        new_k = new_v = pos = cos = sin = pages = offsets = q
     _decode_split_kernel[(batch, num_kv_heads, plan.num_splits)](
         q, k_view, v_view, table, plan.slots, plan.seq_lens, plan.mid_o, plan.mid_lse, out,
-        sm_scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1), table.stride(0),
-        strides.page, strides.token, strides.head,
+        new_k, new_v, pos, cos, sin, pages, offsets,
+        sm_scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos.stride(0),
+        table.stride(0), strides.page, strides.token, strides.head,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=k_view.shape[1], NUM_SPLITS=plan.num_splits, BLOCK_N=cfg["BLOCK_N"],
-        DOT_PRECISION=_dot_precision(q), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOT_PRECISION=_dot_precision(q), ROPE=nt is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if plan.num_splits == 1:
         return
@@ -435,65 +483,3 @@ def store_kv(
         NUM_KV_HEADS=num_kv_heads, BLOCK_H=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, num_warps=4,
     )  # fmt: skip
-
-
-@triton.jit
-def _rotary_store_kv_kernel(
-    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr,
-    pages_ptr, offsets_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
-    stride_table, stride_page, stride_tok, stride_head,
-    HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    cos, sin, mask_d, offs_d = _rope_angles(pos_ptr, cos_ptr, sin_ptr, t, stride_table, HALF,
-                                            BLOCK_D)  # fmt: skip
-    _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
-                  mask_d, offs_d, HQ, BLOCK_HQ, HALF)  # fmt: skip
-    # k is rotated straight into its cache slot (token stride 0 from the slot's address); v is
-    # copied beside it.
-    slot = tl.load(pages_ptr + t).to(tl.int64) * stride_page
-    slot += tl.load(offsets_ptr + t).to(tl.int64) * stride_tok
-    _rotate_heads(k_ptr, k_cache_ptr + slot, t, stride_kt, stride_kh, 0, stride_head, cos, sin,
-                  mask_d, offs_d, HK, BLOCK_HK, HALF)  # fmt: skip
-    heads = tl.arange(0, BLOCK_HK)
-    dims = tl.arange(0, HEAD_DIM)
-    mask = (heads < HK)[:, None]
-    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    tl.store(v_cache_ptr + slot + heads[:, None] * stride_head + dims[None, :], v, mask=mask)
-
-
-def rotary_store_kv(
-    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    positions: torch.Tensor,
-    tables: tuple[torch.Tensor, torch.Tensor],
-    views: tuple[torch.Tensor, torch.Tensor],
-    where: tuple[torch.Tensor, torch.Tensor],
-) -> torch.Tensor:
-    """RoPE of q and k (`elementwise.rotary`) and the KV write (`store_kv`) in one launch: q
-    [N, Hq, D] comes back rotated and contiguous, k [N, Hkv, D] goes rotated into the layer's
-    cache views at (pages, offsets), v beside it. Each value is rounded once, as the two launches
-    round it when the cache has the activations' dtype (the caller checks that)."""
-    q, k, v = qkv
-    cos_table, sin_table = tables
-    k_view, v_view = views
-    strides = KVStrides.of(k_view)
-    assert KVStrides.of(v_view) == strides
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-    assert cos_table.is_contiguous() and sin_table.is_contiguous()
-    num_tokens, hq, dim = q.shape
-    hk = k.shape[1]
-    q_out = torch.empty((num_tokens, hq, dim), dtype=q.dtype, device=q.device)
-    if num_tokens == 0:
-        return q_out
-    _rotary_store_kv_kernel[(num_tokens,)](
-        q, k, v, q_out, k_view, v_view, positions, cos_table, sin_table, where[0], where[1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        q_out.stride(0), q_out.stride(1), cos_table.stride(0),
-        strides.page, strides.token, strides.head,
-        HQ=hq, HK=hk, HALF=dim // 2, HEAD_DIM=dim,
-        BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
-        BLOCK_D=triton.next_power_of_2(dim // 2), num_warps=4,
-    )  # fmt: skip
-    return q_out

@@ -130,6 +130,20 @@ class DecodePlan:
 
 
 @dataclass(frozen=True)
+class NewToken:
+    """A decode step's new K/V before RoPE, for `paged_decode` to rotate and write itself: k and
+    v [B, Hkv, D] (strided views of the QKV output will do), the rows' positions [B], the RoPE
+    tables [max_positions, D/2], and where each row's K/V goes (pages, offsets)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    where: tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
 class ExtendPlan:
     """Request r's new tokens are rows q_starts[r]..+extend_lens[r], after prefix_lens[r] cached."""
 
@@ -151,8 +165,14 @@ def paged_decode(
     table: torch.Tensor,
     plan: DecodePlan,
     out: torch.Tensor,
+    new_token: NewToken | None = None,
 ) -> None:
-    """Reference of `triton_kernels.paged_decode`: stage 1 per split, then the merge."""
+    """Reference of `triton_kernels.paged_decode`: stage 1 per split, then the merge. With
+    `new_token`, q and its k are rotated and the K/V written first (`rotary`, `store_kv`)."""
+    if new_token is not None:
+        nt = new_token
+        q, k = rotary_reference(q, nt.k, nt.positions, nt.cos_table, nt.sin_table)
+        store_kv(k, nt.v, k_view, v_view, nt.where)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_view.shape[2]
     group = num_heads // num_kv_heads
@@ -219,17 +239,3 @@ def store_kv(
     """Reference of `triton_kernels.store_kv`: what `PagedKVCache.write` does."""
     k_view[where] = k.to(k_view.dtype)
     v_view[where] = v.to(v_view.dtype)
-
-
-def rotary_store_kv(
-    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    positions: torch.Tensor,
-    tables: tuple[torch.Tensor, torch.Tensor],
-    views: tuple[torch.Tensor, torch.Tensor],
-    where: tuple[torch.Tensor, torch.Tensor],
-) -> torch.Tensor:
-    """Reference of `triton_kernels.rotary_store_kv`: the rotation, then the KV write."""
-    q, k, v = qkv
-    q, k = rotary_reference(q, k, positions, *tables)
-    store_kv(k, v, *views, where)
-    return q.contiguous()

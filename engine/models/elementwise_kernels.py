@@ -140,10 +140,8 @@ def _rotate_heads(
 
 
 @triton.jit
-def _rope_angles(pos_ptr, cos_ptr, sin_ptr, t, stride_table, HALF: tl.constexpr,
-                 BLOCK_D: tl.constexpr):  # fmt: skip
-    """Token t's (cos, sin, mask_d, offs_d) over the first HALF dims, cos/sin in fp32."""
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+def _rope_at(pos, cos_ptr, sin_ptr, stride_table, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(cos, sin, mask_d, offs_d) of position `pos` over the first HALF dims, cos/sin in fp32."""
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HALF
     cos = tl.load(cos_ptr + pos * stride_table + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -160,8 +158,8 @@ def _rotary_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    cos, sin, mask_d, offs_d = _rope_angles(pos_ptr, cos_ptr, sin_ptr, t, stride_table, HALF,
-                                            BLOCK_D)  # fmt: skip
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos, sin, mask_d, offs_d = _rope_at(pos, cos_ptr, sin_ptr, stride_table, HALF, BLOCK_D)
     _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
                   mask_d, offs_d, HQ, BLOCK_HQ, HALF)  # fmt: skip
     _rotate_heads(k_ptr, k_out_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin,
