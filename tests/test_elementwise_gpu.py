@@ -77,9 +77,9 @@ def test_model_logits_fused_vs_torch_elementwise() -> None:
     assert rel_err(fused, ref) < 1e-5
 
 
-def test_decode_logits_with_fused_gate_up_and_rotary_store_vs_torch_elementwise() -> None:
+def test_decode_logits_with_both_fusions_vs_torch_elementwise() -> None:
     """A bf16 decode batch takes both fusions (gate_up + SiLU in one kernel, rotary written
-    straight into the cache); under torch_elementwise() it takes neither."""
+    into the cache by the decode kernel); under torch_elementwise() it takes neither."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = build_model(replace(TINY, num_layers=2)).to(torch.bfloat16).eval()
