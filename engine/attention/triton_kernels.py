@@ -386,6 +386,7 @@ def paged_decode(
     nt = new_token
     if nt is not None:
         assert KVStrides.of(v_view) == strides and nt.cos_table.is_contiguous()
+        assert nt.sin_table.stride() == nt.cos_table.stride()  # one row stride for both
         assert q.stride(-1) == nt.k.stride(-1) == nt.v.stride(-1) == 1
         new_k, new_v, pos, cos, sin = nt.k, nt.v, nt.positions, nt.cos_table, nt.sin_table
         pages, offsets = nt.where
