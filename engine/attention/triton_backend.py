@@ -175,8 +175,5 @@ class TritonBackend(AttentionBackend):
         plan.ensure_workspace(q.shape[1], q.shape[2])
         k_view, v_view = self.kv_cache.k_view(layer), self.kv_cache.v_view(layer)
         table = self.req_to_token.table
-        if new_token is None:
-            self.ops.paged_decode(q, k_view, v_view, table, plan, out)
-        else:
-            self.ops.paged_decode(q, k_view, v_view, table, plan, out, new_token=new_token)
+        self.ops.paged_decode(q, k_view, v_view, table, plan, out, new_token=new_token)
         return out

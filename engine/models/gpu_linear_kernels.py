@@ -113,6 +113,11 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _dot_precision(x: torch.Tensor) -> str:
+    """fp32 inputs get exact fp32 products (not tf32); 16-bit inputs ignore the setting."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 def _rows(x: torch.Tensor, weight: torch.Tensor, who: str) -> torch.Tensor:
     """x [..., K] as [M, K] with unit stride along K; the weight must have it already."""
     if weight.stride(-1) != 1:
@@ -135,7 +140,6 @@ def skinny_linear(
     splits = tile.num_splits(k)
     has_bias = bias is not None
     bias_arg = bias if bias is not None else out
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     target = out
     if splits > 1:
         target = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
@@ -144,7 +148,7 @@ def skinny_linear(
         x2d.stride(0), weight.stride(0), n,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=splits,
         HAS_BIAS=has_bias and splits == 1, EVEN_K=k % tile.block_k == 0,
-        EVEN_N=n % tile.block_n == 0, DOT_PRECISION=precision,
+        EVEN_N=n % tile.block_n == 0, DOT_PRECISION=_dot_precision(x),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if splits > 1:
@@ -224,7 +228,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, tile: GemmTile) -> torch
         x2d, weight, out, m, inter, k, x2d.stride(0), weight.stride(0), inter,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         EVEN_K=k % tile.block_k == 0, EVEN_N=inter % tile.block_n == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=_dot_precision(x),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], inter)

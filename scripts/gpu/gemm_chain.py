@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from engine.models.elementwise import silu_and_mul
 from engine.models.gemm_tiles import GemmTile
-from scripts.gpu.tune_decode_kernels import SMEM_BYTES, gemm_candidates, matches
+from scripts.gpu.tune_decode_kernels import SMEM_BYTES, Run, Target, gemm_candidates, matches
 
 HIDDEN, INTER, QKV, LAYERS = 4096, 14336, 6144, 32
 
@@ -78,24 +78,11 @@ def fused_tiles(m: int) -> list[GemmTile]:
     return tiles
 
 
-class Report:
-    def __init__(self, budget_s: float) -> None:
-        self.start = time.monotonic()
-        self.budget_s = budget_s
-        self.lines: list[str] = []
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.monotonic() - self.start:6.1f}s] {msg}", flush=True)
-
-    def over(self, share: float) -> bool:
-        return time.monotonic() - self.start > share * self.budget_s
-
-
 def pct(nbytes: int, us: float, gbps: float) -> str:
     return f"{100 * nbytes / (us * 1e-6) / 1e9 / gbps:.1f}%"
 
 
-def mlp_rows(rep: Report, m: int, gbps: float, budget_share: float) -> None:
+def mlp_rows(rep: Run, m: int, gbps: float, budget_share: float) -> None:
     from engine.models.gpu_linear_kernels import gate_up_silu
 
     gen = torch.Generator(device="cuda").manual_seed(m)
@@ -116,7 +103,7 @@ def mlp_rows(rep: Report, m: int, gbps: float, budget_share: float) -> None:
     rep.log(f"M={m} cuBLAS gate_up + SiLU: {base_us:.1f} us ({pct(up_bytes, base_us, gbps)})")
     timed: dict[GemmTile, tuple[float, float]] = {}
     for tile in fused_tiles(m):
-        if rep.over(budget_share):
+        if rep.over_budget(budget_share):
             break
         try:
             out = gate_up_silu(x, w_up[0], tile)
@@ -145,7 +132,7 @@ def mlp_rows(rep: Report, m: int, gbps: float, budget_share: float) -> None:
     )
 
 
-def gemm_rows(rep: Report, m: int, gbps: float, budget_share: float) -> None:
+def gemm_rows(rep: Run, m: int, gbps: float, budget_share: float) -> None:
     from engine.models.gpu_linear_kernels import skinny_linear
 
     for name, (n, k) in {
@@ -163,7 +150,7 @@ def gemm_rows(rep: Report, m: int, gbps: float, budget_share: float) -> None:
         cublas = chain_us(lambda i, ws=ws, x=x: F.linear(x, ws[i]))
         timed: dict[GemmTile, float] = {}
         for tile in gemm_candidates(m, n, k):
-            if rep.over(budget_share):
+            if rep.over_budget(budget_share):
                 break
             try:
                 if not matches(skinny_linear(x, ws[0], None, tile), ref)[0]:
@@ -195,7 +182,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    rep = Report(args.budget_s)
+    rep = Run(Target(), args.budget_s)
     gbps = copy_gbps()
     rep.log(f"copy bandwidth {gbps:.0f} GB/s")
     props = torch.cuda.get_device_properties(0)
