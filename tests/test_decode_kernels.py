@@ -324,7 +324,8 @@ def test_tiles_are_dot_sized_and_split_k_fills_the_chip() -> None:
 def test_registry_chooses_and_refuses_with_what_to_do() -> None:
     assert "triton" in LINEAR_KERNELS
     assert resolve_linear_kernel("aten", CPU, torch.float32) == "aten"
-    assert resolve_linear_kernel("auto", CUDA, torch.bfloat16) == "aten"  # default unchanged
+    # no measured tiles for this (absent) GPU: cuBLAS
+    assert resolve_linear_kernel("auto", CUDA, torch.bfloat16) == "aten"
     assert resolve_linear_kernel("auto", CPU, torch.float16) == "aten"
     with pytest.raises(ValueError, match=r"'triton'.*needs a CUDA device.*use 'auto' or 'aten'"):
         resolve_linear_kernel("triton", CPU, torch.float32)
@@ -364,9 +365,10 @@ def test_a_measured_table_overrides_the_rule_and_routes_to_cublas() -> None:
     assert tile_for(16, 4096, 4096, 132, 64, table) == tuned
     assert tile_for(17, 4096, 4096, 132, 64, table) is None  # cuBLAS won at 64 rows
     assert tile_for(65, 4096, 4096, 132, 64, table) is None  # beyond what was measured
-    # shapes the table lacks: the rule, up to max_rows
-    assert tile_for(16, 6144, 4096, 132, 64, table) == choose_tile(16, 6144, 4096, 132)
-    assert tile_for(65, 6144, 4096, 132, 64, table) is None
+    # a shape the table lacks: cuBLAS (the table says what won on this GPU; the rule is only
+    # for GPUs without one)
+    assert tile_for(16, 6144, 4096, 132, 64, table) is None
+    assert tile_for(16, 6144, 4096, 132, 64) == choose_tile(16, 6144, 4096, 132)
     layer = TritonLinear(nn.Linear(4096, 4096, bias=False, device="meta"), table=table)
     assert layer.tile_for(8) == tuned and layer.tile_for(32) is None and layer.tile_for(0) is None
 

@@ -28,6 +28,7 @@ from engine.attention.triton_reference import (
     KVStrides,
     NewToken,
 )
+from engine.models.dependent_launch import dependent_start, launch_options
 from engine.models.elementwise_kernels import _rope_at, _rotate_heads
 
 _LOG2E = 1.4426950408889634
@@ -115,7 +116,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_start(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -191,7 +194,9 @@ def _decode_merge_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -300,7 +305,9 @@ def _extend_kernel(
     TOKENS: tl.constexpr,  # BLOCK_M // GROUP
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_start(PDL)
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     mb = tl.program_id(2)
@@ -401,14 +408,14 @@ def paged_decode(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=k_view.shape[1], NUM_SPLITS=plan.num_splits, BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION=_dot_precision(q), ROPE=nt is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(q),
     )  # fmt: skip
     if plan.num_splits == 1:
         return
     _decode_merge_kernel[(batch, num_heads)](
         plan.mid_o, plan.mid_lse, out, out.stride(0), out.stride(1),
         NUM_SPLITS=plan.num_splits, BLOCK_S=triton.next_power_of_2(plan.num_splits),
-        HEAD_DIM=head_dim, num_warps=4,
+        HEAD_DIM=head_dim, num_warps=4, **launch_options(q),
     )  # fmt: skip
 
 
@@ -440,7 +447,7 @@ def paged_extend(
         out.stride(0), out.stride(1), table.stride(0), strides.page, strides.token,
         strides.head, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=k_view.shape[1],
         BLOCK_M=block_m, TOKENS=tokens, BLOCK_N=cfg["BLOCK_N"], DOT_PRECISION=_dot_precision(q),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(q),
     )  # fmt: skip
 
 
@@ -448,8 +455,9 @@ def paged_extend(
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pages_ptr, offsets_ptr,
     stride_kn, stride_kh, stride_vn, stride_vh, stride_page, stride_tok, stride_head,
-    NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    dependent_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     page = tl.load(pages_ptr + t).to(tl.int64)
     offset = tl.load(offsets_ptr + t).to(tl.int64)
@@ -482,5 +490,5 @@ def store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         strides.page, strides.token, strides.head,
         NUM_KV_HEADS=num_kv_heads, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, num_warps=4,
+        HEAD_DIM=head_dim, num_warps=4, **launch_options(k),
     )  # fmt: skip

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.gemm_tiles import GATE_UP_SILU_MAX_ROWS, gate_up_silu_tile
+from engine.models.gpu_linear import tiles_here
 
 _force_torch = False
 
@@ -118,7 +119,8 @@ def gate_up_silu(x: torch.Tensor, gate_up_proj: nn.Module) -> torch.Tensor:
     )
     if not fusable:
         return silu_and_mul(gate_up_proj(x))
-    out: torch.Tensor = _gemm_kernels().gate_up_silu(x, weight, gate_up_silu_tile(rows))
+    tile = gate_up_silu_tile(rows, tiles_here(x.device))
+    out: torch.Tensor = _gemm_kernels().gate_up_silu(x, weight, tile)
     return out
 
 

@@ -16,6 +16,8 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
+from engine.models.dependent_launch import dependent_start, launch_options
+
 SILU_BLOCK = 1024
 
 
@@ -34,7 +36,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -81,6 +85,7 @@ def _norm_launch(
         HAS_RESIDUAL=res is not None,
         BLOCK=block,
         num_warps=min(max(block // 512, 1), 16),
+        **launch_options(x),
     )
     return out.view(x.shape), (summed.view(x.shape) if res is not None else None)
 
@@ -99,7 +104,10 @@ def add_rms_norm(
 
 
 @triton.jit
-def _silu_and_mul_kernel(in_ptr, out_ptr, stride_in, stride_out, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    in_ptr, out_ptr, stride_in, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -118,8 +126,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] == 0:
         return out.view(*gate_up.shape[:-1], n_cols)
     _silu_and_mul_kernel[grid](
-        rows, out, rows.stride(0), out.stride(0), n_cols, BLOCK=SILU_BLOCK, num_warps=4
-    )
+        rows, out, rows.stride(0), out.stride(0), n_cols, BLOCK=SILU_BLOCK, num_warps=4,
+        **launch_options(gate_up),
+    )  # fmt: skip
     return out.view(*gate_up.shape[:-1], n_cols)
 
 
@@ -155,8 +164,9 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
     stride_table,
     HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    dependent_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos, sin, mask_d, offs_d = _rope_at(pos, cos_ptr, sin_ptr, stride_table, HALF, BLOCK_D)
@@ -193,6 +203,6 @@ def rotary(
         HQ=hq, HK=hk, HALF=half,
         BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
         BLOCK_D=triton.next_power_of_2(half),
-        num_warps=4,
+        num_warps=4, **launch_options(q),
     )  # fmt: skip
     return q_out, k_out

@@ -104,11 +104,12 @@ TileTable: TypeAlias = dict[tuple[int, int], dict[int, GemmTile | None]]
 def tile_for(
     m: int, n: int, k: int, num_sms: int, max_rows: int, table: TileTable | None = None
 ) -> GemmTile | None:
-    """The tile an [m, k] x [n, k]^T GEMM runs with, None for cuBLAS. A shape in `table` takes
-    the entry of the smallest measured row count >= m (beyond the largest: cuBLAS); any other
-    shape takes `choose_tile` up to `max_rows` rows."""
-    measured = (table or {}).get((n, k))
-    if measured:
+    """The tile an [m, k] x [n, k]^T GEMM runs with, None for cuBLAS. With a measured `table`
+    only the table decides: a shape in it takes the entry of the smallest measured row count
+    >= m (beyond the largest: cuBLAS), any other shape cuBLAS. Without one, `choose_tile` up to
+    `max_rows` rows."""
+    if table is not None:
+        measured = table.get((n, k), {})
         above = [rows for rows in sorted(measured) if rows >= m]
         return measured[above[0]] if above else None
     return choose_tile(m, n, k, num_sms) if m <= max_rows else None
@@ -119,12 +120,83 @@ def tile_for(
 GATE_UP_SILU_MAX_ROWS = 64
 
 
-def gate_up_silu_tile(m: int) -> GemmTile:
-    """The fused gate_up + SiLU kernel's tile for m rows: 32 output columns (64 weight rows, gate
-    and up) per program, no split-K. Measured in a 32-layer chain on an H100 at Llama-3-8B
-    shapes (scripts/gpu/gemm_chain.py, 2026-11-26): the best of 40 tiles at 16 and 64 rows."""
+@dataclass(frozen=True)
+class GpuTiles:
+    """The decode GEMM tiles measured on one GPU model by `scripts/gpu/gemm_chain.py` (a 32-layer
+    chain in one CUDA graph, programmatic dependent launch on): `linear` for the skinny GEMM of
+    each weight shape (None where cuBLAS won), `gate_up_silu` the fused kernel's tile by rows."""
+
+    linear: TileTable
+    gate_up_silu: dict[int, GemmTile]
+
+    def gate_up_silu_tile(self, m: int) -> GemmTile | None:
+        above = [rows for rows in sorted(self.gate_up_silu) if rows >= m]
+        return self.gate_up_silu[above[0]] if above else None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "linear": {
+                f"{n},{k}": {str(m): _tile_json(t) for m, t in by_rows.items()}
+                for (n, k), by_rows in self.linear.items()
+            },
+            "gate_up_silu": {str(m): _tile_json(t) for m, t in self.gate_up_silu.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> GpuTiles:
+        linear: TileTable = {}
+        for shape, by_rows in dict(data["linear"]).items():  # type: ignore[call-overload]
+            n, k = (int(v) for v in shape.split(","))
+            linear[(n, k)] = {int(m): _tile_of(t) for m, t in by_rows.items()}
+        fused = {int(m): _tile_of(t) for m, t in dict(data["gate_up_silu"]).items()}  # type: ignore[call-overload]
+        return cls(linear, {m: t for m, t in fused.items() if t is not None})
+
+
+def _tile_json(tile: GemmTile | None) -> list[int] | None:
+    if tile is None:
+        return None
+    return [tile.block_m, tile.block_n, tile.block_k, tile.split_k, tile.num_warps,
+            tile.num_stages]  # fmt: skip
+
+
+def _tile_of(value: list[int] | None) -> GemmTile | None:
+    return None if value is None else GemmTile(*value)
+
+
+# GPU model (torch.cuda.get_device_name) -> its measured tiles. A GPU listed here runs its decode
+# GEMMs on the Triton kernels under linear_kernel "auto"; any other keeps cuBLAS. Written from
+# `gemm_chain --rows 16,64 --table-out` (Llama-3-8B shapes, bf16, programmatic dependent launch
+# on); the runs are in benchmarks/ (gpu-2026-11-26-pdl-*.md).
+MEASURED: dict[str, GpuTiles] = {
+    # 2026-11-26 21:22 UTC: qkv at 64 rows stays on cuBLAS (22.5 against 22.6 us a layer).
+    "NVIDIA H100 80GB HBM3": GpuTiles(
+        linear={
+            (6144, 4096): {16: GemmTile(16, 32, 128, 1, 4, 5), 64: None},
+            (4096, 4096): {16: GemmTile(16, 64, 256, 1, 4, 5), 64: GemmTile(64, 32, 128, 1, 4, 5)},
+            (4096, 14336): {
+                16: GemmTile(16, 64, 256, 1, 4, 5),
+                64: GemmTile(64, 32, 256, 1, 4, 4),
+            },
+        },
+        gate_up_silu={16: GemmTile(16, 32, 256, 1, 4, 3), 64: GemmTile(64, 32, 128, 1, 4, 3)},
+    ),
+}
+
+
+def measured_for(gpu_name: str) -> GpuTiles | None:
+    return MEASURED.get(gpu_name)
+
+
+def gate_up_silu_tile(m: int, measured: GpuTiles | None = None) -> GemmTile:
+    """The fused gate_up + SiLU kernel's tile for m rows: this GPU's measured one, else 32 output
+    columns (64 weight rows, gate and up) per program, no split-K. The fallback was measured in
+    a 32-layer chain on an H100 at Llama-3-8B shapes (scripts/gpu/gemm_chain.py, 2026-11-26):
+    the best of 40 tiles at 16 and 64 rows."""
     if m > GATE_UP_SILU_MAX_ROWS:
         raise ValueError(f"gate_up_silu takes at most {GATE_UP_SILU_MAX_ROWS} rows, got {m}")
+    tile = measured.gate_up_silu_tile(m) if measured is not None else None
+    if tile is not None:
+        return tile
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_k = 256 if m <= 16 else 128
     return GemmTile(block_m, 32, block_k, split_k=1, num_warps=4, num_stages=3)

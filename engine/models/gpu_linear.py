@@ -1,17 +1,20 @@
 """Linear layers on a CUDA GPU with decode-sized GEMMs through the skinny Triton kernel.
 
 `linear_kernel="triton"` (engine/models/linear_backends.py) swaps every nn.Linear of the model
-for a `TritonLinear` that shares its weight and bias (no copy: a tied LM head stays tied). A call
-with at most `max_rows` rows (a decode batch) runs `gpu_linear_kernels.skinny_linear` with the
-tile `gemm_tiles.choose_tile` picks for its shape; larger calls (prefill chunks) stay on cuBLAS
-through F.linear, which is at its best there. The tile of each row count is chosen once, in
-plain Python, the first time that count is seen (the warm-up before a CUDA graph capture), so
-nothing is tuned or synced with the host while a graph is captured or replayed.
+for a `TritonLinear` that shares its weight and bias (no copy: a tied LM head stays tied). On a
+GPU model with measured tiles (`gemm_tiles.MEASURED`, written from `scripts/gpu/gemm_chain.py`)
+a call runs `gpu_linear_kernels.skinny_linear` where the table says the Triton kernel won for
+its weight shape and row count, and cuBLAS (F.linear) everywhere else, prefill chunks included.
+On any other GPU the tile comes from the `gemm_tiles.choose_tile` rule up to `max_rows` rows.
+The tile of each row count is chosen once, in plain Python, the first time that count is seen
+(the warm-up before a CUDA graph capture), so nothing is tuned or synced with the host while a
+graph is captured or replayed.
 
-Why: at B=64 on an H100 cuBLAS streams the Llama-3-8B decode weights at 75-90% of the copy
-bandwidth (benchmarks/gpu-2026-11-26-decode-accounting-h100.md); `python -m
-scripts.gpu.tune_decode_kernels` times both per shape. The engine's default ("auto") keeps cuBLAS
-on CUDA until that table shows the Triton kernel winning.
+Why: a decode step is a chain of short kernels. With programmatic dependent launch
+(engine/models/dependent_launch.py) each Triton kernel starts while the one before it finishes,
+which cuBLAS's kernels do not do; with measured tiles the Triton GEMMs stream the weights as fast
+as cuBLAS, so the step is shorter by the boundaries they overlap. The engine's default ("auto")
+takes this backend on a GPU with measured tiles and keeps cuBLAS on the others.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.gemm_tiles import GemmTile, TileTable, tile_for
+from engine.models.gemm_tiles import GemmTile, GpuTiles, TileTable, measured_for, tile_for
 from engine.models.linear_backends import swap_linears
 
 # Decode batches up to this many rows take the Triton kernel. Above it the weight tile is read
@@ -43,6 +46,28 @@ def unusable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     except ImportError as exc:
         return f"needs the package 'triton' (torch's CUDA wheels bring it): {exc}"
     return None
+
+
+def auto_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why linear_kernel "auto" does not take this backend here, or None when it does: it runs
+    here and this GPU model has measured tiles."""
+    reason = unusable_reason(device, dtype)
+    if reason is None and tiles_here(device) is None:
+        reason = "no measured decode tiles for this GPU (engine/models/gemm_tiles.py, MEASURED)"
+    return reason
+
+
+def tiles_here(device: torch.device) -> GpuTiles | None:
+    """The measured tiles of `device`'s GPU model (None off CUDA or where none were measured)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _tiles_of_device(index)
+
+
+@functools.cache
+def _tiles_of_device(index: int) -> GpuTiles | None:
+    return measured_for(torch.cuda.get_device_name(index))
 
 
 @functools.cache
@@ -104,5 +129,10 @@ class TritonLinear(nn.Module):
 def replace_linears(
     model: nn.Module, max_rows: int = MAX_ROWS, table: TileTable | None = None
 ) -> int:
-    """Replace every nn.Linear in `model` by a TritonLinear; returns how many were replaced."""
+    """Replace every nn.Linear in `model` by a TritonLinear; returns how many were replaced.
+    Without a `table`, the measured one of the weights' GPU model, if any."""
+    if table is None:
+        weight = next(model.parameters(), None)
+        measured = tiles_here(weight.device) if weight is not None else None
+        table = measured.linear if measured is not None else None
     return swap_linears(model, lambda linear: TritonLinear(linear, max_rows, table))

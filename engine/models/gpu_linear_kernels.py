@@ -27,6 +27,7 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
+from engine.models.dependent_launch import dependent_start, launch_options
 from engine.models.gemm_tiles import GemmTile
 
 REDUCE_BLOCK = 1024
@@ -53,7 +54,9 @@ def _skinny_gemm_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: every K block is whole, no mask along K
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: every weight row exists
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_start(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -101,7 +104,9 @@ def _splitk_reduce_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     total = M * N
     mask = offs < total
@@ -149,12 +154,13 @@ def skinny_linear(
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=splits,
         HAS_BIAS=has_bias and splits == 1, EVEN_K=k % tile.block_k == 0,
         EVEN_N=n % tile.block_n == 0, DOT_PRECISION=_dot_precision(x),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(x),
     )  # fmt: skip
     if splits > 1:
         _splitk_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, bias_arg, out, m, n,
             SPLIT_K=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK, num_warps=4,
+            **launch_options(x),
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
@@ -176,7 +182,9 @@ def _gate_up_silu_kernel(
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_start(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -229,6 +237,6 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, tile: GemmTile) -> torch
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         EVEN_K=k % tile.block_k == 0, EVEN_N=inter % tile.block_n == 0,
         DOT_PRECISION=_dot_precision(x),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(x),
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], inter)

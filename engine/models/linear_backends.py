@@ -8,8 +8,8 @@ loaded; returns how many). "aten" is torch's F.linear: nothing is replaced.
 - "onednn" (engine/models/cpu_linear.py): oneDNN over weights packed once at load (CPU).
 - "triton" (engine/models/gpu_linear.py): decode-sized GEMMs through a skinny split-K Triton
   kernel, larger ones on cuBLAS (CUDA).
-- "auto": the first usable of AUTO_ORDER. Triton is not in it: it joins when a GPU run of
-  scripts/gpu/tune_decode_kernels.py shows it beating cuBLAS on the decode shapes.
+- "auto": the first of AUTO_ORDER that runs here and wants to (a backend's optional
+  `auto_reason(device, dtype)`: Triton only on a GPU model with measured decode tiles).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ LINEAR_BACKENDS: dict[str, str] = {
     "onednn": "engine.models.cpu_linear",
     "triton": "engine.models.gpu_linear",
 }
-AUTO_ORDER = ("onednn", "aten")
+AUTO_ORDER = ("onednn", "triton", "aten")
 LINEAR_KERNELS = ("auto", *LINEAR_BACKENDS)
 
 
@@ -64,12 +64,18 @@ def _backend(name: str) -> ModuleType:
     return importlib.import_module(LINEAR_BACKENDS[name])
 
 
+def _auto_reason(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    backend = _backend(name)
+    reason: str | None = getattr(backend, "auto_reason", backend.unusable_reason)(device, dtype)
+    return reason
+
+
 def resolve_linear_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
     """The backend `kernel` runs as on `device`/`dtype`: "auto" picks, an explicit name that
     cannot run here raises a ValueError that says why and what to choose instead."""
     check_linear_kernel(kernel)
     if kernel == "auto":
-        return next(n for n in AUTO_ORDER if _backend(n).unusable_reason(device, dtype) is None)
+        return next(n for n in AUTO_ORDER if _auto_reason(n, device, dtype) is None)
     reason = _backend(kernel).unusable_reason(device, dtype)
     if reason is not None:
         raise ValueError(

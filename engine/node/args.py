@@ -40,7 +40,8 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         choices=LINEAR_KERNELS,
         help="matmuls of the linear layers: oneDNN over weights packed at load (CPU), a skinny "
         "split-K Triton GEMM for decode batches (CUDA), torch's F.linear, or auto (oneDNN where "
-        "it can run, else F.linear); see engine/models/linear_backends.py",
+        "it can run, Triton on a GPU with measured decode tiles, else F.linear); see "
+        "docs/decode-kernels.md",
     )
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV capacity in tokens")

@@ -1,7 +1,12 @@
 """A decode step's time by component, before and after step preparation in the CUDA graph.
 
     python3 -m scripts.gpu.decode_accounting [--batches 16,64,256] [--context 1024] \
-        [--backends triton,flashinfer] [--steps 16] [--windows 2] [--kernels] [--out table.md]
+        [--backends triton,flashinfer] [--steps 16] [--windows 2] [--kernels] [--out table.md] \
+        [--linear-kernel triton] [--tokens-out tokens.json]
+
+`PDSERVE_PDL=0` in the environment runs the same step without programmatic dependent launch
+(engine/models/dependent_launch.py): two runs with and without it, compared by their tables and
+their `--tokens-out` files (which must be equal), are its A/B.
 
 Issue 26 item 1 asks for decode at >= 85% of the HBM roofline and a per-component table before
 and after moving the step's metadata preparation and sampling into the captured graph
@@ -43,6 +48,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import json
 import re
 import statistics
 import tempfile
@@ -56,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton  # type: ignore[import-untyped]
 from torch.profiler import ProfilerActivity, profile
 
 import engine.overlap
@@ -63,7 +70,8 @@ import engine.sampling
 from engine import LLM, SamplingParams
 from engine.attention import AttentionBackend, attention_backend_class
 from engine.cuda_graph import DecodeGraphRunner
-from engine.models import loader
+from engine.models import dependent_launch, gemm_tiles, loader
+from engine.models.linear_backends import LINEAR_KERNELS, resolve_linear_kernel
 from engine.overlap import OverlapScheduler
 from engine.request import Req
 from engine.scheduler import Scheduler
@@ -176,7 +184,7 @@ def dummy_weights_on_device() -> Iterator[None]:
         loader._init_dummy = real
 
 
-def build_llm(max_batch: int, context: int, max_new: int) -> LLM:
+def build_llm(max_batch: int, context: int, max_new: int, linear_kernel: str = "auto") -> LLM:
     """The Llama-3-8B-shaped engine on the GPU, Triton attention, today's graphs."""
     model_dir = Path(tempfile.mkdtemp()) / "llama3-8b-shaped"
     write_llama_config(model_dir, LLAMA3_8B_HF_CONFIG)
@@ -185,7 +193,8 @@ def build_llm(max_batch: int, context: int, max_new: int) -> LLM:
                    attention_backend="triton", page_size=16,
                    max_total_tokens=max_batch * (context + max_new + 32),
                    max_running_requests=max_batch, chunked_prefill_size=16384,
-                   enable_prefix_cache=False, overlap_schedule=False)  # fmt: skip
+                   enable_prefix_cache=False, overlap_schedule=False,
+                   linear_kernel=linear_kernel)  # fmt: skip
 
 
 # ---- the gate ---------------------------------------------------------------------------------
@@ -201,6 +210,7 @@ class Gate:
     eager_same: int
     batch: int
     detail: str
+    tokens: list[list[int]] = field(default_factory=list)  # the after path's, serial
 
     @property
     def ok(self) -> bool:
@@ -255,7 +265,13 @@ def gate(bench: Bench, batch: int, vocab: int) -> Gate:
         + f" (the overlapped after path against the overlapped before path, which matches the"
         f" serial before path in {same['before, overlapped']}/{batch})"
     )
-    return Gate(paths_ok, same["eager"], batch, f"requests identical to the before path: {detail}")
+    return Gate(
+        paths_ok,
+        same["eager"],
+        batch,
+        f"requests identical to the before path: {detail}",
+        outs["after"],
+    )
 
 
 # ---- timed windows ----------------------------------------------------------------------------
@@ -461,6 +477,7 @@ def run_backend(llm: LLM, backend: str, args: argparse.Namespace, copy_bw: float
                          f"{check.detail}")  # fmt: skip
                 out.checks.append(f"| {backend} | {batch} | {check.detail} | "
                                   f"{check.mark} |")  # fmt: skip
+                out.tokens[f"{backend} B={batch}"] = check.tokens
                 figs = measure(bench, batch, args.context, args.steps, args.windows, vocab)
                 rows = rows_of(bench, backend, batch, figs, check, copy_bw)
                 out.rows += rows
@@ -481,6 +498,7 @@ class Report:
     kernels: list[str] = field(default_factory=list)
     kernel_raw: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    tokens: dict[str, list[list[int]]] = field(default_factory=dict)  # the gates' greedy tokens
 
     def section(self, name: str, fn: Callable[[], object]) -> None:
         progress(f"== {name}")
@@ -612,7 +630,13 @@ def markdown(args: argparse.Namespace, copy_bw: float, out: Report) -> str:
         f"GPU: {torch.cuda.get_device_name()}; HBM copy bandwidth {copy_bw / 1e9:.0f} GB/s "
         f"(2 GiB read + written); context {args.context}; Llama-3-8B shape, dummy bf16 "
         f"weights, page size 16; {args.windows} windows of {args.steps} decode steps per path "
-        "(best window shown); torch " + torch.__version__ + ".",
+        f"(best window shown); linear kernel {args.linear_kernel} (resolved: "
+        f"{resolve_linear_kernel(args.linear_kernel, torch.device('cuda'), torch.bfloat16)}, "
+        f"{'measured' if gemm_tiles.measured_for(torch.cuda.get_device_name()) else 'no measured'}"
+        f" tiles for this GPU{' from ' + str(args.gemm_tiles) if args.gemm_tiles else ''}); "
+        f"programmatic dependent "
+        f"launch {'on' if dependent_launch.enabled(torch.empty(0, device='cuda')) else 'off'}; "
+        f"torch {torch.__version__}, Triton {triton.__version__}.",
         "",
         "## Gate: greedy tokens, eager == before == after graphs; after == before, overlapped",
         "",
@@ -647,7 +671,7 @@ def engine_sections(args: argparse.Namespace, copy_bw: float, out: Report) -> No
     batches = [int(b) for b in args.batches.split(",")]
     max_new = 2 * len(PATHS) * (args.windows * args.steps + 3) + 8
     progress("building the engine (dummy Llama-3-8B-shaped weights)")
-    llm = build_llm(max(batches), args.context, max_new)
+    llm = build_llm(max(batches), args.context, max_new, args.linear_kernel)
     progress("engine built")
     for backend in args.backends.split(","):
         if backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
@@ -671,10 +695,20 @@ def main() -> None:
         action="store_true",
         help="also the per-kernel accounting of an eager step (torch.profiler)",
     )
+    parser.add_argument("--linear-kernel", default="auto", choices=LINEAR_KERNELS,
+                        help="EngineConfig.linear_kernel (docs/decode-kernels.md)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="write the markdown here")
+    parser.add_argument("--gemm-tiles", type=Path, default=None,
+                        help="measured tiles for this GPU (gemm_chain --table-out JSON), "
+                        "used instead of gemm_tiles.MEASURED")  # fmt: skip
+    parser.add_argument("--tokens-out", type=Path, default=None,
+                        help="write the gate's greedy tokens (JSON) to compare runs")  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_accounting needs a CUDA GPU (the graphs are CUDA graphs)")
+    if args.gemm_tiles is not None:
+        data = json.loads(args.gemm_tiles.read_text())
+        gemm_tiles.MEASURED[torch.cuda.get_device_name()] = gemm_tiles.GpuTiles.from_json(data)
     ms, moved = copy_ms()
     copy_bw = moved / (ms / 1e3)
     torch.cuda.empty_cache()
@@ -690,6 +724,8 @@ def main() -> None:
     print(text, flush=True)
     if args.out is not None:
         args.out.write_text(text)
+    if args.tokens_out is not None:
+        args.tokens_out.write_text(json.dumps(out.tokens))
     progress("done")
 
 

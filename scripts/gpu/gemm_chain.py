@@ -1,13 +1,17 @@
 """Decode GEMMs timed as a step runs them: 32 layers' distinct weights in one CUDA graph, no flush.
 
-    PYTHONUNBUFFERED=1 python3 -m scripts.gpu.gemm_chain --rows 16,64,256 --out "$OUT/chain.md"
+    PYTHONUNBUFFERED=1 python3 -m scripts.gpu.gemm_chain --rows 16,64,256 --out "$OUT/chain.md" \
+        [--table-out tiles.json]
 
 `tune_decode_kernels.py` times one weight at a time with L2 flushed (a 256 MiB write) before
 each replay; the flush's dirty lines are written back while the timed kernel reads, so its
 figures sit below the engine's (qkv at 64 rows: 29.8 us there, 21.3 us in a profiled step).
 Here each variant runs once per layer over 32 separate weight copies inside one graph, as in a
-decode step: every weight streams from HBM once per replay and nothing else competes. Time per
-layer = replay time / 32 (median of the replays).
+decode step: every weight streams from HBM once per replay and nothing else competes. Each GEMM
+is preceded by the RMSNorm kernel the step runs before it, so a kernel's neighbour is what it
+is in the step (a GEMM after a GEMM would favour cuBLAS, whose kernels start back to back, over
+the Triton kernels' programmatic dependent launch). Time per layer = replay time / 32 (median
+of the replays), the norm included (the same in every variant).
 
 Per row count (Llama-3-8B shapes, bf16):
 1. the gated MLP's first half: cuBLAS gate_up + the SiLU kernel (the engine today) against the
@@ -22,7 +26,9 @@ Floor: the weights read once at the copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -31,8 +37,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.models.elementwise import silu_and_mul
-from engine.models.gemm_tiles import GemmTile
+from engine.models import dependent_launch
+from engine.models.elementwise import rms_norm, silu_and_mul
+from engine.models.gemm_tiles import GemmTile, GpuTiles
 from scripts.gpu.tune_decode_kernels import SMEM_BYTES, Run, Target, gemm_candidates, matches
 
 HIDDEN, INTER, QKV, LAYERS = 4096, 14336, 6144, 32
@@ -60,6 +67,18 @@ def chain_us(step: Callable[[int], object], layers: int = LAYERS, replays: int =
     return statistics.median(samples)
 
 
+def norm(x: torch.Tensor) -> torch.Tensor:
+    """The RMSNorm kernel that comes before each decode GEMM in a layer (a Triton kernel with
+    programmatic dependent launch, as in the step), so each chained GEMM has the step's
+    neighbour and not another GEMM."""
+    return rms_norm(x, _ones(x.shape[-1], x.dtype), 1e-5)
+
+
+@functools.cache
+def _ones(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.ones(n, dtype=dtype, device="cuda")  # made once: no fill kernel in the chain
+
+
 def copy_gbps() -> float:
     src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
@@ -82,7 +101,7 @@ def pct(nbytes: int, us: float, gbps: float) -> str:
     return f"{100 * nbytes / (us * 1e-6) / 1e9 / gbps:.1f}%"
 
 
-def mlp_rows(rep: Run, m: int, gbps: float, budget_share: float) -> None:
+def mlp_rows(rep: Run, m: int, gbps: float, budget_share: float, won: GpuTiles) -> None:
     from engine.models.gpu_linear_kernels import gate_up_silu
 
     gen = torch.Generator(device="cuda").manual_seed(m)
@@ -99,7 +118,7 @@ def mlp_rows(rep: Run, m: int, gbps: float, budget_share: float) -> None:
     gate, up = F.linear(x.float(), w_up[0].float()).split(INTER, dim=-1)
     ref = F.silu(gate) * up
     up_bytes = w_up[0].nbytes
-    base_us = chain_us(lambda i: silu_and_mul(F.linear(x, w_up[i])))
+    base_us = chain_us(lambda i: silu_and_mul(F.linear(norm(x), w_up[i])))
     rep.log(f"M={m} cuBLAS gate_up + SiLU: {base_us:.1f} us ({pct(up_bytes, base_us, gbps)})")
     timed: dict[GemmTile, tuple[float, float]] = {}
     for tile in fused_tiles(m):
@@ -112,7 +131,7 @@ def mlp_rows(rep: Run, m: int, gbps: float, budget_share: float) -> None:
                 rep.log(f"  {tile.describe()}: WRONG (rel err {err:.1e})")
                 continue
             same = float((out == engine_act).float().mean())
-            timed[tile] = (chain_us(lambda i, t=tile: gate_up_silu(x, w_up[i], t)), same)
+            timed[tile] = (chain_us(lambda i, t=tile: gate_up_silu(norm(x), w_up[i], t)), same)
         except Exception as exc:  # a tile the compiler refuses is skipped, not fatal
             rep.log(f"  {tile.describe()}: {type(exc).__name__}: {str(exc)[:120]}")
     if not timed:
@@ -121,8 +140,10 @@ def mlp_rows(rep: Run, m: int, gbps: float, budget_share: float) -> None:
     best = min(timed, key=lambda t: timed[t][0])
     best_us, same = timed[best]
     rep.log(f"M={m} fused best {best.describe()}: {best_us:.1f} us of {len(timed)} tiles")
-    mlp_base = chain_us(lambda i: F.linear(silu_and_mul(F.linear(x, w_up[i])), w_down[i]))
-    mlp_fused = chain_us(lambda i: F.linear(gate_up_silu(x, w_up[i], best), w_down[i]))
+    if best_us < base_us:
+        won.gate_up_silu[m] = best
+    mlp_base = chain_us(lambda i: F.linear(silu_and_mul(F.linear(norm(x), w_up[i])), w_down[i]))
+    mlp_fused = chain_us(lambda i: F.linear(gate_up_silu(norm(x), w_up[i], best), w_down[i]))
     mlp_bytes = up_bytes + w_down[0].nbytes
     rep.lines.append(
         f"| {m} | {base_us:.1f} ({pct(up_bytes, base_us, gbps)}) | {best_us:.1f} "
@@ -132,7 +153,7 @@ def mlp_rows(rep: Run, m: int, gbps: float, budget_share: float) -> None:
     )
 
 
-def gemm_rows(rep: Run, m: int, gbps: float, budget_share: float) -> None:
+def gemm_rows(rep: Run, m: int, gbps: float, budget_share: float, won: GpuTiles) -> None:
     from engine.models.gpu_linear_kernels import skinny_linear
 
     for name, (n, k) in {
@@ -147,7 +168,7 @@ def gemm_rows(rep: Run, m: int, gbps: float, budget_share: float) -> None:
             for _ in range(LAYERS)
         ]
         ref = F.linear(x.float(), ws[0].float())
-        cublas = chain_us(lambda i, ws=ws, x=x: F.linear(x, ws[i]))
+        cublas = chain_us(lambda i, ws=ws, x=x: F.linear(norm(x), ws[i]))
         timed: dict[GemmTile, float] = {}
         for tile in gemm_candidates(m, n, k):
             if rep.over_budget(budget_share):
@@ -156,13 +177,16 @@ def gemm_rows(rep: Run, m: int, gbps: float, budget_share: float) -> None:
                 if not matches(skinny_linear(x, ws[0], None, tile), ref)[0]:
                     continue
                 timed[tile] = chain_us(
-                    lambda i, t=tile, ws=ws, x=x: skinny_linear(x, ws[i], None, t)
+                    lambda i, t=tile, ws=ws, x=x: skinny_linear(norm(x), ws[i], None, t)
                 )
             except Exception as exc:
                 rep.log(f"  {name} {tile.describe()}: {type(exc).__name__}: {str(exc)[:120]}")
         nbytes = ws[0].nbytes
         floor = nbytes / (gbps * 1e9) * 1e6
         best = min(timed, key=lambda t: timed[t]) if timed else None
+        won.linear.setdefault((n, k), {})[m] = (
+            best if best is not None and timed[best] < cublas else None
+        )
         best_cell = (
             f"{timed[best]:.1f} ({pct(nbytes, timed[best], gbps)}) | {best.describe()}"
             if best
@@ -180,17 +204,27 @@ def main() -> None:
     parser.add_argument("--rows", default="16,64,256")
     parser.add_argument("--budget-s", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--table-out",
+        type=Path,
+        default=None,
+        help="write the winners as gemm_tiles.GpuTiles JSON (for decode_accounting --gemm-tiles; "
+        "what goes into gemm_tiles.MEASURED)",
+    )
     args = parser.parse_args()
+    won = GpuTiles(linear={}, gate_up_silu={})
     rows = [int(r) for r in args.rows.split(",")]
     rep = Run(Target(), args.budget_s)
     gbps = copy_gbps()
     rep.log(f"copy bandwidth {gbps:.0f} GB/s")
     props = torch.cuda.get_device_properties(0)
+    pdl_on = dependent_launch.enabled(torch.empty(0, device="cuda"))
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rep.lines += [
         f"# Decode GEMMs in a 32-layer chain ({stamp})",
         "",
         f"GPU {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
+        f"programmatic dependent launch {'on' if pdl_on else 'off'}; "
         f"copy bandwidth {gbps:.0f} GB/s (the % columns: weights read once at that rate). "
         f"Command: `python3 -m scripts.gpu.gemm_chain --rows {args.rows}`.",
         "",
@@ -201,7 +235,7 @@ def main() -> None:
         "|---:|---:|---:|---|---:|---:|---:|",
     ]  # fmt: skip
     for i, m in enumerate(rows):
-        mlp_rows(rep, m, gbps, 0.55 * (i + 1) / len(rows))
+        mlp_rows(rep, m, gbps, 0.55 * (i + 1) / len(rows), won)
         torch.cuda.empty_cache()
     rep.lines += [
         "",
@@ -211,12 +245,15 @@ def main() -> None:
         "|---:|---|---:|---:|---:|---|",
     ]
     for i, m in enumerate(rows):
-        gemm_rows(rep, m, gbps, 0.55 + 0.45 * (i + 1) / len(rows))
+        gemm_rows(rep, m, gbps, 0.55 + 0.45 * (i + 1) / len(rows), won)
         torch.cuda.empty_cache()
     text = "\n".join(rep.lines) + "\n"
     print(text)
     if args.out:
         args.out.write_text(text)
+    if args.table_out:
+        table = {"gpu": props.name, "pdl": pdl_on, **won.to_json()}
+        args.table_out.write_text(json.dumps(table, indent=1) + "\n")
 
 
 if __name__ == "__main__":

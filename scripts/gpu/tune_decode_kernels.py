@@ -186,13 +186,13 @@ def copy_bandwidth(run: Run) -> float:
 
 # ---- GEMMs ------------------------------------------------------------------------------------
 def gemm_candidates(m: int, n: int, k: int) -> list[GemmTile]:
-    """Tiles for streaming a weight at few rows: the row tile covers the rows, 64-128 weight
+    """Tiles for streaming a weight at few rows: the row tile covers the rows, 32-128 weight
     rows and 128-256 K per step, split-K 1-8, stages as many as fit shared memory."""
     block_ms = (16,) if m <= 16 else (64,) if m <= 64 else (64, 128)
     splits = (1, 2, 4, 8) if m <= 64 else (1, 2)
     block_ks = (128, 256) if m <= 64 else (128,)
     tiles, seen = [], set()
-    for bm, bn, bk, split in itertools.product(block_ms, (64, 128), block_ks, splits):
+    for bm, bn, bk, split in itertools.product(block_ms, (32, 64, 128), block_ks, splits):
         stages = max(2, min(5, SMEM_BYTES // ((bm + bn) * bk * 2)))
         tile = GemmTile(bm, bn, bk, split, num_warps=8 if bm * bn >= 8192 else 4,
                         num_stages=stages)  # fmt: skip
