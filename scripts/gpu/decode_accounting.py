@@ -71,7 +71,11 @@ from engine import LLM, SamplingParams
 from engine.attention import AttentionBackend, attention_backend_class
 from engine.cuda_graph import DecodeGraphRunner
 from engine.models import dependent_launch, gemm_tiles, loader
-from engine.models.linear_backends import LINEAR_KERNELS, resolve_linear_kernel
+from engine.models.linear_backends import (
+    LINEAR_KERNELS,
+    linear_rewriter,
+    resolve_linear_kernel,
+)
 from engine.overlap import OverlapScheduler
 from engine.request import Req
 from engine.scheduler import Scheduler
@@ -612,8 +616,11 @@ def account(model, copy_bw: float, batch: int, context: int) -> tuple[list[str],
     return rows, raw
 
 
-def kernel_table(batches: list[int], context: int, copy_bw: float, out: Report) -> None:
+def kernel_table(
+    batches: list[int], context: int, copy_bw: float, out: Report, linear_kernel: str = "auto"
+) -> None:
     model = build_dummy_model()
+    linear_rewriter(linear_kernel, torch.device("cuda"), torch.bfloat16)(model)
     for batch in batches:
 
         def one(batch: int = batch) -> None:
@@ -651,7 +658,8 @@ def markdown(args: argparse.Namespace, copy_bw: float, out: Report) -> str:
         *out.rows,
     ]
     if out.kernels:
-        lines += ["", "## Kernels of an eager step (Triton, before)", "", *KERNEL_HEAD,
+        lines += ["", "## Kernels of an eager step (Triton attention; the linear kernel above)",
+                  "", *KERNEL_HEAD,
                   *out.kernels, "", "Top kernels per batch:", "", *RAW_HEAD,
                   *out.kernel_raw]  # fmt: skip
     if out.errors:
@@ -719,7 +727,10 @@ def main() -> None:
     torch.cuda.empty_cache()
     if args.kernels:
         batches = [int(b) for b in args.batches.split(",")]
-        out.section("kernels", lambda: kernel_table(batches, args.context, copy_bw, out))
+        out.section(
+            "kernels",
+            lambda: kernel_table(batches, args.context, copy_bw, out, args.linear_kernel),
+        )
     text = markdown(args, copy_bw, out)
     print(text, flush=True)
     if args.out is not None:
