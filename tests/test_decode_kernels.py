@@ -321,10 +321,13 @@ def test_tiles_are_dot_sized_and_split_k_fills_the_chip() -> None:
     assert tile.k_per_split(200) == 96 and tile.num_splits(200) == 3
 
 
-def test_registry_chooses_and_refuses_with_what_to_do() -> None:
+def test_registry_chooses_and_refuses_with_what_to_do(monkeypatch) -> None:
+    from engine.models import gpu_linear
+
+    monkeypatch.setattr(gpu_linear, "tiles_here", lambda device: None)
     assert "triton" in LINEAR_KERNELS
     assert resolve_linear_kernel("aten", CPU, torch.float32) == "aten"
-    # no measured tiles for this (absent) GPU: cuBLAS
+    # no measured tiles for this GPU: cuBLAS
     assert resolve_linear_kernel("auto", CUDA, torch.bfloat16) == "aten"
     assert resolve_linear_kernel("auto", CPU, torch.float16) == "aten"
     with pytest.raises(ValueError, match=r"'triton'.*needs a CUDA device.*use 'auto' or 'aten'"):

@@ -98,7 +98,8 @@ def test_measured_tiles_read_back_and_pick_by_rows() -> None:
 
 
 def test_auto_takes_triton_only_on_a_gpu_with_measured_tiles(monkeypatch) -> None:
-    assert resolve_linear_kernel("auto", CUDA, torch.bfloat16) == "aten"  # no GPU here
+    monkeypatch.setattr(gpu_linear, "tiles_here", lambda device: None)
+    assert resolve_linear_kernel("auto", CUDA, torch.bfloat16) == "aten"
     measured = next(iter(gemm_tiles.MEASURED.values()))
     monkeypatch.setattr(gpu_linear, "tiles_here", lambda device: measured)
     assert resolve_linear_kernel("auto", CUDA, torch.bfloat16) == "triton"
