@@ -168,7 +168,7 @@ def _tile_of(value: list[int] | None) -> GemmTile | None:
 # `gemm_chain --rows 16,64 --table-out` (Llama-3-8B shapes, bf16, programmatic dependent launch
 # on); the runs are in benchmarks/ (gpu-2026-11-26-pdl-*.md).
 MEASURED: dict[str, GpuTiles] = {
-    # 2026-11-26 21:22 UTC: qkv at 64 rows stays on cuBLAS (22.5 against 22.6 us a layer).
+    # 2026-11-26 21:04 UTC: qkv at 64 rows stays on cuBLAS (22.5 against 22.6 us a layer).
     "NVIDIA H100 80GB HBM3": GpuTiles(
         linear={
             (6144, 4096): {16: GemmTile(16, 32, 128, 1, 4, 5), 64: None},
