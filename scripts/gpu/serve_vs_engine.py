@@ -88,7 +88,7 @@ def log(msg: str) -> None:
 WHEELS = (
     "grpcio==1.85.1", "starlette==1.10.0", "uvicorn==0.54.0", "httptools==0.9.0",
     "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0",
-    "typing-inspection==0.4.5", "orjson==3.13.0",
+    "typing-inspection==0.4.5", "orjson==3.13.0", "pyzmq==27.3.0", "msgpack==1.2.4",
 )  # fmt: skip
 
 
