@@ -103,6 +103,7 @@ def test_auto_takes_triton_only_on_a_gpu_with_measured_tiles(monkeypatch) -> Non
     measured = next(iter(gemm_tiles.MEASURED.values()))
     monkeypatch.setattr(gpu_linear, "tiles_here", lambda device: measured)
     assert resolve_linear_kernel("auto", CUDA, torch.bfloat16) == "triton"
+    assert resolve_linear_kernel("auto", CUDA, torch.float32) == "aten"  # tiles are 16-bit
     assert resolve_linear_kernel("auto", torch.device("cpu"), torch.bfloat16) != "triton"
 
 
@@ -110,14 +111,17 @@ def test_replace_linears_takes_the_gpus_table(monkeypatch) -> None:
     measured = next(iter(gemm_tiles.MEASURED.values()))
     monkeypatch.setattr(gpu_linear, "tiles_here", lambda device: measured)
     model = torch.nn.Sequential(
-        torch.nn.Linear(4096, 4096, bias=False, device="meta"),
-        torch.nn.Linear(4096, 1000, bias=False, device="meta"),  # not measured: cuBLAS
+        torch.nn.Linear(4096, 4096, bias=False, device="meta", dtype=torch.bfloat16),
+        torch.nn.Linear(4096, 1000, bias=False, device="meta", dtype=torch.bfloat16),
     )
     assert gpu_linear.replace_linears(model) == 2
     o_proj, other = model[0], model[1]
     assert o_proj.tile_for(16) == measured.linear[(4096, 4096)][16]
-    assert other.tile_for(16) is None
+    assert other.tile_for(16) is None  # a shape the table lacks: cuBLAS
     assert o_proj.tile_for(65) is None  # beyond the measured rows
+    fp32 = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False, device="meta"))
+    gpu_linear.replace_linears(fp32)  # the tiles were measured in 16 bits: the rule's
+    assert fp32[0].table is None and fp32[0].tile_for(16) is not None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -33,6 +33,7 @@ from engine.models.linear_backends import swap_linears
 # by several row tiles, and cuBLAS's larger tiles are the better trade.
 MAX_ROWS = 64
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MEASURED_DTYPES = (torch.bfloat16, torch.float16)  # fp32 tiles would need twice the smem
 
 
 def unusable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -50,8 +51,11 @@ def unusable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def auto_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why linear_kernel "auto" does not take this backend here, or None when it does: it runs
-    here and this GPU model has measured tiles."""
+    here, the weights are 16-bit (what the tiles were measured with) and this GPU model has
+    measured tiles."""
     reason = unusable_reason(device, dtype)
+    if reason is None and dtype not in _MEASURED_DTYPES:
+        reason = f"the measured decode tiles are for 16-bit weights (got {dtype})"
     if reason is None and tiles_here(device) is None:
         reason = "no measured decode tiles for this GPU (engine/models/gemm_tiles.py, MEASURED)"
     return reason
@@ -130,9 +134,10 @@ def replace_linears(
     model: nn.Module, max_rows: int = MAX_ROWS, table: TileTable | None = None
 ) -> int:
     """Replace every nn.Linear in `model` by a TritonLinear; returns how many were replaced.
-    Without a `table`, the measured one of the weights' GPU model, if any."""
-    if table is None:
-        weight = next(model.parameters(), None)
-        measured = tiles_here(weight.device) if weight is not None else None
+    Without a `table`, the measured one of the weights' GPU model for 16-bit weights, if any
+    (else the rule's tiles)."""
+    weight = next(model.parameters(), None)
+    if table is None and weight is not None and weight.dtype in _MEASURED_DTYPES:
+        measured = tiles_here(weight.device)
         table = measured.linear if measured is not None else None
     return swap_linears(model, lambda linear: TritonLinear(linear, max_rows, table))
