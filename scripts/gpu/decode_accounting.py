@@ -2,7 +2,7 @@
 
     python3 -m scripts.gpu.decode_accounting [--batches 16,64,256] [--context 1024] \
         [--backends triton,flashinfer] [--steps 16] [--windows 2] [--kernels] [--out table.md] \
-        [--linear-kernel triton] [--tokens-out tokens.json]
+        [--linear-kernel triton] [--gemm-tiles tiles.json] [--tokens-out tokens.json]
 
 `PDSERVE_PDL=0` in the environment runs the same step without programmatic dependent launch
 (engine/models/dependent_launch.py): two runs with and without it, compared by their tables and
