@@ -2,13 +2,13 @@
 
 A decode step's GEMMs have few rows (the batch: 1-256) and large weights (Llama-3-8B: 16-1,050
 MB each in bf16), so their time is the time to stream the weight from HBM once; the activations
-are tiny. What decides the speed is how many programs stream the weight at once: an output tile
-of BLOCK_N weight rows is one program, and with few tiles (N=4096 / 64 = 64 of them for 132 SMs
-of an H100) split-K cuts the reduction dimension into SPLIT_K slices, each a program of its own,
-so every SM has weight bytes to pull, in whole waves. Plain Python (no Triton): `choose_tile`
-is tested on CPU and the tuning script (scripts/gpu/tune_decode_kernels.py) prints its pick
-beside the best one it measured, and prints the winners as a `TileTable` literal: a measured
-per-shape table that `tile_for` prefers to the rule (and that also says where cuBLAS won).
+are tiny. The rule (`choose_tile`) fills the SMs in whole waves of programs, cutting K into
+SPLIT_K slices when there are few output tiles. Measured in the step, that loses to cuBLAS: a
+few deep-pipelined programs (4-5 stages, one per SM, no split-K) stream faster. So the engine
+runs the tiles measured per GPU model (`MEASURED`: a `GpuTiles` per `torch.cuda.get_device_name`,
+written from scripts/gpu/gemm_chain.py --table-out, which also says where cuBLAS won), and the
+rule only where no table exists and `linear_kernel="triton"` was asked for. Plain Python (no
+Triton): everything here is tested on CPU.
 """
 
 from __future__ import annotations
