@@ -13,6 +13,7 @@ Triton): everything here is tested on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -109,10 +110,14 @@ def tile_for(
     >= m (beyond the largest: cuBLAS), any other shape cuBLAS. Without one, `choose_tile` up to
     `max_rows` rows."""
     if table is not None:
-        measured = table.get((n, k), {})
-        above = [rows for rows in sorted(measured) if rows >= m]
-        return measured[above[0]] if above else None
+        return _measured_at(table.get((n, k), {}), m)
     return choose_tile(m, n, k, num_sms) if m <= max_rows else None
+
+
+def _measured_at(by_rows: Mapping[int, GemmTile | None], m: int) -> GemmTile | None:
+    """The entry of the smallest measured row count >= m; None beyond the largest."""
+    above = [rows for rows in sorted(by_rows) if rows >= m]
+    return by_rows[above[0]] if above else None
 
 
 # The fused gate_up + SiLU kernel (`gpu_linear_kernels.gate_up_silu`) takes decode batches up to
@@ -130,8 +135,7 @@ class GpuTiles:
     gate_up_silu: dict[int, GemmTile]
 
     def gate_up_silu_tile(self, m: int) -> GemmTile | None:
-        above = [rows for rows in sorted(self.gate_up_silu) if rows >= m]
-        return self.gate_up_silu[above[0]] if above else None
+        return _measured_at(self.gate_up_silu, m)
 
     def to_json(self) -> dict[str, object]:
         return {
