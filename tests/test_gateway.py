@@ -160,9 +160,16 @@ def _stop_cluster(process: subprocess.Popen[bytes]) -> list[int]:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-    left = [pid for pid in members_before if Path(f"/proc/{pid}").exists()]
-    left += [pid for child in members_before for pid in session_pids(child)]
-    return sorted(set(left) - {process.pid})
+    # a member may go a moment after pd-cluster (a gateway's multiprocessing resource tracker
+    # exits once it reads its supervisor's pipe closed): leftovers are what is still there later
+    deadline = time.monotonic() + 30
+    while True:
+        left = [pid for pid in members_before if Path(f"/proc/{pid}").exists()]
+        left += [pid for child in members_before for pid in session_pids(child)]
+        left = sorted(set(left) - {process.pid})
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def node_stub(address: str) -> node_pb2_grpc.NodeStub:
