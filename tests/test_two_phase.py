@@ -298,3 +298,24 @@ def test_the_search_ranks_pairings_by_what_an_ideal_planner_gains() -> None:
     assert not easy.qualifies(0.9)  # 2P1D meets 90% in both phases
     assert rank([easy, good], 0.9) == [good, easy]
     assert "1.36x" in good.line() and "2P1D: 100%/20%" in good.line()
+    assert "A 768/4 @ 1 req/s" in good.line()  # phase A in/out tokens
+
+
+def test_the_search_averages_a_phase_over_draws() -> None:
+    from scripts.planning.sweep import parse_splits
+    from scripts.planning.two_phase import PROFILE
+    from scripts.planning.two_phase_predict import CALM_HOST, predict
+    from scripts.planning.two_phase_search import phase_attainment
+
+    profile = NodeProfile.load(PROFILE)
+    phase = Phase("B", 20.0, 0.6, 128, 64)
+    slo = SLO(ttft_ms=2000.0, tpot_ms=150.0)
+    draws = [
+        {r.split: r.attainment[0] for r in predict(
+            profile, Workload((phase,), slo, seed=seed), parse_splits("all", 3), CALM_HOST
+        )}
+        for seed in (0, 1, 2)
+    ]  # fmt: skip
+    assert phase_attainment(profile, phase, slo) == draws[0]
+    mean = phase_attainment(profile, phase, slo, seeds=3)
+    assert mean == pytest.approx({s: sum(d[s] for d in draws) / 3 for s in draws[0]})
