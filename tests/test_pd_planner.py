@@ -268,6 +268,22 @@ def test_the_prefill_correction_follows_measured_ttft() -> None:
     assert planner.prefill_correction == 1.0
 
 
+def test_the_tpot_correction_scales_decode_steps_not_prefill() -> None:
+    """Measured TPOT above the profile's moves decode steps only. It once scaled prefill too:
+    a 2P1D decode node slowed by its two co-running prefill nodes then made every split's
+    prefill slow and every prediction 0 while 2P1D met its SLO (two-phase-6)."""
+    planner = Planner(profile(), PlannerConfig(3, SLO_, sim_seconds=20.0))
+    a = parse_scrape(metrics_text(10, 2000, 400, 0.03, 390, 1, 2), at=0.0)
+    b = parse_scrape(metrics_text(15, 3000, 600, 0.03, 585, 1, 2), at=10.0)
+    window = Window.between(a, b)  # 0.5 req/s of 200-token prompts, 40 tokens out
+    assert window is not None
+    base = planner._run(window.split, window, window.rate).summary
+    planner.correction = 2.0
+    slow = planner._run(window.split, window, window.rate).summary
+    assert slow.tpot_ms.mean == pytest.approx(2 * base.tpot_ms.mean, rel=0.1)
+    assert slow.ttft_ms.mean == pytest.approx(base.ttft_ms.mean, rel=0.05)
+
+
 def test_the_correction_follows_a_host_ten_times_slower_than_its_profile() -> None:
     """A host shared with other work: decode steps measured 10x the profile's (0.3 s, not
     0.03 s). The correction gets there (it used to stop at 4) and the prediction follows."""
@@ -478,15 +494,27 @@ def test_the_switch_actuator_needs_the_bootstrap(tmp_path: Path, capsys) -> None
 
 def test_a_recorded_run_replays_to_its_own_predictions() -> None:
     """The two-phase run of 2026-11-26 (two-phase-5), decided again on its recorded scrapes:
-    the same predictions as live (mean |error| 5.2% over its 7 steady-state windows); with the
-    TPOT correction at full weight from every window, as before, one prefill-heavy window of 27
-    intervals moves it to 1.58 and predicts 0 where 9 of 10 met the SLO (17.9%)."""
+    the same predictions as live (mean |error| 5.2% over its 7 steady-state windows). With the
+    TPOT correction at full weight from every window, one prefill-heavy window of 27 intervals
+    moves it to ~1.6; while it scaled prefill too, that predicted 0 where 9 of 10 met the SLO
+    (17.9%); on decode steps alone it leaves the predictions as they were."""
     run = Path(__file__).parent.parent / "benchmarks/serving-2026-11-26-two-phase-5/evidence"
     table, mean = report(run, replay(run, []))
     assert mean == pytest.approx(0.052, abs=0.001)
     assert "| 88-118 | colocated x3 | 10 | 9 | 0.300 | 0.333332 | 0.333332 |" in table
-    _, before = report(run, replay(run, ["--correction-full-samples", "0"]))
-    assert before == pytest.approx(0.179, abs=0.001)
+    _, full_weight = report(run, replay(run, ["--correction-full-samples", "0"]))
+    assert full_weight == pytest.approx(0.052, abs=0.001)
+
+
+def test_a_run_whose_tpot_correction_sent_every_split_to_zero_replays_closer() -> None:
+    """two-phase-6: 2P1D live in a prefill-heavy phase met the SLO while the TPOT correction
+    (1.4-2.1: its decode node beside two busy prefill nodes on two cores) scaled prefill too
+    and predicted 0 for it (recorded mean |error| 72.7%). With the correction on decode steps
+    only, those windows are predicted as measured."""
+    run = Path(__file__).parent.parent / "benchmarks/serving-2026-11-26-two-phase-6"
+    table, mean = report(run, replay(run, []))
+    assert mean == pytest.approx(0.274, abs=0.001)
+    assert "| 207-237 | 2P1D | 6 | 6 | 0.200 | 0.0 | 0.199999 |" in table
 
 
 def test_a_decision_names_the_retractions_each_split_would_make() -> None:

@@ -28,9 +28,9 @@ the highest predicted SLO attainment is the target. The planner
 switches only when the target beats the current split by at least `--hysteresis` (attainment,
 absolute) and the last action is at least `--cooldown` seconds old; otherwise it holds and says
 why. The corrections: after each window the ratio of the measured mean TPOT to the one
-predicted for the current split at the measured rate moves every step's time (`correction`),
-and the ratio of the measured mean TTFT to the predicted one moves the prefill cost on top of
-it (`prefill_correction`, never below 1: see `_correct`); each is an exponential average
+predicted for the current split at the measured rate moves the decode step's time
+(`correction`), and the ratio of the measured mean TTFT to the predicted one moves the prefill
+cost (`prefill_correction`, never below 1: see `_correct`); each is an exponential average
 (`--correction-weight`), so a profile taken on other hardware or another day converges. Only
 TTFT tells on a prefill-heavy window: its few output tokens leave TPOT near the profile's while
 its prompts queue (2026-11-26: corrected by TPOT alone, the planner predicted 100% for 1P2D
@@ -249,14 +249,14 @@ class Decision:
     action: str  # "hold" | "switch"
     reason: str
     predicted: dict[str, float]  # split name -> predicted SLO attainment
-    correction: float  # the step-time factor the predictions used
+    correction: float  # the decode-step-time factor the predictions used
     # The requests admitted in the window (window.admitted) meeting the SLO per second: the live
     # split's predicted attainment at window.rate (headroom 1) x window.rate; None when the live
     # split is none of the budget's (a switch under way).
     predicted_goodput: float | None = None
     acted: bool = False
     actuator: str = ""  # what the actuator did
-    prefill_correction: float = 1.0  # the prefill-cost factor on top of `correction`
+    prefill_correction: float = 1.0  # the prefill-cost factor
     # split name -> requests its nodes would retract (KV short) over the simulated run
     predicted_retractions: dict[str, int] = field(default_factory=dict)
 
@@ -269,8 +269,12 @@ class Planner:
         self.profile = profile
         self.config = config
         self.splits = {s.name: s for s in parse_splits("all", config.budget)}
-        self.correction = 1.0  # every step's time, from measured / predicted TPOT
-        self.prefill_correction = 1.0  # prefill cost on top, from measured / predicted TTFT
+        # Decode steps from measured / predicted TPOT, prefill from TTFT. The TPOT factor once
+        # scaled prefill too: a decode node slowed by its co-running prefill nodes (2P1D on two
+        # cores) then made every split's prefill look slow and every prediction 0 while 2P1D
+        # met its SLO (benchmarks/serving-2026-11-26-two-phase-6.md).
+        self.correction = 1.0
+        self.prefill_correction = 1.0
         self.last_action_at = -math.inf
 
     def decide(self, window: Window, now: float) -> Decision:
@@ -330,10 +334,10 @@ class Planner:
         c = self.config
         load = LoadConfig(request_rate=rate, num_sessions=None,
                           duration_s=c.sim_warmup_s + c.sim_seconds)  # fmt: skip
-        host = replace(c.host, slowdown=c.host.slowdown * self.correction)
+        decode_coef = tuple(x * self.correction for x in self.profile.decode_coef)
         prefill_coef = tuple(x * self.prefill_correction for x in self.profile.prefill_coef)
-        profile = replace(self.profile, prefill_coef=prefill_coef)
-        return simulate_outcome(profile, split, self._workload(window), load, c.slo, host,
+        profile = replace(self.profile, prefill_coef=prefill_coef, decode_coef=decode_coef)
+        return simulate_outcome(profile, split, self._workload(window), load, c.slo, c.host,
                                 score_after_s=c.sim_warmup_s)  # fmt: skip
 
     def _correct(self, window: Window) -> None:
