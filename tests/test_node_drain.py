@@ -21,10 +21,9 @@ class StandIn:
 
     def __init__(self, check: str) -> None:
         self.check = check
-        self.why = ""
 
     def start_draining(self, why: str) -> None:
-        self.why = why
+        """Refuse new requests: none come to a stand-in."""
 
     async def pages_in_use(self) -> int:
         if self.check == "busy":
