@@ -123,6 +123,10 @@ class Generation:
         self.sampling = sampling
         self.rid = rid
         self.progress = Progress(prompt_ids, sampling)
+        metrics = dispatcher.metrics
+        metrics.admitted_choices.inc()
+        metrics.admitted_prompt_tokens.inc(len(prompt_ids))
+        metrics.admitted_max_tokens.inc(self.progress.budget)
         self.finished: node_pb2.Finished | None = None
         self.cached_tokens = 0
         self.cache_node = ""  # whose prefix cache served `cached_tokens`: the one that prefilled
@@ -339,6 +343,7 @@ class Generation:
         m.cached_tokens.inc(self.cached_tokens)
         m.prompt_tokens.inc(len(self.prompt_ids))
         m.completion_tokens.inc(finished.usage.completion_tokens)
+        m.finished_max_tokens.inc(self.progress.budget)
         self.dispatcher.worker_tokens.inc(finished.usage.completion_tokens)
         m.e2e.observe(time.monotonic() - started)
         prefill = result.prefill if route.prefill is not None else None

@@ -62,6 +62,25 @@ class GatewayMetrics:
         self.completion_tokens = Counter(
             "pdserve_gateway_completion_tokens", "generated tokens", registry=r
         )
+        # The offered load as it arrives (pd-planner): a choice's prompt and token budget are
+        # counted when it is admitted, long before its tokens are (at its end).
+        self.admitted_choices = Counter(
+            "pdserve_gateway_admitted_choices", "choices admitted (sent towards the nodes)",
+            registry=r,
+        )  # fmt: skip
+        self.admitted_prompt_tokens = Counter(
+            "pdserve_gateway_admitted_prompt_tokens", "prompt tokens of admitted choices",
+            registry=r,
+        )  # fmt: skip
+        self.admitted_max_tokens = Counter(
+            "pdserve_gateway_admitted_max_tokens",
+            "token budgets (max_tokens) of admitted choices", registry=r,
+        )  # fmt: skip
+        self.finished_max_tokens = Counter(
+            "pdserve_gateway_finished_max_tokens",
+            "token budgets of finished choices (completion_tokens / this: how much of their "
+            "max_tokens outputs use)", registry=r,
+        )  # fmt: skip
         self.node_requests = Counter(
             "pdserve_gateway_node_requests", "choices sent to a node", ["role", "node_id"],
             registry=r,

@@ -191,6 +191,12 @@ def test_counters_move_by_exactly_n_requests(cluster: Cluster, tiny_model: Path)
     assert delta("gateway", "pdserve_gateway_node_requests_total", role="prefill") == N
     assert delta("gateway", "pdserve_gateway_node_requests_total", role="decode") == N
     assert delta("gateway", "pdserve_gateway_completion_tokens_total") == N * MAX_TOKENS
+    # counted at admission (pd-planner's offered load) and, for the budgets, at the end too
+    assert delta("gateway", "pdserve_gateway_admitted_choices_total") == N
+    admitted_prompt = delta("gateway", "pdserve_gateway_admitted_prompt_tokens_total")
+    assert admitted_prompt == sum(prompt_tokens)
+    assert delta("gateway", "pdserve_gateway_admitted_max_tokens_total") == N * MAX_TOKENS
+    assert delta("gateway", "pdserve_gateway_finished_max_tokens_total") == N * MAX_TOKENS
     assert delta("gateway", "pdserve_gateway_retries_total") == 0
     assert delta("gateway", "pdserve_gateway_local_prefills_total") == 0
     assert after["gateway"].get("pdserve_gateway_inflight") == 0

@@ -102,6 +102,39 @@ def test_lengths_are_per_finished_request_when_streams_queue() -> None:
     assert Window.between(a, started_only) is None  # nothing finished: lengths unknown
 
 
+def test_lengths_are_the_admitted_ones_where_the_gateway_counts_admissions() -> None:
+    """Where the gateway counts choices at admission, the window's lengths are what arrived:
+    B's 128-token prompts with 512-token budgets, not A's 2,048 / 16 that finish in the window,
+    and there is a window while nothing finishes. Outputs are the budgets times the share of
+    its budget a finished choice used (here 16 of 32 tokens: a half)."""
+    m = GatewayMetrics()
+    m.admitted_choices.inc(10)
+    m.admitted_prompt_tokens.inc(10 * 2048)
+    m.admitted_max_tokens.inc(10 * 32)
+    a = parse_scrape(m.render().decode(), at=100.0)
+    assert (a.admitted, a.admitted_prompt_tokens, a.admitted_max_tokens) == (10, 20480, 320)
+    m.admitted_choices.inc(20)  # phase B arrives
+    m.admitted_prompt_tokens.inc(20 * 128)
+    m.admitted_max_tokens.inc(20 * 512)
+    quiet = parse_scrape(m.render().decode(), at=110.0)  # nothing finished, nothing answered
+    w = Window.between(a, quiet)
+    assert w is not None and w.rate == pytest.approx(2.0)
+    assert w.input_len == pytest.approx(128.0) and w.output_len == pytest.approx(512.0)
+    m.prompt_tokens.inc(4 * 2048)  # four of A's finish, with 16 of their 32 tokens
+    m.completion_tokens.inc(4 * 16)
+    m.finished_max_tokens.inc(4 * 32)
+    later = replace(parse_scrape(m.render().decode(), at=120.0), finished=4, inflight=26)
+    w = Window.between(quiet, later)
+    assert w is None  # nothing admitted, nothing answered
+    m.admitted_choices.inc(10)
+    m.admitted_prompt_tokens.inc(10 * 128)
+    m.admitted_max_tokens.inc(10 * 512)
+    last = replace(parse_scrape(m.render().decode(), at=130.0), finished=4, inflight=36)
+    w = Window.between(later, last)
+    assert w is not None and w.rate == pytest.approx(1.0)
+    assert w.input_len == pytest.approx(128.0) and w.output_len == pytest.approx(256.0)
+
+
 def _record(path: Path, windows: list[tuple[float, str]]) -> Path:
     path.write_text("".join(json.dumps({"at": at, "metrics": text}) + "\n" for at, text in windows))
     return path

@@ -9,14 +9,17 @@ simulator with what was measured, and act with hysteresis and a cool-down.
     python -m scripts.planning.pd_planner ... --record scrapes.jsonl      # keep what it read
     python -m scripts.planning.pd_planner ... --replay scrapes.jsonl      # decide on a record
 
-One window is the difference of two scrapes of the gateway's /metrics: the requests answered
-(200s, counted at the first token), the requests finished (the end-to-end histogram's count),
-the requests in flight (a gauge), prompt, completion and prefix-cached tokens (counted when a
-request finishes), the TTFT and inter-token latency histograms' sums and counts, and the live
-prefill and decode nodes (the current split). From it: the arrival rate (finished + in flight,
-per second: 200s are counted at the first token, so under a prefill backlog they read the
-split's capacity, not the load), mean input and output lengths (per finished request), the
-cached fraction of the prompts, and the measured mean TTFT and TPOT.
+One window is the difference of two scrapes of the gateway's /metrics: the choices admitted
+with their prompt tokens and token budgets (counted at admission), the requests answered (200s,
+counted at the first token), the requests finished (the end-to-end histogram's count), the
+requests in flight (a gauge), prompt, completion and prefix-cached tokens and the budgets of
+finished choices (counted when a request finishes), the TTFT and inter-token latency
+histograms' sums and counts, and the live prefill and decode nodes (the current split). From
+it: the arrival rate (admissions per second: 200s are counted at the first token, so under a
+prefill backlog they read the split's capacity, not the load), mean input and output lengths
+of the admitted choices (outputs: their budgets times the share of its budget a finished
+choice used; a record without the admission counters: per finished request), the cached
+fraction of the prompts, and the measured mean TTFT and TPOT.
 
 A decision: the simulator (scripts/planning/simulator.py, the node profile scaled by the online
 correction, with the nodes' KV pool and running-request cap: `--node-max-total-tokens`,
@@ -108,6 +111,11 @@ class Scrape:
     ttft_count: float = 0.0
     itl_sum: float = 0.0
     itl_count: float = 0.0
+    # Counted at admission (0 in a record of a gateway without them): the offered lengths.
+    admitted: float = 0.0  # choices
+    admitted_prompt_tokens: float = 0.0
+    admitted_max_tokens: float = 0.0
+    finished_max_tokens: float = 0.0  # the budgets of finished choices
     prefill_nodes: int = 0
     decode_nodes: int = 0
 
@@ -123,6 +131,10 @@ COUNTERS = {  # the gateway's cumulative samples -> Scrape fields (summed over t
     "pdserve_gateway_inter_token_latency_seconds_count": "itl_count",
     "pdserve_gateway_e2e_seconds_count": "finished",
     "pdserve_gateway_inflight": "inflight",
+    "pdserve_gateway_admitted_choices_total": "admitted",
+    "pdserve_gateway_admitted_prompt_tokens_total": "admitted_prompt_tokens",
+    "pdserve_gateway_admitted_max_tokens_total": "admitted_max_tokens",
+    "pdserve_gateway_finished_max_tokens_total": "finished_max_tokens",
 }
 
 
@@ -163,28 +175,44 @@ class Window:
 
     @classmethod
     def between(cls, a: Scrape, b: Scrape) -> Window | None:
-        """None when no request was answered in between (nothing to plan for)."""
+        """None when nothing was admitted or answered in between (nothing to plan for)."""
         seconds, requests = b.at - a.at, b.requests - a.requests
         finished = b.finished - a.finished
-        if seconds <= 0 or requests <= 0 or finished <= 0:
+        admissions = b.admitted - a.admitted  # 0 from a gateway without those counters
+        if seconds <= 0 or (admissions <= 0 and (requests <= 0 or finished <= 0)):
             return None
         prompt = b.prompt_tokens - a.prompt_tokens
 
         def mean(s: float, c: float) -> float | None:
             return s / c if c > 0 else None
 
-        # A 200 is counted when the stream opens (at the first token), the tokens when the
-        # request finishes: the lengths are per finished request, or a backlog's window reads
-        # as short prompts. The rate is of admissions (finished + in flight): 200s per second
-        # are first tokens per second, which a prefill backlog caps at the split's capacity.
+        # The rate is of admissions (finished + in flight where the gateway does not count
+        # them): 200s per second are first tokens per second, which a prefill backlog caps at
+        # the split's capacity.
         admitted = (b.finished + b.inflight) - (a.finished + a.inflight)
+        admitted = max(admissions, admitted, requests)
+        if admissions > 0:
+            # The lengths of what arrived: the tokens of finished requests trail their
+            # admission by a request's life, which read a prompt-heavy phase for a minute into
+            # a decode-heavy one, and nothing at all while no request finished for 330 s
+            # (benchmarks/serving-2026-11-26-two-phase-6.md). Outputs are the budgets scaled
+            # by the share of their budgets that finished requests used.
+            used = b.completion_tokens / b.finished_max_tokens if b.finished_max_tokens else 1.0
+            input_len = (b.admitted_prompt_tokens - a.admitted_prompt_tokens) / admissions
+            output_len = (b.admitted_max_tokens - a.admitted_max_tokens) / admissions * used
+        else:  # a 200 is counted at the first token, the tokens at the end: per finished one
+            input_len = prompt / finished
+            output_len = (b.completion_tokens - a.completion_tokens) / finished
+        cached = (b.cached_tokens - a.cached_tokens) / prompt if prompt > 0 else None
+        if cached is None:  # nothing finished in the window: the gateway's running share
+            cached = b.cached_tokens / b.prompt_tokens if b.prompt_tokens > 0 else 0.0
         return cls(
             seconds=seconds,
-            admitted=max(admitted, requests),
-            rate=max(admitted, requests) / seconds,
-            input_len=prompt / finished,
-            output_len=(b.completion_tokens - a.completion_tokens) / finished,
-            cached_fraction=(b.cached_tokens - a.cached_tokens) / prompt if prompt > 0 else 0.0,
+            admitted=admitted,
+            rate=admitted / seconds,
+            input_len=input_len,
+            output_len=output_len,
+            cached_fraction=cached,
             ttft_s=mean(b.ttft_sum - a.ttft_sum, b.ttft_count - a.ttft_count),
             tpot_s=mean(b.itl_sum - a.itl_sum, b.itl_count - a.itl_count),
             split=Split(b.prefill_nodes, b.decode_nodes),
