@@ -29,10 +29,11 @@ from scripts.planning.pd_planner import (
     run,
     scrapes_recorded,
 )
+from scripts.planning.planner import SimOutcome
 from scripts.planning.profile import NodeProfile
 from scripts.planning.sweep import Split
 from scripts.planning.two_phase_replay import replay, report
-from scripts.serving.metrics import SLO
+from scripts.serving.metrics import SLO, Distribution, summarize
 
 SLO_ = SLO(ttft_ms=3000.0, tpot_ms=100.0)
 
@@ -232,6 +233,44 @@ def test_a_budget_too_small_for_the_traffic_is_said() -> None:
     assert window is not None
     decision = planner.decide(window, 20.0)
     assert "no split of 2 nodes meets the SLO for 90%: add nodes" in decision.reason
+
+
+class _Fixed(Planner):
+    """A planner whose simulator gives each split a fixed outcome (p90 TTFT, TPOT in ms)."""
+
+    def __init__(self, p90: dict[str, tuple[float, float]]) -> None:
+        super().__init__(profile(), PlannerConfig(3, SLO_, sim_seconds=20.0))
+        self.p90 = p90
+
+    def _run(self, split: Split, window: Window, rate: float) -> SimOutcome:
+        ttft, tpot = self.p90[split.name]
+        met = 1.0 if ttft <= SLO_.ttft_ms and tpot <= SLO_.tpot_ms else 0.0
+        summary = replace(summarize([], 1.0, SLO_), slo_attainment=met,
+                          ttft_ms=Distribution(count=1, p90=ttft, mean=ttft),
+                          tpot_ms=Distribution(count=1, p90=tpot, mean=tpot))  # fmt: skip
+        return SimOutcome(summary, retractions=0, recomputed_tokens=0)
+
+
+def test_among_splits_that_all_meet_the_slo_the_one_furthest_inside_it_wins() -> None:
+    """A live 1P2D misses the SLO, 2P1D and colocated x3 both meet it: the target is the one
+    whose p90 latencies sit furthest inside it, not the one with the fewest prefill nodes
+    (colocated x3 had won such a tie where 2P1D kept the SLO and colocated x3 did not); on equal
+    margins the fewest prefill nodes still win, and attainment comes before either."""
+    a, b = (Scrape(at, requests=at / 2, finished=at / 2, prompt_tokens=200 * at,
+                   completion_tokens=8 * at, prefill_nodes=1, decode_nodes=2)
+            for at in (10.0, 20.0))  # fmt: skip
+    window = Window.between(a, b)
+    assert window is not None
+    # SLO 3000 / 100 ms: loads 1.5 (TTFT), 0.5 (TPOT), 0.8 (TPOT)
+    planner = _Fixed({"1P2D": (4500.0, 30.0), "2P1D": (900.0, 50.0), "colocated x3": (600.0, 80.0)})
+    decision = planner.decide(window, 20.0)
+    assert decision.predicted == {"1P2D": 0.0, "2P1D": 1.0, "colocated x3": 1.0}
+    assert decision.predicted_slo_load == {"1P2D": 1.5, "2P1D": 0.5, "colocated x3": 0.8}
+    assert (decision.target, decision.action) == ("2P1D", "switch")
+    even = _Fixed({"1P2D": (4500.0, 50.0), "2P1D": (1500.0, 50.0), "colocated x3": (900.0, 50.0)})
+    assert even.decide(window, 20.0).target == "colocated x3"  # 0.5 each: no prefill node wins
+    edge = _Fixed({"1P2D": (4500.0, 30.0), "2P1D": (2900.0, 90.0), "colocated x3": (600.0, 200.0)})
+    assert edge.decide(window, 20.0).target == "2P1D"  # attainment comes first
 
 
 def test_decisions_on_a_record_are_deterministic(tmp_path: Path, capsys) -> None:

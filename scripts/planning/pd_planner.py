@@ -27,11 +27,12 @@ correction, with the nodes' KV pool and running-request cap: `--node-max-total-t
 window's rate times `--headroom`, for `--sim-warmup` then `--sim-seconds` of arrivals of the
 window's lengths (its cached fraction as a shared prefix), and scores the requests of the
 `--sim-seconds` only: the steady state at that rate, queues and batches filled; the split with
-the highest predicted SLO attainment is the target. The planner
-switches only when the target beats the current split by at least `--hysteresis` (attainment,
-absolute) and the last action is at least `--cooldown` seconds old; otherwise it holds and says
-why. The corrections: after each window the ratio of the measured mean TPOT to the one
-predicted for the current split at the measured rate moves the decode step's time
+the highest predicted SLO attainment is the target, among equals the one whose p90 latencies
+sit furthest inside the SLO (`predicted_slo_load`), then the one with fewer prefill nodes.
+The planner switches only when the target beats the current split by at least `--hysteresis`
+(attainment, absolute) and the last action is at least `--cooldown` seconds old; otherwise it
+holds and says why. The corrections: after each window the ratio of the measured mean TPOT to
+the one predicted for the current split at the measured rate moves the decode step's time
 (`correction`), and the ratio of the measured mean TTFT to the predicted one moves the prefill
 cost (`prefill_correction`, never below 1: see `_correct`); each is an exponential average
 (`--correction-weight`), so a profile taken on other hardware or another day converges. Only
@@ -44,8 +45,9 @@ their share below (one window of 27 intervals had moved it 1.00 -> 1.62, and eve
 prediction to 0).
 
 Each decision is one JSON line on stdout: its inputs (the window), the predicted attainment of
-every split and the retractions its nodes would make (`predicted_retractions`: requests put
-back for want of KV pages over the simulated run, warm-up included), the current and target
+every split, its p90 latencies as shares of the SLO (`predicted_slo_load`), and the retractions
+its nodes would make (`predicted_retractions`: requests put back for want of KV pages over the
+simulated run, warm-up included), the current and target
 split, the action, the reason, the correction, and whether
 it acted; and `predicted_goodput`, the window's own prediction: the requests *admitted* in the
 window (`window.admitted`, at `window.rate`) that will meet the SLO, per second of the window =
@@ -287,6 +289,8 @@ class Decision:
     prefill_correction: float = 1.0  # the prefill-cost factor
     # split name -> requests its nodes would retract (KV short) over the simulated run
     predicted_retractions: dict[str, int] = field(default_factory=dict)
+    # split name -> its simulated p90 TTFT and TPOT as shares of their SLOs, the larger one
+    predicted_slo_load: dict[str, float] = field(default_factory=dict)
 
     def json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -311,9 +315,15 @@ class Planner:
         rate = window.rate * c.headroom
         outcomes = {name: self._run(s, window, rate) for name, s in self.splits.items()}
         predicted = {name: _attainment(outcome) for name, outcome in outcomes.items()}
+        load = {name: _slo_load(outcome, c.slo) for name, outcome in outcomes.items()}
         current = window.split.name
-        # Highest attainment; among equals the one with the fewest prefill nodes (stable).
-        target = max(predicted, key=lambda n: (round(predicted[n], 6), -self.splits[n].prefill))
+        # Highest attainment; among equals the one furthest inside the SLO, then the one with
+        # the fewest prefill nodes (stable). Both 2P1D and colocated x3 read 100% in a
+        # prefill-heavy phase where colocated x3 met 81% (its prefills stall its streams), and
+        # the fewest prefill nodes alone held colocated x3
+        # (benchmarks/serving-2026-11-26-two-phase-6.md).
+        target = max(predicted, key=lambda n: (round(predicted[n], 6), -round(load[n], 3),
+                                                -self.splits[n].prefill))  # fmt: skip
         gain = predicted[target] - predicted.get(current, 0.0)
         if target == current:
             action, reason = "hold", f"{current} is the best split ({predicted[current]:.0%})"
@@ -334,7 +344,8 @@ class Planner:
         return Decision(now, window_doc, current, target, action, reason, predicted,
                         round(self.correction, 4), goodput,
                         prefill_correction=round(self.prefill_correction, 4),
-                        predicted_retractions=retractions)  # fmt: skip
+                        predicted_retractions=retractions,
+                        predicted_slo_load={n: round(v, 4) for n, v in load.items()})  # fmt: skip
 
     def _window_goodput(self, window: Window, predicted: dict[str, float]) -> float | None:
         """The predicted goodput of the window's own requests: see `Decision`."""
@@ -396,6 +407,17 @@ class Planner:
 def _attainment(outcome: SimOutcome) -> float:
     """A simulated run's SLO attainment (0 when nothing was scored)."""
     return float(outcome.summary.slo_attainment or 0.0)
+
+
+def _slo_load(outcome: SimOutcome, slo: SLO) -> float:
+    """How close a simulated run came to its SLO: the largest of its p90 TTFT, TPOT and E2E
+    over their SLOs (1 at the edge; 0 with nothing scored)."""
+    summary = outcome.summary
+    shares = [dist.p90 / limit for dist, limit in ((summary.ttft_ms, slo.ttft_ms),
+                                                   (summary.tpot_ms, slo.tpot_ms),
+                                                   (summary.e2e_ms, slo.e2e_ms))
+              if limit is not None]  # fmt: skip
+    return max(shares, default=0.0)
 
 
 # -- acting ----------------------------------------------------------------------------------
