@@ -340,3 +340,25 @@ def test_host_flags_that_make_no_sense_exit_2(
     args = ["simulate", "--profile", str(profile), flag, value, "--request-rate", "1"]
     assert plan_capacity(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_profile_decode_points_beyond_the_nodes_pool(long_context_model: Path,
+                                                     tmp_path: Path, capsys) -> None:  # fmt: skip
+    """`profile --decode-batches/--decode-contexts` measure the decode points asked for, and
+    the profiler's own pool grows to hold the largest (24 streams of 40 tokens need more than
+    the node's 256) while the profile keeps the node's pool."""
+    out = tmp_path / "profile.json"
+    argv = ["profile", "--model", str(long_context_model), "--repeats", "1",
+            "--max-total-tokens", "256", "--decode-batches", "2,24",
+            "--decode-contexts", "16,40", "--output", str(out)]  # fmt: skip
+    assert plan_capacity(argv) == 0
+    doc = json.loads(out.read_text())
+    points = doc["meta"]["decode_points"]
+    # mean context: the prompt, its first token and the 6 timed steps' tokens
+    assert [(b, c) for b, c, _ in points] == [(2, 23), (24, 23), (2, 47), (24, 47)], points
+    assert all(seconds > 0 for _, _, seconds in points)
+    assert doc["max_total_tokens"] == 256
+    with pytest.raises(SystemExit) as bad:
+        plan_capacity([*argv[:-2], "--decode-batches", "4,x", "--output", str(out)])
+    assert bad.value.code == 2
+    assert "expected positive integers like 1,4,16, got '4,x'" in capsys.readouterr().err

@@ -128,6 +128,17 @@ def host_config(args: argparse.Namespace) -> HostConfig:
     )
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    """A comma list of positive integers (argparse type)."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,4,16, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -150,6 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=16384)
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--decode-headroom", type=int, default=32)
+    p.add_argument(
+        "--decode-batches",
+        type=_ints,
+        default=None,
+        help="decode points' batch sizes, e.g. 1,4,16,32 (default: 1,4,16 on CPU)",
+    )
+    p.add_argument(
+        "--decode-contexts",
+        type=_ints,
+        default=None,
+        help="decode points' prompt tokens, e.g. 64,320,480 (default: 64,320 on CPU)",
+    )
 
     p = sub.add_parser("simulate", help="one cluster shape at one rate")
     p.add_argument("--prefill", type=int, default=1, help="prefill nodes (0: colocated)")
@@ -220,6 +243,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     )
     if gpu:
         plan = plan.for_gpu()
+    if args.decode_batches:
+        plan = replace(plan, decode_batches=args.decode_batches)
+    if args.decode_contexts:
+        plan = replace(plan, decode_contexts=args.decode_contexts)
     measured = measure(plan)
     profile = NodeProfile(
         prefill_coef=fit_prefill(measured.prefill),

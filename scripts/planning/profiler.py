@@ -75,10 +75,13 @@ def measure(plan: ProfilePlan, log: bool = True) -> Measured:
 
     torch.set_num_threads(plan.threads)
     shapes = [(1, t) for t in plan.prefill_tokens] + list(plan.prefill_batches)
+    # The largest decode point's KV whole (its prompts, the steps it times, a page each spare):
+    # a pool the node's size need not hold (48 streams at 480 tokens is 23k tokens).
+    decode_kv = max(plan.decode_batches) * (max(plan.decode_contexts) + plan.decode_steps + 64)
     llm = LLM(
         plan.model,
         chunked_prefill_size=max(count * tokens for count, tokens in shapes),
-        max_total_tokens=plan.max_total_tokens,
+        max_total_tokens=max(plan.max_total_tokens, decode_kv),
         enable_prefix_cache=False,
         device=plan.device,
         dtype=plan.dtype,
@@ -90,8 +93,11 @@ def measure(plan: ProfilePlan, log: bool = True) -> Measured:
     sync = torch.cuda.synchronize if plan.device.startswith("cuda") else lambda: None
     rng = np.random.default_rng(0)
 
+    vocab = llm.model_config.vocab_size
+    low, high = (1000, 10000) if vocab >= 10000 else (0, vocab)  # a test's tiny vocabulary
+
     def ids(n: int) -> list[int]:
-        return [int(x) for x in np.asarray(rng.integers(1000, 10000, size=n))]
+        return [int(x) for x in np.asarray(rng.integers(low, high, size=n))]
 
     sched = llm.scheduler
     llm.generate([ids(32)], SamplingParams(max_new_tokens=2, temperature=0))  # warm-up
