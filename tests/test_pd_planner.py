@@ -107,7 +107,8 @@ def test_lengths_are_the_admitted_ones_where_the_gateway_counts_admissions() -> 
     """Where the gateway counts choices at admission, the window's lengths are what arrived:
     B's 128-token prompts with 512-token budgets, not A's 2,048 / 16 that finish in the window,
     and there is a window while nothing finishes. Outputs are the budgets times the share of
-    its budget a finished choice used (here 16 of 32 tokens: a half)."""
+    its budget a finished choice used (here 16 of 32 tokens: a half). The rate is of the
+    admissions alone."""
     m = GatewayMetrics()
     m.admitted_choices.inc(10)
     m.admitted_prompt_tokens.inc(10 * 2048)
@@ -130,7 +131,10 @@ def test_lengths_are_the_admitted_ones_where_the_gateway_counts_admissions() -> 
     m.admitted_choices.inc(10)
     m.admitted_prompt_tokens.inc(10 * 128)
     m.admitted_max_tokens.inc(10 * 512)
-    last = replace(parse_scrape(m.render().decode(), at=130.0), finished=4, inflight=36)
+    # 15 first tokens in the window (earlier admissions among them): the rate is still the
+    # 10 admitted, not the larger count
+    last = replace(parse_scrape(m.render().decode(), at=130.0), finished=4, inflight=36,
+                   requests=15)  # fmt: skip
     w = Window.between(later, last)
     assert w is not None and w.rate == pytest.approx(1.0)
     assert w.input_len == pytest.approx(128.0) and w.output_len == pytest.approx(256.0)
