@@ -190,10 +190,10 @@ class Window:
         def mean(s: float, c: float) -> float | None:
             return s / c if c > 0 else None
 
-        # The rate is of admissions. Without their counter: finished + in flight, or the 200s
-        # when more (a 200 is counted at the first token, which a backlog delays into a later
-        # window: with the counter, taking the larger read twice the rate in 9 of two-phase-7's
-        # 24 windows).
+        # The rate is of admissions: counted, or without the counter finished + in flight, or
+        # the 200s where more. A 200 is counted at the first token, which a backlog delays into
+        # a later window: beside the counter, the larger of the two read twice the rate in 9 of
+        # two-phase-7's 24 windows.
         if counted:
             admitted = admissions
             # The lengths of what arrived: the tokens of finished requests trail their
@@ -292,7 +292,7 @@ class Decision:
     prefill_correction: float = 1.0  # the prefill-cost factor
     # split name -> requests its nodes would retract (KV short) over the simulated run
     predicted_retractions: dict[str, int] = field(default_factory=dict)
-    # split name -> its simulated p90 TTFT and TPOT as shares of their SLOs, the larger one
+    # split name -> its simulated p90 TTFT, TPOT and E2E as shares of their SLOs, the largest
     predicted_slo_load: dict[str, float] = field(default_factory=dict)
 
     def json(self) -> str:
