@@ -318,14 +318,14 @@ class Planner:
         rate = window.rate * c.headroom
         outcomes = {name: self._run(s, window, rate) for name, s in self.splits.items()}
         predicted = {name: _attainment(outcome) for name, outcome in outcomes.items()}
-        load = {name: _slo_load(outcome, c.slo) for name, outcome in outcomes.items()}
+        load = {name: round(_slo_load(outcome, c.slo), 3) for name, outcome in outcomes.items()}
         current = window.split.name
         # Highest attainment; among equals the one furthest inside the SLO, then the one with
         # the fewest prefill nodes (stable). Both 2P1D and colocated x3 read 100% in a
         # prefill-heavy phase where colocated x3 met 81% (its prefills stall its streams), and
         # the fewest prefill nodes alone held colocated x3
         # (benchmarks/serving-2026-11-26-two-phase-6.md).
-        target = max(predicted, key=lambda n: (round(predicted[n], 6), -round(load[n], 3),
+        target = max(predicted, key=lambda n: (round(predicted[n], 6), -load[n],
                                                 -self.splits[n].prefill))  # fmt: skip
         gain = predicted[target] - predicted.get(current, 0.0)
         if target == current:
@@ -348,7 +348,7 @@ class Planner:
                         round(self.correction, 4), goodput,
                         prefill_correction=round(self.prefill_correction, 4),
                         predicted_retractions=retractions,
-                        predicted_slo_load={n: round(v, 4) for n, v in load.items()})  # fmt: skip
+                        predicted_slo_load=load)  # fmt: skip
 
     def _window_goodput(self, window: Window, predicted: dict[str, float]) -> float | None:
         """The predicted goodput of the window's own requests: see `Decision`."""
