@@ -122,6 +122,18 @@ def test_the_running_cap_bounds_them_too_and_a_colocated_node_retracts_as_well()
     assert colocated.retractions >= 1 and colocated.decode_nodes[0].recomputed_tokens > PROMPT
 
 
+def test_a_prefill_node_that_frees_pages_while_idle_admits_its_waiting_prompt_then() -> None:
+    """A prefill node whose pool holds one prompt: of two prompts at once the second waits for
+    the first's pages, which its transfer frees after the step has ended, the node idle. The
+    second is prefilled then (two prefills of 0.146 s), not at some later arrival: before this
+    the idle node was never woken and the run ended with the request stuck."""
+    sim = Simulation(profile(PROMPT + 32), prefill=1, decode=2)
+    first, second = sorted(t.ttft or 0.0 for t in sim.run([Arrival(0.0, PROMPT, 4)] * 2))
+    prefill_s = 0.05 + 0.001 * PROMPT
+    assert first == pytest.approx(prefill_s, abs=0.01)
+    assert second == pytest.approx(2 * prefill_s, abs=0.01)
+
+
 def test_a_request_larger_than_a_pool_is_said() -> None:
     with pytest.raises(RuntimeError, match="too large for a node"):
         Simulation(replace(profile(PROMPT), max_total_tokens=PROMPT), 1, 1).run(

@@ -390,8 +390,9 @@ class Node:
         req.decode.transfer_done(req)
         if self.stepping:
             self.sent.append(req)
-        else:
+        else:  # idle: the freed pages may admit the head of its waiting queue
             self._free_prefill(req)
+            self.kick()
 
     def _free_prefill(self, req: SimRequest) -> None:
         self.pool.give_back(self.pool.pages(req.arrival.prompt_len), req.index, keep=0)
