@@ -103,6 +103,14 @@ def test_attainment_goodput_and_lost_per_phase_from_request_records() -> None:
     table = score_table([RunResult("2P1D", planner=False, scores=[a, b, whole])])
     assert "| 2P1D | **whole run** |" in table and f"| {a.attainment:.0%} |" in table
 
+    run = RunResult("2P1D", planner=False)
+    run.record(workload, schedule, list(reversed(traces)))  # each request kept, in order
+    rows = run.to_json()["requests"]
+    assert run.scores == [a, b, whole] and [r["index"] for r in rows] == list(range(last))
+    assert [r["phase"] for r in rows] == list(schedule.phase_of[:last])
+    assert rows[0]["ttft"] == pytest.approx(1.5) and rows[lost_one]["error"] == "http_503"
+    assert rows[1]["tpot"] == pytest.approx(0.05) and rows[1]["output_tokens"] == 4
+
 
 def _profile() -> NodeProfile:
     return NodeProfile(prefill_coef=(0.05, 0.0015, 0.0), decode_coef=(0.03, 0.0, 0.0),

@@ -26,9 +26,10 @@ planner's simulator and to `--predict`.
 A run ends `--grace` seconds after the last phase: requests unfinished then are cancelled and
 count as lost (an overloaded split's backlog would otherwise drain for many minutes).
 
-Prints, and writes under `--out` (`two_phase.json`, `two_phase.md`, the planner's decisions as
-`planner_decisions.jsonl`, the metrics it read as `planner_scrapes.jsonl` for `pd-planner
---replay`, and its log): per run and phase the requests scheduled, those meeting
+Prints, and writes under `--out` (`two_phase.json`, with each request's phase, TTFT and
+TPOT under `requests` to score a run again under another SLO; `two_phase.md`; the planner's
+decisions as `planner_decisions.jsonl`, the metrics it read as `planner_scrapes.jsonl` for
+`pd-planner --replay`, and its log): per run and phase the requests scheduled, those meeting
 both SLOs (TTFT and TPOT, per request), attainment, goodput, requests lost; for the planner its
 actions and per window the predicted vs measured goodput of the requests admitted in the
 window (two_phase_score.py: windows within `--settle` s of a switch or a phase change are
@@ -71,7 +72,6 @@ from scripts.planning.two_phase_score import (
     check_goals,
     planner_tables,
     read_decisions,
-    score_run,
     score_table,
     window_checks,
 )
@@ -209,7 +209,7 @@ def run_static(config: BenchConfig, split: Split, schedule: Schedule) -> RunResu
     try:
         url = cluster.start(threading.Event())
         traces, _ = warm_and_send(url, config, schedule)
-        result.scores = score_run(config.workload, schedule, traces)
+        result.record(config.workload, schedule, traces)
     except ClusterError as exc:
         result.error = f"cluster: {exc} (logs in {log_dir})"
     finally:
@@ -277,7 +277,7 @@ def run_planner(config: BenchConfig, run: PlannerRun, schedule: Schedule) -> Run
         if cluster is None:
             url = wait_ready(log, process)
         traces, zero = warm_and_send(url, config, schedule)
-        result.scores = score_run(config.workload, schedule, traces)
+        result.record(config.workload, schedule, traces)
         time.sleep(1.0)  # the decision of the window the load ended in
         decisions = read_decisions(decisions_path.read_text())
         w = config.workload

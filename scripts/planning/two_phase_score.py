@@ -324,6 +324,13 @@ class RunResult:
     checks: list[WindowCheck] = field(default_factory=list)
     actions: list[Action] = field(default_factory=list)
     error: str = ""  # the run did not finish: why
+    requests: list[dict[str, Any]] = field(default_factory=list)  # `request_rows`
+
+    def record(self, workload: Workload, schedule: Schedule,
+               traces: Sequence[RequestTrace]) -> None:  # fmt: skip
+        """The run's scores, and each request as the client saw it."""
+        self.scores = score_run(workload, schedule, traces)
+        self.requests = request_rows(schedule, traces)
 
     @property
     def whole(self) -> Score | None:
@@ -341,7 +348,20 @@ class RunResult:
             "windows": [c.to_json() for c in self.checks],
             "mean_abs_error": mean_abs_error(self.checks),
             "actions": [asdict(a) for a in self.actions],
+            "requests": self.requests,
         }
+
+
+def request_rows(schedule: Schedule, traces: Sequence[RequestTrace]) -> list[dict[str, Any]]:
+    """One row per request, in schedule order: its phase and what the client measured, enough
+    to score the run again under another SLO (seconds since the load began)."""
+    rows = []
+    for t in sorted(traces, key=lambda t: t.session):
+        rows.append({"index": t.session, "phase": schedule.phase_of[t.session], "sent": t.sent,
+                     "ttft": t.ttft, "tpot": t.tpot, "e2e": t.e2e,
+                     "prompt_tokens": t.prompt_tokens, "output_tokens": t.output_tokens,
+                     "error": t.error})  # fmt: skip
+    return rows
 
 
 def _ms(value: float | None) -> str:
