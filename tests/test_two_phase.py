@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,12 @@ import pytest
 from scripts.planning.pd_planner import Planner, PlannerConfig, Scrape, run
 from scripts.planning.profile import NodeProfile
 from scripts.planning.two_phase import build_bench, build_parser, cluster_argv, planner_argv
+from scripts.planning.two_phase_rescore import rescore
 from scripts.planning.two_phase_score import (
     Phase,
     RunResult,
     TwoPhaseError,
+    WindowCheck,
     Workload,
     actions,
     build_schedule,
@@ -110,6 +113,43 @@ def test_attainment_goodput_and_lost_per_phase_from_request_records() -> None:
     assert [r["phase"] for r in rows] == list(schedule.phase_of[:last])
     assert rows[0]["ttft"] == pytest.approx(1.5) and rows[lost_one]["error"] == "http_503"
     assert rows[1]["tpot"] == pytest.approx(0.05) and rows[1]["output_tokens"] == 4
+
+
+def _recorded(folder: Path, name: str, planner: bool, slo: SLO, seed: int = 0) -> None:
+    """A `two_phase.json` as the benchmark writes it: one run whose A requests take 1.5 s to
+    their first token every third time (0.2 s otherwise), B's 0.2 s, every gap 50 ms."""
+    workload = Workload((A, B), slo, seed)
+    schedule = build_schedule(workload)
+    traces = [_trace(i, at, 1.5 if phase == 0 and i % 3 == 0 else 0.2, 0.05, 4)
+              for i, (at, phase) in enumerate(zip(schedule.times, schedule.phase_of,
+                                                  strict=True))]  # fmt: skip
+    run = RunResult(name, planner, checks=[WindowCheck(0.0, 10.0, "2P1D", 2.0, 1.8, 20, 18)])
+    run.record(workload, schedule, traces)
+    folder.mkdir()
+    doc = {"workload": {"phases": [asdict(A), asdict(B)], "slo": asdict(slo), "seed": seed},
+           "runs": [run.to_json()]}  # fmt: skip
+    (folder / "two_phase.json").write_text(json.dumps(doc))
+
+
+def test_recorded_runs_are_scored_again_under_another_slo(tmp_path: Path) -> None:
+    """The static run scored under TTFT 2 s meets every request (1.5 s first tokens pass), under
+    1 s it misses every third of A's, as when it ran; the planner's windows count only under the
+    SLO it planned for; folders of other schedules are refused."""
+    _recorded(tmp_path / "static", "2P1D", False, SLO_)
+    _recorded(tmp_path / "planner", "planner", True, SLO(ttft_ms=2000.0, tpot_ms=100.0))
+    folders = [tmp_path / "static", tmp_path / "planner"]
+    n_a = build_schedule(Workload((A, B), SLO_)).phase_of.count(0)
+    loose = rescore(folders, SLO(ttft_ms=2000.0, tpot_ms=100.0))
+    assert f"| 2P1D | A | {n_a} | {n_a} | 100% |" in loose
+    assert "windows left out" not in loose and "mean |error|: 0.0%" in loose
+    tight = rescore(folders, SLO_)
+    met_a = sum(1 for i in range(n_a) if i % 3)
+    for name in ("2P1D", "planner"):
+        assert f"| {name} | A | {n_a} | {met_a} |" in tight
+    assert "planner's windows left out (its planner ran under TTFT 2000 / TPOT 100 ms)" in tight
+    _recorded(tmp_path / "other", "1P2D", False, SLO_, seed=1)
+    with pytest.raises(TwoPhaseError, match="schedules do not compare"):
+        rescore([tmp_path / "static", tmp_path / "other"], SLO_)
 
 
 def _profile() -> NodeProfile:

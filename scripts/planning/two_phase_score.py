@@ -364,6 +364,16 @@ def request_rows(schedule: Schedule, traces: Sequence[RequestTrace]) -> list[dic
     return rows
 
 
+def trace_of(row: dict[str, Any]) -> RequestTrace:
+    """A `request_rows` row back as a trace that scores as the request did: its first token at
+    TTFT, its end at E2E (TPOT follows from them and the output tokens)."""
+    sent, ttft = float(row["sent"]), row["ttft"]
+    return RequestTrace(sent=sent, chunks=[] if ttft is None else [sent + float(ttft)],
+                        done=sent + float(row["e2e"]), prompt_tokens=int(row["prompt_tokens"]),
+                        output_tokens=int(row["output_tokens"]), error=str(row["error"]),
+                        session=int(row["index"]))  # fmt: skip
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
