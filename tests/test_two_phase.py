@@ -152,6 +152,25 @@ def test_recorded_runs_are_scored_again_under_another_slo(tmp_path: Path) -> Non
         rescore([tmp_path / "static", tmp_path / "other"], SLO_)
 
 
+def test_each_run_is_written_as_it_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A benchmark stopped during its second run keeps its first in `two_phase.json`."""
+    import scripts.planning.two_phase as two_phase
+
+    done: list[RunResult] = []
+
+    def static(config: object, split: object, schedule: object) -> RunResult:
+        if done:
+            raise KeyboardInterrupt
+        done.append(RunResult("1P2D", planner=False))
+        return done[0]
+
+    monkeypatch.setattr(two_phase, "run_static", static)
+    with pytest.raises(KeyboardInterrupt):
+        two_phase.main(["--out", str(tmp_path), "--splits", "1:2,2:1", "--no-planner"])
+    doc = json.loads((tmp_path / "two_phase.json").read_text())
+    assert [r["name"] for r in doc["runs"]] == ["1P2D"]
+
+
 def _profile() -> NodeProfile:
     return NodeProfile(prefill_coef=(0.05, 0.0015, 0.0), decode_coef=(0.03, 0.0, 0.0),
                        kv_bytes_per_token=1000, transfer_bytes_per_s=1e9, handoff_s=0.01,

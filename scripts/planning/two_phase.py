@@ -458,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[two_phase] {split.name} ...", flush=True)
         runs.append(run_static(config, split, schedule))
         uptime.append(uptime_line())
+        write_outputs(config, runs, uptime)  # a run stopped later keeps the runs done
         print(score_table(runs[-1:]), flush=True)
     if config.planner is not None:
         print(f"[two_phase] planner ({config.planner.actuator}) ...", flush=True)
