@@ -140,13 +140,16 @@ def test_recorded_runs_are_scored_again_under_another_slo(tmp_path: Path) -> Non
     folders = [tmp_path / "static", tmp_path / "planner"]
     n_a = build_schedule(Workload((A, B), SLO_)).phase_of.count(0)
     loose = rescore(folders, SLO(ttft_ms=2000.0, tpot_ms=100.0))
-    assert f"| 2P1D | A | {n_a} | {n_a} | 100% |" in loose
+    assert f"| 2P1D [static] | A | {n_a} | {n_a} | 100% |" in loose
     assert "windows left out" not in loose and "mean |error|: 0.0%" in loose
+    assert "Goals of planner [planner]:" in loose
     tight = rescore(folders, SLO_)
     met_a = sum(1 for i in range(n_a) if i % 3)
-    for name in ("2P1D", "planner"):
+    for name in ("2P1D [static]", "planner [planner]"):
         assert f"| {name} | A | {n_a} | {met_a} |" in tight
     assert "planner's windows left out (its planner ran under TTFT 2000 / TPOT 100 ms)" in tight
+    alone = rescore([tmp_path / "static"], SLO_)
+    assert f"| 2P1D | A | {n_a} | {met_a} |" in alone and "\nGoals:\n" in alone
     _recorded(tmp_path / "other", "1P2D", False, SLO_, seed=1)
     with pytest.raises(TwoPhaseError, match="schedules do not compare"):
         rescore([tmp_path / "static", tmp_path / "other"], SLO_)

@@ -71,17 +71,25 @@ def load_runs(folder: Path, slo: SLO) -> tuple[Workload, list[RunResult], list[s
 
 
 def rescore(folders: list[Path], slo: SLO) -> str:
+    """The runs' table under `slo`, then the goals of each planner run against every static
+    run (runs named by their folder where there are several)."""
     workloads, runs, notes = [], [], []
     for folder in folders:
         workload, found, left_out = load_runs(folder, slo)
         workloads.append(workload)
+        for run in found:
+            run.name += f" [{folder.name}]" if len(folders) > 1 else ""
         runs += found
         notes += left_out
     if any(w != workloads[0] for w in workloads):
         raise TwoPhaseError("the folders' phases or seeds differ: their schedules do not compare")
-    goals = check_goals(runs, ATTAINMENT)
     lines = [f"SLO: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms per request",
-             "", score_table(runs), "", *notes, "", "Goals:", *goals.lines(ATTAINMENT)]  # fmt: skip
+             "", score_table(runs), "", *notes]  # fmt: skip
+    statics = [r for r in runs if not r.planner]
+    for planner in [r for r in runs if r.planner] or [None]:
+        title = "Goals:" if planner is None else f"Goals of {planner.name}:"
+        goals = check_goals(statics + ([planner] if planner else []), ATTAINMENT)
+        lines += ["", title, *goals.lines(ATTAINMENT)]
     return "\n".join(lines)
 
 
