@@ -47,11 +47,12 @@ def load_runs(folder: Path, slo: SLO) -> tuple[Workload, list[RunResult], list[s
         phases = tuple(Phase(**p) for p in doc["workload"]["phases"])
         workload = Workload(phases, slo, int(doc["workload"]["seed"]))
         recorded = SLO(**doc["workload"]["slo"])
+        entries: list[dict[str, Any]] = list(doc["runs"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise TwoPhaseError(f"{path}: not a two_phase.json ({exc})") from None
     schedule = build_schedule(workload)
     runs, notes = [], []
-    for entry in doc["runs"]:
+    for entry in entries:
         rows: list[dict[str, Any]] = entry.get("requests") or []
         if entry.get("error") or len(rows) != len(schedule.sessions):
             notes.append(f"{folder}: {entry['name']} left out (failed, or no request rows: "
@@ -86,7 +87,8 @@ def rescore(folders: list[Path], slo: SLO) -> str:
     lines = [f"SLO: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms per request",
              "", score_table(runs), "", *notes]  # fmt: skip
     statics = [r for r in runs if not r.planner]
-    for planner in [r for r in runs if r.planner] or [None]:
+    planners: list[RunResult | None] = [r for r in runs if r.planner]
+    for planner in planners or [None]:
         title = "Goals:" if planner is None else f"Goals of {planner.name}:"
         goals = check_goals(statics + ([planner] if planner else []), ATTAINMENT)
         lines += ["", title, *goals.lines(ATTAINMENT)]
