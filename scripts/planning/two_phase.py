@@ -62,6 +62,7 @@ from scripts.planning.simulator import HostConfig
 from scripts.planning.sweep import Split, parse_splits
 from scripts.planning.two_phase_predict import CALM_HOST, predict, prediction_table
 from scripts.planning.two_phase_score import (
+    GOAL_ATTAINMENT,
     Phase,
     RunResult,
     Schedule,
@@ -384,7 +385,7 @@ def build_bench(args: argparse.Namespace) -> BenchConfig:
 
 
 def write_outputs(config: BenchConfig, runs: list[RunResult], uptime: list[str]) -> str:
-    attainment = 0.9
+    attainment = GOAL_ATTAINMENT
     w = config.workload
     goals = check_goals(runs, attainment)
     lines = [

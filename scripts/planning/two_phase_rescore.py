@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.planning.two_phase_score import (
+    GOAL_ATTAINMENT,
     Phase,
     RunResult,
     TwoPhaseError,
@@ -34,8 +35,6 @@ from scripts.planning.two_phase_score import (
     trace_of,
 )
 from scripts.serving.metrics import SLO
-
-ATTAINMENT = 0.9
 
 
 def load_runs(folder: Path, slo: SLO) -> tuple[Workload, list[RunResult], list[str]]:
@@ -90,8 +89,8 @@ def rescore(folders: list[Path], slo: SLO) -> str:
     planners: list[RunResult | None] = [r for r in runs if r.planner]
     for planner in planners or [None]:
         title = "Goals:" if planner is None else f"Goals of {planner.name}:"
-        goals = check_goals(statics + ([planner] if planner else []), ATTAINMENT)
-        lines += ["", title, *goals.lines(ATTAINMENT)]
+        goals = check_goals(statics + ([planner] if planner else []), GOAL_ATTAINMENT)
+        lines += ["", title, *goals.lines(GOAL_ATTAINMENT)]
     return "\n".join(lines)
 
 
