@@ -26,13 +26,14 @@ from scripts.planning.pd_planner import (
     node_profile,
     parse_scrape,
     plan_role_changes,
+    planner_config,
     run,
     scrapes_recorded,
 )
 from scripts.planning.planner import SimOutcome
 from scripts.planning.profile import NodeProfile
 from scripts.planning.sweep import Split
-from scripts.planning.two_phase_replay import replay, report
+from scripts.planning.two_phase_replay import recorded_flags, replay, report
 from scripts.serving.metrics import SLO, Distribution, summarize
 
 SLO_ = SLO(ttft_ms=3000.0, tpot_ms=100.0)
@@ -246,7 +247,8 @@ class _Fixed(Planner):
         super().__init__(profile(), PlannerConfig(3, SLO_, sim_seconds=20.0))
         self.p90 = p90
 
-    def _run(self, split: Split, window: Window, rate: float) -> SimOutcome:
+    def _run(self, split: Split, window: Window, rate: float,
+             seconds: float | None = None) -> SimOutcome:  # fmt: skip
         ttft, tpot = self.p90[split.name]
         met = 1.0 if ttft <= SLO_.ttft_ms and tpot <= SLO_.tpot_ms else 0.0
         summary = replace(summarize([], 1.0, SLO_), slo_attainment=met,
@@ -275,6 +277,94 @@ def test_among_splits_that_all_meet_the_slo_the_one_furthest_inside_it_wins() ->
     assert even.decide(window, 20.0).target == "colocated x3"  # 0.5 each: no prefill node wins
     edge = _Fixed({"1P2D": (4500.0, 30.0), "2P1D": (2900.0, 90.0), "colocated x3": (600.0, 200.0)})
     assert edge.decide(window, 20.0).target == "2P1D"  # attainment comes first
+
+
+class _Lasting(_Fixed):
+    """`_Fixed` for the window's simulation; the longer one (`lasting_seconds`) gives each split
+    a fixed attainment per rate instead."""
+
+    def __init__(self, p90: dict[str, tuple[float, float]],
+                 lasting: dict[str, float]) -> None:  # fmt: skip
+        super().__init__(p90)
+        self.lasting_attainment = lasting
+        self.lasting_rates: list[float] = []
+
+    def _run(self, split: Split, window: Window, rate: float,
+             seconds: float | None = None) -> SimOutcome:  # fmt: skip
+        if seconds is None:
+            return super()._run(split, window, rate)
+        assert seconds == self.config.lasting_seconds
+        self.lasting_rates.append(rate)
+        summary = replace(summarize([], 1.0, SLO_),
+                          slo_attainment=self.lasting_attainment[split.name])  # fmt: skip
+        return SimOutcome(summary, retractions=0, recomputed_tokens=0)
+
+
+def test_splits_tied_by_the_window_are_ranked_by_the_longer_simulation() -> None:
+    """2P1D and colocated x3 both meet the SLO over the window's short simulation, colocated x3
+    further inside it; over the longer one its streams stall behind its prefills and 2P1D
+    lasts. The longer one ranks the tied splits only (1P2D, missing, is not run), at the
+    window's rate and one Poisson sigma either side; without it the SLO margin decides."""
+    a, b = (Scrape(at, requests=at / 2, finished=at / 2, prompt_tokens=200 * at,
+                   completion_tokens=8 * at, prefill_nodes=1, decode_nodes=2)
+            for at in (10.0, 20.0))  # fmt: skip
+    window = Window.between(a, b)
+    assert window is not None and window.admitted == 5
+    p90 = {"1P2D": (4500.0, 30.0), "2P1D": (900.0, 50.0), "colocated x3": (600.0, 40.0)}
+    planner = _Lasting(p90, {"1P2D": 1.0, "2P1D": 0.8, "colocated x3": 0.3})
+    decision = planner.decide(window, 20.0)
+    assert decision.predicted == {"1P2D": 0.0, "2P1D": 1.0, "colocated x3": 1.0}
+    assert decision.predicted_lasting == {"2P1D": 0.8, "colocated x3": 0.3}
+    assert (decision.target, decision.action) == ("2P1D", "switch")
+    rate = window.rate * planner.config.headroom
+    sigma = 1 / 5**0.5
+    rates = [rate * (1 - sigma), rate, rate * (1 + sigma)]
+    assert planner.lasting_rates == pytest.approx(rates * 2)
+    planner.config = replace(planner.config, lasting_seconds=0.0)
+    undecided = planner.decide(window, 20.0)
+    assert undecided.target == "colocated x3" and undecided.predicted_lasting == {}
+    with pytest.raises(PlannerError, match="--lasting-seconds must be >= 0"):
+        replace(planner.config, lasting_seconds=-1.0)
+
+
+def test_a_tie_with_the_live_split_holds_it() -> None:
+    """The live split tied at the top stays, whatever the longer simulation says of the others:
+    a gain of 0 is under any hysteresis. The longer one breaks ties, it does not start moves."""
+    a, b = (Scrape(at, requests=at / 2, finished=at / 2, prompt_tokens=200 * at,
+                   completion_tokens=8 * at, prefill_nodes=1, decode_nodes=2)
+            for at in (10.0, 20.0))  # fmt: skip
+    window = Window.between(a, b)
+    assert window is not None
+    p90 = {"1P2D": (900.0, 50.0), "2P1D": (900.0, 50.0), "colocated x3": (900.0, 50.0)}
+    decision = _Lasting(p90, {"1P2D": 0.2, "2P1D": 0.9, "colocated x3": 0.5}).decide(window, 20.0)
+    assert decision.current == "1P2D" and decision.target == "2P1D"
+    assert decision.action == "hold" and "under the hysteresis" in decision.reason
+
+
+def test_the_window_where_colocated_x3_won_live_now_goes_to_2p1d() -> None:
+    """two-phase-8, started in 1P2D: at 147 s its window's simulation put 2P1D and colocated x3
+    both at 100% (1P2D at 0) and the SLO margin took colocated x3, which then met 51% of the
+    prefill-heavy phase (static: 29%; 2P1D: 81%). The same window and corrections, ranked by
+    300 s of arrivals, switch to 2P1D."""
+    run_dir = Path(__file__).parent.parent / "benchmarks/serving-2026-11-27-two-phase-8/from-1P2D"
+    doc = json.loads((run_dir / "two_phase.json").read_text())
+    args = build_parser().parse_args(["--replay", "-", "--dry-run", *recorded_flags(doc),
+                                      "--lasting-seconds", "300"])  # fmt: skip
+    lines = (run_dir / "planner_decisions.jsonl").read_text().splitlines()
+    recorded = json.loads(lines[4])
+    assert (recorded["target"], recorded["action"]) == ("colocated x3", "switch")
+    planner = Planner(node_profile(args), planner_config(args))
+    planner.correction = recorded["correction"]
+    planner.prefill_correction = recorded["prefill_correction"]
+    fields = {k: v for k, v in recorded["window"].items() if k != "split"}
+    window = Window(**fields, split=planner.splits[recorded["current"]])
+    # no new evidence: the corrections stay as recorded
+    window = replace(window, ttft_s=None, tpot_s=None)
+    decision = planner.decide(window, recorded["at"])
+    assert decision.predicted == recorded["predicted"]
+    assert (decision.target, decision.action) == ("2P1D", "switch")
+    lasting = decision.predicted_lasting
+    assert set(lasting) == {"2P1D", "colocated x3"} and lasting["2P1D"] > lasting["colocated x3"]
 
 
 def test_decisions_on_a_record_are_deterministic(tmp_path: Path, capsys) -> None:

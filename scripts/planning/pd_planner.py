@@ -237,6 +237,12 @@ class PlannerConfig:
     cooldown_s: float = 120.0  # no action sooner than this after the last one
     headroom: float = 1.1  # plan for this much more traffic than the window saw
     sim_seconds: float = 60.0  # arrivals simulated and scored per split
+    # Splits the window's simulation ranks equal are told apart by a longer one: this many
+    # seconds of arrivals scored (0: by their distance from the SLO alone). At 0.25 req/s,
+    # 20 s score a few requests: 2P1D and colocated x3 both read 100% in a prefill-heavy phase
+    # where colocated x3 met 29% live; over 300 s its streams stall behind its prefills
+    # (benchmarks/serving-2026-11-27-two-phase-8.md).
+    lasting_seconds: float = 300.0
     # arrivals simulated before those, not scored: the steady state at the window's rate
     sim_warmup_s: float = 30.0
     correction_weight: float = 0.5  # of each new measured/predicted ratio in the correction
@@ -263,6 +269,8 @@ class PlannerConfig:
                 f"--sim-seconds must be > 0 and --sim-warmup >= 0, got {self.sim_seconds} and "
                 f"{self.sim_warmup_s}"
             )
+        if self.lasting_seconds < 0:
+            raise PlannerError(f"--lasting-seconds must be >= 0, got {self.lasting_seconds}")
         if not 0 < self.correction_weight <= 1:
             raise PlannerError(
                 f"--correction-weight must be in (0, 1], got {self.correction_weight}"
@@ -294,6 +302,8 @@ class Decision:
     predicted_retractions: dict[str, int] = field(default_factory=dict)
     # split name -> its simulated p90 TTFT, TPOT and E2E as shares of their SLOs, the largest
     predicted_slo_load: dict[str, float] = field(default_factory=dict)
+    # split name -> its attainment over the longer simulation, for the splits tied at the top
+    predicted_lasting: dict[str, float] = field(default_factory=dict)
 
     def json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -320,13 +330,16 @@ class Planner:
         predicted = {name: _attainment(outcome) for name, outcome in outcomes.items()}
         load = {name: round(_slo_load(outcome, c.slo), 3) for name, outcome in outcomes.items()}
         current = window.split.name
-        # Highest attainment; among equals the one furthest inside the SLO, then the one with
-        # the fewest prefill nodes (stable). Both 2P1D and colocated x3 read 100% in a
-        # prefill-heavy phase where colocated x3 met 81% (its prefills stall its streams), and
-        # the fewest prefill nodes alone held colocated x3
-        # (benchmarks/serving-2026-11-26-two-phase-6.md).
-        target = max(predicted, key=lambda n: (round(predicted[n], 6), -load[n],
-                                                -self.splits[n].prefill))  # fmt: skip
+        # Highest attainment; among equals the one that lasts best over the longer simulation,
+        # then the one furthest inside the SLO, then the one with the fewest prefill nodes
+        # (stable). Both 2P1D and colocated x3 read 100% in a prefill-heavy phase where
+        # colocated x3 met 81% (its prefills stall its streams), and the fewest prefill nodes
+        # alone held colocated x3 (benchmarks/serving-2026-11-26-two-phase-6.md).
+        top = max(round(a, 6) for a in predicted.values())
+        tied = [name for name, a in predicted.items() if round(a, 6) == top]
+        lasting = self._lasting(tied, window, rate)
+        target = max(tied, key=lambda n: (lasting.get(n, 0.0), -load[n],
+                                           -self.splits[n].prefill))  # fmt: skip
         gain = predicted[target] - predicted.get(current, 0.0)
         if target == current:
             action, reason = "hold", f"{current} is the best split ({predicted[current]:.0%})"
@@ -348,7 +361,21 @@ class Planner:
                         round(self.correction, 4), goodput,
                         prefill_correction=round(self.prefill_correction, 4),
                         predicted_retractions=retractions,
-                        predicted_slo_load=load)  # fmt: skip
+                        predicted_slo_load=load, predicted_lasting=lasting)  # fmt: skip
+
+    def _lasting(self, tied: list[str], window: Window, rate: float) -> dict[str, float]:
+        """The tied splits' attainment over `lasting_seconds` of arrivals, averaged over
+        the window's rate and one Poisson sigma either side of it (the window saw
+        `admitted` arrivals): a split that holds at the rate but falls over above it ranks
+        below one that degrades gently. Empty without a tie or a longer simulation."""
+        seconds = self.config.lasting_seconds
+        if len(tied) < 2 or seconds <= 0:
+            return {}
+        sigma = 1 / math.sqrt(max(1.0, window.admitted))
+        rates = (rate * max(0.25, 1 - sigma), rate, rate * (1 + sigma))
+        return {name: round(sum(_attainment(self._run(self.splits[name], window, r, seconds))
+                                for r in rates) / len(rates), 4)
+                for name in tied}  # fmt: skip
 
     def _window_goodput(self, window: Window, predicted: dict[str, float]) -> float | None:
         """The predicted goodput of the window's own requests: see `Decision`."""
@@ -372,13 +399,16 @@ class Planner:
                                  prefix_len=cached, prefix_group_size=16)  # fmt: skip
         return DatasetConfig("random", 1000, input_len=prompt, output_len=out)
 
-    def _run(self, split: Split, window: Window, rate: float) -> SimOutcome:
+    def _run(self, split: Split, window: Window, rate: float,
+             seconds: float | None = None) -> SimOutcome:  # fmt: skip
+        """`split` simulated at `rate`: the warm-up, then `seconds` (default: sim_seconds)
+        of scored arrivals."""
         c = self.config
         load = LoadConfig(request_rate=rate, num_sessions=None,
-                          duration_s=c.sim_warmup_s + c.sim_seconds)  # fmt: skip
-        decode_coef = tuple(x * self.correction for x in self.profile.decode_coef)
-        prefill_coef = tuple(x * self.prefill_correction for x in self.profile.prefill_coef)
-        profile = replace(self.profile, prefill_coef=prefill_coef, decode_coef=decode_coef)
+                          duration_s=c.sim_warmup_s + (seconds or c.sim_seconds))  # fmt: skip
+        d0, d1, d2 = (x * self.correction for x in self.profile.decode_coef)
+        p0, p1, p2 = (x * self.prefill_correction for x in self.profile.prefill_coef)
+        profile = replace(self.profile, prefill_coef=(p0, p1, p2), decode_coef=(d0, d1, d2))
         return simulate_outcome(profile, split, self._workload(window), load, c.slo, c.host,
                                 score_after_s=c.sim_warmup_s)  # fmt: skip
 
@@ -612,6 +642,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--headroom", type=float, default=1.1, help="plan for rate x this")
     parser.add_argument("--sim-seconds", type=float, default=60.0, help="arrivals scored")
     parser.add_argument(
+        "--lasting-seconds",
+        type=float,
+        default=300.0,
+        help="arrivals scored by the longer simulation that ranks the splits tied at the top "
+        "(0: by their distance from the SLO alone)",
+    )
+    parser.add_argument(
         "--sim-warmup",
         type=float,
         default=30.0,
@@ -705,20 +742,7 @@ def main(argv: list[str] | None = None) -> int:
             raise PlannerError("--actuator switch needs --bootstrap HOST:PORT")
         if args.budget is None:
             raise PlannerError("give --budget N (nodes to split)")
-        config = PlannerConfig(
-            budget=args.budget,
-            slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
-            attainment=args.slo_attainment,
-            hysteresis=args.hysteresis,
-            cooldown_s=args.cooldown,
-            headroom=args.headroom,
-            sim_seconds=args.sim_seconds,
-            sim_warmup_s=args.sim_warmup,
-            correction_weight=args.correction_weight,
-            correction_full_samples=args.correction_full_samples,
-            host=host_config(args),  # plan_capacity.py's host model, validated on 11-24
-        )
-        planner = Planner(node_profile(args), config)
+        planner = Planner(node_profile(args), planner_config(args))
         actuator: Actuator | None = None
         if not args.dry_run and args.actuator == "switch":
             actuator = SwitchActuator(args.bootstrap, args.budget, internal_auth_from_args(args),
@@ -740,6 +764,23 @@ def main(argv: list[str] | None = None) -> int:
         if cluster is not None:
             cluster.cluster.stop()
     return 0
+
+
+def planner_config(args: argparse.Namespace) -> PlannerConfig:
+    return PlannerConfig(
+        budget=args.budget,
+        slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
+        attainment=args.slo_attainment,
+        hysteresis=args.hysteresis,
+        cooldown_s=args.cooldown,
+        headroom=args.headroom,
+        sim_seconds=args.sim_seconds,
+        lasting_seconds=args.lasting_seconds,
+        sim_warmup_s=args.sim_warmup,
+        correction_weight=args.correction_weight,
+        correction_full_samples=args.correction_full_samples,
+        host=host_config(args),  # plan_capacity.py's host model, validated on 11-24
+    )
 
 
 def node_profile(args: argparse.Namespace) -> NodeProfile:

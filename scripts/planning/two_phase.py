@@ -99,6 +99,7 @@ class PlannerRun:
     sim_warmup_s: float
     host_cores: int
     threads_per_node: int
+    lasting_seconds: float = 300.0  # pd-planner's --lasting-seconds
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,8 @@ def planner_flags(budget: int, run: PlannerRun, slo: SLO, nodes: NodeCapacity) -
     return ["--budget", str(budget), "--profile", str(run.profile),
             "--interval", str(run.interval_s), "--cooldown", str(run.cooldown_s),
             "--hysteresis", str(run.hysteresis), "--headroom", "1",
-            "--sim-seconds", str(run.sim_seconds), "--slo-ttft-ms", str(slo.ttft_ms),
+            "--sim-seconds", str(run.sim_seconds), "--lasting-seconds", str(run.lasting_seconds),
+            "--slo-ttft-ms", str(slo.ttft_ms),
             "--slo-tpot-ms", str(slo.tpot_ms), "--host-cores", str(run.host_cores),
             "--threads-per-node", str(run.threads_per_node), "--sim-warmup",
             str(run.sim_warmup_s), *nodes.planner_args(), *host_args(CALM_HOST)]  # fmt: skip
@@ -341,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sim-seconds", type=float, default=20.0)
     g.add_argument("--sim-warmup", type=float, default=30.0,
                    help="pd-planner's --sim-warmup (its steady state)")  # fmt: skip
+    g.add_argument("--lasting-seconds", type=float, default=300.0,
+                   help="pd-planner's --lasting-seconds (its tie-break)")  # fmt: skip
     g.add_argument("--max-total-tokens", type=int, default=16384,
                    help="every node's KV pool in tokens (pd-cluster's flag; the planner and "
                    "--predict get it too)")  # fmt: skip
@@ -372,6 +376,7 @@ def build_bench(args: argparse.Namespace) -> BenchConfig:
             hysteresis=args.hysteresis,
             sim_seconds=args.sim_seconds,
             sim_warmup_s=args.sim_warmup,
+            lasting_seconds=args.lasting_seconds,
             host_cores=args.host_cores,
             threads_per_node=args.threads_per_node,
         )

@@ -38,6 +38,7 @@ def recorded_flags(doc: dict[str, Any]) -> list[str]:
     if "sim_warmup_s" not in p:
         raise SystemExit("this two_phase.json predates --sim-warmup in the record (an older run)")
     start = {s.name: s for s in parse_splits("all", budget)}[p["start"]]
+    p.setdefault("lasting_seconds", 0.0)  # a run before the tie-break decided without it
     run = PlannerRun(**{**p, "start": start, "profile": Path(p["profile"])})
     slo = SLO(**doc["workload"]["slo"])
     return planner_flags(budget, run, slo, NodeCapacity(**doc["nodes"]))
@@ -80,8 +81,8 @@ def report(run_dir: Path, decisions: list[dict[str, Any]]) -> tuple[str, float |
         raise SystemExit(f"the replay made {len(decisions)} decisions, the run {len(recorded)}")
     k = 0
     lines = ["| window s | live split | sent | met SLO | measured goodput | recorded prediction "
-             "| replayed prediction | TPOT correction | error | scored |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+             "| replayed prediction | TPOT correction | error | scored | replayed target |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]  # fmt: skip
     errors = []
     for w in run["windows"]:
         while k < len(recorded) and float(recorded[k]["window"]["rate"]) != float(w["rate"]):
@@ -97,7 +98,8 @@ def report(run_dir: Path, decisions: list[dict[str, Any]]) -> tuple[str, float |
         lines.append(
             f"| {w['start_s']:.0f}-{w['end_s']:.0f} | {w['split']} | {w['sent']} | {w['met']} | "
             f"{measured:.3f} | {w['predicted_goodput']} | {new} | "
-            f"{d['correction'] if d else '-'} | {shown} | {'yes' if w['scored'] else 'no'} |"
+            f"{d['correction'] if d else '-'} | {shown} | {'yes' if w['scored'] else 'no'} | "
+            f"{d['target'] if d else '-'} |"
         )
     mean = sum(errors) / len(errors) if errors else None
     return "\n".join(lines), mean
