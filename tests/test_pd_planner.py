@@ -327,18 +327,28 @@ def test_splits_tied_by_the_window_are_ranked_by_the_longer_simulation() -> None
         replace(planner.config, lasting_seconds=-1.0)
 
 
-def test_a_tie_with_the_live_split_holds_it() -> None:
-    """The live split tied at the top stays, whatever the longer simulation says of the others:
-    a gain of 0 is under any hysteresis. The longer one breaks ties, it does not start moves."""
+def test_a_split_tied_with_the_live_one_replaces_it_only_by_lasting_clearly_better() -> None:
+    """All three splits meet the SLO over the window's simulation. Over the longer one 2P1D
+    holds 9% more than the live 1P2D: under the lasting hysteresis (10%), 1P2D stays; at 30%
+    more it switches, saying why."""
     a, b = (Scrape(at, requests=at / 2, finished=at / 2, prompt_tokens=200 * at,
                    completion_tokens=8 * at, prefill_nodes=1, decode_nodes=2)
             for at in (10.0, 20.0))  # fmt: skip
     window = Window.between(a, b)
     assert window is not None
     p90 = {"1P2D": (900.0, 50.0), "2P1D": (900.0, 50.0), "colocated x3": (900.0, 50.0)}
-    decision = _Lasting(p90, {"1P2D": 0.2, "2P1D": 0.9, "colocated x3": 0.5}).decide(window, 20.0)
-    assert decision.current == "1P2D" and decision.target == "2P1D"
-    assert decision.action == "hold" and "under the hysteresis" in decision.reason
+    close = _Lasting(p90, {"1P2D": 0.6, "2P1D": 0.69, "colocated x3": 0.5}).decide(window, 20.0)
+    assert (close.current, close.target, close.action) == ("1P2D", "2P1D", "hold")
+    assert "2P1D ties 1P2D and would gain 9.0% over 300 s, under the lasting hysteresis" in (
+        close.reason
+    )
+    clear = _Lasting(p90, {"1P2D": 0.6, "2P1D": 0.9, "colocated x3": 0.5}).decide(window, 20.0)
+    assert (clear.target, clear.action) == ("2P1D", "switch")
+    assert clear.reason == (
+        "2P1D ties 1P2D at 100% and meets the SLO for 90% of requests over 300 s against 60%"
+    )
+    with pytest.raises(PlannerError, match="--lasting-hysteresis must be in"):
+        PlannerConfig(3, SLO_, lasting_hysteresis=1.5)
 
 
 def test_the_window_where_colocated_x3_won_live_now_goes_to_2p1d() -> None:

@@ -100,6 +100,7 @@ class PlannerRun:
     host_cores: int
     threads_per_node: int
     lasting_seconds: float = 300.0  # pd-planner's --lasting-seconds
+    lasting_hysteresis: float = 0.1  # pd-planner's --lasting-hysteresis
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,7 @@ def planner_flags(budget: int, run: PlannerRun, slo: SLO, nodes: NodeCapacity) -
             "--interval", str(run.interval_s), "--cooldown", str(run.cooldown_s),
             "--hysteresis", str(run.hysteresis), "--headroom", "1",
             "--sim-seconds", str(run.sim_seconds), "--lasting-seconds", str(run.lasting_seconds),
+            "--lasting-hysteresis", str(run.lasting_hysteresis),
             "--slo-ttft-ms", str(slo.ttft_ms),
             "--slo-tpot-ms", str(slo.tpot_ms), "--host-cores", str(run.host_cores),
             "--threads-per-node", str(run.threads_per_node), "--sim-warmup",
@@ -345,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pd-planner's --sim-warmup (its steady state)")  # fmt: skip
     g.add_argument("--lasting-seconds", type=float, default=300.0,
                    help="pd-planner's --lasting-seconds (its tie-break)")  # fmt: skip
+    g.add_argument("--lasting-hysteresis", type=float, default=0.1,
+                   help="pd-planner's --lasting-hysteresis")  # fmt: skip
     g.add_argument("--max-total-tokens", type=int, default=16384,
                    help="every node's KV pool in tokens (pd-cluster's flag; the planner and "
                    "--predict get it too)")  # fmt: skip
@@ -377,6 +381,7 @@ def build_bench(args: argparse.Namespace) -> BenchConfig:
             sim_seconds=args.sim_seconds,
             sim_warmup_s=args.sim_warmup,
             lasting_seconds=args.lasting_seconds,
+            lasting_hysteresis=args.lasting_hysteresis,
             host_cores=args.host_cores,
             threads_per_node=args.threads_per_node,
         )
