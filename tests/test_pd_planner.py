@@ -247,8 +247,8 @@ class _Fixed(Planner):
         super().__init__(profile(), PlannerConfig(3, SLO_, sim_seconds=20.0))
         self.p90 = p90
 
-    def _run(self, split: Split, window: Window, rate: float,
-             seconds: float | None = None) -> SimOutcome:  # fmt: skip
+    def _run(self, split: Split, window: Window, rate: float, seconds: float | None = None,
+             as_profiled: bool = False) -> SimOutcome:  # fmt: skip
         ttft, tpot = self.p90[split.name]
         met = 1.0 if ttft <= SLO_.ttft_ms and tpot <= SLO_.tpot_ms else 0.0
         summary = replace(summarize([], 1.0, SLO_), slo_attainment=met,
@@ -289,11 +289,11 @@ class _Lasting(_Fixed):
         self.lasting_attainment = lasting
         self.lasting_rates: list[float] = []
 
-    def _run(self, split: Split, window: Window, rate: float,
-             seconds: float | None = None) -> SimOutcome:  # fmt: skip
+    def _run(self, split: Split, window: Window, rate: float, seconds: float | None = None,
+             as_profiled: bool = False) -> SimOutcome:  # fmt: skip
         if seconds is None:
             return super()._run(split, window, rate)
-        assert seconds == self.config.lasting_seconds
+        assert seconds == self.config.lasting_seconds and as_profiled
         self.lasting_rates.append(rate)
         summary = replace(summarize([], 1.0, SLO_),
                           slo_attainment=self.lasting_attainment[split.name])  # fmt: skip
@@ -375,6 +375,32 @@ def test_the_window_where_colocated_x3_won_live_now_goes_to_2p1d() -> None:
     assert (decision.target, decision.action) == ("2P1D", "switch")
     lasting = decision.predicted_lasting
     assert set(lasting) == {"2P1D", "colocated x3"} and lasting["2P1D"] > lasting["colocated x3"]
+    # the longer simulation runs on the profile as measured, whatever the corrections read
+    planner.correction, planner.prefill_correction = 1.5, 1.2
+    assert planner._lasting(list(lasting), window, window.rate) == lasting
+
+
+def test_a_correction_fitted_to_2p1d_does_not_move_it_in_the_prefill_heavy_phase() -> None:
+    """two-phase-9, started in 1P2D: at 177 s, 2P1D live in the prefill-heavy phase, every
+    split read 100% over the window and the TPOT correction (1.48, fitted to 2P1D's decode node
+    beside two prefill nodes) put 1P2D 11 points above 2P1D over 300 s: the run moved there and
+    back 60 s later. On the profile as measured 2P1D lasts best (66% against 50%), and stays."""
+    run_dir = Path(__file__).parent.parent / "benchmarks/serving-2026-11-27-two-phase-9"
+    decisions = run_dir / "from-1P2D-corrected-tie/planner_decisions.jsonl"
+    recorded = json.loads(decisions.read_text().splitlines()[5])
+    assert (recorded["current"], recorded["target"], recorded["action"]) == (
+        "2P1D", "1P2D", "switch")  # fmt: skip
+    doc = json.loads((run_dir / "from-1P2D-corrected-tie/two_phase.json").read_text())
+    args = build_parser().parse_args(["--replay", "-", "--dry-run", *recorded_flags(doc)])
+    planner = Planner(node_profile(args), planner_config(args))
+    planner.correction = recorded["correction"]
+    planner.prefill_correction = recorded["prefill_correction"]
+    fields = {k: v for k, v in recorded["window"].items() if k != "split"}
+    window = replace(Window(**fields, split=planner.splits["2P1D"]), ttft_s=None, tpot_s=None)
+    decision = planner.decide(window, recorded["at"])
+    assert decision.predicted == recorded["predicted"]
+    assert (decision.target, decision.action) == ("2P1D", "hold")
+    assert decision.predicted_lasting["2P1D"] > decision.predicted_lasting["1P2D"] + 0.1
 
 
 def test_decisions_on_a_record_are_deterministic(tmp_path: Path, capsys) -> None:
