@@ -659,7 +659,10 @@ def run(planner: Planner, scrapes: Iterator[Scrape], actuator: Actuator | None,
         previous = scrape
         if window is None:
             continue
+        started = time.perf_counter()
         decision = planner.decide(window, scrape.at)
+        print(f"[pd-planner] {decision.action} {decision.target}: decided in "
+              f"{time.perf_counter() - started:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
         if decision.action == "switch":
             if actuator is not None:
                 decision.actuator = actuator.apply(planner.splits[decision.target])

@@ -101,6 +101,10 @@ class PlannerRun:
     threads_per_node: int
     lasting_seconds: float = 300.0  # pd-planner's --lasting-seconds
     lasting_hysteresis: float = 0.1  # pd-planner's --lasting-hysteresis
+    # The planner's niceness. It shares the nodes' two cores here, and a decision's
+    # simulations (~1.4 s of a core every 30 s) slowed the decode steps beside it at the TPOT
+    # SLO's edge; deployed, it runs on a host of its own.
+    nice: int = 10
 
 
 @dataclass(frozen=True)
@@ -265,6 +269,8 @@ def run_planner(config: BenchConfig, run: PlannerRun, schedule: Schedule) -> Run
     log, decisions_path = config.out / "planner.log", config.out / "planner_decisions.jsonl"
     argv = planner_argv(config, run, config.workload.slo)
     argv += ["--record", str(config.out / "planner_scrapes.jsonl")]  # for --replay
+    if run.nice:
+        argv = ["nice", "-n", str(run.nice), *argv]
     cluster: Cluster | None = None
     cluster_args = cluster_argv(config, run.start, config.out / "logs" / "planner")
     if run.actuator == "local":
@@ -349,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pd-planner's --lasting-seconds (its tie-break)")  # fmt: skip
     g.add_argument("--lasting-hysteresis", type=float, default=0.1,
                    help="pd-planner's --lasting-hysteresis")  # fmt: skip
+    g.add_argument("--planner-nice", type=int, default=10,
+                   help="run pd-planner at this niceness (it shares the nodes' cores)")  # fmt: skip
     g.add_argument("--max-total-tokens", type=int, default=16384,
                    help="every node's KV pool in tokens (pd-cluster's flag; the planner and "
                    "--predict get it too)")  # fmt: skip
@@ -382,6 +390,7 @@ def build_bench(args: argparse.Namespace) -> BenchConfig:
             sim_warmup_s=args.sim_warmup,
             lasting_seconds=args.lasting_seconds,
             lasting_hysteresis=args.lasting_hysteresis,
+            nice=args.planner_nice,
             host_cores=args.host_cores,
             threads_per_node=args.threads_per_node,
         )
