@@ -27,11 +27,18 @@ correction, with the nodes' KV pool and running-request cap: `--node-max-total-t
 window's rate times `--headroom`, for `--sim-warmup` then `--sim-seconds` of arrivals of the
 window's lengths (its cached fraction as a shared prefix), and scores the requests of the
 `--sim-seconds` only: the steady state at that rate, queues and batches filled; the split with
-the highest predicted SLO attainment is the target, among equals the one whose p90 latencies
-sit furthest inside the SLO (`predicted_slo_load`), then the one with fewer prefill nodes.
-The planner switches only when the target beats the current split by at least `--hysteresis`
-(attainment, absolute) and the last action is at least `--cooldown` seconds old; otherwise it
-holds and says why. The corrections: after each window the ratio of the measured mean TPOT to
+the highest predicted SLO attainment is the target. Splits tied there are ranked by a longer
+simulation (`--lasting-seconds` of arrivals, at the window's rate and one Poisson sigma either
+side, on the profile as measured: `predicted_lasting`), then by how far their p90 latencies sit
+inside the SLO (`predicted_slo_load`), then by fewer prefill nodes. The planner switches only
+when the target beats the current split by at least `--hysteresis` (attainment, absolute), or,
+tied with it, lasts `--lasting-hysteresis` better over the longer run; a move the short run
+proposes must not last worse than the current split over the longer one (by more than
+`--lasting-hysteresis` where the target meets the goal over the window, at all where it does
+not); and the last action must be at least `--cooldown` seconds old. Otherwise it holds and
+says why. The short run scores a few requests at low rates: it tied colocated x3 with 2P1D in a
+prefill-heavy phase where colocated x3 met 29% (benchmarks/serving-2026-11-27-two-phase-9.md).
+The corrections: after each window the ratio of the measured mean TPOT to
 the one predicted for the current split at the measured rate moves the decode step's time
 (`correction`), and the ratio of the measured mean TTFT to the predicted one moves the prefill
 cost (`prefill_correction`, never below 1: see `_correct`); each is an exponential average
