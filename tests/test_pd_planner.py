@@ -15,6 +15,7 @@ import pytest
 from bootstrap.admin import NodeSummary
 from gateway.metrics import GatewayMetrics
 from scripts.planning.pd_planner import (
+    Decision,
     KubernetesActuator,
     Planner,
     PlannerConfig,
@@ -371,6 +372,16 @@ def _recorded_decision(run: str, index: int,
     return planner, replace(window, ttft_s=None, tpot_s=None), recorded
 
 
+def _decided_again(run: str, index: int, was: tuple[str, str, str]) -> Decision:
+    """The recorded decision (`was`: its current split, target and action) made again by
+    today's planner: the window's predictions are the recorded ones."""
+    planner, window, recorded = _recorded_decision(run, index)
+    assert (recorded["current"], recorded["target"], recorded["action"]) == was
+    decision = planner.decide(window, recorded["at"])
+    assert decision.predicted == recorded["predicted"]
+    return decision
+
+
 def test_the_window_where_colocated_x3_won_live_now_goes_to_2p1d() -> None:
     """two-phase-8, started in 1P2D: at 147 s its window's simulation put 2P1D and colocated x3
     both at 100% (1P2D at 0) and the SLO margin took colocated x3, which then met 51% of the
@@ -395,13 +406,8 @@ def test_a_correction_fitted_to_2p1d_does_not_move_it_in_the_prefill_heavy_phase
     split read 100% over the window and the TPOT correction (1.48, fitted to 2P1D's decode node
     beside two prefill nodes) put 1P2D 11 points above 2P1D over 300 s: the run moved there and
     back 60 s later. On the profile as measured 2P1D lasts best (66% against 50%), and stays."""
-    planner, window, recorded = _recorded_decision(
-        "serving-2026-11-27-two-phase-9/from-1P2D-corrected-tie", 5
-    )
-    assert (recorded["current"], recorded["target"], recorded["action"]) == (
-        "2P1D", "1P2D", "switch")  # fmt: skip
-    decision = planner.decide(window, recorded["at"])
-    assert decision.predicted == recorded["predicted"]
+    decision = _decided_again("serving-2026-11-27-two-phase-9/from-1P2D-corrected-tie", 5,
+                              ("2P1D", "1P2D", "switch"))  # fmt: skip
     assert (decision.target, decision.action) == ("2P1D", "hold")
     assert decision.predicted_lasting["2P1D"] > decision.predicted_lasting["1P2D"] + 0.1
 
@@ -457,13 +463,8 @@ def test_the_burst_that_moved_2p1d_to_colocated_x3_now_holds() -> None:
     (0.40 req/s, prefill-heavy) read colocated x3 80% against 60% for 2P1D, and the run moved
     there 13 s before the decode-heavy phase; of A's last 5 requests it met 2. Over 300 s
     colocated x3 lasts worse: the same window now holds 2P1D."""
-    planner, window, recorded = _recorded_decision(
-        "serving-2026-11-27-two-phase-9/from-1P2D-burst-move", 8
-    )
-    assert (recorded["current"], recorded["target"], recorded["action"]) == (
-        "2P1D", "colocated x3", "switch")  # fmt: skip
-    decision = planner.decide(window, recorded["at"])
-    assert decision.predicted == recorded["predicted"]
+    decision = _decided_again("serving-2026-11-27-two-phase-9/from-1P2D-burst-move", 8,
+                              ("2P1D", "colocated x3", "switch"))  # fmt: skip
     assert (decision.target, decision.action) == ("colocated x3", "hold")
     lasting = decision.predicted_lasting
     assert lasting["colocated x3"] < lasting["2P1D"]
@@ -475,16 +476,9 @@ def test_a_false_alarm_in_the_prefill_heavy_phase_holds_and_the_phase_change_mov
     colocated x3 lasts 16 points worse: it now holds. At 297 s (the phase change) 1P2D read
     100% against 50%, 6 points worse over 300 s: that move still goes."""
     run = "serving-2026-11-27-two-phase-9/from-2P1D-false-alarm"
-    planner, window, recorded = _recorded_decision(run, 3)
-    assert (recorded["current"], recorded["target"], recorded["action"]) == (
-        "2P1D", "colocated x3", "switch")  # fmt: skip
-    decision = planner.decide(window, recorded["at"])
-    assert decision.predicted == recorded["predicted"] and decision.action == "hold"
-    planner, window, recorded = _recorded_decision(run, 9)
-    assert (recorded["current"], recorded["target"], recorded["action"]) == (
-        "2P1D", "1P2D", "switch")  # fmt: skip
-    decision = planner.decide(window, recorded["at"])
-    assert decision.predicted == recorded["predicted"] and decision.action == "switch"
+    assert _decided_again(run, 3, ("2P1D", "colocated x3", "switch")).action == "hold"
+    decision = _decided_again(run, 9, ("2P1D", "1P2D", "switch"))
+    assert decision.action == "switch"
     lasting = decision.predicted_lasting
     assert lasting["2P1D"] - 0.1 < lasting["1P2D"] < lasting["2P1D"]
 
