@@ -347,11 +347,9 @@ class Planner:
         predicted = {name: _attainment(outcome) for name, outcome in outcomes.items()}
         load = {name: round(_slo_load(outcome, c.slo), 3) for name, outcome in outcomes.items()}
         current = window.split.name
-        # Highest attainment; among equals the one that lasts best over the longer simulation,
-        # then the one furthest inside the SLO, then the one with the fewest prefill nodes
-        # (stable). Both 2P1D and colocated x3 read 100% in a prefill-heavy phase where
-        # colocated x3 met 81% (its prefills stall its streams), and the fewest prefill nodes
-        # alone held colocated x3 (benchmarks/serving-2026-11-26-two-phase-6.md).
+        # Highest attainment; among equals the one that lasts best over the longer simulation
+        # (`lasting_seconds`), then the one furthest inside the SLO, then the one with the
+        # fewest prefill nodes (stable).
         top = max(round(a, 6) for a in predicted.values())
         tied = [name for name, a in predicted.items() if round(a, 6) == top]
         lasting = self._lasting(tied, window, rate) if len(tied) > 1 else {}
@@ -713,7 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.1,
         help="attainment over the longer simulation a split tied with the live one must gain "
-        "to replace it",
+        "to replace it, and how far below the live split there a move may read where its "
+        "target meets the SLO goal over the window",
     )
     parser.add_argument(
         "--sim-warmup",

@@ -38,8 +38,9 @@ def recorded_flags(doc: dict[str, Any]) -> list[str]:
     if "sim_warmup_s" not in p:
         raise SystemExit("this two_phase.json predates --sim-warmup in the record (an older run)")
     start = {s.name: s for s in parse_splits("all", budget)}[p["start"]]
-    p.setdefault("lasting_seconds", 0.0)  # a run before the tie-break decided without it
-    p.setdefault("lasting_hysteresis", 1.0)  # and one before ties moved the live split held
+    # A run before the longer simulation decided without it, and one before ties moved the
+    # live split held them.
+    p = {"lasting_seconds": 0.0, "lasting_hysteresis": 1.0, **p}
     run = PlannerRun(**{**p, "start": start, "profile": Path(p["profile"])})
     slo = SLO(**doc["workload"]["slo"])
     return planner_flags(budget, run, slo, NodeCapacity(**doc["nodes"]))
