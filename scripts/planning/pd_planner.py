@@ -359,7 +359,7 @@ class Planner:
             # a move the window's simulation proposes: the longer one is asked too
             missing = [name for name in (target, current) if name not in lasting]
             lasting = {**lasting, **self._lasting(missing, window, rate)}
-        action, reason = self._action(current, target, predicted, lasting, now)
+        action, reason = self._action(current, target, current in tied, predicted, lasting, now)
         if predicted[target] < c.attainment:  # the budget is too small for this traffic
             reason += f"; no split of {c.budget} nodes meets the SLO for {c.attainment:.0%}: "
             reason += "add nodes (--budget)"
@@ -372,14 +372,14 @@ class Planner:
                         predicted_retractions=retractions,
                         predicted_slo_load=load, predicted_lasting=lasting)  # fmt: skip
 
-    def _action(self, current: str, target: str, predicted: dict[str, float],
+    def _action(self, current: str, target: str, tie: bool, predicted: dict[str, float],
                 lasting: dict[str, float], now: float) -> tuple[str, str]:  # fmt: skip
-        """Hold or switch to `target`, and why."""
+        """Hold or switch to `target` (`tie`: the live split is tied with it at the top), and
+        why."""
         c = self.config
         then = f" over {c.lasting_seconds:.0f} s"
         if target == current:
             return "hold", f"{current} is the best split ({predicted[current]:.0%})"
-        tie = round(predicted[target], 6) == round(predicted.get(current, -1.0), 6)
         if tie and current in lasting:  # the longer simulation's gain decides
             gain = lasting[target] - lasting[current]
             if gain < c.lasting_hysteresis:
