@@ -334,7 +334,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--slo-ttft-ms", type=float, default=2500.0)
     g.add_argument("--slo-tpot-ms", type=float, default=80.0)
-    g.add_argument("--slo-attainment", type=float, default=0.9)
     g.add_argument("--warmup", type=int, default=3, help="requests before each run")
     g.add_argument("--request-timeout", type=float, default=300.0, help="s without a byte")
     g.add_argument("--grace", type=float, default=60.0,
@@ -404,9 +403,8 @@ def build_bench(args: argparse.Namespace) -> BenchConfig:
 
 
 def write_outputs(config: BenchConfig, runs: list[RunResult], uptime: list[str]) -> str:
-    attainment = GOAL_ATTAINMENT
     w = config.workload
-    goals = check_goals(runs, attainment)
+    goals = check_goals(runs, GOAL_ATTAINMENT)
     lines = [
         f"SLO: TTFT <= {w.slo.ttft_ms:g} ms and TPOT <= {w.slo.tpot_ms:g} ms per request; "
         f"goodput = requests meeting both / phase seconds; budget {config.budget} nodes",
@@ -423,7 +421,7 @@ def write_outputs(config: BenchConfig, runs: list[RunResult], uptime: list[str])
     for run in runs:
         if run.planner and not run.error:
             lines += [planner_tables(run), ""]
-    lines += ["Goals:", *goals.lines(attainment)]
+    lines += ["Goals:", *goals.lines(GOAL_ATTAINMENT)]
     text = "\n".join(lines)
     doc = {
         "workload": {
