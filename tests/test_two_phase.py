@@ -288,7 +288,7 @@ def test_the_goals_on_runs() -> None:
     assert goals.statics_each_miss_a_phase and goals.planner_meets_every_phase
     assert goals.goodput_ratio == pytest.approx(19 / 15) and goals.planner_lost == 0
     assert goals.mean_abs_error is None  # no windows
-    assert any("1.27x" in line and "NO" in line for line in goals.lines(0.9))
+    assert any("1.27x" in line and "NO" in line for line in goals.lines())
     # Windows where 0 was predicted and 0 met the SLO agree exactly, and say nothing: said.
     from scripts.planning.two_phase_score import WindowCheck
 
@@ -300,7 +300,7 @@ def test_the_goals_on_runs() -> None:
         2,
         0,
     )
-    assert any("on no window with any goodput" in line for line in goals.lines(0.9))
+    assert any("on no window with any goodput" in line for line in goals.lines())
 
 
 def test_the_planner_gets_the_benchmarks_flags() -> None:

@@ -421,7 +421,7 @@ def write_outputs(config: BenchConfig, runs: list[RunResult], uptime: list[str])
     for run in runs:
         if run.planner and not run.error:
             lines += [planner_tables(run), ""]
-    lines += ["Goals:", *goals.lines(GOAL_ATTAINMENT)]
+    lines += ["Goals:", *goals.lines()]
     text = "\n".join(lines)
     doc = {
         "workload": {

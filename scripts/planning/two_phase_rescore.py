@@ -90,7 +90,7 @@ def rescore(folders: list[Path], slo: SLO) -> str:
     for planner in planners or [None]:
         title = "Goals:" if planner is None else f"Goals of {planner.name}:"
         goals = check_goals(statics + ([planner] if planner else []), GOAL_ATTAINMENT)
-        lines += ["", title, *goals.lines(GOAL_ATTAINMENT)]
+        lines += ["", title, *goals.lines()]
     return "\n".join(lines)
 
 

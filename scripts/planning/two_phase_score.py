@@ -427,8 +427,11 @@ class Goals:
     mean_abs_error: float | None
     error_windows: int = 0  # the steady-state windows the mean error is over
     informative_windows: int = 0  # of those, the ones where either side is above 0
+    attainment: float = GOAL_ATTAINMENT  # the per-phase goal the first two were checked against
 
-    def lines(self, attainment: float) -> list[str]:
+    def lines(self) -> list[str]:
+        attainment = self.attainment
+
         def yes(v: bool | None) -> str:
             return "n/a" if v is None else ("yes" if v else "NO")
 
@@ -471,4 +474,5 @@ def check_goals(runs: Sequence[RunResult], attainment: float) -> Goals:
         informative_windows=sum(
             1 for c in counted if c.measured_goodput > 0 or (c.predicted_goodput or 0.0) > 0
         ),
+        attainment=attainment,
     )
