@@ -412,6 +412,18 @@ def test_a_correction_fitted_to_2p1d_does_not_move_it_in_the_prefill_heavy_phase
     assert decision.predicted_lasting["2P1D"] > decision.predicted_lasting["1P2D"] + 0.1
 
 
+def test_the_phase_change_window_moves_2p1d_to_colocated_x3() -> None:
+    """two-phase-11, started in 2P1D: at 298 s, 58 s into the decode-heavy phase, every split
+    read 100% over the window; over 300 s colocated x3 lasted best (2P1D's one decode node holds
+    five of the streams). The run moved there and met 95% of the phase (static colocated x3:
+    97%, 2P1D: 59%)."""
+    decision = _decided_again("serving-2026-11-27-two-phase-11", 9,
+                              ("2P1D", "colocated x3", "switch"))  # fmt: skip
+    assert (decision.target, decision.action) == ("colocated x3", "switch")
+    lasting = decision.predicted_lasting
+    assert lasting["colocated x3"] > lasting["2P1D"] + 0.1
+
+
 class _Attainments(Planner):
     """A planner whose simulator gives each split a fixed attainment: one for the window's
     simulation, one for the longer one."""
