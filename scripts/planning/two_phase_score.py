@@ -430,17 +430,16 @@ class Goals:
     attainment: float = GOAL_ATTAINMENT  # the per-phase goal the first two were checked against
 
     def lines(self) -> list[str]:
-        attainment = self.attainment
-
         def yes(v: bool | None) -> str:
             return "n/a" if v is None else ("yes" if v else "NO")
 
         ratio = "n/a" if self.goodput_ratio is None else f"{self.goodput_ratio:.2f}x"
         mae = "n/a" if self.mean_abs_error is None else f"{self.mean_abs_error:.1%}"
         return [
-            f"- every static split misses {attainment:.0%} in some phase: "
+            f"- every static split misses {self.attainment:.0%} in some phase: "
             f"{yes(self.statics_each_miss_a_phase)}",
-            f"- planner >= {attainment:.0%} in every phase: {yes(self.planner_meets_every_phase)}",
+            f"- planner >= {self.attainment:.0%} in every phase: "
+            f"{yes(self.planner_meets_every_phase)}",
             f"- planner goodput / best static (whole run): {ratio} (goal >= 1.30x: "
             f"{yes(None if self.goodput_ratio is None else self.goodput_ratio >= 1.3)})",
             f"- planner requests lost: {'n/a' if self.planner_lost is None else self.planner_lost}"
