@@ -79,6 +79,13 @@ class LiveNode:
         return max(self.inflight_tokens, reported)
 
     @property
+    def at_cap(self) -> bool:
+        """Its requests reach the running-request cap its heartbeat reports (never when it
+        reports none): a new request would wait for one of them to finish."""
+        cap = self.load.max_running_requests
+        return cap > 0 and self.busy >= cap
+
+    @property
     def full(self) -> bool:
         """Its last heartbeat had no free or evictable KV page: a new request would wait in its
         queue (`worker_affinity` sends it elsewhere)."""

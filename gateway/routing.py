@@ -35,11 +35,14 @@ name; the prefill and decode sides each get their own policy instance (flags
   only as even as SO_REUSEPORT's spread of client connections over the workers, and no cache
   or load signal moves a request off its node until the node refuses it.
 
-`Router.choose` applies them and the conditional disaggregation rule: a prompt of at most
-`local_prefill_max_tokens` tokens (with `kv_aware` on the decode side: tokens beyond what the
-chosen decode node already holds, per the prefix index: a follow-up turn whose history the
-node keeps), or one arriving when no prefill node is live, goes to the decode node alone (it
-prefills locally); with no prefill nodes at all the cluster is simply colocated.
+`Router.choose` applies them to the decode nodes below their running-request cap (the
+heartbeat's `max_running_requests`; all of them when none is below it: a request on a node at
+its cap waits for one of its streams to end), and the conditional disaggregation rule: a
+prompt of at most `local_prefill_max_tokens` tokens (with `kv_aware` on the decode side:
+tokens beyond what the chosen decode node already holds, per the prefix index: a follow-up
+turn whose history the node keeps), or one arriving when no prefill node is live, goes to the
+decode node alone (it prefills locally); with no prefill nodes at all the cluster is simply
+colocated.
 """
 
 from __future__ import annotations
@@ -250,7 +253,11 @@ class Router:
                 f"no decode node can take the request ({known} registered, "
                 f"{len(excluded)} failed for it): start a decode-server or retry later"
             )
-        decode = self.decode_policy.pick(decodes, prompt_ids)
+        # A stream holds its decode slot for its whole generation: on a node at its cap the
+        # request would wait for one to finish, so every policy picks among the nodes below
+        # their cap while there is one.
+        open_ = [n for n in decodes if not n.at_cap]
+        decode = self.decode_policy.pick(open_ or decodes, prompt_ids)
         to_compute = len(prompt_ids)
         if isinstance(self.decode_policy, KVAware):  # the index says what the node holds
             to_compute -= self.index.cached_tokens(decode.node_id, prompt_ids)

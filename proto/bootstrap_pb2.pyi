@@ -116,7 +116,7 @@ class TPRankInfo(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., transfer_endpoint: _Optional[bytes] = ..., kv: _Optional[_Union[MemoryRegion, _Mapping]] = ..., kv_head_start: _Optional[int] = ..., num_kv_heads: _Optional[int] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("running_requests", "queued_requests", "free_pages", "total_pages", "transfer_queue", "bootstrap_queue", "running_tokens", "queued_tokens", "draining")
+    __slots__ = ("running_requests", "queued_requests", "free_pages", "total_pages", "transfer_queue", "bootstrap_queue", "running_tokens", "queued_tokens", "max_running_requests", "draining")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class NodeLoad(_message.Message):
     BOOTSTRAP_QUEUE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     queued_requests: int
@@ -134,8 +135,9 @@ class NodeLoad(_message.Message):
     bootstrap_queue: int
     running_tokens: int
     queued_tokens: int
+    max_running_requests: int
     draining: bool
-    def __init__(self, running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., transfer_queue: _Optional[int] = ..., bootstrap_queue: _Optional[int] = ..., running_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    def __init__(self, running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., transfer_queue: _Optional[int] = ..., bootstrap_queue: _Optional[int] = ..., running_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("node",)

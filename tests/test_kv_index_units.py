@@ -154,6 +154,35 @@ def test_kv_aware_falls_back_when_no_node_publishes_events() -> None:
     assert policy.pick([a, b], [1, 2, 3]) is b  # least_load
 
 
+def test_router_sends_no_stream_to_a_decode_node_at_its_cap_while_another_has_room() -> None:
+    """two-phase-12: `kv_aware` weighs a decode node's streams by their context, so a node
+    running five short streams at its cap of five cost less than one running three long ones;
+    the request waited 17-25 s there for a slot. Nodes at their cap are left out while one is
+    below it, whatever the policy; with every node at its cap the policy picks among all."""
+    directory = NodeDirectory(cooldown_s=5.0)
+    for node in (_node("p", PREFILL), _node("d1", DECODE), _node("d2", DECODE)):
+        directory.nodes[node.node_id] = node
+    index = PrefixIndex()
+    for node_id in ("d1", "d2"):
+        index.track(node_id, BLOCK)
+    d1, d2 = directory.nodes["d1"], directory.nodes["d2"]
+    d1.load = bootstrap_pb2.NodeLoad(running_requests=5, running_tokens=800,
+                                     max_running_requests=5)  # fmt: skip
+    d2.load = bootstrap_pb2.NodeLoad(running_requests=3, running_tokens=1500,
+                                     max_running_requests=5)  # fmt: skip
+    prompt = list(range(1, 130))
+    assert ROUTING.decode_policy == "kv_aware"
+    assert make_policy("kv_aware", ROUTING, index, "decode").pick([d1, d2], prompt) is d1
+    router = Router(directory, ROUTING, index)
+    assert d1.at_cap and not d2.at_cap
+    assert all(router.choose(prompt).decode is d2 for _ in range(4))
+    d2.inflight = 5  # this gateway's own count reaches the cap before a heartbeat says so
+    assert d2.at_cap
+    assert router.choose(prompt).decode is d1  # every node at its cap: the policy's pick
+    d1.load = bootstrap_pb2.NodeLoad(running_requests=9, running_tokens=800)  # no cap reported
+    assert not d1.at_cap and router.choose(prompt).decode is d1
+
+
 def test_router_prefills_a_short_suffix_on_the_decode_node_holding_the_history() -> None:
     directory = NodeDirectory(cooldown_s=5.0)
     for node in (_node("p", PREFILL), _node("d1", DECODE), _node("d2", DECODE)):

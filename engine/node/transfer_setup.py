@@ -143,6 +143,7 @@ def node_load(scheduler: Scheduler, role_queues: tuple[int, int]) -> bootstrap_p
         queued_tokens=sum(len(r.prompt_ids) - r.kv_len for r in waiting),
         free_pages=alloc.num_free + alloc.num_cached,
         total_pages=alloc.total,
+        max_running_requests=scheduler.config.max_running_requests,
         transfer_queue=transfer_q,
         bootstrap_queue=bootstrap_q,
     )
