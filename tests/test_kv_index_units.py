@@ -12,11 +12,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import zmq
 import zmq.asyncio
 
+from engine.config import EngineConfig
 from engine.kv_events import (
     END_SEQ,
     SNAPSHOT_REQUEST,
@@ -30,6 +32,7 @@ from engine.kv_events import (
     encode_batch,
     prefix_hashes,
 )
+from engine.node.transfer_setup import node_load
 from gateway.config import RoutingConfig
 from gateway.kv_feed import FeedEndpoints, NodeFeed
 from gateway.metrics import GatewayMetrics
@@ -181,6 +184,19 @@ def test_router_sends_no_stream_to_a_decode_node_at_its_cap_while_another_has_ro
     assert router.choose(prompt).decode is d1  # every node at its cap: the policy's pick
     d1.load = bootstrap_pb2.NodeLoad(running_requests=9, running_tokens=800)  # no cap reported
     assert not d1.at_cap and router.choose(prompt).decode is d1
+
+
+def test_a_node_heartbeat_carries_its_running_request_cap() -> None:
+    """What `LiveNode.at_cap` reads: the engine's `max_running_requests`, beside its load."""
+    request = SimpleNamespace(seq_len=40, prompt_ids=[1] * 30, kv_len=10)
+    scheduler = SimpleNamespace(
+        config=EngineConfig("unused", max_running_requests=5),
+        kv=SimpleNamespace(allocator=SimpleNamespace(num_free=6, num_cached=2, total=64)),
+        running=[request, request], waiting=[request],
+    )  # fmt: skip
+    load = node_load(scheduler, (1, 0))  # type: ignore[arg-type]
+    assert (load.max_running_requests, load.running_requests, load.queued_requests) == (5, 2, 1)
+    assert (load.running_tokens, load.queued_tokens, load.free_pages) == (80, 20, 8)
 
 
 def test_router_prefills_a_short_suffix_on_the_decode_node_holding_the_history() -> None:

@@ -424,6 +424,18 @@ def test_the_phase_change_window_moves_2p1d_to_colocated_x3() -> None:
     assert lasting["colocated x3"] > lasting["2P1D"] + 0.1
 
 
+def test_the_decode_heavy_phase_moves_2p1d_to_1p2d() -> None:
+    """two-phase-12, started in 2P1D (B at 0.27 req/s, over what 2P1D's one decode node holds):
+    at 328 s, 28 s into the decode-heavy phase, every split read 100% over the window; over
+    300 s 1P2D read 90%, colocated x3 65% and 2P1D 55%. The run switched one prefill node to
+    decode and met 95% of the phase (static 2P1D: 27%)."""
+    decision = _decided_again("serving-2026-11-27-two-phase-12/repeat", 10,
+                              ("2P1D", "1P2D", "switch"))  # fmt: skip
+    assert (decision.target, decision.action) == ("1P2D", "switch")
+    lasting = decision.predicted_lasting
+    assert lasting["1P2D"] > lasting["colocated x3"] + 0.1 > lasting["2P1D"] + 0.1
+
+
 class _Attainments(Planner):
     """A planner whose simulator gives each split a fixed attainment: one for the window's
     simulation, one for the longer one."""
