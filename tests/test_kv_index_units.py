@@ -158,10 +158,11 @@ def test_kv_aware_falls_back_when_no_node_publishes_events() -> None:
 
 
 def test_router_sends_no_stream_to_a_decode_node_at_its_cap_while_another_has_room() -> None:
-    """two-phase-12: `kv_aware` weighs a decode node's streams by their context, so a node
-    running five short streams at its cap of five cost less than one running three long ones;
-    the request waited 17-25 s there for a slot. Nodes at their cap are left out while one is
-    below it, whatever the policy; with every node at its cap the policy picks among all."""
+    """`kv_aware` weighs a decode node's streams by their context, so a node running five
+    short streams at its cap of five costs less than one running three long ones, and a
+    request sent there waits for one of the five to end (two-phase-12: single requests waited
+    16-25 s). Nodes at their cap are left out while one is below it, whatever the policy; with
+    every node at its cap the policy picks among all."""
     directory = NodeDirectory(cooldown_s=5.0)
     for node in (_node("p", PREFILL), _node("d1", DECODE), _node("d2", DECODE)):
         directory.nodes[node.node_id] = node
