@@ -27,7 +27,8 @@ name; the prefill and decode sides each get their own policy instance (flags
 - `worker_affinity` (never the default): gateway worker i (`gateway-server --workers N`, 0 for a
   single process) sends everything to node i mod M of the side's M nodes in id order, and to
   the least-loaded candidate only when that node cannot take the request (draining, cooling
-  down after a failed connection, already failed for this request, or full). Why: with W
+  down after a failed connection, already failed for this request, full, or at its
+  running-request cap: `Router.choose`). Why: with W
   workers and D nodes, every node otherwise keeps a stream to every worker and sends W small
   per-step messages (each worker's share of its running requests); pinned, a node sends fewer,
   larger messages, and both the gateway and the node spend less CPU per token (each message
