@@ -28,11 +28,11 @@ name; the prefill and decode sides each get their own policy instance (flags
   single process) sends everything to node i mod M of the side's M nodes in id order, and to
   the least-loaded candidate only when that node cannot take the request (draining, cooling
   down after a failed connection, already failed for this request, full, or at its
-  running-request cap: `Router.choose`). Why: with W
-  workers and D nodes, every node otherwise keeps a stream to every worker and sends W small
-  per-step messages (each worker's share of its running requests); pinned, a node sends fewer,
-  larger messages, and both the gateway and the node spend less CPU per token (each message
-  has a fixed cost, paid per message rather than per token). The cost: a node's load is
+  running-request cap: `Router.choose`). Why: with W workers and D nodes, every node
+  otherwise keeps a stream to every worker and sends W small per-step messages (each worker's
+  share of its running requests); pinned, a node sends fewer, larger messages, and both the
+  gateway and the node spend less CPU per token (each message has a fixed cost, paid per
+  message rather than per token). The cost: a node's load is
   only as even as SO_REUSEPORT's spread of client connections over the workers, and no cache
   or load signal moves a request off its node until the node refuses it.
 
