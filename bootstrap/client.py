@@ -97,10 +97,14 @@ class BootstrapClient:
         await self.close()
 
     async def register(
-        self, node: bootstrap_pb2.NodeInfo, give_up_after_s: float | None = 30.0
+        self,
+        node: bootstrap_pb2.NodeInfo,
+        give_up_after_s: float | None = 30.0,
+        load: bootstrap_pb2.NodeLoad | None = None,
     ) -> bootstrap_pb2.RegisterResponse:
-        """Register, retrying while unreachable; RegistrationRefused / BootstrapUnreachable."""
-        request = bootstrap_pb2.RegisterRequest(node=node)
+        """Register, retrying while unreachable; RegistrationRefused / BootstrapUnreachable.
+        `load`: the node's load now (the JOINED event carries it)."""
+        request = bootstrap_pb2.RegisterRequest(node=node, load=load)
         try:
             return await asyncio.wait_for(self._register_until_answered(request), give_up_after_s)
         except asyncio.TimeoutError:
@@ -284,7 +288,7 @@ class NodeSession:
 
     async def _register(self, give_up_after_s: float | None) -> None:
         sent = time.monotonic()
-        response = await self.client.register(self.node, give_up_after_s)
+        response = await self.client.register(self.node, give_up_after_s, self._load())
         self.last_ack = sent
         self.heartbeat_timeout_s = response.heartbeat_timeout_s or self.heartbeat_timeout_s
         self.node.node_id = response.node_id  # re-registrations keep this id

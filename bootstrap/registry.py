@@ -91,10 +91,15 @@ class NodeRegistry:
         self.nodes: dict[str, NodeRecord] = {}
 
     def register(
-        self, info: bootstrap_pb2.NodeInfo, now: float, secret: str = ""
+        self,
+        info: bootstrap_pb2.NodeInfo,
+        now: float,
+        secret: str = "",
+        load: bootstrap_pb2.NodeLoad | None = None,
     ) -> tuple[NodeRecord, bool]:
-        """Add a node, or replace a live one whose `secret` the caller proved it holds; returns
-        (record, replaced_a_live_one). AlreadyExists for a live id without its secret."""
+        """Add a node (with its `load` at registration, if it sent one), or replace a live one
+        whose `secret` the caller proved it holds; returns (record, replaced_a_live_one).
+        AlreadyExists for a live id without its secret."""
         check_required_fields(info)
         record_info = bootstrap_pb2.NodeInfo()
         record_info.CopyFrom(info)
@@ -117,6 +122,8 @@ class NodeRegistry:
                         raise FailedPrecondition(reason)
         replaced = record_info.node_id in self.nodes
         record = NodeRecord(record_info, bootstrap_pb2.NodeLoad(), now)
+        if load is not None:
+            record.load.CopyFrom(load)
         self.nodes[record.node_id] = record
         return record, replaced
 

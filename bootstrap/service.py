@@ -105,7 +105,8 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         secret = (
             metadata_value(metadata, NODE_SECRET_HEADER) if caller == request.node.node_id else ""
         )
-        record, replaced = self.registry.register(request.node, self.clock(), secret)
+        load = request.load if request.HasField("load") else None
+        record, replaced = self.registry.register(request.node, self.clock(), secret, load)
         if replaced:
             failed = self.rooms.fail_node(
                 record.node_id,

@@ -140,10 +140,12 @@ class NodeLoad(_message.Message):
     def __init__(self, running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., transfer_queue: _Optional[int] = ..., bootstrap_queue: _Optional[int] = ..., running_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node",)
+    __slots__ = ("node", "load")
     NODE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     node: NodeInfo
-    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
+    load: NodeLoad
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("node_id", "heartbeat_interval_s", "heartbeat_timeout_s", "node_secret")

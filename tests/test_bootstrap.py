@@ -151,8 +151,11 @@ def test_register_list_watch(server: Server) -> None:
             await next_matching(watch, is_event(NodeEvent.JOINED, prefill.node_id))  # snapshot
 
             decode_id = f"decode-{uuid.uuid4().hex[:6]}"
-            assert (await client.register(node(pb.DECODE, node_id=decode_id))).node_id == decode_id
-            await next_matching(watch, is_event(NodeEvent.JOINED, decode_id))
+            capped = pb.NodeLoad(max_running_requests=5, free_pages=64, total_pages=64)
+            registered = await client.register(node(pb.DECODE, node_id=decode_id), load=capped)
+            assert registered.node_id == decode_id
+            joined = await next_matching(watch, is_event(NodeEvent.JOINED, decode_id))
+            assert joined.status.load == capped  # its cap is known before its first heartbeat
 
             prefills = {s.node.node_id for s in await client.list_nodes(pb.PREFILL)}
             decodes = {s.node.node_id for s in await client.list_nodes(pb.DECODE)}
