@@ -99,6 +99,9 @@ class RoutingConfig:
     # Times a choice may move to another decode node after its first token was streamed (its
     # node died or gave it up): prompt + streamed tokens are re-issued elsewhere (0: never).
     migration_limit: int = 3
+    # A request that finds every decode node at its running-request cap waits at the gateway
+    # this long for one to have room (gateway/decode_line.py), then joins a node's queue.
+    decode_hold_s: float = 30.0
 
     def kv_load_weight(self, side: str) -> float:
         """The `kv_aware` load weight of one side (`prefill` or `decode`)."""
@@ -109,6 +112,8 @@ class RoutingConfig:
             raise ValueError("--max-attempts must be >= 1")
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if self.decode_hold_s < 0:
+            raise ValueError(f"--decode-hold must be >= 0 s, got {self.decode_hold_s}")
         if self.node_keepalive_s < 0:
             raise ValueError(f"--node-keepalive must be >= 0 s, got {self.node_keepalive_s}")
         if self.prefix_block_tokens < 1:

@@ -3,10 +3,12 @@
 `Generation` is one choice (one prompt): iterate it for its token chunks; afterwards `finished`
 (usage over every node it ran on), `cached_tokens` and `route` (its last nodes) say how it ended.
 
-Attempts: the router picks a (prefill?, decode) pair; `PDStream` sends to both. If the attempt
-fails before the first token reached us (a node is unreachable, refuses, or the KV hand-off
-fails), the failed node is excluded and the next attempt goes elsewhere (or to the decode node
-alone when no other prefill node is left), up to `max_attempts`. Requests the nodes call invalid
+Attempts: while every decode node is at its running-request cap the choice waits at the
+gateway (gateway/decode_line.py); then the router picks a (prefill?, decode) pair; `PDStream`
+sends to both. If the attempt fails before the first token reached us (a node is unreachable,
+refuses, or the KV hand-off fails), the failed node is excluded and the next attempt goes
+elsewhere (or to the decode node alone when no other prefill node is left), up to
+`max_attempts`. Requests the nodes call invalid
 (e.g. too long for their context) become a 400 at once. A failure after the first token
 (the decode node died, its stream broke, or it aborted the request, e.g. while shutting down)
 migrates the choice (gateway/migration.py): the node is excluded and prompt + streamed tokens go
@@ -20,13 +22,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from bootstrap.security import RoomTickets
 from gateway.config import RoutingConfig
+from gateway.decode_line import DecodeLine
 from gateway.errors import APIError, GenerationFailed, bad_request, unavailable
 from gateway.lane import TokenLane
 from gateway.metrics import GatewayMetrics
@@ -72,6 +75,8 @@ class Dispatcher:
         self.index = self.router.index
         self.config = config
         self.metrics = metrics
+        self.line = DecodeLine(config.decode_hold_s)  # requests waiting for a decode slot
+        directory.on_room = self.line.wake
 
     def generation(
         self,
@@ -104,6 +109,34 @@ class Dispatcher:
             current.inflight = max(current.inflight - 1, 0)
             current.inflight_tokens = max(current.inflight_tokens - prompt_tokens, 0)
             current.left_tokens += prompt_tokens
+            current.left_requests += 1
+        self.line.wake()
+
+    async def hold(self, excluded: Collection[str], rid: str) -> None:
+        """Wait in the line while every decode node (but `excluded`) is at its cap, or others
+        wait already (gateway/decode_line.py); at most --decode-hold."""
+
+        def blocked() -> bool:
+            return self.router.decode_blocked(excluded)
+
+        if not self.line.must_wait(blocked):
+            return
+        m = self.metrics
+        m.decode_held.inc()
+        start = time.monotonic()
+        try:
+            routed = await self.line.turn(blocked)
+        finally:
+            m.decode_held.dec()
+        m.decode_hold.observe(time.monotonic() - start)
+        if not routed:
+            m.decode_hold_expired.inc()
+            logger.info(
+                "request %s waited %.1f s (--decode-hold) for a decode node below its cap: "
+                "sent to a node's queue",
+                rid,
+                self.config.decode_hold_s,
+            )
 
 
 class Generation:
@@ -152,6 +185,8 @@ class Generation:
         while True:
             self.attempts += 1
             resumed = len(progress.streamed)
+            if not progress.started:  # a moving stream is routed at once
+                await d.hold(excluded, self.rid)
             route = self.route = self._choose(excluded)
             stream = PDStream(
                 route.decode.target,

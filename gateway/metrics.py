@@ -164,6 +164,23 @@ class GatewayMetrics:
             "choices the decode node prefilled itself (short prompt or no prefill node)",
             registry=r,
         )
+        # Late binding (gateway/decode_line.py): requests waiting for a decode node below its
+        # cap, how long each waited, and how many gave up waiting and joined a node's queue.
+        self.decode_held = Gauge(
+            "pdserve_gateway_decode_held",
+            "requests waiting at the gateway for a decode node below its running-request cap",
+            registry=r, multiprocess_mode="livesum",
+        )  # fmt: skip
+        self.decode_hold = Histogram(
+            "pdserve_gateway_decode_hold_seconds",
+            "how long a request waited at the gateway for a decode node with room",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.decode_hold_expired = Counter(
+            "pdserve_gateway_decode_hold_expired",
+            "held requests that waited --decode-hold and were sent to a node's queue",
+            registry=r,
+        )  # fmt: skip
         self.retries = Counter(
             "pdserve_gateway_retries", "choices moved to another node before their first token",
             ["reason"], registry=r,

@@ -47,6 +47,7 @@ class LiveNode:
     kv_events: bootstrap_pb2.KVEventsEndpoint | None = None  # None: it publishes none
     inflight_tokens: int = 0  # prompt tokens of this gateway's requests on the node now
     left_tokens: int = 0  # prompt tokens of its requests that ended since the last heartbeat
+    left_requests: int = 0  # and how many requests those were
 
     @property
     def role_name(self) -> str:
@@ -58,8 +59,9 @@ class LiveNode:
 
     @property
     def busy(self) -> int:
-        """Requests on the node: the gateway's own count, or the heartbeat's if that is higher
-        (other gateways); the heartbeat lags by up to an interval, the own count does not."""
+        """Requests on the node: the gateway's own count, or the heartbeat's (less this
+        gateway's requests that ended since it came) if that is higher (other gateways); the
+        heartbeat lags by up to an interval, the own count does not."""
         load = self.load
         reported = (
             load.running_requests
@@ -67,7 +69,7 @@ class LiveNode:
             + load.transfer_queue
             + load.bootstrap_queue
         )
-        return max(self.inflight, reported)
+        return max(self.inflight, reported - self.left_requests)
 
     @property
     def load_tokens(self) -> int:
@@ -128,6 +130,9 @@ class NodeDirectory:
         self.auth = auth or InternalAuth()  # token and TLS of the node channels
         self.channel_options = keepalive_options(keepalive_s)
         self.on_change = on_change
+        # A node may have room for one more request: its load was refreshed or it joined
+        # (the dispatcher's line of held requests looks again; gateway/decode_line.py).
+        self.on_room: Callable[[], None] | None = None
         self.nodes: dict[str, LiveNode] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -179,6 +184,12 @@ class NodeDirectory:
             if node is not None:
                 node.load = event.status.load
                 node.left_tokens = 0
+                node.left_requests = 0
+        if self.on_room is not None and kind in (
+            bootstrap_pb2.NodeEvent.JOINED,
+            bootstrap_pb2.NodeEvent.LOAD,
+        ):
+            self.on_room()
         if self.on_change is not None and kind != bootstrap_pb2.NodeEvent.LOAD:
             self.on_change(self)
 

@@ -246,6 +246,12 @@ class Router:
             members=lambda: directory.members((DECODE, COLOCATED)),
         )  # fmt: skip
 
+    def decode_blocked(self, excluded: Collection[str] = ()) -> bool:
+        """Every routable decode node is at its running-request cap (never when there is
+        none: then `choose` fails at once)."""
+        decodes = self.directory.live((DECODE, COLOCATED), excluded)
+        return bool(decodes) and all(n.at_cap for n in decodes)
+
     def choose(self, prompt_ids: Sequence[int], excluded: Collection[str] = ()) -> Route:
         decodes = self.directory.live((DECODE, COLOCATED), excluded)
         if not decodes:

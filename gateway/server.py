@@ -131,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
         "gives it up mid-stream (prompt + streamed tokens re-issued; 0: never)",
     )
     g.add_argument(
+        "--decode-hold",
+        type=float,
+        default=30.0,
+        help="seconds a request that finds every decode node at its running-request cap waits "
+        "at the gateway for the first to have room, rather than in one node's queue (then it "
+        "joins a queue; 0: never waits)",
+    )
+    g.add_argument(
         "--node-keepalive",
         type=float,
         default=10.0,
@@ -286,6 +294,7 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         max_attempts=args.max_attempts,
         node_cooldown_s=args.node_cooldown,
         migration_limit=args.migration_limit,
+        decode_hold_s=args.decode_hold,
         node_keepalive_s=args.node_keepalive,
         prefix_block_tokens=args.prefix_block_tokens,
         prefix_max_blocks=args.prefix_max_blocks,

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -200,3 +201,46 @@ def test_sigkill_of_an_idle_prefill_node_moves_traffic(
         out = _complete(client, tiny_model.name, _prompt(600 + i, 40))
         assert out.choices[0].finish_reason == "length"
     assert cluster.metric("pdserve_gateway_local_prefills_total") == local + 3
+
+
+def test_a_request_waits_for_the_first_decode_node_with_room(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Two decode nodes with a cap of one request each: a long stream on the first, a shorter
+    one on the second, and a third request sent while both run. Round robin would send it to
+    the first, behind the long stream; the gateway holds it (gateway/decode_line.py) and sends
+    it to the second when that one's stream ends, so it finishes while the long one runs."""
+    args = [*GATEWAY_ARGS, "--prefill-policy", "round_robin"]
+    log = tmp_path / "pd-cluster.log"
+    with pd_cluster_process(
+        log, tiny_model, "mooncake", decode=2, gateway_args=args,
+        node_args=["--max-running-requests", "1"],
+    ) as cluster, ThreadPoolExecutor(3) as pool:  # fmt: skip
+        client = _client(cluster.url)
+        requests = "pdserve_gateway_node_requests_total"
+
+        def send(seed: int, max_tokens: int) -> tuple[Future[openai.types.Completion], str]:
+            """A request, once routed, and the decode node it went to."""
+            before = per_node(cluster, requests, "decode")
+            future = pool.submit(
+                client.completions.create, model=tiny_model.name, prompt=_prompt(seed, 40),
+                max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            while (after := per_node(cluster, requests, "decode")) == before:
+                assert not future.done(), future.result()
+                time.sleep(0.01)
+            (node,) = [n for n in after if after[n] != before.get(n, 0)]
+            return future, node
+
+        long, long_node = send(1, 980)
+        short, short_node = send(2, 300)
+        assert long_node != short_node
+        assert not short.done(), "the shorter stream ended before the third request came"
+        third, third_node = send(3, 3)  # held until the shorter stream ended
+        assert cluster.metric("pdserve_gateway_decode_hold_seconds_count") == 1
+        assert short.result(30).usage.completion_tokens == 300
+        assert not long.done()  # it waited for the shorter stream only
+        assert third_node == short_node  # not round robin's pick: behind the long stream
+        assert third.result(60).choices[0].finish_reason == "length"
+        assert cluster.metric("pdserve_gateway_decode_hold_expired_total") == 0
+        assert long.result(120).usage.completion_tokens == 980
