@@ -12,6 +12,12 @@ The line looks again when a node may have room: one of this gateway's requests l
 switched to decode). A request waits at most `hold_s` (`--decode-hold`); then it is routed as if
 the line did not exist (into a node's queue). Only a request that has streamed nothing waits: a
 stream moving to another node after a failure is routed at once.
+
+The first in line blocks those behind it: a retry whose only node with room is one it failed on
+waits out its hold (that node is usually cooling down and failing the others too). A heartbeat
+the node sent before one of this gateway's requests ended there, but that arrives after, still
+counts it: the node can look at its cap for one more heartbeat interval (1 s), and a request
+wait that long for nothing.
 """
 
 from __future__ import annotations

@@ -3,18 +3,18 @@
 `Generation` is one choice (one prompt): iterate it for its token chunks; afterwards `finished`
 (usage over every node it ran on), `cached_tokens` and `route` (its last nodes) say how it ended.
 
-Attempts: while every decode node is at its running-request cap the choice waits at the
-gateway (gateway/decode_line.py); then the router picks a (prefill?, decode) pair; `PDStream`
-sends to both. If the attempt fails before the first token reached us (a node is unreachable,
-refuses, or the KV hand-off fails), the failed node is excluded and the next attempt goes
-elsewhere (or to the decode node alone when no other prefill node is left), up to
-`max_attempts`. Requests the nodes call invalid
-(e.g. too long for their context) become a 400 at once. A failure after the first token
-(the decode node died, its stream broke, or it aborted the request, e.g. while shutting down)
-migrates the choice (gateway/migration.py): the node is excluded and prompt + streamed tokens go
-to another pair, the chunks continuing the same iteration, up to `migration_limit` moves; then
-`GenerationFailed` names every node that failed. Leaving the iteration early (the HTTP client
-went away) cancels both node calls: the request is aborted on both nodes.
+Attempts: while every decode node is at its running-request cap the choice waits at the gateway
+(gateway/decode_line.py); then the router picks a (prefill?, decode) pair; `PDStream` sends to
+both. If the attempt fails before the first token reached us (a node is unreachable, refuses, or
+the KV hand-off fails), the failed node is excluded and the next attempt goes elsewhere (or to
+the decode node alone when no other prefill node is left), up to `max_attempts`. Requests the
+nodes call invalid (e.g. too long for their context) become a 400 at once. A failure after the
+first token (the decode node died, its stream broke, or it aborted the request, e.g. while
+shutting down) migrates the choice (gateway/migration.py): the node is excluded and prompt +
+streamed tokens go to another pair, the chunks continuing the same iteration, up to
+`migration_limit` moves; then `GenerationFailed` names every node that failed. Leaving the
+iteration early (the HTTP client went away) cancels both node calls: the request is aborted on
+both nodes.
 """
 
 from __future__ import annotations
