@@ -102,8 +102,18 @@ class Dispatcher:
             ).inc()
         if route.prefill is None:
             self.metrics.local_prefills.inc()
+            route.decode.decoding += 1  # it prefills here: in (or waiting for) a slot at once
 
-    def leave(self, route: Route, prompt_tokens: int = 0) -> None:
+    def decoding(self, route: Route) -> None:
+        """The first token of a request prefilled elsewhere came from its decode node: its KV
+        landed and it holds (or waits for) a running slot there."""
+        route.decode.decoding += 1
+
+    def leave(self, route: Route, prompt_tokens: int = 0, decoding: bool = False) -> None:
+        """`decoding`: the request was counted in its decode node's `decoding`."""
+        if decoding:
+            current = self.directory.nodes.get(route.decode.node_id, route.decode)
+            current.decoding = max(current.decoding - 1, 0)
         for node in route.nodes:
             current = self.directory.nodes.get(node.node_id, node)
             current.inflight = max(current.inflight - 1, 0)
@@ -174,6 +184,7 @@ class Generation:
         self._last_chunk = 0.0
         self._retries = 0  # failed attempts before the first token
         self._moved_at: float | None = None  # when the stream last moved to another node
+        self._decoding = False  # this attempt is counted in its decode node's `decoding`
 
     def __aiter__(self) -> AsyncGenerator[node_pb2.TokenChunk, None]:
         return self._chunks()
@@ -204,6 +215,7 @@ class Generation:
             self.finished = None
             failure: AttemptFailure | None = None
             d.enter(route, len(self.prompt_ids))
+            self._decoding = route.prefill is None
             try:
                 async with contextlib.aclosing(aiter(stream)) as responses:
                     async for response in responses:
@@ -218,7 +230,7 @@ class Generation:
             finally:
                 if self.lane is not None:
                     self.lane.observers = ()
-                d.leave(route, len(self.prompt_ids))
+                d.leave(route, len(self.prompt_ids), self._decoding)
             if failure is None:
                 assert self.finished is not None
                 self.finished = progress.whole(self.finished, resumed)
@@ -264,6 +276,9 @@ class Generation:
         """A chunk of tokens arrived (by the chain or the lane)."""
         m = self.dispatcher.metrics
         now = time.monotonic()
+        if not self._decoding and self.route is not None:
+            self._decoding = True
+            self.dispatcher.decoding(self.route)
         if self.progress.started:
             m.itl.observe(now - self._last_chunk)
         else:

@@ -48,6 +48,9 @@ class LiveNode:
     inflight_tokens: int = 0  # prompt tokens of this gateway's requests on the node now
     left_tokens: int = 0  # prompt tokens of its requests that ended since the last heartbeat
     left_requests: int = 0  # and how many requests those were
+    # This gateway's requests that hold or wait for one of the node's running slots: those that
+    # streamed a token from it, and those it prefills itself (`Dispatcher.enter`, `.decoding`).
+    decoding: int = 0
 
     @property
     def role_name(self) -> str:
@@ -81,11 +84,22 @@ class LiveNode:
         return max(self.inflight_tokens, reported)
 
     @property
+    def slots_taken(self) -> int:
+        """Requests in or waiting for one of the node's running slots: the heartbeat's running
+        and queued requests (less this gateway's that ended since it came), or this gateway's
+        own (`decoding`), whichever is higher. Rooms still prefilling on a prefill node (the
+        transfer and bootstrap queues) are left out: they take a slot only when their KV lands,
+        and counting them would cap how many requests the prefill nodes may work on."""
+        load = self.load
+        reported = load.running_requests + load.queued_requests - self.left_requests
+        return max(self.decoding, reported)
+
+    @property
     def at_cap(self) -> bool:
-        """Its requests reach the running-request cap its heartbeat reports (never when it
-        reports none): a new request would wait for one of them to finish."""
+        """Its running slots are all taken (never when it reports no cap): a new request would
+        wait for one of its streams to finish."""
         cap = self.load.max_running_requests
-        return cap > 0 and self.busy >= cap
+        return cap > 0 and self.slots_taken >= cap
 
     @property
     def full(self) -> bool:
@@ -209,6 +223,7 @@ class NodeDirectory:
         if old is not None:
             node.inflight = old.inflight
             node.inflight_tokens = old.inflight_tokens
+            node.decoding = old.decoding
         self.nodes[info.node_id] = node
         logger.info("%s node %s joined at %s", node.role_name, node.node_id, node.address)
 

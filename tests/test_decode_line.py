@@ -29,7 +29,7 @@ def _cluster(hold_s: float) -> tuple[NodeDirectory, Dispatcher]:
     for node in (_node("p", PREFILL), _node("d1", DECODE), _node("d2", DECODE)):
         directory.nodes[node.node_id] = node
     for node_id in ("d1", "d2"):
-        directory.nodes[node_id].inflight = 1
+        directory.nodes[node_id].inflight = directory.nodes[node_id].decoding = 1
         directory.nodes[node_id].load = _capped(1)
     config = replace(ROUND_ROBIN, decode_hold_s=hold_s)
     return directory, Dispatcher(directory, config, GatewayMetrics())
@@ -113,8 +113,8 @@ def test_a_held_request_goes_to_the_decode_node_that_frees_a_slot_first() -> Non
         await asyncio.sleep(0.01)
         assert not held.done() and len(dispatcher.line) == 1
         d2 = directory.nodes["d2"]
-        dispatcher.leave(Route(d2, None))  # d2's stream ended; its heartbeat still says 1
-        assert d2.busy == 0 and not d2.at_cap
+        dispatcher.leave(Route(d2, None), decoding=True)  # its stream ended; the heartbeat: 1
+        assert d2.slots_taken == 0 and not d2.at_cap
         await asyncio.wait_for(held, 1)
         assert dispatcher.router.choose(list(range(40))).decode is d2
 
@@ -124,7 +124,7 @@ def test_a_held_request_goes_to_the_decode_node_that_frees_a_slot_first() -> Non
 def test_a_heartbeat_or_a_joining_node_wakes_the_line() -> None:
     async def scenario() -> None:
         directory, dispatcher = _cluster(hold_s=5.0)
-        directory.nodes["d1"].inflight = 0  # another gateway's request: only its heartbeat says
+        directory.nodes["d1"].decoding = 0  # another gateway's request: only its heartbeat says
         held = asyncio.create_task(dispatcher.hold((), "r"))
         await asyncio.sleep(0.01)
         assert not held.done()
@@ -162,7 +162,7 @@ def test_a_hold_that_expires_is_counted_and_routes_as_before() -> None:
 def test_no_wait_while_a_node_has_room_or_for_a_failed_node() -> None:
     async def scenario() -> None:
         directory, dispatcher = _cluster(hold_s=5.0)
-        directory.nodes["d1"].inflight = 0
+        directory.nodes["d1"].decoding = 0
         directory.nodes["d1"].load = _capped(0)
         await asyncio.wait_for(dispatcher.hold((), "r"), 0.5)  # d1 has room
         assert dispatcher.router.decode_blocked(excluded={"d1"})  # d2 alone is at its cap
@@ -171,3 +171,29 @@ def test_no_wait_while_a_node_has_room_or_for_a_failed_node() -> None:
         assert "pdserve_gateway_decode_hold_seconds_count 0.0" in text
 
     asyncio.run(scenario())
+
+
+def test_requests_still_prefilling_elsewhere_take_no_slot() -> None:
+    """A decode node's rooms in transfer or waiting for their prefill do not count against its
+    cap: holding them would cap how many requests the prefill nodes work on (a 2P1D cluster
+    in a prefill-heavy phase keeps more than its decode cap in flight). A request counts from
+    its first token, or at once when the decode node prefills it itself."""
+    directory, dispatcher = _cluster(hold_s=5.0)
+    d1 = directory.nodes["d1"]
+    d1.decoding, d1.inflight = 0, 4
+    d1.load = bootstrap_pb2.NodeLoad(
+        running_requests=0, transfer_queue=3, bootstrap_queue=1, max_running_requests=1
+    )
+    assert d1.busy == 4 and d1.slots_taken == 0 and not d1.at_cap
+    assert not dispatcher.router.decode_blocked()
+    prefill = directory.nodes["p"]
+    remote, local = Route(d1, prefill), Route(d1, None)
+    dispatcher.enter(remote)
+    assert d1.slots_taken == 0
+    dispatcher.decoding(remote)  # its first token came
+    assert d1.slots_taken == 1 and d1.at_cap
+    dispatcher.leave(remote, decoding=True)
+    dispatcher.enter(local)
+    assert d1.slots_taken == 1
+    dispatcher.leave(local, decoding=True)
+    assert d1.slots_taken == 0

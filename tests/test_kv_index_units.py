@@ -180,7 +180,7 @@ def test_router_sends_no_stream_to_a_decode_node_at_its_cap_while_another_has_ro
     router = Router(directory, ROUTING, index)
     assert d1.at_cap and not d2.at_cap
     assert all(router.choose(prompt).decode is d2 for _ in range(4))
-    d2.inflight = 5  # this gateway's own count reaches the cap before a heartbeat says so
+    d2.decoding = 5  # this gateway's own count reaches the cap before a heartbeat says so
     assert d2.at_cap
     assert router.choose(prompt).decode is d1  # every node at its cap: the policy's pick
     d1.load = bootstrap_pb2.NodeLoad(running_requests=9, running_tokens=800)  # no cap reported
