@@ -129,8 +129,8 @@ class Dispatcher:
         def blocked() -> bool:
             return self.router.decode_blocked(excluded)
 
-        if not self.line.must_wait(blocked):
-            return
+        if self.line.hold_s <= 0 or not self.line.must_wait(blocked):
+            return  # off (--decode-hold 0), or a node has room and nobody waits
         m = self.metrics
         m.decode_held.inc()
         start = time.monotonic()

@@ -133,10 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--decode-hold",
         type=float,
-        default=30.0,
+        default=0.0,
         help="seconds a request that finds every decode node at its running-request cap waits "
-        "at the gateway for the first to have room, rather than in one node's queue (then it "
-        "joins a queue; 0: never waits)",
+        "at the gateway for the first to have room, rather than in one node's queue; then it "
+        "joins a queue (default 0: at once; late binding is not yet shown to pay, see "
+        "docs/architecture.md)",
     )
     g.add_argument(
         "--node-keepalive",

@@ -197,3 +197,18 @@ def test_requests_still_prefilling_elsewhere_take_no_slot() -> None:
     assert d1.slots_taken == 1
     dispatcher.leave(local, decoding=True)
     assert d1.slots_taken == 0
+
+
+def test_with_the_line_off_nothing_waits_and_nothing_is_counted() -> None:
+    """--decode-hold 0 (the default): a request finding every node at its cap is routed at
+    once, into a node's queue, as before late binding."""
+
+    async def scenario() -> None:
+        _, dispatcher = _cluster(hold_s=0)
+        assert dispatcher.router.decode_blocked()
+        await asyncio.wait_for(dispatcher.hold((), "r"), 0.5)
+        text = dispatcher.metrics.render().decode()
+        assert "pdserve_gateway_decode_hold_seconds_count 0.0" in text
+        assert "pdserve_gateway_decode_hold_expired_total 0.0" in text
+
+    asyncio.run(scenario())

@@ -210,7 +210,7 @@ def test_a_request_waits_for_the_first_decode_node_with_room(
     one on the second, and a third request sent while both run. Round robin would send it to
     the first, behind the long stream; the gateway holds it (gateway/decode_line.py) and sends
     it to the second when that one's stream ends, so it finishes while the long one runs."""
-    args = [*GATEWAY_ARGS, "--prefill-policy", "round_robin"]
+    args = [*GATEWAY_ARGS, "--prefill-policy", "round_robin", "--decode-hold", "30"]
     log = tmp_path / "pd-cluster.log"
     with pd_cluster_process(
         log, tiny_model, "mooncake", decode=2, gateway_args=args,
