@@ -101,7 +101,7 @@ class RoutingConfig:
     migration_limit: int = 3
     # A request that finds every decode node at its running-request cap waits at the gateway
     # this long for one to have room (gateway/decode_line.py), then joins a node's queue
-    # (0: it joins one at once; the default until a run shows the line pays).
+    # (0: it joins one at once; the default until a run shows that the line pays).
     decode_hold_s: float = 0.0
 
     def kv_load_weight(self, side: str) -> float:
