@@ -18,6 +18,12 @@ waits out its hold (that node is usually cooling down and failing the others too
 the node sent before one of this gateway's requests ended there, but that arrives after, still
 counts it: the node can look at its cap for one more heartbeat interval (1 s), and a request
 wait that long for nothing.
+
+**Off by default, with a known fault.** In a PD cluster a request counts against its decode
+node only from its first token (`LiveNode.slots_taken`), so when a slot frees the head goes to
+that node, the next in line still sees the slot free, and the whole line can go to that node's
+queue in one wake. Two-phase-13 (benchmarks/) measured the line hurting. Fix that (count what
+the line releases until its first token) before turning it on.
 """
 
 from __future__ import annotations
