@@ -125,12 +125,14 @@ class Dispatcher:
     async def hold(self, excluded: Collection[str], rid: str) -> None:
         """Wait in the line while every decode node (but `excluded`) is at its cap, or others
         wait already (gateway/decode_line.py); at most --decode-hold."""
+        if self.line.hold_s <= 0:
+            return  # off (--decode-hold 0)
 
         def blocked() -> bool:
             return self.router.decode_blocked(excluded)
 
-        if self.line.hold_s <= 0 or not self.line.must_wait(blocked):
-            return  # off (--decode-hold 0), or a node has room and nobody waits
+        if not self.line.must_wait(blocked):
+            return  # a node has room and nobody waits
         m = self.metrics
         m.decode_held.inc()
         start = time.monotonic()
@@ -196,7 +198,7 @@ class Generation:
         while True:
             self.attempts += 1
             resumed = len(progress.streamed)
-            if not progress.started:  # a moving stream is routed at once
+            if not progress.started and d.line.hold_s > 0:  # a moving stream never waits
                 await d.hold(excluded, self.rid)
             route = self.route = self._choose(excluded)
             stream = PDStream(
