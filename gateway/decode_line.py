@@ -19,11 +19,11 @@ the node sent before one of this gateway's requests ended there, but that arrive
 counts it: the node can look at its cap for one more heartbeat interval (1 s), and a request
 wait that long for nothing.
 
-**Off by default, with a known fault.** In a PD cluster a request counts against its decode
-node only from its first token (`LiveNode.slots_taken`), so when a slot frees the head goes to
-that node, the next in line still sees the slot free, and the whole line can go to that node's
-queue in one wake. Two-phase-13 (benchmarks/) measured the line hurting. Fix that (count what
-the line releases until its first token) before turning it on.
+**Off by default.** A request the line releases counts against its node's cap at once
+(`Dispatcher.enter`'s `takes_slot`), before the next in line looks: in a PD cluster a request
+otherwise counts only from its first token, and one wake could send the whole line to the node
+that freed one slot. Two-phase-13 (benchmarks/) measured the line hurting before that was
+mended.
 """
 
 from __future__ import annotations

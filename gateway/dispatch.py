@@ -92,7 +92,10 @@ class Dispatcher:
         self._batches.inc()
         self._deltas.inc(deltas)
 
-    def enter(self, route: Route, prompt_tokens: int = 0) -> None:
+    def enter(self, route: Route, prompt_tokens: int = 0, takes_slot: bool = False) -> bool:
+        """Count a request routed to `route`; True when it counts against its decode node's
+        cap at once: it prefills there, or the line released it (`takes_slot`). Otherwise it
+        counts from its first token (`decoding`)."""
         for node in route.nodes:
             node.inflight += 1
             node.inflight_tokens += prompt_tokens
@@ -102,7 +105,10 @@ class Dispatcher:
             ).inc()
         if route.prefill is None:
             self.metrics.local_prefills.inc()
-            route.decode.decoding += 1  # it prefills here: in (or waiting for) a slot at once
+        if route.prefill is None or takes_slot:
+            route.decode.decoding += 1  # in (or waiting for) a slot there at once
+            return True
+        return False
 
     def decoding(self, route: Route) -> None:
         """The first token of a request prefilled elsewhere came from its decode node: its KV
@@ -122,17 +128,19 @@ class Dispatcher:
             current.left_requests += 1
         self.line.wake()
 
-    async def hold(self, excluded: Collection[str], rid: str) -> None:
+    async def hold(self, excluded: Collection[str], rid: str) -> bool:
         """Wait in the line while every decode node (but `excluded`) is at its cap, or others
-        wait already (gateway/decode_line.py); at most --decode-hold."""
+        wait already (gateway/decode_line.py); at most --decode-hold. True when the line
+        released the request to a node with room: route it and count its slot (`enter`'s
+        `takes_slot`) before the next await, or the next in line takes the same slot."""
         if self.line.hold_s <= 0:
-            return  # off (--decode-hold 0)
+            return False  # off (--decode-hold 0)
 
         def blocked() -> bool:
             return self.router.decode_blocked(excluded)
 
         if not self.line.must_wait(blocked):
-            return  # a node has room and nobody waits
+            return False  # a node has room and nobody waits
         m = self.metrics
         m.decode_held.inc()
         start = time.monotonic()
@@ -149,6 +157,7 @@ class Dispatcher:
                 rid,
                 self.config.decode_hold_s,
             )
+        return routed
 
 
 class Generation:
@@ -198,8 +207,9 @@ class Generation:
         while True:
             self.attempts += 1
             resumed = len(progress.streamed)
+            released = False  # by the line: no await between here and `enter`
             if not progress.started and d.line.hold_s > 0:  # a moving stream never waits
-                await d.hold(excluded, self.rid)
+                released = await d.hold(excluded, self.rid)
             route = self.route = self._choose(excluded)
             stream = PDStream(
                 route.decode.target,
@@ -216,8 +226,7 @@ class Generation:
                 self.lane.observers = (stream.record, self._observe)
             self.finished = None
             failure: AttemptFailure | None = None
-            d.enter(route, len(self.prompt_ids))
-            self._decoding = route.prefill is None
+            self._decoding = d.enter(route, len(self.prompt_ids), takes_slot=released)
             try:
                 async with contextlib.aclosing(aiter(stream)) as responses:
                     async for response in responses:

@@ -49,7 +49,8 @@ class LiveNode:
     left_tokens: int = 0  # prompt tokens of its requests that ended since the last heartbeat
     left_requests: int = 0  # and how many requests those were
     # This gateway's requests that hold or wait for one of the node's running slots: those that
-    # streamed a token from it, and those it prefills itself (`Dispatcher.enter`, `.decoding`).
+    # streamed a token from it, those it prefills itself and those the decode line released to
+    # it (`Dispatcher.enter`, `.decoding`).
     decoding: int = 0
 
     @property
@@ -88,8 +89,9 @@ class LiveNode:
         """Requests in or waiting for one of the node's running slots: the heartbeat's running
         and queued requests (less this gateway's that ended since it came), or this gateway's
         own (`decoding`), whichever is higher. Rooms still prefilling on a prefill node (the
-        transfer and bootstrap queues) are left out: they take a slot only when their KV lands,
-        and counting them would cap how many requests the prefill nodes may work on."""
+        transfer and bootstrap queues) are left out, unless the decode line released them: they
+        take a slot only when their KV lands, and counting them would cap how many requests the
+        prefill nodes may work on."""
         load = self.load
         reported = load.running_requests + load.queued_requests - self.left_requests
         return max(self.decoding, reported)

@@ -199,6 +199,35 @@ def test_requests_still_prefilling_elsewhere_take_no_slot() -> None:
     assert d1.slots_taken == 0
 
 
+def test_a_request_the_line_releases_takes_its_slot_before_the_next_looks() -> None:
+    """PD: a request counts against its decode node from its first token, unless the line
+    released it. Were it not counted at once, the next in line would see the same free slot
+    and the whole line would go to one node's queue on one wake."""
+
+    async def scenario() -> None:
+        directory, dispatcher = _cluster(hold_s=5.0)
+        prefill, d2 = directory.nodes["p"], directory.nodes["d2"]
+
+        async def request() -> Route:
+            released = await dispatcher.hold((), "r")
+            route = Route(dispatcher.router.choose(list(range(40))).decode, prefill)
+            assert dispatcher.enter(route, takes_slot=released) == released
+            return route
+
+        first, second = asyncio.create_task(request()), asyncio.create_task(request())
+        await asyncio.sleep(0.01)
+        assert len(dispatcher.line) == 2
+        dispatcher.leave(Route(d2, None), decoding=True)  # d2's stream ended: one slot
+        route = await asyncio.wait_for(first, 1)
+        assert route.decode is d2 and d2.slots_taken == 1 and d2.at_cap
+        await asyncio.sleep(0.01)
+        assert not second.done() and len(dispatcher.line) == 1  # no slot left for it
+        dispatcher.leave(route, decoding=True)  # before its first token (e.g. it failed)
+        assert (await asyncio.wait_for(second, 1)).decode is d2
+
+    asyncio.run(scenario())
+
+
 def test_with_the_line_off_nothing_waits_and_nothing_is_counted() -> None:
     """--decode-hold 0 (the default): a request finding every node at its cap is routed at
     once, into a node's queue, as before late binding."""
