@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds a request that finds every decode node at its running-request cap waits "
         "at the gateway for the first to have room, rather than in one node's queue; then it "
-        "joins a queue (default 0: at once; late binding has a known fault, see "
+        "joins a queue (default 0: at once; late binding is not yet shown to pay, see "
         "gateway/decode_line.py)",
     )
     g.add_argument(
