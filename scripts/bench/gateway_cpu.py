@@ -55,8 +55,7 @@ each row's workers. The gateway workers are pinned by the product itself, `gatew
 --worker-cpus` with the first hardware thread of each worker's core (the measured setting is the
 one a deployment gets; on an SMT host the core's other threads stay idle, given to no client);
 the bench pins the fake nodes and the clients itself. `--idle-cpus LIST` gives some CPUs to no
-process (a virtual machine's hidden SMT siblings; `scripts/bench/core_speed.py --pairs` looks
-for them).
+process (a virtual machine's hidden SMT siblings).
 
 Compare rows of different `--workers` with `--step-ms` near an engine's step (10 ms): at the
 default 0 the fake node runs ahead of a fast gateway, sends each request's tokens as fast as
@@ -922,7 +921,7 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         default="",
         metavar="LIST",
         help="with --pin: CPUs given to no process (e.g. the hidden SMT siblings of the workers' "
-        "CPUs on a virtual machine; scripts/bench/core_speed.py --pairs finds them)",
+        "CPUs on a virtual machine)",
     )
     args = parser.parse_args(argv)
     if args.idle_cpus and not args.pin:
