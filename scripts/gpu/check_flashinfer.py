@@ -164,7 +164,7 @@ def compare_greedy(ref_outs, outs) -> tuple[int, list[str], list[str]]:
     """(identical requests, near-tie divergences, other divergences): a divergence at step t is
     a near tie when the other run's pick is among the reference's top-5 there, within TIE_NATS
     of its best logprob (exact ties of two or more tokens are common in bf16 logits)."""
-    same, ties, bad = 0, [], []
+    same, ties, bad = 0, list[str](), list[str]()
     for i, (ref, out) in enumerate(zip(ref_outs, outs, strict=True)):
         if ref.token_ids == out.token_ids:
             same += 1
@@ -185,7 +185,7 @@ def backend_variants(names: tuple[str, ...], decode: bool) -> dict[str, Callable
     if decode and "flashinfer" in names:
 
         def cuda_core(*args: Any) -> Any:
-            backend = attention_backend_class("flashinfer")(*args)
+            backend: Any = attention_backend_class("flashinfer")(*args)
             backend.tensor_core_min_group = 1 << 30
             return backend
 

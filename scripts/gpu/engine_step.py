@@ -36,6 +36,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -142,13 +143,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.profile:
         llm.scheduler = modes["on"]
         profile_host(llm, batches[-1], args.context, args.steps)
+    return 0
 
 
 def equality_rows(llm: LLM, modes: dict[str, Scheduler], tokens_out: Path | None) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128256, (255,), generator=gen).tolist() for _ in range(64)]
     uniform = [SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)] * 64
-    outs = {}
+    outs: dict[str, list[Any]] = {}
     for mode, scheduler in modes.items():
         llm.scheduler = scheduler
         outs[mode] = [o.token_ids for o in llm.generate(prompts, uniform)]
