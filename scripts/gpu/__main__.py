@@ -84,13 +84,12 @@ def all_main(argv: list[str]) -> int:
     parser.add_argument("--skip", default="", help="sub-commands to leave out, e.g. serve,tp")
     args = parser.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
-    runs: list[tuple[str, list[str]]] = []
-    pd = ["--pd-carry", str(args.carry / "mooncake"), "--pd-wheels", str(args.carry / "wheels")]
-    runs.append(("engine", pd if args.carry else []))
+    carry: Path | None = args.carry
+    engines = [] if carry is None else [str(carry / "mooncake"), str(carry / "wheels")]
+    runs = [("engine", ["--pd-carry", engines[0], "--pd-wheels", engines[1]] if carry else [])]
     if gpu_count() >= 2:
-        tp = ["--carry", str(args.carry / "mooncake"), "--wheels", str(args.carry / "wheels")]
-        runs.append(("tp", tp if args.carry else []))
-    runs.append(("serve", ["--carry", str(args.carry)] if args.carry else []))
+        runs.append(("tp", ["--carry", engines[0], "--wheels", engines[1]] if carry else []))
+    runs.append(("serve", ["--carry", str(carry)] if carry else []))
     rows = []
     for name, extra in runs:
         if name in skip:
