@@ -22,6 +22,7 @@ Every sub-command imports on a CPU; `pd`, `tp` and `serve` have a `--device cpu`
 from __future__ import annotations
 
 import argparse
+import importlib
 import subprocess
 import sys
 import time
@@ -44,7 +45,7 @@ COMMANDS = {
 
 def run_module(name: str, argv: list[str]) -> int:
     module_name, _ = COMMANDS[name]
-    module = __import__(f"scripts.gpu.{module_name}", fromlist=["main"])
+    module = importlib.import_module(f"scripts.gpu.{module_name}")
     main: Callable[[list[str], str], int] = module.main
     return main(argv, f"{PROG} {name}")
 
@@ -86,30 +87,32 @@ def all_main(argv: list[str]) -> int:
     skip = {s for s in args.skip.split(",") if s}
     carry: Path | None = args.carry
     engines = [] if carry is None else [str(carry / "mooncake"), str(carry / "wheels")]
-    runs = [("engine", ["--pd-carry", engines[0], "--pd-wheels", engines[1]] if carry else [])]
-    if gpu_count() >= 2:
-        runs.append(("tp", ["--carry", engines[0], "--wheels", engines[1]] if carry else []))
-    runs.append(("serve", ["--carry", str(carry)] if carry else []))
-    rows = []
-    for name, extra in runs:
-        if name in skip:
-            rows.append(f"| {name} | skipped | - | - |")
+    runs = {
+        "engine": ["--pd-carry", engines[0], "--pd-wheels", engines[1]] if carry else [],
+        "tp": ["--carry", engines[0], "--wheels", engines[1]] if carry else [],
+        "serve": ["--carry", str(carry)] if carry else [],
+    }
+    two_gpus = gpu_count() >= 2
+    rows, failed = [], False
+    for name, extra in runs.items():
+        if name in skip or (name == "tp" and not two_gpus):
+            why = "skipped" if name in skip else "not run: fewer than two GPUs visible"
+            rows.append(f"| {name} | {why} | - | - |")
             continue
         out = args.out / name
         t0 = time.monotonic()
         # a process per sub-command: GPU memory and the carried site start clean each time
         command = [sys.executable, "-m", "scripts.gpu", name, "--out", str(out), *extra]
         code = subprocess.run(command, cwd=environment.REPO_ROOT).returncode
+        failed |= code != 0
         status = "PASS" if code == 0 else f"FAIL (exit {code})"
         rows.append(f"| {name} | {status} | {time.monotonic() - t0:.0f} | `{out.name}/` |")
-    if gpu_count() < 2 and "tp" not in skip:
-        rows.append("| tp | not run: fewer than two GPUs visible | - | - |")
     table = ["# GPU suite", "", "| sub-command | result | seconds | tables |", "|---|---|---|---|"]
     text = "\n".join([*table, *rows]) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.md").write_text(text)
     print(text, flush=True)
-    return 0 if all("| PASS |" in r or "| skipped |" in r for r in rows[: len(runs)]) else 1
+    return 1 if failed else 0
 
 
 def gpu_count() -> int:
