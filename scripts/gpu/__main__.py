@@ -1,6 +1,6 @@
 """The GPU suite's one entry point: `python -m scripts.gpu <sub-command>` (`--help` on each).
 
-    python -m scripts.gpu pack out/gpucarry                   # here, once: the wheels a host lacks
+    python -m scripts.gpu pack out/gpucarry [--nixl]          # here, once: the wheels a host lacks
     python3 -m scripts.gpu all --carry out/gpucarry --out "$OUT"   # there: every check and table
 
 Sub-commands (each writes its markdown table into `--out`):
@@ -53,10 +53,11 @@ def run_module(name: str, argv: list[str]) -> int:
 def pack_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"{PROG} pack", description=COMMANDS_HELP["pack"])
     parser.add_argument("dir", type=Path, help="folder to fill: wheels/ and mooncake/")
+    parser.add_argument("--nixl", action="store_true", help="NIXL too (+29 MiB): PD on both")
     args = parser.parse_args(argv)
     from scripts.gpu import serve_vs_engine
 
-    serve_vs_engine.pack(args.dir)
+    serve_vs_engine.pack(args.dir, nixl=args.nixl)
     return 0
 
 

@@ -1,7 +1,7 @@
 """The engine alone, the decode node over gRPC, and the whole served path, on one GPU, one model
 shape: where the tokens per second go between the engine and the client.
 
-    python -m scripts.gpu pack out/gpucarry        # here, once: wheels (~60 MiB)
+    python -m scripts.gpu pack out/gpucarry        # here, once: wheels (~30 MiB)
     # on the GPU host (the device call carries the folder):
     python3 -m scripts.gpu serve --carry out/gpucarry --out "$OUT" \\
         [--workers 4] [--cluster-args "--gateway-workers 2"]
@@ -92,13 +92,15 @@ WHEELS = (
 )  # fmt: skip
 
 
-def pack(out: Path) -> None:
+def pack(out: Path, nixl: bool = False) -> None:
     from scripts.gpu import mooncake_wheels
 
     pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
     pip += [*mooncake_wheels.PLATFORM_ARGS, "--platform", "manylinux2014_x86_64"]
     subprocess.run([*pip, "-d", str(out / "wheels"), *WHEELS], check=True)
-    mooncake_wheels.pack(out / "mooncake")  # NIXL too: the PD and TP checks run both engines
+    mooncake_wheels.pack(out / "mooncake")
+    for pruned in [] if nixl else (out / "mooncake").glob("nixl*"):  # 29 MiB less to carry
+        pruned.unlink()
 
 
 def install(carry: Path, site: Path) -> None:
