@@ -36,7 +36,7 @@ lint: setup
 	$(BIN)/lint-imports
 
 typecheck: setup
-	$(BIN)/mypy $(PACKAGES)
+	$(BIN)/mypy $(PACKAGES) scripts
 
 pytest: setup
 	$(BIN)/pytest -q -x --durations=15 -m "not faults and not tp_matrix"
@@ -50,6 +50,7 @@ test-tp: setup
 
 test: lint typecheck pytest
 
+# CPU micro-benchmarks (scripts/README.md lists the rest of the tools).
 bench-engine: setup fetch-model
 	$(BIN)/python -m scripts.bench.engine
 

@@ -1,7 +1,8 @@
-"""Tools around the product: benchmarks, load and soak tests, capacity planning, GPU checks.
+"""Tools around the product that a user or a developer reruns: load and soak tests, CPU
+micro-benchmarks, the GPU suite (scripts/README.md lists them).
 
-Each tool runs as a module from the repository root, `python -m scripts.<group>.<name>`
-(scripts/README.md lists them): bench/ (one part at a time), serving/ (a running cluster under
-load), planning/ (how many nodes of which kind), gpu/ (checks and figures on a GPU host).
-`tiny_models` holds what the tests share with the scripts.
+Each runs as a module from the repository root: serving/ (a running cluster under load; the load
+tool is also the `pdserve-bench` console script), bench/ (one part at a time), gpu/ (one entry
+point, `python -m scripts.gpu <sub-command>`). `tiny_models` and `structured_schemas` hold what
+the tests share with the tools.
 """

@@ -19,6 +19,7 @@ import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ TINY_SIZES: dict[str, int | bool] = {
 }  # fmt: skip
 
 
-def tiny_sizes(**overrides: object) -> dict[str, object]:
+def tiny_sizes(**overrides: object) -> dict[str, Any]:
     """TINY_SIZES with `overrides`: keywords for a transformers model config."""
     return {**TINY_SIZES, **overrides}
 
@@ -41,7 +42,7 @@ _SMALL_SIZES = {
 }  # fmt: skip
 
 
-def llama_config(**sizes: float) -> dict[str, object]:
+def llama_config(**sizes: float) -> dict[str, Any]:
     """A LlamaForCausalLM config.json: SMALL_LLAMA's sizes, with `sizes` overriding them."""
     return {
         "architectures": ["LlamaForCausalLM"],

@@ -1,6 +1,6 @@
 """The pure parts of the gateway benchmarks (scripts/bench/fake_node.py, gateway_cpu.py,
-stream_path.py, pinning.py, profile_split.py): what the fake node sends per step, the figures the
-tables print, which cores each process is pinned to, and where a profile's samples go."""
+pinning.py): what the fake node sends per step, the figures the tables print, and which cores
+each process is pinned to."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import pytest
 
 from gateway.cpus import worker_cpus
 from proto import node_pb2
-from scripts.bench.core_speed import load_table, rates
 from scripts.bench.fake_node import FakeNodeConfig, FakeRequest, StepSource
 from scripts.bench.fake_node import build_config as fake_node_config
 from scripts.bench.gateway_cpu import (
@@ -28,9 +27,6 @@ from scripts.bench.gateway_cpu import (
     worker_table,
 )
 from scripts.bench.pinning import group_cores, parse_cpu_list, pinned, plan_cpus
-from scripts.bench.profile_split import IDLE, split
-from scripts.bench.profile_split import table as profile_table
-from scripts.bench.stream_path import _field_one
 
 
 def _source(per_message: int = 1) -> StepSource:
@@ -162,12 +158,6 @@ def test_gateway_cpu_reads_each_workers_share_from_the_metrics() -> None:
     )
 
 
-def test_in_process_node_wire_is_a_stream_batch() -> None:
-    delta = node_pb2.RequestDelta(rid="r" * 200, chunk=node_pb2.TokenChunk(token_ids=[1, 2]))
-    wire = _field_one(delta.SerializeToString()) * 2
-    assert node_pb2.StreamBatch.FromString(wire) == node_pb2.StreamBatch(deltas=[delta, delta])
-
-
 def test_cpu_plan_gives_each_gateway_worker_a_core_of_its_own() -> None:
     # 8 cores x 2 threads, numbered as Linux does on x86 (siblings n and n + 8)
     siblings = {cpu: (cpu % 8, cpu % 8 + 8) for cpu in range(16)}
@@ -219,14 +209,6 @@ def test_cpu_plan_gives_idle_cpus_to_no_one() -> None:
         plan_cpus(cores[:4], gateway=1, nodes=1, idle=(0, 1))
 
 
-def test_core_speed_probe_measures_pinned_processes() -> None:
-    cpu = min(os.sched_getaffinity(0))
-    rate = rates([cpu], 0.05)
-    assert set(rate) == {cpu} and rate[cpu] > 0
-    text = load_table([cpu], [1], 0.05)
-    assert text.splitlines()[2].startswith("| 1 |") and "| 1.000 |" in text
-
-
 def test_pinned_processes_inherit_the_cpu_set() -> None:
     before = os.sched_getaffinity(0)
     cpu = min(before)
@@ -239,34 +221,6 @@ def test_pinned_processes_inherit_the_cpu_set() -> None:
         )
     assert child.stdout.strip() == f"[{cpu}]"
     assert os.sched_getaffinity(0) == before  # restored
-
-
-def test_profile_split_buckets() -> None:
-    root = "<module> (gateway-server:8);Runner.run (asyncio/runners.py:1)"
-    lines = [
-        f"{root};run_forever (loop.c:1);epoll_wait (libc.so.6) 50",
-        f"{root};GenerateMux._read (gateway/pd_client.py:1);"
-        "ChunkedWriter.write (gateway/lane.py:1);write (libc.so.6) 30",
-        f"{root};GenerateMux._read (gateway/pd_client.py:1);_read (grpc/aio/_call.py:384);"
-        "write (libc.so.6) 20",
-        "Thread._bootstrap (threading.py:1);0x1 (grpc/_cython/cygrpc.so);syscall (libc.so.6) 10",
-        f"{root};TokenLane.deliver (gateway/lane.py:65) 25",
-        f"{root};gc_collect_main (libpython3.11.so) 5",
-        f"{root};send (uvicorn/protocols/http/httptools_impl.py:1) 5",
-        f"{root};run_forever (loop.c:1) 5",
-        "",
-    ]
-    samples = split(lines)
-    assert samples[IDLE] == 50
-    assert samples["HTTP frame writes (socket syscalls)"] == 30
-    assert samples["gRPC receive on the event loop (read, wake-up syscalls, parse)"] == 20
-    assert samples["gRPC C-core thread (poller; futex waits included)"] == 10
-    assert samples["gateway Python (stream path, handlers)"] == 25
-    assert samples["cyclic GC"] == samples["uvicorn / Starlette / httptools"] == 5
-    assert samples["other (event loop callbacks, interpreter)"] == 5
-    printed = profile_table(samples)
-    assert "| HTTP frame writes (socket syscalls) | 30% |" in printed
-    assert printed.endswith("| (non-idle samples) | 100 |")
 
 
 def test_fake_node_hand_encoding_is_protobufs() -> None:

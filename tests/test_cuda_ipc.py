@@ -946,36 +946,25 @@ def stand_in_engines(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untype
 
 
 def test_engine_write_paths_move_pages_through_the_copy_queue(stand_in_engines) -> None:  # type: ignore[no-untyped-def]
-    from scripts.gpu import ipc_write_paths as ipc
-
     sender, (src_pool, dst_pool), launches = stand_in_engines
     bases = (src_pool.data_ptr(), dst_pool.data_ptr())
     rng = np.random.default_rng(4)
     expected = dst_pool.clone()
-    for way in ("write", "write_pages", "ranges", "pages"):
+    for way in ("write", "write_pages"):
         src = rng.permutation(POOL_PAGES)[:20].tolist()
         dst = rng.permutation(POOL_PAGES)[:20].tolist()
-        job = ipc.PageJob("decode", src, dst, PAGE_BYTES, *bases)
         if way == "write":
-            handle = sender.write("decode", job.ranges())
-        elif way == "write_pages":
+            handle = sender.write("decode", coalesce_pages(src, dst, PAGE_BYTES, *bases))
+        else:
             handle = sender.write_pages("decode", src, np.array(dst), PAGE_BYTES, *bases)
-        else:  # the benchmark's inlined paths, with their step marks
-            marks: list = []
-            handle = ipc.PATH_FUNCTIONS[way](sender, job, job.ranges(), marks)
-            assert marks[0][0] == "start" and marks[-1][0] == "launch (compiled kernel) + event"
         assert sender.poll(handle) is TransferState.DONE
         sender.release(handle)
         expected[dst] = src_pool[src]
         assert torch.equal(dst_pool, expected), way
     # one launch a write, 16 KiB chunks of 8-byte words, a row per page (or run of pages)
-    assert len(launches) == 4 and {(w, c) for w, c, _ in launches} == {(torch.int64, 2048)}
-    assert [g[0] for _, _, g in launches[1:]] == [PAGE_BYTES // MAX_CHUNK_BYTES] * 3
-    assert sender._copy_queue(0).stream.waited == 4  # each after the caller's stream
-    split = ipc.host_split(sender, "pages", ipc.PageJob("decode", [1], [2], PAGE_BYTES, *bases), 3)
-    assert split["host total"] > 0 and "wait until DONE" in split
-    with pytest.raises(RuntimeError, match="no cuMemcpyBatchAsync here: the stand-in driver"):
-        ipc.PATH_FUNCTIONS["batch"](sender, job, job.ranges(), [])
+    assert len(launches) == 2 and {(w, c) for w, c, _ in launches} == {(torch.int64, 2048)}
+    assert [g[0] for _, _, g in launches[1:]] == [PAGE_BYTES // MAX_CHUNK_BYTES]
+    assert sender._copy_queue(0).stream.waited == 2  # each after the caller's stream
 
 
 def test_batched_copy_knob_falls_back_to_the_kernel_where_the_driver_has_none(
@@ -1034,48 +1023,6 @@ def test_engine_batched_page_writes_move_pages_by_one_driver_call(stand_in_engin
     with pytest.raises(TransferError, match="lies outside every registered peer"):
         sender.write_pages_batched("decode", [3], [POOL_PAGES], PAGE_BYTES, bases)
     assert len(calls) == 1  # not batched: the range path refused it
-    # the benchmark's inlined batch paths: the same call, with their step marks
-    from scripts.gpu import ipc_write_paths as ipc
-
-    for path in ("batch", "batch-overlap"):
-        job = ipc.PageJob("decode", [9, 3], [20, 21], PAGE_BYTES, *bases)
-        marks: list = []
-        handle = ipc.PATH_FUNCTIONS[path](sender, job, job.ranges(), marks)
-        assert [m[0] for m in marks] == ["start", "page ids: bounds + descriptors",
-                                         "stream wait (reused event)",
-                                         "batched copy (one driver call)", "event"]  # fmt: skip
-        ipc.wait(sender, handle)
-        expected[[20, 21]] = src_pool[[9, 3]]
-        assert torch.equal(dst_pool, expected), path
-    assert len(calls) == 3
-
-
-def test_tune_ipc_copy_compares_the_paths_and_stops_on_wrong_bytes(  # type: ignore[no-untyped-def]
-    stand_in_engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """--profile-write's body on the stand-in GPU: the table and split of each path, and a
-    path that moves wrong bytes ends the run with a FAIL."""
-    from scripts.gpu import ipc_write_paths as ipc
-    from scripts.gpu import tune_ipc_copy as tune
-
-    sender, pools, _ = stand_in_engines
-    bases = (pools[0].data_ptr(), pools[1].data_ptr())
-    jobs = {
-        "contiguous": ipc.PageJob("decode", [1, 2, 3], [7, 8, 9], PAGE_BYTES, *bases),
-        "scattered": ipc.PageJob("decode", [5, 1, 30], [2, 60, 4], PAGE_BYTES, *bases),
-    }
-    lines = tune.compare_paths(sender, pools, jobs, ["ranges", "pages"], 3, tmp_path)
-    assert lines[0].startswith("byte checks: PASS (ranges, pages; contiguous, scattered")
-    assert [line.split(" | ")[0] for line in lines[4:6]] == ["| ranges", "| pages"]
-    assert "pages: the scattered write's host steps (median ms of 3)" in lines
-    facts = tune.host_facts(sender)  # the one-process side of the bench's host facts
-    assert facts.startswith(f"host facts (this one process): pid {os.getpid()} on cpu ")
-    assert facts.endswith("CUDA driver 12.6, batched copy none (the stand-in driver has no "
-                          "batched copy)")  # fmt: skip
-    assert (tmp_path / "profile-pages.txt").exists()
-    monkeypatch.setattr(sender._launcher, "launch", lambda *args: None)  # a kernel that drops
-    with pytest.raises(SystemExit, match="FAIL: the 'pages' path moved wrong bytes"):
-        tune.compare_paths(sender, pools, jobs, ["pages"], 1, tmp_path)
 
 
 def test_engine_write_with_every_table_slot_busy_takes_fresh_buffers(
@@ -1098,169 +1045,6 @@ def test_engine_write_with_every_table_slot_busy_takes_fresh_buffers(
     assert len(launches) == 1
 
 
-# --- scripts/gpu/bench_kv_staging.py's cuda_ipc parts, on a CPU -------------------------------
-
-
-def test_bench_parses_cuda_ipc_flags_and_picks_its_engines() -> None:
-    from scripts.gpu import bench_kv_staging as bench
-
-    args = bench.build_parser().parse_args(
-        ["--backends", "cuda_ipc", "--pd-backends", "cuda_ipc", "--receiver-device", "cuda:1"]
-    )
-    assert args.backends == ["cuda_ipc"] and args.pd_backends == ["cuda_ipc"]
-    assert bench.engines_to_run(args, {}) == [bench.CUDA_IPC]
-    assert bench.CUDA_IPC.methods == (
-        "contiguous",
-        "scattered",
-        "scattered, page ids",
-        "scattered, before",
-        "contiguous, driver batch",
-        "scattered, driver batch",
-        "scattered, driver batch, overlap hint",
-    )
-    from scripts.gpu.ipc_write_paths import PATHS
-
-    assert {path for _, path in bench.IPC_METHODS.values()} == set(PATHS)
-    assert bench.IPC_METHODS["contiguous, driver batch"] == ("contiguous", "batch")
-    assert args.pd_ipc_copy == ["kernel"]
-    both = bench.build_parser().parse_args(["--pd-ipc-copy", "kernel", "batch"])
-    assert both.pd_ipc_copy == ["kernel", "batch"]
-    with pytest.raises(SystemExit):
-        bench.build_parser().parse_args(["--pd-ipc-copy", "memcpy"])
-    # its own check failing drops its rows only; another check failing drops every row
-    every = bench.build_parser().parse_args([])
-    assert bench.CUDA_IPC in bench.engines_to_run(every, {"nixl-cu13": "1.5.1"})
-    failed = {bench.CUDA_IPC_CHECK: "FAIL", "nixl-cu13": "not installed"}
-    assert [e.backend for e in bench.engines_to_run(every, failed)] == ["mooncake"]
-    assert bench.engines_to_run(every, {"torch page copy == source": "FAIL"}) == []
-    cpu = bench.build_parser().parse_args(["--device", "cpu"])
-    assert bench.engines_to_run(cpu, {}) == list(bench.CPU_ENGINES)
-
-
-def test_bench_pd_check_runs_a_cuda_ipc_trio_per_copy_method(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from types import SimpleNamespace
-
-    from scripts.gpu import bench_kv_staging as bench
-
-    trios: list = []
-
-    def run(device, backends, workdir, extra=(), label=""):  # type: ignore[no-untyped-def]
-        trios.append((backends, workdir.name, list(extra), label))
-        return SimpleNamespace(checks=[])
-
-    monkeypatch.setattr(bench.check_pd, "run", run)
-    bench.pd_check("cuda", ["nixl", "cuda_ipc"], ("kernel", "batch"))
-    assert trios[0][0] == ["nixl"] and trios[0][3] == ", staging forced"
-    assert trios[1:] == [
-        (["cuda_ipc"], "kernel", [], ""),
-        (["cuda_ipc"], "batch", ["--cuda-ipc-copy", "batch"], ", --cuda-ipc-copy batch"),
-    ]
-
-
-def test_bench_table_rates_cuda_ipc_rows_against_its_own_contiguous_row() -> None:
-    from scripts.gpu import bench_kv_staging as bench
-
-    rows = [
-        bench.Row("cuda_ipc kernel", "contiguous", 1, 0.300, "0.29-0.31", 1790.0, True),
-        bench.Row("cuda_ipc kernel", "scattered", 256, 0.320, "0.31-0.33", 1678.0, True),
-        bench.Row("cuda_ipc kernel", "scattered", 256, error="RuntimeError: a | b"),
-    ]
-    table = bench.markdown({bench.CUDA_IPC_CHECK: "PASS"}, rows, [])
-    assert f"- {bench.CUDA_IPC_CHECK}: PASS" in table
-    assert "| cuda_ipc kernel | scattered | 256 | 0.320 | 0.31-0.33 | 1678 | 93.8% |" in table
-    assert "failed: RuntimeError: a / b" in table
-    # a failed byte check or a cuda_ipc row that could not write fails the run, loudly
-    assert bench.failed_checks({bench.CUDA_IPC_CHECK: "PASS"}, rows[:2], []) == []
-    wrong = bench.Row("cuda_ipc kernel", "scattered, page ids", 256, checked=False)
-    failures = bench.failed_checks({"torch page copy == source": "FAIL"}, [*rows, wrong], [])
-    assert failures == [
-        "torch page copy == source",
-        "cuda_ipc kernel scattered, page ids: bytes differ",
-        "cuda_ipc kernel scattered: RuntimeError: a | b",
-    ]
-
-
-def test_tune_ipc_copy_parses_its_paths_and_jobs_build_their_ranges() -> None:
-    from scripts.gpu import ipc_write_paths as ipc
-    from scripts.gpu import tune_ipc_copy as tune
-
-    args = tune.build_parser().parse_args(["--out", "x", "--profile-write", "100"])
-    assert args.paths == ["before", "ranges", "pages", "batch", "batch-overlap"]
-    assert args.profile_write == 100
-    args = tune.build_parser().parse_args(["--out", "x", "--paths", "before", "pages"])
-    assert args.paths == ["before", "pages"]
-    with pytest.raises(SystemExit):
-        tune.build_parser().parse_args(["--out", "x", "--paths", "fast"])
-    job = ipc.PageJob("decode", [3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
-    assert job.ranges() == coalesce_pages([3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
-    assert set(ipc.PATH_FUNCTIONS) == set(ipc.PATHS)
-    assert [ipc.descriptors(p, job) for p in ("ranges", "pages", "batch")] == [2, 3, 2]
-    # the frozen `before` planning makes the rows of today's for the same write
-    local = (ExportedRegion("kv", 1 << 20, 1 << 20, "cuda:0"),)
-    peer = (ExportedRegion("kv", 1 << 30, 1 << 20, "cuda:0"),)
-    region, base, plan = ipc.before_plan(job.ranges(), local, peer, {0: 1 << 32})
-    assert region == local[0] and base == 1 << 32
-    today = plan_copy([(r.src_addr - (1 << 20), r.dst_addr - (1 << 30), r.length)
-                       for r in job.ranges()], align=(1 << 20, 1 << 32))  # fmt: skip
-    assert (plan.chunk_bytes, plan.word_bytes) == (today.chunk_bytes, today.word_bytes)
-    assert plan.rows.tolist() == today.rows.tolist() == [[3, 7, 2], [9, 1, 1]]
-
-
-def test_bench_notes_the_senders_host_facts_and_splits_per_write() -> None:
-    from scripts.gpu import bench_kv_staging as bench
-
-    per_write = {"bounds": [0.01, 0.03, 0.02], "upload": [0.005] * 3,
-                 "wait until DONE": [0.4] * 3, "host total": [0.02, 0.05, 0.03]}  # fmt: skip
-    line = bench.format_split(per_write)
-    assert line.startswith("host 0.030 (p10-p90 0.022-0.046): bounds 0.020 / upload 0.005")
-    assert "wait until DONE" not in line
-    row = bench.Row("cuda_ipc kernel", "scattered, page ids", 256, 0.5, "0.4-0.6", 1000.0, True,
-                    parts=line, host_steps=per_write, notes="pid 1 on cpu 3")  # fmt: skip
-    table = bench.markdown({}, [row], [])
-    assert (
-        "- cuda_ipc kernel, scattered, page ids, the sender's host facts: pid 1 on cpu 3" in table
-    )
-    assert bench.asdict(row)["host_steps"]["bounds"] == [0.01, 0.03, 0.02]  # into the JSON
-
-
-def test_host_probe_reads_this_process_and_its_peers() -> None:
-    from scripts.gpu import host_probe
-
-    assert host_probe.parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
-    here = host_probe.snapshot("ffff:ff:1f.7")  # no such device: its node is unknown
-    assert here.pid == os.getpid() and here.gpu_node is None and here.allowed_cpus >= 1
-    assert "MainThread" in here.python_threads and len(here.os_threads) >= 1
-    assert f"pid {os.getpid()} on cpu {here.cpu}" in here.line()
-    assert "interpreter hooks: " in here.hooks and "GC-tracked objects" in here.hooks
-    assert host_probe.mapped_library("libpython") or host_probe.mapped_library("python")
-    assert host_probe.calibration_ms(20) > 0
-    import time
-
-    ready = "print('ready', flush=True)\n"
-    spinner = subprocess.Popen([sys.executable, "-c", ready + "while True: pass"],
-                               stdout=subprocess.PIPE, text=True)  # fmt: skip
-    sleeper = subprocess.Popen([sys.executable, "-c", ready + "import time; time.sleep(60)"],
-                               stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        for proc in (spinner, sleeper):  # both started: no start-up CPU in the window
-            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        with host_probe.cpu_use({"spinner": spinner.pid, "sleeper": sleeper.pid}, 50) as use:
-            time.sleep(1.0)
-    finally:
-        for proc in (spinner, sleeper):
-            proc.kill()
-            proc.wait()
-    assert use.used_s["spinner"] > 0.05 > use.used_s["sleeper"]  # a spinning peer shows
-    assert f"[{spinner.pid}]" in " ".join(use.busiest)  # among the host's busiest (top 50)
-    assert use.line().startswith(f"CPU used during the {use.wall_s:.3f} s window: spinner ")
-    assert host_probe.cpu_seconds(2**22 + 12345) == 0.0  # gone
-    cpus = os.sched_getaffinity(0)
-    assert host_probe.on_cpus({min(cpus)}, lambda: os.sched_getaffinity(0)) == {min(cpus)}
-    assert os.sched_getaffinity(0) == cpus
-
-
 def test_pd_check_says_whether_the_prefill_node_wrote_by_page_ids() -> None:
     from types import SimpleNamespace
 
@@ -1277,16 +1061,3 @@ def test_pd_check_says_whether_the_prefill_node_wrote_by_page_ids() -> None:
     assert page_id_use([reply(0), reply(0)]).startswith("write_pages used: NO (0/2")
     assert page_id_use([reply(0), reply(4)]).startswith("write_pages used: partly (1/2")
     assert page_id_use([SimpleNamespace(prefill=None)]).startswith("write_pages used: NO (0/0")
-
-
-def test_bench_help_runs_on_a_cpu() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "scripts.gpu.bench_kv_staging", "--help"],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "--backends" in out.stdout and "cuda_ipc" in out.stdout

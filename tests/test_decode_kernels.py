@@ -8,13 +8,12 @@ F.linear; the split-KV decode kernel at non-default knobs against the plain-torc
 The interpreter computes bfloat16 `tl.dot` wrongly (numpy has no bf16), so these run in float32
 and float16; bf16 is checked on a GPU: the tests marked `needs_cuda` (skipped here; the device
 machine runs them: the GEMM in bf16 and replayed from a CUDA graph, the engine's greedy output
-with linear_kernel="triton" against "aten") and scripts/gpu/tune_decode_kernels.py. Tile choice,
-the backend registry and the tuning script (its `--smoke` run) are tested directly.
+with linear_kernel="triton" against "aten"). Tile choice and the backend registry are tested
+directly.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
@@ -347,20 +346,6 @@ def test_loading_with_triton_on_the_cpu_fails_before_any_weight() -> None:
         load_model(config, "dummy", torch.float32, CPU, linear_kernel="triton")
 
 
-def test_the_tuning_scripts_tiles_are_valid_and_distinct() -> None:
-    from scripts.gpu.tune_decode_kernels import LLAMA3_8B_GEMMS, SMEM_BYTES, gemm_candidates
-
-    for m, (n, k, _) in itertools.product((16, 64, 256), LLAMA3_8B_GEMMS.values()):
-        tiles = gemm_candidates(m, n, k)
-        assert tiles and all(t.block_m >= min(m, 64) for t in tiles)
-        keys = {(t.block_m, t.block_n, t.block_k, t.num_splits(k)) for t in tiles}
-        assert len(keys) == len(tiles)
-        for t in tiles:
-            assert (t.block_m + t.block_n) * t.block_k * 2 * t.num_stages <= max(
-                SMEM_BYTES, (t.block_m + t.block_n) * t.block_k * 2 * 2
-            )
-
-
 def test_a_measured_table_overrides_the_rule_and_routes_to_cublas() -> None:
     tuned = GemmTile(16, 128, 256, split_k=2, num_warps=4, num_stages=3)
     table: TileTable = {(4096, 4096): {16: tuned, 64: None}}
@@ -374,39 +359,6 @@ def test_a_measured_table_overrides_the_rule_and_routes_to_cublas() -> None:
     assert tile_for(16, 6144, 4096, 132, 64) == choose_tile(16, 6144, 4096, 132)
     layer = TritonLinear(nn.Linear(4096, 4096, bias=False, device="meta"), table=table)
     assert layer.tile_for(8) == tuned and layer.tile_for(32) is None and layer.tile_for(0) is None
-
-
-def test_the_scripts_winner_table_reads_back_as_a_tile_table() -> None:
-    from scripts.gpu.tune_decode_kernels import GemmResult, gemm_table
-
-    tile = GemmTile(16, 64, 128, split_k=4, num_stages=5)
-    results = [
-        GemmResult("o_proj", 16, cublas_ms=0.02, best_ms=0.015, best=tile, engine_ms=0.016),
-        GemmResult("o_proj", 64, cublas_ms=0.02, best_ms=0.025, best=tile),
-        GemmResult("lm_head", 16, cublas_ms=0.4),  # nothing timed
-    ]
-    text = "\n".join(gemm_table(results, copy_bw=3.0e12))
-    assert "| 16 | o_proj [4096x4096] |" in text and "Triton |" in text
-    literal = text.split("```python\n")[1].split("```")[0]
-    table = eval(literal, {"GemmTile": GemmTile})
-    assert table == {(4096, 4096): {16: tile, 64: None}, (128256, 4096): {16: None}}
-
-
-def test_the_tuning_script_runs_end_to_end_as_a_cpu_smoke_run(tmp_path: Path) -> None:
-    """Every section of scripts/gpu/tune_decode_kernels.py, on tiny shapes under the interpreter:
-    the checks pass, the tables are written, no section fails (the GPU run's figures are not
-    this test's business)."""
-    out = tmp_path / "smoke.md"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "scripts.gpu.tune_decode_kernels", "--smoke", "--rows", "16",
-           "--batches", "2", "--out", str(out)]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    text = out.read_text()
-    assert "## Errors" not in text and "WRONG" not in done.stdout
-    assert text.count("| 16 | ") == 5  # one row per GEMM shape
-    assert "| 2 | default |" in text and "| 2 | best of " in text
-    assert "0 failed" in done.stdout
 
 
 needs_cuda = pytest.mark.skipif(

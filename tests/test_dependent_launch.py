@@ -158,11 +158,3 @@ def test_a_graph_of_the_kernels_gives_the_same_bits_with_and_without_pdl(monkeyp
         outs.append(out.clone())
     dependent_launch._supported.cache_clear()
     assert torch.equal(outs[0], outs[1])
-
-
-def test_the_measuring_script_prints_each_entry_as_it_is_in_the_table() -> None:
-    from scripts.gpu.decode_tiles import literal
-
-    for name, tiles in gemm_tiles.MEASURED.items():
-        source = "{" + literal(name, tiles) + "}"
-        assert eval(source, {"GpuTiles": GpuTiles, "GemmTile": GemmTile}) == {name: tiles}

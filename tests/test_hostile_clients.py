@@ -14,7 +14,7 @@ that send what no well-behaved client would:
 4. (marker `faults`) hypothesis bodies: nesting, unicode with surrogates, numbers at the
    edges, huge lists: no 5xx.
 Asserted: statuses, error shapes, that the cluster still serves and that no node keeps a page.
-Timings belong to `scripts/serving/hostile_probe.py`, not here.
+Timings belong to the benchmarks/serving-*-hostile-clients reports, not here.
 """
 
 from __future__ import annotations

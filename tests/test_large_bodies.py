@@ -10,8 +10,8 @@
 - the cheap bounds before validation look at lengths only and answer the usual errors;
 - a body holding more JSON containers than any request needs is refused before it is parsed;
 - start-up objects are frozen out of the cyclic GC after start-up garbage is collected.
-The same against a real cluster: tests/test_hostile_clients.py; figures:
-scripts/serving/hostile_probe.py.
+The same against a real cluster: tests/test_hostile_clients.py; figures: the
+benchmarks/serving-*-hostile-clients reports.
 """
 
 from __future__ import annotations

@@ -243,25 +243,3 @@ def test_engine_with_step_prep_graphs_matches_eager(tiny_model_dir, overlap: boo
     assert _generate(llm, prompts[:2], sampled) == expected_sampled
     assert calls["tokens"] == before, "sampled rows must take the logits path"
     assert llm.scheduler.kv.allocator.num_used == 0
-
-
-def test_decode_accounting_sections_run_on_cpu(tiny_model_dir) -> None:
-    """scripts/gpu/decode_accounting.py's gate, timed windows and table rows, on the CPU with
-    eager stand-ins for both graph runners (the script itself needs a GPU)."""
-    from scripts.gpu import decode_accounting as acct
-
-    with acct.dummy_weights_on_device():  # as the script builds its engine
-        llm = _engine(tiny_model_dir("llama"), overlap_schedule=False, load_format="dummy")
-    runner = llm.runner
-    bench = acct.build_bench(llm, runner.attn_backend, EagerGraphRunner)
-    vocab = llm.model_config.vocab_size
-    check = acct.gate(bench, 4, vocab)
-    assert check.ok, check.detail
-    figs = acct.measure(bench, 4, context=40, steps=2, windows=1, vocab=vocab)
-    rows = acct.rows_of(bench, "triton", 4, figs, check, copy_bw=1e11)
-    assert len(rows) == 8 and all(r.count("|") == 10 for r in rows)
-    assert figs["after"].host.ms("sample") == 0.0 < figs["before"].host.ms("sample")
-    assert figs["after"].host.ms("launch") > 0 and figs["before"].host.ms("build") > 0
-    assert all(f.replay_ms > 0 and f.serial and f.overlapped for f in figs.values())
-    assert runner.graph_runner is bench.graphs["before"]
-    assert "build_batch" not in runner.__dict__  # the host timers are gone

@@ -20,8 +20,7 @@ its last request after the window, is not counted: a tail of fewer and fewer str
 shrink the batches a worker sees). The gateway's CPU is read from /proc (utime + stime of every
 process of its session: the supervisor and its workers, all threads) at the window's edges;
 tokens are the frames the clients received inside it, times the run's tokens per frame (from
-the usage of the finished requests). `--py-spy S` records every gateway worker for S seconds of
-the window and prints each one's busiest functions. Printed per row: gateway CPU us per
+the usage of the finished requests). Printed per row: gateway CPU us per
 streamed token, tokens/s in all and per worker, how busy the workers were (CPU s per wall s per
 worker: near 1.0 means the gateway was the bottleneck), tokens per SSE frame (1.0 at stream
 interval 1 while the gateway keeps up; more when a slow gateway or the node merged steps), and
@@ -55,8 +54,7 @@ each row's workers. The gateway workers are pinned by the product itself, `gatew
 --worker-cpus` with the first hardware thread of each worker's core (the measured setting is the
 one a deployment gets; on an SMT host the core's other threads stay idle, given to no client);
 the bench pins the fake nodes and the clients itself. `--idle-cpus LIST` gives some CPUs to no
-process (a virtual machine's hidden SMT siblings; `scripts/bench/core_speed.py --pairs` looks
-for them).
+process (a virtual machine's hidden SMT siblings).
 
 Compare rows of different `--workers` with `--step-ms` near an engine's step (10 ms): at the
 default 0 the fake node runs ahead of a fast gateway, sends each request's tokens as fast as
@@ -80,7 +78,6 @@ import multiprocessing
 import os
 import re
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -105,7 +102,6 @@ from gateway.launcher import (
 )
 from gateway.routing import POLICIES
 from scripts.bench.pinning import CpuPlan, host_cores, parse_cpu_list, pinned, plan_cpus
-from scripts.serving.procstat import CLOCK_TICKS
 from scripts.serving.procstat import cpu_seconds as process_cpu_seconds
 
 GOAL_US_PER_TOKEN = 25.0
@@ -137,7 +133,6 @@ class BenchConfig:
     pin: bool = False  # processes on cores of their own (scripts/bench/pinning.py)
     clients_per_worker: int = 0  # > 0: this many client processes per gateway worker
     warmup_s: float = 3.0  # raw load: from the clients' start to the measured window
-    py_spy_s: float = 0.0  # > 0: profile every gateway worker this long inside the window
     decode_policy: str = "kv_aware"  # the gateway's --decode-policy
     out: Path | None = None  # the tables are written here too
     worker_listen: str = "reuseport"  # the gateway's --worker-listen
@@ -316,33 +311,6 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return sum(process_cpu_seconds(pid) or 0.0 for pid in pids)
 
 
-def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """Each thread of `pid`: (its name, utime + stime seconds); {} if the process is gone."""
-    threads = {}
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        threads[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
-    return threads
-
-
-def _thread_split(
-    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall: float
-) -> str:
-    """The busiest threads between two `thread_cpu` readings, as cores (the main thread is the
-    process's own id; a thread started meanwhile counts from 0)."""
-    used = [
-        (cpu - before.get(tid, (name, 0.0))[1], name, tid) for tid, (name, cpu) in after.items()
-    ]
-    used.sort(reverse=True)
-    top = [f"{name}[{tid}] {cpu / wall:.2f}" for cpu, name, tid in used[:3] if cpu > 0]
-    rest = [cpu for cpu, _, _ in used[3:] if cpu > 0]
-    return ", ".join([*top, *([f"{len(rest)} others {sum(rest) / wall:.2f}"] if rest else [])])
-
-
 def _wait_gateway(gateway: ServerProcess, url: str, nodes: int) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -485,22 +453,6 @@ def _affinity(pid: int) -> str:
         return "?"
 
 
-def _worker_pids(leader: int, workers: int) -> list[int]:
-    """The processes serving a `gateway-server --workers N`: the server itself for one, else
-    the supervisor's spawned children."""
-    if workers == 1:
-        return [leader]
-    return sorted(pid for pid in session_pids(leader) if pid != leader and _spawned(pid))
-
-
-def _spawned(pid: int) -> bool:
-    """A multiprocessing `spawn` child (a gateway worker), not its resource tracker."""
-    try:
-        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
 def _served_name(port: int) -> str:
     with urllib.request.urlopen(f"http://{LOCALHOST}:{port}/v1/models", timeout=10) as answer:
         return str(json.loads(answer.read())["data"][0]["id"])
@@ -599,9 +551,6 @@ def _raw_load(
     before = {pid: cpu_seconds([pid]) for pid in pids}
     counts_before = worker_counts(_metrics(port))
     node_before = [cpu_seconds([pid]) for pid in nodes]
-    served = _worker_pids(gateway.pid, row[0])
-    threads_before = {pid: thread_cpu(pid) for pid in served}
-    profiles = _start_profiles(config, gateway, row[0])
     time.sleep(max(0.0, window[1] - time.monotonic()))
     used = {pid: cpu_seconds([pid]) - before[pid] for pid in pids}
     node_used = [cpu_seconds([pid]) - b for pid, b in zip(nodes, node_before, strict=True)]
@@ -610,13 +559,9 @@ def _raw_load(
     per_worker = _worker_windows(row[0], worker_pid, counts_before, counts_after, used)
     for w in per_worker:
         print(f"  {describe_worker(w, wall)}", flush=True)
-    for pid in served:
-        split = _thread_split(threads_before[pid], thread_cpu(pid), wall)
-        print(f"  worker {pid} threads (cores): {split}", flush=True)
     totals = [results.get() for _ in clients]
     for client in clients:
         client.join()
-    _report_profiles(profiles)
     tokens, requests, frames, inside = (
         int(sum(column)) for column in list(zip(*totals, strict=True))[:4]
     )
@@ -670,53 +615,6 @@ def describe_worker(w: WorkerWindow, wall: float) -> str:
         f"{got.tokens:,.0f} tokens finished, {got.batches:,.0f} node messages with "
         f"{w.mean_batch:.1f} deltas each, {w.cpu_s / wall:.2f} cores"
     )
-
-
-def _start_profiles(
-    config: BenchConfig, gateway: ServerProcess, workers: int
-) -> list[tuple[Path, subprocess.Popen[bytes]]]:
-    """With --py-spy S: `py-spy record` on every gateway worker for S seconds of the window."""
-    if not config.py_spy_s:
-        return []
-    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(spy).exists():
-        print("  --py-spy: no py-spy found (pip install py-spy): not profiled", flush=True)
-        return []
-    served = _worker_pids(gateway.pid, workers)
-    started = []
-    for pid in served:
-        out = config.log_dir / f"py-spy-w{workers}-{pid}.txt"
-        command = [spy, "record", "--pid", str(pid), "--rate", "200", "--nonblocking"]
-        command += ["--duration", f"{config.py_spy_s:g}", "--format", "raw", "-o", str(out)]
-        started.append((out, subprocess.Popen(command, stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL)))  # fmt: skip
-    return started
-
-
-def _report_profiles(profiles: list[tuple[Path, subprocess.Popen[bytes]]]) -> None:
-    """Each profiled worker's busiest functions (own samples), grouped by file."""
-    for out, spy in profiles:
-        spy.wait(timeout=120)
-        if not out.exists():
-            print(f"  py-spy wrote nothing for {out.name}", flush=True)
-            continue
-        print(f"  {out.name}: {profile_summary(out.read_text())}", flush=True)
-
-
-def profile_summary(raw: str, top: int = 10) -> str:
-    """`py-spy --format raw` text -> the `top` files (modules) by own samples, as shares."""
-    own: dict[str, int] = {}
-    total = 0
-    for line in raw.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        leaf = stack.rsplit(";", 1)[-1]
-        where = re.sub(r"^(.*) \((.*?)(:\d+)?\)$", r"\1 (\2)", leaf)
-        own[where] = own.get(where, 0) + int(count)
-        total += int(count)
-    ranked = sorted(own.items(), key=lambda item: item[1], reverse=True)[:top]
-    return f"{total} samples; " + "; ".join(f"{n / total:.0%} {k}" for k, n in ranked)
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -844,13 +742,6 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         default=3.0,
         help="raw load: seconds from the clients' start to the measured window",
     )
-    parser.add_argument(
-        "--py-spy",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="profile every gateway worker for S seconds inside the window (py-spy, if found)",
-    )
     parser.add_argument("--clients", type=int, default=2, help="client processes")
     parser.add_argument(
         "--clients-per-worker",
@@ -922,7 +813,7 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         default="",
         metavar="LIST",
         help="with --pin: CPUs given to no process (e.g. the hidden SMT siblings of the workers' "
-        "CPUs on a virtual machine; scripts/bench/core_speed.py --pairs finds them)",
+        "CPUs on a virtual machine)",
     )
     args = parser.parse_args(argv)
     if args.idle_cpus and not args.pin:
@@ -956,7 +847,6 @@ def build_config(argv: list[str] | None) -> BenchConfig:
         pin=args.pin,
         clients_per_worker=args.clients_per_worker,
         warmup_s=args.warmup,
-        py_spy_s=args.py_spy,
         decode_policy=args.decode_policy,
         out=args.out,
         worker_listen=args.worker_listen,

@@ -1,3 +1,3 @@
-"""Checks and figures on a GPU host: `run_all` (the whole report), attention backends, PD and TP on
-GPUs, KV transfer between GPUs. `environment` is how each finds the wheels carried to a host
-without a package index (`--site DIR`) and sets up the environment of the processes it starts."""
+"""The GPU suite: `python -m scripts.gpu <sub-command>` (__main__.py lists them; `all` runs every
+check and table). `environment` is how each finds the wheels carried to a host without a package
+index (`--site DIR`) and sets up the environment of the processes it starts."""

@@ -1,9 +1,9 @@
 """The FlashInfer attention backend on one GPU: correctness against torch-native, then its figures
 beside the Triton backend's and torch-native's, as a markdown table.
 
-    python3 -m scripts.gpu.flashinfer_wheels install .flashinfer --site DIR
+    python3 -m scripts.gpu wheels flashinfer install .flashinfer --site DIR
     export PYTHONPATH=DIR
-    PYTHONUNBUFFERED=1 python3 -m scripts.gpu.check_flashinfer --out "$OUT"
+    PYTHONUNBUFFERED=1 python3 -m scripts.gpu flashinfer --out "$OUT"
 
 (`flashinfer_wheels.py pack .flashinfer` here first: the GPU host has no package index.)
 run_all.py calls `flashinfer_checks` and `flashinfer_figures` when flashinfer imports. Steps:
@@ -164,7 +164,7 @@ def compare_greedy(ref_outs, outs) -> tuple[int, list[str], list[str]]:
     """(identical requests, near-tie divergences, other divergences): a divergence at step t is
     a near tie when the other run's pick is among the reference's top-5 there, within TIE_NATS
     of its best logprob (exact ties of two or more tokens are common in bf16 logits)."""
-    same, ties, bad = 0, [], []
+    same, ties, bad = 0, list[str](), list[str]()
     for i, (ref, out) in enumerate(zip(ref_outs, outs, strict=True)):
         if ref.token_ids == out.token_ids:
             same += 1
@@ -185,7 +185,7 @@ def backend_variants(names: tuple[str, ...], decode: bool) -> dict[str, Callable
     if decode and "flashinfer" in names:
 
         def cuda_core(*args: Any) -> Any:
-            backend = attention_backend_class("flashinfer")(*args)
+            backend: Any = attention_backend_class("flashinfer")(*args)
             backend.tensor_core_min_group = 1 << 30
             return backend
 
@@ -331,14 +331,14 @@ def save_jit_modules(out: Path, limit: int) -> None:
         (out / so.name).write_bytes(so.read_bytes())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--chunks", default="1024,4096,8192")
     parser.add_argument("--save-jit", type=int, default=0, help="compiled modules to keep")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
     log(f"environment: {env}")
@@ -367,7 +367,4 @@ def main() -> None:
         "# GPU figures:", "# GPU figures, FlashInfer backend beside Triton and torch-native:"
     )
     run_all.write_report(args.out, "flashinfer", text, env, rep)
-
-
-if __name__ == "__main__":
-    main()
+    return 0 if rep.checks and all(ok for _, _, ok in rep.checks) and not rep.errors else 1

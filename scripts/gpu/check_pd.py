@@ -1,12 +1,12 @@
 """Prefill/decode disaggregation on one GPU: greedy output through P->D equals a colocated
 decode node, token for token, and neither node keeps a page afterwards.
 
-    python3 -m scripts.gpu.mooncake_wheels pack .mooncake/carry         # here, once
+    python3 -m scripts.gpu wheels mooncake pack .mooncake/carry         # here, once
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_17_x86_64 --platform any \
         -d .mooncake/pdwheels grpcio==1.85.1 protobuf==7.36.2              # here, once
     # on the GPU host (the device call carries both folders):
-    python3 -m scripts.gpu.check_pd --carry .mooncake/carry --wheels .mooncake/pdwheels \
+    python3 -m scripts.gpu pd --carry .mooncake/carry --wheels .mooncake/pdwheels \
         --out "$OUT"
 
 A bootstrap-server, a prefill-server and a decode-server run as real processes on 127.0.0.1
@@ -71,7 +71,7 @@ DECODE_ARGS = ["--disable-prefix-cache"]
 BACKENDS: dict[str, dict[str, str]] = {
     "nixl": {},
     "mooncake": {"MC_FORCE_TCP": "1"},
-    "cuda_ipc": {},  # GPU only; run on request (bench_kv_staging.py --pd-backends cuda_ipc)
+    "cuda_ipc": {},  # GPU only; run on request (`--backends cuda_ipc`)
 }
 DEFAULT_BACKENDS = ["nixl", "mooncake"]  # this script's and run_all.py's PD trios
 
@@ -292,15 +292,15 @@ def markdown(res: Result, missing: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--carry", type=Path, help="folder from scripts.gpu.mooncake_wheels pack")
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser.add_argument("--carry", type=Path, help="folder from scripts.gpu wheels mooncake pack")
     parser.add_argument("--wheels", type=Path, help="folder of grpcio / protobuf wheels")
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the flow")
     parser.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, choices=list(BACKENDS))
     add_site_arg(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     install(args.carry, args.wheels, args.site)
     os.chdir(REPO_ROOT)
     backends, missing = available(args.backends)
@@ -315,8 +315,4 @@ def main() -> None:
             if src.exists():
                 (args.out / f"{backend}-{name}.log").write_bytes(src.read_bytes()[-2_000_000:])
     print(text, flush=True)
-    sys.exit(0 if res.checks and all(c.ok for c in res.checks) and not res.errors else 1)
-
-
-if __name__ == "__main__":
-    main()
+    return 0 if res.checks and all(c.ok for c in res.checks) and not res.errors else 1

@@ -1,9 +1,9 @@
 """Tensor parallelism on GPUs (NCCL): TP=2 greedy output equal to TP=1 and to HF transformers,
 in one process and through prefill/decode nodes of different TP sizes.
 
-    python3 -m scripts.gpu.mooncake_wheels pack out/pdcarry               # here, once
+    python3 -m scripts.gpu wheels mooncake pack out/pdcarry               # here, once
     # on a host with 2 GPUs (the device call carries both folders; grpcio at the stubs' version):
-    PYTHONUNBUFFERED=1 python3 -m scripts.gpu.check_tp --carry out/pdcarry --wheels out/pdwheels \\
+    PYTHONUNBUFFERED=1 python3 -m scripts.gpu tp --carry out/pdcarry --wheels out/pdwheels \\
         --out "$OUT"
 
 Needs 2 GPUs, torch and transformers (the GPU image has both). The model is a random-weight
@@ -161,15 +161,15 @@ def markdown(info: dict[str, str], rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--carry", type=Path, help="scripts.gpu.mooncake_wheels pack folder")
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser.add_argument("--carry", type=Path, help="scripts.gpu wheels mooncake pack folder")
     parser.add_argument("--wheels", type=Path, help="folder of grpcio wheels (the stubs')")
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--skip-colocated", action="store_true")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the flow (gloo)")
     add_site_arg(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     gpu_defaults()  # before the ranks and nodes start: they inherit it
     check_pd.install(args.carry, args.wheels, args.site)
     os.chdir(REPO_ROOT)
@@ -214,7 +214,3 @@ def _keep_logs(logs: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for log in logs.glob("*.log"):
         (out / f"{logs.name}-{log.name}").write_bytes(log.read_bytes()[-1_000_000:])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

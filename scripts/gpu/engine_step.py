@@ -2,7 +2,7 @@
 for a Llama-3-8B-shaped model on one GPU, with and without overlap scheduling (engine/overlap.py),
 and greedy equality of the two modes.
 
-    python3 -m scripts.gpu.engine_step [--batches 16,64,256] [--context 1024] [--steps 64] \
+    python3 -m scripts.gpu step [--batches 16,64,256] [--context 1024] [--steps 64] \
         [--graph-step-prep] [--linear-kernel triton] [--out table.md] [--profile] \
         [--decode-blocks-per-sm N] [--tokens-out tokens.json]
 
@@ -36,6 +36,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,8 +61,8 @@ def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default="16,64,256")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=64)
@@ -89,7 +90,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="then profile one decode run of the last batch size on the host "
                         "(cProfile, top functions by own time)")  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.decode_blocks_per_sm is not None:
         tuning = replace(DEFAULT_DECODE_TUNING, blocks_per_sm=args.decode_blocks_per_sm)
         triton_backend.choose_num_splits = functools.partial(choose_num_splits, tuning=tuning)
@@ -142,13 +143,14 @@ def main() -> None:
     if args.profile:
         llm.scheduler = modes["on"]
         profile_host(llm, batches[-1], args.context, args.steps)
+    return 0
 
 
 def equality_rows(llm: LLM, modes: dict[str, Scheduler], tokens_out: Path | None) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128256, (255,), generator=gen).tolist() for _ in range(64)]
     uniform = [SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)] * 64
-    outs = {}
+    outs: dict[str, list[Any]] = {}
     for mode, scheduler in modes.items():
         llm.scheduler = scheduler
         outs[mode] = [o.token_ids for o in llm.generate(prompts, uniform)]
@@ -247,7 +249,3 @@ def profile_host(llm: LLM, batch: int, context: int, steps: int) -> None:
     profiler.disable()
     print(f"host profile, batch {batch}, 1 prefill + {steps} decode steps (own time):")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-
-
-if __name__ == "__main__":
-    main()

@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -91,21 +91,6 @@ def console_wrappers(bin_dir: Path) -> dict[str, str]:
         path.chmod(0o755)
         found[name] = str(path)
     return found
-
-
-def wheels_main(
-    doc: str, pack: Callable[[Path], object], install: Callable[[Path, Path], object]
-) -> None:
-    """The command line of a `*_wheels` script: `pack DIR` here, `install DIR [--site S]` there."""
-    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
-    parser.add_argument("action", choices=["pack", "install"])
-    parser.add_argument("dir", type=Path)
-    add_site_arg(parser)
-    args = parser.parse_args()
-    if args.action == "pack":
-        pack(args.dir)
-    else:
-        install(args.dir, site_dir(args.site))
 
 
 def gpu_defaults() -> None:

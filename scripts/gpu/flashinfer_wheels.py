@@ -1,7 +1,7 @@
 """Bring flashinfer to a GPU host that has no package index.
 
-    python3 -m scripts.gpu.flashinfer_wheels pack .flashinfer                # here: download, prune
-    python3 -m scripts.gpu.flashinfer_wheels install .flashinfer --site DIR  # there: prints DIR
+    python3 -m scripts.gpu wheels flashinfer pack .flashinfer                # here: download, prune
+    python3 -m scripts.gpu wheels flashinfer install .flashinfer --site DIR  # there: prints DIR
 
 `pack` downloads flashinfer-python (pure Python plus the CUDA sources it compiles on first use)
 and apache-tvm-ffi (its binding layer; the only import-time need the GPU image lacks: torch,
@@ -23,7 +23,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from scripts.gpu.environment import unpack_wheels, wheels_main
+from scripts.gpu.environment import unpack_wheels
 
 FLASHINFER = "flashinfer-python==0.7.2.post1"
 TVM_FFI = "apache-tvm-ffi==0.1.15.post2"
@@ -83,7 +83,3 @@ def install(src: Path, site: Path) -> None:
         target.write_bytes(so.read_bytes())
         print(f"prebuilt module: {so.stem}")
     print(site)
-
-
-if __name__ == "__main__":
-    wheels_main(__doc__, pack, install)

@@ -1,7 +1,7 @@
 """Bring Mooncake's CUDA build (and NIXL) to a GPU host that has no package index.
 
-    python3 -m scripts.gpu.mooncake_wheels pack .mooncake                  # here: download, prune
-    python3 -m scripts.gpu.mooncake_wheels install .mooncake --site DIR    # there: prints the env
+    python3 -m scripts.gpu wheels mooncake pack .mooncake                  # here: download, prune
+    python3 -m scripts.gpu wheels mooncake install .mooncake --site DIR    # there: prints the env
 
 `pack` downloads `mooncake-transfer-engine-cuda13` (the CUDA 13 build, as the GPU image's torch
 is cu130; 49.7 MB, with the store, EP and process-group modules and their binaries) and keeps
@@ -26,7 +26,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from scripts.gpu.environment import unpack_wheels, wheels_main
+from scripts.gpu.environment import unpack_wheels
 
 MOONCAKE = "mooncake-transfer-engine-cuda13==0.3.14"
 NIXL = ("nixl==1.5.1", "nixl-cu13==1.5.1")
@@ -154,7 +154,3 @@ def _unresolved(library: Path, env: dict[str, str]) -> list[str]:
 def install_and_print(src: Path, site: Path) -> None:
     for key, value in install(src, site).items():
         print(f"export {key}={value}")
-
-
-if __name__ == "__main__":
-    wheels_main(__doc__, pack, install_and_print)

@@ -1,7 +1,7 @@
 """One GPU run: correctness of the GPU attention backends, then the engine's figures against the
 ceilings measured in the same run on the same GPU, as a markdown table.
 
-    PYTHONUNBUFFERED=1 python3 -m scripts.gpu.run_all --out "$OUT"
+    PYTHONUNBUFFERED=1 python3 -m scripts.gpu engine --out "$OUT"
 
 Needs torch with CUDA and Triton, nothing else (the GPU image has both). Steps:
 1. ceilings: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate
@@ -521,15 +521,6 @@ def _prefill_ms(model, name: str, n: int) -> float:
     )
 
 
-def bench_kv_transfer(rep: Report) -> None:
-    """KV GPU0 -> GPU1 is measured by scripts/gpu/two_gpu.py (bench_mooncake_gpu.py with the
-    receiver on GPU 1: NIXL and Mooncake, byte-checked, against the peer copy)."""
-    rep.row(
-        "KV transfer GPU0 -> GPU1",
-        "not measured here: `python3 -m scripts.gpu.two_gpu correctness` on a two-GPU host",
-    )
-
-
 # ---- the table --------------------------------------------------------------------------------
 def environment() -> dict[str, str]:
     import triton  # type: ignore[import-untyped]
@@ -591,8 +582,8 @@ def flashinfer_module(rep: Report) -> Any:
     return check_flashinfer
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--context", type=int, default=1024)
@@ -600,7 +591,7 @@ def main() -> None:
     parser.add_argument("--pd-carry", type=Path, help="check_pd.py's --carry folder")
     parser.add_argument("--pd-wheels", type=Path, help="check_pd.py's --wheels folder")
     add_site_arg(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
     log(f"environment: {env}")
@@ -642,11 +633,7 @@ def main() -> None:
                                           args.context, section, names=("flashinfer",))  # fmt: skip
         del model
         torch.cuda.empty_cache()
-        section("kv transfer", lambda: bench_kv_transfer(rep))
     else:
         rep.errors.append("correctness checks failed or did not run: no figures measured")
     write_report(args.out, "", markdown(env, rep), env, rep)
-
-
-if __name__ == "__main__":
-    main()
+    return 0 if rep.checks and all(ok for _, _, ok in rep.checks) and not rep.errors else 1

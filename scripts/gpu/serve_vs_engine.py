@@ -1,21 +1,21 @@
 """The engine alone, the decode node over gRPC, and the whole served path, on one GPU, one model
 shape: where the tokens per second go between the engine and the client.
 
-    python -m scripts.gpu.serve_vs_engine pack out/svecarry        # here, once: wheels (~30 MiB)
+    python -m scripts.gpu pack out/gpucarry        # here, once: wheels (~30 MiB)
     # on the GPU host (the device call carries the folder):
-    python3 -m scripts.gpu.serve_vs_engine run --carry out/svecarry --out "$OUT" \\
+    python3 -m scripts.gpu serve --carry out/gpucarry --out "$OUT" \\
         [--workers 4] [--cluster-args "--gateway-workers 2"]
     # a dry run on the CPU with a small shape:
-    python -m scripts.gpu.serve_vs_engine run --device cpu --shape small --skip-engine \\
+    python -m scripts.gpu serve --device cpu --shape small --skip-engine \\
         --output-len 32 --concurrency 16 --num-requests 32 --out /tmp/sve
 
-`run` does, in one call:
+`serve` does, in one call:
 
 1. install (with `--carry`): the carried wheels (grpcio at the stubs' version, starlette, uvicorn,
    httptools, pydantic; what the GPU image lacks) and the project itself (`pip install --no-deps
    --no-build-isolation`, so `pd-cluster` and the servers are console scripts there), then
    Mooncake's pruned CUDA build (scripts/gpu/mooncake_wheels.py) into a site folder;
-2. engine: `scripts.gpu.engine_step --batches C --context 272` in a process of its own (decode
+2. engine: `scripts.gpu step --batches C --context 272` in a process of its own (decode
    step time with and without overlap; engine tok/s = C / step time with overlap);
 3. one `pd-cluster --prefill 0 --decode 1` (gateway/cluster.py's own parser, so `--cluster-args`
    takes any of its flags), the decode node with the engine's settings: dummy bf16 weights,
@@ -87,20 +87,20 @@ def log(msg: str) -> None:
 
 WHEELS = (
     "grpcio==1.85.1", "starlette==1.10.0", "uvicorn==0.54.0", "httptools==0.9.0",
-    "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0",
+    "protobuf==7.36.2", "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0",
     "typing-inspection==0.4.5", "orjson==3.13.0", "pyzmq==27.3.0", "msgpack==1.2.4",
 )  # fmt: skip
 
 
-def pack(out: Path) -> None:
+def pack(out: Path, nixl: bool = False) -> None:
     from scripts.gpu import mooncake_wheels
 
     pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
     pip += [*mooncake_wheels.PLATFORM_ARGS, "--platform", "manylinux2014_x86_64"]
     subprocess.run([*pip, "-d", str(out / "wheels"), *WHEELS], check=True)
     mooncake_wheels.pack(out / "mooncake")
-    for nixl in (out / "mooncake").glob("nixl*"):  # the runs use Mooncake: 29 MiB less to carry
-        nixl.unlink()
+    for pruned in [] if nixl else (out / "mooncake").glob("nixl*"):  # 29 MiB less to carry
+        pruned.unlink()
 
 
 def install(carry: Path, site: Path) -> None:
@@ -151,7 +151,7 @@ def model_dir(shape: str) -> Path:
 
 
 def engine_phase(args: argparse.Namespace, figures: Figures) -> None:
-    command = [sys.executable, "-m", "scripts.gpu.engine_step", "--batches", str(args.concurrency)]
+    command = [sys.executable, "-m", "scripts.gpu", "step", "--batches", str(args.concurrency)]
     command += ["--context", str(ENGINE_CONTEXT), "--out", str(args.out / "engine_step.md")]
     log(f"engine: {shlex.join(command)}")
     try:
@@ -404,12 +404,8 @@ def _gpu_name() -> str:
 # -- command line --------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="action", required=True)
-    p = sub.add_parser("pack", help="download the wheels the GPU image lacks into DIR")
-    p.add_argument("dir", type=Path)
-    r = sub.add_parser("run", help="install (with --carry) and measure")
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    r = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     r.add_argument("--carry", type=Path, default=None, help="the folder `pack` filled")
     add_site_arg(r)
     r.add_argument("--out", type=Path, required=True)
@@ -429,14 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--phase-timeout", type=float, default=300.0, help="seconds per load run")
     r.add_argument("--engine-timeout", type=float, default=600.0, help="seconds for engine_step")
-    return parser
+    return r
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.action == "pack":
-        pack(args.dir)
-        return 0
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog).parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     prepare_host(args.carry, args.site)
     os.environ.setdefault("MC_FORCE_TCP", "1")  # Mooncake's CUDA build over TCP (check_pd.py)
@@ -452,7 +445,3 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "serve_vs_engine.md").write_text(table)
     (args.out / "figures.json").write_text(json.dumps(figures.__dict__, indent=1, default=str))
     return 1 if figures.errors else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

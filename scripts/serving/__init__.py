@@ -1,9 +1,7 @@
-"""Load against a running cluster: `bench_serving` (one workload, its figures), `soak` (hours of
-steady load, growth judged), `admission_limit`, `hostile_probe` (hostile clients, issue 25;
-`sink` its baseline), `cycle_check` (garbage in reference cycles), and the pieces they and
-scripts/planning share.
+"""Load against a running cluster: `bench_serving` (one workload, its figures; `pdserve-bench`),
+`soak` (hours of steady load, growth judged), `admission_limit`, `structured_check`.
 
-datasets: what to send; client: one streamed request -> a `RequestTrace`; load: arrivals and
-concurrency; metrics: traces -> the figures; report: table, JSON and plots; probes, growth and
-soak_report: what the soak samples and how it judges.
+client: one streamed request -> a `RequestTrace`; benchmark: one run from frozen configs; report:
+table, JSON and plots; workers, procstat, node_metrics: client processes and what they watch;
+probes, growth and soak_report: what the soak samples and how it judges.
 """

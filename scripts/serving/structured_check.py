@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(case, stream) for case in SCHEMAS for stream in (False, True)]
     start = time.perf_counter()
     with ThreadPoolExecutor(args.concurrency) as pool:
-        answers = list(pool.map(lambda j: ask(client, model, *j, args.max_tokens), jobs))
+        answers = list(pool.map(lambda j: ask(client, model, j[0], j[1], args.max_tokens), jobs))
     valid = 0
     for (case, stream), (text, finish) in zip(jobs, answers, strict=True):
         problem = check(case.schema, text) or (None if finish == "stop" else f"ended {finish}")
