@@ -211,9 +211,7 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         self, request: bootstrap_pb2.WatchDestinationsRequest, context: Any
     ) -> None:
         node_id = request.prefill_node_id
-        if not node_id:
-            raise InvalidArgument("prefill_node_id is required to watch destinations")
-        self._verify_caller(context, node_id, f"the destinations of node {node_id}")
+        self._verify_watcher(context, node_id, "prefill_node_id", "destinations")
         outbox = self.rooms.destination_outbox(node_id)
         self.destination_streams[node_id] += 1
         try:
@@ -239,9 +237,7 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
         self, request: bootstrap_pb2.WatchRoomStatusRequest, context: Any
     ) -> None:
         node_id = request.decode_node_id
-        if not node_id:
-            raise InvalidArgument("decode_node_id is required to watch room statuses")
-        self._verify_caller(context, node_id, f"the room statuses of node {node_id}")
+        self._verify_watcher(context, node_id, "decode_node_id", "room statuses")
         outbox = self.rooms.status_outbox(node_id)
         await self._pump(context, node_id, "room statuses", outbox, lambda status: True)
 
@@ -277,6 +273,12 @@ class BootstrapService(bootstrap_pb2_grpc.BootstrapServicer):
     def _verify_caller(self, context: Any, node_id: str, what: str) -> None:
         if self.config.verify_node_identity:
             verify_caller(context.invocation_metadata(), self.registry, node_id, what)
+
+    def _verify_watcher(self, context: Any, node_id: str, field: str, what: str) -> None:
+        """A stream of the node's `what` is opened only by the node itself."""
+        if not node_id:
+            raise InvalidArgument(f"{field} is required to watch {what}")
+        self._verify_caller(context, node_id, f"the {what} of node {node_id}")
 
     # ---- sweeping ----------------------------------------------------------------------------
 

@@ -12,32 +12,23 @@ import argparse
 import logging
 import sys
 
-from bootstrap.security import add_internal_auth_args, internal_auth_from_args
+from bootstrap.security import internal_auth_from_args
 from decode_node.decode_role import DecodeRole, DecodeRoleConfig
 from engine.builder import Engine
 from engine.engine_loop import EngineLoop
 from engine.metrics import NodeMetrics
-from engine.node.args import (
-    add_disagg_args,
-    add_node_args,
-    configure_logging,
-    loop_config,
-    server_config,
-)
+from engine.node.args import configure_logging, loop_config, server_config
 from engine.node.disagg import serve_disaggregated
 from engine.node.kv_publisher import start_kv_events
 from engine.node.roles import RoleParts
-from engine.node.server import run_node_main, serve_node
+from engine.node.server import node_parser, run_node_main, serve_node
 from engine.node.service import NodeService
 
 logger = logging.getLogger("pdserve.decode")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="decode-server", description=__doc__.splitlines()[0])
-    add_node_args(parser)
-    add_disagg_args(parser)
-    add_internal_auth_args(parser)
+    parser = node_parser("decode-server", __doc__.splitlines()[0])
     parser.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
     return parser
 

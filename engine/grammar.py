@@ -16,7 +16,6 @@ a cache of compiled grammars keyed by their spec.
 
 from __future__ import annotations
 
-import importlib
 import json
 import threading
 from abc import ABC, abstractmethod
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from engine.grammar_spec import GrammarSpec, unsupported_schema_feature
+from engine.registry import needs_package, registered_class
 
 GRAMMAR_BACKENDS: dict[str, tuple[str, str]] = {
     # name: (module:class, the package a user must install for it)
@@ -89,20 +89,10 @@ class GrammarTokenizer:
 
 
 def grammar_backend(name: str, tokenizer: GrammarTokenizer) -> GrammarBackend:
-    if name not in GRAMMAR_BACKENDS:
-        raise ValueError(
-            f"unknown grammar backend {name!r}; choose one of {list(GRAMMAR_BACKENDS)}"
-        )
-    target, package = GRAMMAR_BACKENDS[name]
-    module_name, cls_name = target.split(":")
-    try:
-        module = importlib.import_module(module_name)
-        cls = getattr(module, cls_name)
+    cls = registered_class(GRAMMAR_BACKENDS, "grammar backend", name)
+    # XGrammarBackend imports xgrammar when constructed
+    with needs_package("grammar backend", name, GRAMMAR_BACKENDS[name][1]):
         backend: GrammarBackend = cls(tokenizer)
-    except ImportError as exc:
-        raise ImportError(
-            f"grammar backend {name!r} needs the package {package!r} (pip install {package}): {exc}"
-        ) from exc
     return backend
 
 

@@ -11,13 +11,12 @@ from collections.abc import Callable
 
 import torch
 
-from bootstrap.security import add_internal_auth_args
 from engine.builder import Engine
 from engine.layer_groups import split_layers
-from engine.node.args import add_disagg_args, add_node_args, configure_logging
+from engine.node.args import configure_logging
 from engine.node.disagg import serve_disaggregated
 from engine.node.roles import RoleParts
-from engine.node.server import run_node_main
+from engine.node.server import node_parser, run_node_main
 from prefill_node.layer_stream import StreamConfig, check_streamable
 from prefill_node.prefill_role import PrefillRole, PrefillRoleConfig
 
@@ -25,10 +24,7 @@ logger = logging.getLogger("pdserve.prefill")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefill-server", description=__doc__.splitlines()[0])
-    add_node_args(parser)
-    add_disagg_args(parser)
-    add_internal_auth_args(parser)
+    parser = node_parser("prefill-server", __doc__.splitlines()[0])
     parser.set_defaults(port=30002)
     return parser
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
-
 from engine.attention.base import AttentionBackend
+from engine.registry import registered_class
 
 ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
     # name: (module:class, the package a user must install for it)
@@ -16,19 +15,7 @@ ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
 
 
 def attention_backend_class(name: str) -> type[AttentionBackend]:
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(
-            f"unknown attention backend {name!r}; choose one of {sorted(ATTENTION_BACKENDS)}"
-        )
-    target, package = ATTENTION_BACKENDS[name]
-    module_name, cls_name = target.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(
-            f"attention backend {name!r} needs the package {package!r}: {exc}"
-        ) from exc
-    cls: type[AttentionBackend] = getattr(module, cls_name)
+    cls: type[AttentionBackend] = registered_class(ATTENTION_BACKENDS, "attention backend", name)
     return cls
 
 

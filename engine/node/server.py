@@ -18,13 +18,13 @@ from typing import Any
 
 import grpc
 
-from bootstrap.security import InternalAuth
+from bootstrap.security import InternalAuth, add_internal_auth_args
 from bootstrap.telemetry import serve_metrics
 from engine.builder import Engine, build_engine
 from engine.engine_loop import EngineLoop
 from engine.model_config import ModelConfigError
 from engine.model_fetch import resolve_model
-from engine.node.args import ServerConfig, engine_config
+from engine.node.args import ServerConfig, add_disagg_args, add_node_args, engine_config
 from engine.node.bootstrap_link import NodeLink
 from engine.node.service import NodeService
 from engine.node.tp_transfer import RankTransferAgent
@@ -173,6 +173,16 @@ async def serve_registered(
         await serve_node(engine_loop, service, config, started, link.stop, auth, link.drain)
     finally:
         close_transfer()
+
+
+def node_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The flags both node servers take: the model's and the engine's, disaggregation's and
+    the internal auth's; a server adds its own."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_node_args(parser)
+    add_disagg_args(parser)
+    add_internal_auth_args(parser)
+    return parser
 
 
 def run_node_main(
