@@ -11,8 +11,8 @@ received with the request deltas in them (deltas / messages is the mean batch a 
 worker holding fewer streams gets smaller messages and pays the per-message cost more often).
 
 With `--workers N` every worker records into prometheus_client's multiprocess files (one mmap
-file per process and metric kind, in a directory the supervisor makes; gateway/workers.py) and
-`render` merges all of them: counters and histograms are totals over the workers (a restarted
+file per process and metric kind, in a directory the supervisor makes; gateway/process/workers.py)
+and `render` merges all of them: counters and histograms are totals over the workers (a restarted
 worker's predecessor still counts), `inflight` is the sum over the live workers and
 `live_nodes` their maximum (each worker follows discovery itself; they agree once all saw an
 event).
@@ -164,8 +164,8 @@ class GatewayMetrics:
             "choices the decode node prefilled itself (short prompt or no prefill node)",
             registry=r,
         )
-        # Late binding (gateway/decode_line.py): requests waiting for a decode node below its
-        # cap, how long each waited, and how many gave up waiting and joined a node's queue.
+        # Late binding (gateway/dispatch/decode_line.py): requests waiting for a decode node below
+        # its cap, how long each waited, and how many gave up waiting and joined a node's queue.
         self.decode_held = Gauge(
             "pdserve_gateway_decode_held",
             "requests waiting at the gateway for a decode node below its running-request cap",

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from gateway.cpus import worker_cpus
+from gateway.process.cpus import worker_cpus
 from proto import node_pb2
 from scripts.bench.core_speed import load_table, rates
 from scripts.bench.fake_node import FakeNodeConfig, FakeRequest, StepSource
@@ -245,12 +245,12 @@ def test_profile_split_buckets() -> None:
     root = "<module> (gateway-server:8);Runner.run (asyncio/runners.py:1)"
     lines = [
         f"{root};run_forever (loop.c:1);epoll_wait (libc.so.6) 50",
-        f"{root};GenerateMux._read (gateway/pd_client.py:1);"
-        "ChunkedWriter.write (gateway/lane.py:1);write (libc.so.6) 30",
-        f"{root};GenerateMux._read (gateway/pd_client.py:1);_read (grpc/aio/_call.py:384);"
+        f"{root};GenerateMux._read (gateway/dispatch/pd_client.py:1);"
+        "ChunkedWriter.write (gateway/dispatch/lane.py:1);write (libc.so.6) 30",
+        f"{root};GenerateMux._read (gateway/dispatch/pd_client.py:1);_read (grpc/aio/_call.py:384);"
         "write (libc.so.6) 20",
         "Thread._bootstrap (threading.py:1);0x1 (grpc/_cython/cygrpc.so);syscall (libc.so.6) 10",
-        f"{root};TokenLane.deliver (gateway/lane.py:65) 25",
+        f"{root};TokenLane.deliver (gateway/dispatch/lane.py:65) 25",
         f"{root};gc_collect_main (libpython3.11.so) 5",
         f"{root};send (uvicorn/protocols/http/httptools_impl.py:1) 5",
         f"{root};run_forever (loop.c:1) 5",

@@ -23,7 +23,7 @@ _ROOT = (
     "uvicorn/server.py",
     "uvicorn/_compat.py",
     "uvicorn/main.py",
-    "gateway/server.py",
+    "gateway/process/server.py",
     "gateway-server",
     "asyncio/runners.py",
 )

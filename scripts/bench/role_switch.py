@@ -3,7 +3,7 @@ and under streamed load, and whether any request was lost.
 
     python -m scripts.bench.role_switch [--model DIR] [--switches 4] [--rate 2] [--max-tokens 32]
 
-Starts a local 1P2D cluster (gateway/cluster.py: Mooncake over TCP on 127.0.0.1, the default
+Starts a local 1P2D cluster (gateway/process/cluster.py: Mooncake over TCP on 127.0.0.1, the default
 model unless --model), then switches decode-1 to prefill and back `--switches` times with no
 load, then as many times under `--rate` requests per second of streamed random-token prompts
 (scripts/serving/client.py), each switch through bootstrap/admin.py (what `pdserve-admin
@@ -28,9 +28,9 @@ from pathlib import Path
 import httpx
 
 from bootstrap.admin import SwitchOutcome, list_nodes, switch_role
-from gateway.cluster import Cluster, build_config
-from gateway.cluster import build_parser as cluster_parser
-from gateway.launcher import loopback_transports
+from gateway.process.cluster import Cluster, build_config
+from gateway.process.cluster import build_parser as cluster_parser
+from gateway.process.launcher import loopback_transports
 from scripts.serving.client import ClientConfig, send, served_model
 from scripts.serving.datasets import RequestSpec
 

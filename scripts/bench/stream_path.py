@@ -1,12 +1,12 @@
 """The gateway's Python per streamed token, in one process: no sockets, no gRPC threads.
 
-A real gateway app (gateway/app.py, the OpenAI handlers, the dispatcher, `GenerateMux`, the SSE
+A real gateway app (gateway/api/app.py, the OpenAI handlers, the dispatcher, `GenerateMux`, the SSE
 encoding) serves `--streams` streaming `/v1/completions` requests called straight through ASGI;
 its one node is an in-process stand-in whose `GenerateStream` answers with one serialized
 `StreamBatch` per step (a token for every open request, parsed again as gRPC would), a step
 whenever the gateway asks for the next batch. The ASGI `send` only counts the bytes; it is the
 bound method of a stand-in for uvicorn's httptools `RequestResponseCycle`, whose transport
-counts them too, so that frames take the fast lane (gateway/lane.py) as under uvicorn (with
+counts them too, so that frames take the fast lane (gateway/dispatch/lane.py) as under uvicorn (with
 `--asgi-send` a plain function: every frame through the chain and `send`). Printed:
 process CPU time (`time.process_time`, which another process's load does not inflate the way it
 does wall time) per streamed token, frames, tokens per frame.
@@ -124,7 +124,7 @@ class _Transport:
 
 
 class RequestResponseCycle:
-    """What gateway/lane.py's `ChunkedWriter` needs of uvicorn's httptools cycle."""
+    """What gateway/dispatch/lane.py's `ChunkedWriter` needs of uvicorn's httptools cycle."""
 
     def __init__(self, count: StreamCount, done: asyncio.Event) -> None:
         self.flow = _Flow()
@@ -191,10 +191,10 @@ async def run_round(
 ) -> tuple[float, int, int]:
     """CPU seconds, tokens and token frames of `streams` concurrent requests."""
     from engine.model_fetch import resolve_model
-    from gateway.app import Gateway, build_app, with_server_send
-    from gateway.nodes import COLOCATED, LiveNode
-    from gateway.server import build_config, build_parser
-    from gateway.text import TextCodec
+    from gateway.api.app import Gateway, build_app, with_server_send
+    from gateway.process.server import build_config, build_parser
+    from gateway.requests.text import TextCodec
+    from gateway.routing.nodes import COLOCATED, LiveNode
 
     model = resolve_model(None)
     flags = ["--bootstrap", "127.0.0.1:1", "--stream-interval", str(interval)]

@@ -145,7 +145,7 @@ class Cluster:
 
 
 def console_script(name: str) -> str:
-    from gateway.launcher import console_script as installed  # after install(): grpcio
+    from gateway.process.launcher import console_script as installed  # after install(): grpcio
 
     return installed(name)
 

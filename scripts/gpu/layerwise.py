@@ -9,7 +9,7 @@ processes on one GPU) with `--kv-stream-layers 0` (the per-chunk push) against G
         --groups 0,2,4 --requests 3 --warmup 1 --chunk 512 --out /tmp/lw
 
 Per transfer backend (`cuda_ipc` always; `nixl` as well when its package imports after the
-install): one `pd-cluster --prefill 1 --decode 1` (gateway/cluster.py) with both nodes on
+install): one `pd-cluster --prefill 1 --decode 1` (gateway/process/cluster.py) with both nodes on
 cuda:0, the Llama-3-8B shape with dummy bf16 weights (scripts/tiny_models.py, the word
 tokenizer of scripts/gpu/serve_vs_engine.py), Triton attention, prefix caches off, every prompt
 prefilled by the prefill node (`--local-prefill-max-tokens 0` on the gateway), chunks of
@@ -20,8 +20,8 @@ started again with `--kv-stream-layers G` (bootstrap, decode node and gateway st
 Per (backend, G, prompt length): `--warmup` requests, then `--requests` sequential streamed
 `/generate` requests of distinct random prompts, `--output-len` greedy tokens each. Figures:
 - TTFT: the client's time from sending the request to the first token event;
-- exposed transfer: the timeline's `transfer_kv` (gateway/timeline.py): on the prefill node,
-  from the first token sampled (the end of the prompt's last forward) to every KV write
+- exposed transfer: the timeline's `transfer_kv` (gateway/dispatch/timeline.py): on the prefill
+  node, from the first token sampled (the end of the prompt's last forward) to every KV write
   confirmed; `transfer` beside it is what the decode node waited beyond P's spans (the DONE hop
   through bootstrap included);
 - hidden = 1 - exposed(G) / exposed(0), on the medians.
@@ -208,7 +208,7 @@ def measure(args: argparse.Namespace, url: str, run: Run, vocab: int) -> None:
 
 
 def backend_runs(args: argparse.Namespace, backend: str, model: Path, vocab: int) -> list[Run]:
-    from gateway.cluster import Cluster, build_config, build_parser
+    from gateway.process.cluster import Cluster, build_config, build_parser
 
     first = args.groups[0]
     argv = ["--prefill", "1", "--decode", "1", "--model", str(model)]

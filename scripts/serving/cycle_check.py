@@ -11,7 +11,7 @@ complete streams, streams the client leaves, rejected requests, a stream aborted
 `--stream-stall-timeout`) the gateway runs a collection with `gc.DEBUG_SAVEALL` and prints what
 it would have freed: objects by type, frames by function, exceptions by type, and how long
 that full collection took over how many objects (start-up objects frozen out of it since
-gateway/memory.py's `freeze_startup_objects`). Counts add up from class to class (the
+gateway/requests/memory.py's `freeze_startup_objects`). Counts add up from class to class (the
 garbage found is kept); an exception or a frame in the garbage is a cycle like the one above.
 """
 
@@ -65,7 +65,7 @@ def _report_garbage(signum: int, frame: Any) -> None:
 
 def _gateway(argv: list[str]) -> int:
     """gateway-server with the cyclic GC off; SIGUSR1 reports what a collection finds."""
-    from gateway.server import main
+    from gateway.process.server import main
 
     gc.disable()
     signal.signal(signal.SIGUSR1, _report_garbage)

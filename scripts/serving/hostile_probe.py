@@ -55,7 +55,7 @@ import grpc
 import httpx
 
 from engine.ports import free_port
-from gateway.launcher import console_script
+from gateway.process.launcher import console_script
 from proto import node_pb2, node_pb2_grpc
 
 ONE_TOKEN = {"model": "", "prompt": "Hi", "max_tokens": 1, "temperature": 0}

@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.choices import (
+from gateway.api.choices import (
     ChoiceEvent,
     ChoiceJob,
     ChoiceResult,
@@ -26,15 +26,15 @@ from gateway.choices import (
     merge,
     usage,
 )
+from gateway.api.sse import DONE, ChunkFrames, TextFrames, sse
 from gateway.config import LimitsConfig, ModelInfo
-from gateway.dispatch import Dispatcher
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.lane import LaneFrames, TokenLane
 from gateway.errors import APIError, bad_request
-from gateway.lane import LaneFrames, TokenLane
-from gateway.protocol import SamplingOptions, parse_chat, parse_completion
-from gateway.sse import DONE, ChunkFrames, TextFrames, sse
-from gateway.text import TextCodec
-from gateway.tokenize import PromptEncoder, prompt_too_long
-from gateway.tools import ToolSpec, tool_parser
+from gateway.requests.protocol import SamplingOptions, parse_chat, parse_completion
+from gateway.requests.text import TextCodec
+from gateway.requests.tokenize import PromptEncoder, prompt_too_long
+from gateway.requests.tools import ToolSpec, tool_parser
 from proto import node_pb2
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -260,7 +260,7 @@ class OpenAIHandlers(APIHandlers):
 
     @staticmethod
     def _lane(jobs: Sequence[ChoiceJob], stream: bool) -> TokenLane | None:
-        """A fast lane (gateway/lane.py) for a stream of one text-only choice."""
+        """A fast lane (gateway/dispatch/lane.py) for a stream of one text-only choice."""
         return TokenLane() if stream and len(jobs) == 1 and lane_takes(jobs[0].sampling) else None
 
     def _header(self, rid: str, kind: str) -> dict[str, Any]:
@@ -388,7 +388,7 @@ class OpenAIHandlers(APIHandlers):
         return {"message": message, "finish_reason": "stop" if tools.named else "tool_calls"}
 
     def _tool_family(self, tools: ToolSpec) -> str:
-        # A forced call is JSON whatever the template (gateway/tools.py).
+        # A forced call is JSON whatever the template (gateway/requests/tools.py).
         return "json" if tools.forced else self.codec.tool_family
 
     async def _tool_stream(
