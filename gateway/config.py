@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from bootstrap.security import InternalAuth, RoomTickets
 from engine.generation_defaults import GenerationDefaults
-from gateway.process.cpus import cpu_of_worker
 
 # API key scopes. A route belongs to one scope; a key may call the routes of its scopes only
 # (403 otherwise). `inference`: the OpenAI and native generation routes and /v1/models.
@@ -178,7 +177,8 @@ class GatewayConfig:
     @property
     def cpu(self) -> int | None:
         """The CPU this worker runs on (--worker-cpus), None when unpinned."""
-        return cpu_of_worker(self.worker_cpus, self.worker_index)
+        cpus = self.worker_cpus
+        return cpus[self.worker_index % len(cpus)] if cpus else None
 
     def __post_init__(self) -> None:
         if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:

@@ -38,7 +38,8 @@ def _colocated_on_decode_node(cluster, prompts, sampling) -> list[list[int]]:
 
     import grpc
 
-    from gateway.dispatch.pd_client import NodeTarget, pd_generate
+    from gateway.dispatch.pd_client import pd_generate
+    from gateway.routing.nodes import NodeTarget
     from proto import node_pb2_grpc
 
     async def run() -> list[list[int]]:

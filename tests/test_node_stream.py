@@ -16,8 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.dispatch.pd_client import GenerateMux, NodeTarget, pd_generate
+from gateway.dispatch.pd_client import GenerateMux, pd_generate
 from gateway.process.launcher import ServerProcess, running_node
+from gateway.routing.nodes import NodeTarget
 from proto import node_pb2, node_pb2_grpc
 
 ENDLESS = 60000

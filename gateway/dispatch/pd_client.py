@@ -40,6 +40,7 @@ import grpc
 
 from bootstrap.security import RoomTickets
 from gateway.dispatch.lane import TokenLane
+from gateway.routing.nodes import NodeTarget
 from proto import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger("pdserve.gateway.pd_client")
@@ -77,12 +78,6 @@ class PDResult:
 
 # Told the number of request deltas in each per-step message a mux receives (metrics).
 BatchObserver: TypeAlias = Callable[[int], None]
-
-
-@dataclass(frozen=True)
-class NodeTarget:
-    node_id: str
-    stub: node_pb2_grpc.NodeStub
 
 
 class PDStream:

@@ -36,7 +36,8 @@ from typing import IO, TypeVar
 import grpc
 
 from engine.ports import LOCALHOST, free_port
-from gateway.dispatch.pd_client import NodeTarget, PDResult, pd_generate
+from gateway.dispatch.pd_client import PDResult, pd_generate
+from gateway.routing.nodes import NodeTarget
 from proto import bootstrap_pb2, bootstrap_pb2_grpc, node_pb2, node_pb2_grpc
 
 # A server that lost the race for its port exits with this in its log; it is started again.
