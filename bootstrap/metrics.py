@@ -6,6 +6,8 @@ the room table after every change, on the service's event loop (so a scrape read
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bootstrap.registry import NodeRegistry, role_name
@@ -18,18 +20,20 @@ _BUCKETS = (
 _ROLES = (bootstrap_pb2.PREFILL, bootstrap_pb2.DECODE, bootstrap_pb2.COLOCATED)
 
 
-def counter(r: CollectorRegistry, name: str, doc: str, *labels: str) -> Counter:
+def counter(r: CollectorRegistry, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
     return Counter(name, doc, labels, registry=r)
 
 
-def gauge(r: CollectorRegistry, name: str, doc: str, *labels: str) -> Gauge:
+def gauge(r: CollectorRegistry, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
     return Gauge(name, doc, labels, registry=r)
 
 
 class BootstrapMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
-        self.live_nodes = gauge(r, "pdserve_bootstrap_live_nodes", "registered live nodes", "role")
+        self.live_nodes = gauge(
+            r, "pdserve_bootstrap_live_nodes", "registered live nodes", ("role",)
+        )
         self.rooms_open = gauge(r, "pdserve_bootstrap_rooms_open", "open rooms")
         self.rooms_unsettled = gauge(
             r,
@@ -43,7 +47,7 @@ class BootstrapMetrics:
             r,
             "pdserve_bootstrap_rooms_closed",
             "rooms closed by the prefill node's final status",
-            "state",
+            ("state",),
         )
         self.rooms_expired = counter(
             r, "pdserve_bootstrap_rooms_expired", "rooms open past --room-ttl"

@@ -12,6 +12,7 @@ Names: `pdserve_node_*`, `pdserve_prefill_*`, `pdserve_decode_*`; seconds and to
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -27,11 +28,11 @@ THROUGHPUT_WINDOW_S = 5.0
 
 
 # One call per metric: a node's histograms are all in seconds, on WAIT_BUCKETS.
-def counter(r: CollectorRegistry, name: str, doc: str, *labels: str) -> Counter:
+def counter(r: CollectorRegistry, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
     return Counter(name, doc, labels, registry=r)
 
 
-def gauge(r: CollectorRegistry, name: str, doc: str, *labels: str) -> Gauge:
+def gauge(r: CollectorRegistry, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
     return Gauge(name, doc, labels, registry=r)
 
 
@@ -61,15 +62,14 @@ class NodeMetrics:
         self.registry = r = registry or CollectorRegistry()
         self.role = role
         self.info = gauge(
-            r, "pdserve_node_info", "1, labelled with the role the node serves now", "role"
+            r, "pdserve_node_info", "1, labelled with the role the node serves now", ("role",)
         )
         self.info.labels(role).set(1)
         self.role_switches = counter(
             r,
             "pdserve_node_role_switches",
             "role switches without a restart, by old and new role",
-            "from",
-            "to",
+            ("from", "to"),
         )
         self._prefill: PrefillMetrics | None = None
         self._decode: DecodeMetrics | None = None
@@ -97,7 +97,10 @@ class NodeMetrics:
             r, "pdserve_node_retractions", "requests sent back to waiting (KV exhausted)"
         )
         self.finished = counter(
-            r, "pdserve_node_requests_finished", "requests that ended, by finish reason", "reason"
+            r,
+            "pdserve_node_requests_finished",
+            "requests that ended, by finish reason",
+            ("reason",),
         )
         self.forward_seconds = histogram(
             r, "pdserve_node_forward_seconds", "model forward time per step"
@@ -203,10 +206,10 @@ class PrefillMetrics:
             "KV writes issued by page ids (whole pages, one rank each side), not by ranges",
         )
         self.rooms = counter(
-            r, "pdserve_prefill_rooms", "rooms settled, by outcome (done | failed)", "outcome"
+            r, "pdserve_prefill_rooms", "rooms settled, by outcome (done | failed)", ("outcome",)
         )
         self.failures = counter(
-            r, "pdserve_prefill_transfer_failures", "rooms that failed, by reason", "reason"
+            r, "pdserve_prefill_transfer_failures", "rooms that failed, by reason", ("reason",)
         )
         self.staged_pages = counter(
             r,
@@ -263,10 +266,13 @@ class DecodeMetrics:
             r,
             "pdserve_decode_rooms",
             "rooms that ended on this node, by outcome (done | failed)",
-            "outcome",
+            ("outcome",),
         )
         self.failures = counter(
-            r, "pdserve_decode_transfer_failures", "rooms that brought no KV, by reason", "reason"
+            r,
+            "pdserve_decode_transfer_failures",
+            "rooms that brought no KV, by reason",
+            ("reason",),
         )
         self.staged_pages = counter(
             r,

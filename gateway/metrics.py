@@ -20,6 +20,7 @@ event).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
@@ -49,23 +50,23 @@ class GatewayMetrics:
         self.multiprocess_dir = multiprocess_dir
         self.registry = r = CollectorRegistry()
 
-        def counter(name: str, doc: str, *labels: str) -> Counter:
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
             return Counter(name, doc, labels, registry=r)
 
-        def gauge(name: str, doc: str, *labels: str, mode: GaugeMode) -> Gauge:
+        def gauge(name: str, doc: str, labels: Sequence[str] = (), *, mode: GaugeMode) -> Gauge:
             return Gauge(name, doc, labels, registry=r, multiprocess_mode=mode)
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=r)
 
         self.requests = counter(
-            "pdserve_gateway_requests", "HTTP requests answered", "endpoint", "status"
+            "pdserve_gateway_requests", "HTTP requests answered", ("endpoint", "status")
         )
         self.inflight = gauge(
             "pdserve_gateway_inflight", "HTTP requests in progress", mode="livesum"
         )
         self.rejected = counter(
-            "pdserve_gateway_rejected", "requests refused by admission control", "reason"
+            "pdserve_gateway_rejected", "requests refused by admission control", ("reason",)
         )
         self.prompt_tokens = counter(
             "pdserve_gateway_prompt_tokens", "prompt tokens of finished choices"
@@ -88,53 +89,51 @@ class GatewayMetrics:
             "max_tokens outputs use)",
         )
         self.node_requests = counter(
-            "pdserve_gateway_node_requests", "choices sent to a node", "role", "node_id"
+            "pdserve_gateway_node_requests", "choices sent to a node", ("role", "node_id")
         )
         self.worker_node_requests = counter(
             "pdserve_gateway_worker_node_requests",
             "choices each gateway worker sent to a node (worker_affinity: one node per worker)",
-            *("worker", "role", "node_id"),
+            ("worker", "role", "node_id"),
         )
         # Per gateway worker (`worker`: its index): how the load spread over the workers and
         # how large the node messages it received were (deltas / batches: requests per step).
         self.worker_connections = counter(
             "pdserve_gateway_worker_connections",
             "TCP connections this gateway worker accepted (--workers: the kernel's spread)",
-            "worker",
+            ("worker",),
         )
         self.worker_inflight = gauge(
             "pdserve_gateway_worker_inflight",
             "HTTP requests this gateway worker has in progress",
-            "worker",
+            ("worker",),
             mode="livesum",
         )
         self.worker_completion_tokens = counter(
             "pdserve_gateway_worker_completion_tokens",
             "generated tokens of the choices this gateway worker finished",
-            "worker",
+            ("worker",),
         )
         self.worker_node_batches = counter(
             "pdserve_gateway_worker_node_batches",
             "per-step messages (StreamBatch) this gateway worker received from the nodes",
-            "worker",
+            ("worker",),
         )
         self.worker_node_deltas = counter(
             "pdserve_gateway_worker_node_deltas",
             "request deltas in those messages (deltas / batches: the mean batch a worker sees)",
-            "worker",
+            ("worker",),
         )
         self.node_cached_tokens = counter(
             "pdserve_gateway_node_cached_tokens",
             "prompt tokens served from a node's prefix cache",
-            "role",
-            "node_id",
+            ("role", "node_id"),
         )
         self.node_prompt_tokens = counter(
             "pdserve_gateway_node_prompt_tokens",
             "prompt tokens of the choices whose prefill a node did (its hit rate: "
             "node_cached_tokens / node_prompt_tokens)",
-            "role",
-            "node_id",
+            ("role", "node_id"),
         )
         self.cached_tokens = counter(
             "pdserve_gateway_cached_tokens",
@@ -144,7 +143,7 @@ class GatewayMetrics:
         self.kv_index_blocks = gauge(
             "pdserve_gateway_kv_index_blocks",
             "blocks the prefix index holds for a node (from its KV events)",
-            "node_id",
+            ("node_id",),
             mode="livemax",
         )
         self.kv_event_lag = histogram(
@@ -155,12 +154,12 @@ class GatewayMetrics:
         self.kv_event_resyncs = counter(
             "pdserve_gateway_kv_event_resyncs",
             "prefix-index resyncs of a node, by how (replay, snapshot)",
-            "kind",
+            ("kind",),
         )
         self.kv_event_errors = counter(
             "pdserve_gateway_kv_event_errors",
             "KV-event frames refused (malformed, out of order), each followed by a resync",
-            "reason",
+            ("reason",),
         )
         self.local_prefills = counter(
             "pdserve_gateway_local_prefills",
@@ -184,12 +183,12 @@ class GatewayMetrics:
         self.retries = counter(
             "pdserve_gateway_retries",
             "choices moved to another node before their first token",
-            "reason",
+            ("reason",),
         )
         self.migrations = counter(
             "pdserve_gateway_migrations",
             "streaming choices moved to another node after their first token",
-            "reason",
+            ("reason",),
         )
         self.migration_gap = histogram(
             "pdserve_gateway_migration_gap_seconds",
@@ -199,7 +198,7 @@ class GatewayMetrics:
             "pdserve_gateway_failures", "choices that failed after their first token"
         )
         self.live_nodes = gauge(
-            "pdserve_gateway_live_nodes", "nodes known from bootstrap", "role", mode="livemax"
+            "pdserve_gateway_live_nodes", "nodes known from bootstrap", ("role",), mode="livemax"
         )
         self.ttft = histogram("pdserve_gateway_time_to_first_token_seconds", "time to first token")
         self.itl = histogram(
