@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bootstrap.security import InternalAuth, RoomTickets
@@ -16,6 +17,12 @@ SCOPES = (INFERENCE, ADMIN)
 MAX_STREAM_INTERVAL = 4096  # tokens per streamed chunk
 MAX_WORKERS = 256  # gateway processes on one port
 WORKER_LISTEN = ("reuseport", "shared")  # how they share it (gateway/process/workers.py)
+
+
+def cpu_of_worker(cpus: Sequence[int], index: int) -> int | None:
+    """Worker `index`'s CPU (--worker-cpus, gateway/process/cpus.py): `cpus[index % len(cpus)]`;
+    None when nothing is pinned."""
+    return cpus[index % len(cpus)] if cpus else None
 
 
 @dataclass(frozen=True)
@@ -177,8 +184,7 @@ class GatewayConfig:
     @property
     def cpu(self) -> int | None:
         """The CPU this worker runs on (--worker-cpus), None when unpinned."""
-        cpus = self.worker_cpus
-        return cpus[self.worker_index % len(cpus)] if cpus else None
+        return cpu_of_worker(self.worker_cpus, self.worker_index)
 
     def __post_init__(self) -> None:
         if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:

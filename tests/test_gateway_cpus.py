@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from gateway.config import cpu_of_worker
 from gateway.process.cluster import build_config as cluster_config
 from gateway.process.cluster import build_parser as cluster_parser
 from gateway.process.cpus import (
     check_allowed,
-    cpu_of_worker,
     format_cpu_list,
     parse_cpu_list,
     worker_cpus,
