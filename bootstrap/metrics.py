@@ -6,6 +6,8 @@ the room table after every change, on the service's event loop (so a scrape read
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bootstrap.registry import NodeRegistry, role_name
@@ -18,43 +20,54 @@ _BUCKETS = (
 _ROLES = (bootstrap_pb2.PREFILL, bootstrap_pb2.DECODE, bootstrap_pb2.COLOCATED)
 
 
+def counter(r: CollectorRegistry, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+    return Counter(name, doc, labels, registry=r)
+
+
+def gauge(r: CollectorRegistry, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+    return Gauge(name, doc, labels, registry=r)
+
+
 class BootstrapMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
-        self.live_nodes = Gauge(
-            "pdserve_bootstrap_live_nodes", "registered live nodes", ["role"], registry=r
+        self.live_nodes = gauge(
+            r, "pdserve_bootstrap_live_nodes", "registered live nodes", ("role",)
         )
-        self.rooms_open = Gauge("pdserve_bootstrap_rooms_open", "open rooms", registry=r)
-        self.rooms_unsettled = Gauge(
+        self.rooms_open = gauge(r, "pdserve_bootstrap_rooms_open", "open rooms")
+        self.rooms_unsettled = gauge(
+            r,
             "pdserve_bootstrap_rooms_unsettled",
             "closed rooms whose prefill node may still write into the decode node's pages",
-            registry=r,
         )
-        self.rooms_opened = Counter(
-            "pdserve_bootstrap_rooms_opened", "destinations posted by decode nodes", registry=r
+        self.rooms_opened = counter(
+            r, "pdserve_bootstrap_rooms_opened", "destinations posted by decode nodes"
         )
-        self.rooms_closed = Counter(
-            "pdserve_bootstrap_rooms_closed", "rooms closed by the prefill node's final status",
-            ["state"], registry=r,
-        )  # fmt: skip
-        self.rooms_expired = Counter(
-            "pdserve_bootstrap_rooms_expired", "rooms open past --room-ttl", registry=r
+        self.rooms_closed = counter(
+            r,
+            "pdserve_bootstrap_rooms_closed",
+            "rooms closed by the prefill node's final status",
+            ("state",),
+        )
+        self.rooms_expired = counter(
+            r, "pdserve_bootstrap_rooms_expired", "rooms open past --room-ttl"
         )
         self.rendezvous = Histogram(
             "pdserve_bootstrap_rendezvous_seconds",
             "destination posted by D -> handed to P's stream",
-            buckets=_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.heartbeats = Counter("pdserve_bootstrap_heartbeats", "heartbeats received", registry=r)
-        self.heartbeats_missed = Counter(
-            "pdserve_bootstrap_heartbeats_missed",
-            "nodes declared dead because their heartbeats stopped",
+            buckets=_BUCKETS,
             registry=r,
         )
-        self.node_failures = Counter(
+        self.heartbeats = counter(r, "pdserve_bootstrap_heartbeats", "heartbeats received")
+        self.heartbeats_missed = counter(
+            r,
+            "pdserve_bootstrap_heartbeats_missed",
+            "nodes declared dead because their heartbeats stopped",
+        )
+        self.node_failures = counter(
+            r,
             "pdserve_bootstrap_rooms_failed_by_node_loss",
             "open rooms failed because one of their nodes died, left or restarted",
-            registry=r,
         )
 
     def refresh(self, registry: NodeRegistry, rooms: RoomTable) -> None:

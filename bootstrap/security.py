@@ -1,6 +1,6 @@
 """Security of the internal gRPC APIs (bootstrap and node servers): shared token, TLS, bad input.
 
-Threat model. The gateway's HTTP API faces users (API keys, see gateway/app.py); the gRPC APIs
+Threat model. The gateway's HTTP API faces users (API keys, see gateway/api/app.py); the gRPC APIs
 are internal: only processes of the deployment may call them. Three layers, all optional and
 off by default (a laptop cluster on 127.0.0.1 needs none of them):
 

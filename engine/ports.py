@@ -1,7 +1,7 @@
 """`free_port`: the one way every part of the project picks a TCP port for a process it starts.
 
 Torch-free and import-free on purpose: the TP rank group (engine/tp/workers.py), `pd-cluster`
-and its launcher (gateway/launcher.py), the tests and the scripts all take it from here.
+and its launcher (gateway/process/launcher.py), the tests and the scripts all take it from here.
 
 A port handed to a child is bound only when the child gets that far, seconds later. A port the
 kernel picked (`bind(("", 0))`) comes from the ephemeral range, which every outgoing connection

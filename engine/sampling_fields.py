@@ -1,7 +1,7 @@
 """The sampling fields' types, ranges and defaults, declared once; torch-free, dependency-free.
 
 Two readers: `engine/sampling.py` validates every `SamplingParams` against this table, and the
-gateway's request models (`gateway/protocol.py`) take their field constraints, defaults and
+gateway's request models (`gateway/requests/protocol.py`) take their field constraints, defaults and
 range descriptions from it, so the HTTP API, its OpenAPI schema (`GET /openapi.json`) and the
 engine accept exactly the same values and word a bad one the same way:
 `temperature must be in [0, 2], got 3`.

@@ -4,7 +4,7 @@ Marks are `time.monotonic()` stamps set once, on the engine thread (except `arri
 the thread that hands the request to the engine loop, and `kv_arrived`, set by the bootstrap
 link's thread when the decode node hears the room is done). Durations between
 marks go back to the gateway in the node's final message (`proto/node.proto`, NodeTiming),
-which assembles the request's whole timeline (see gateway/timeline.py).
+which assembles the request's whole timeline (see gateway/dispatch/timeline.py).
 
     prefill node:   arrived -> destination -> scheduled -> first_token -> transfer_done
                     (bootstrap wait)  (queue)     (prefill)     (KV transfer)

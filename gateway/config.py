@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bootstrap.security import InternalAuth, RoomTickets
 from engine.generation_defaults import GenerationDefaults
-from gateway.cpus import cpu_of_worker
 
 # API key scopes. A route belongs to one scope; a key may call the routes of its scopes only
 # (403 otherwise). `inference`: the OpenAI and native generation routes and /v1/models.
@@ -16,7 +16,13 @@ ADMIN = "admin"
 SCOPES = (INFERENCE, ADMIN)
 MAX_STREAM_INTERVAL = 4096  # tokens per streamed chunk
 MAX_WORKERS = 256  # gateway processes on one port
-WORKER_LISTEN = ("reuseport", "shared")  # how they share it (gateway/workers.py)
+WORKER_LISTEN = ("reuseport", "shared")  # how they share it (gateway/process/workers.py)
+
+
+def cpu_of_worker(cpus: Sequence[int], index: int) -> int | None:
+    """Worker `index`'s CPU (--worker-cpus, gateway/process/cpus.py): `cpus[index % len(cpus)]`;
+    None when nothing is pinned."""
+    return cpus[index % len(cpus)] if cpus else None
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,7 @@ class RoutingConfig:
     # node died or gave it up): prompt + streamed tokens are re-issued elsewhere (0: never).
     migration_limit: int = 3
     # A request that finds every decode node at its running-request cap waits at the gateway
-    # this long for one to have room (gateway/decode_line.py), then joins a node's queue
+    # this long for one to have room (gateway/dispatch/decode_line.py), then joins a node's queue
     # (0: it joins one at once; the default until a run shows that the line pays).
     decode_hold_s: float = 0.0
 
@@ -127,7 +133,7 @@ class RoutingConfig:
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """What a slow or careless client may hold (gateway/connections.py)."""
+    """What a slow or careless client may hold (gateway/process/connections.py)."""
 
     header_timeout_s: float = 10.0  # from the connection (or request) start to its last header
     body_timeout_s: float = 30.0  # from the last header to the last body byte
@@ -159,18 +165,19 @@ class GatewayConfig:
     # A streamed choice sends a chunk every this many tokens (its first token at once, its last
     # chunk always): fewer frames, fewer detokenizer calls, the same text and token ids.
     stream_interval: int = 1
-    workers: int = 1  # processes serving the port (gateway/workers.py)
+    workers: int = 1  # processes serving the port (gateway/process/workers.py)
     # Which of them this process is (0..workers-1; the supervisor sets it per worker): the
     # `worker_affinity` policy and the `worker` label of per-worker metrics read it.
     worker_index: int = 0
-    # How the workers share the port (gateway/workers.py): "reuseport", a listener each and the
-    # kernel's hash picks one per connection; "shared", one listener whose connections the
+    # How the workers share the port (gateway/process/workers.py): "reuseport", a listener each
+    # and the kernel's hash picks one per connection; "shared", one listener whose connections the
     # worker free first takes.
     worker_listen: str = "reuseport"
-    # --worker-cpus: worker i runs on worker_cpus[i % len] (gateway/cpus.py); empty: unpinned.
+    # --worker-cpus: worker i runs on worker_cpus[i % len] (gateway/process/cpus.py); empty:
+    # unpinned.
     worker_cpus: tuple[int, ...] = ()
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
-    tokenizer_workers: int = 1  # threads tokenizing long prompts (gateway/tokenize.py)
+    tokenizer_workers: int = 1  # threads tokenizing long prompts (gateway/requests/tokenize.py)
     # SIGTERM: /health fails and new requests get 503 at once; in-flight ones get this long.
     drain_timeout_s: float = 20.0
 

@@ -1,7 +1,7 @@
 """A whole cluster of real processes on 127.0.0.1 for fault tests, and steady load against it.
 
 `FaultCluster` runs a bootstrap-server, named prefill/decode nodes and a gateway-server, each a
-real process (gateway/launcher.py) that a test may SIGKILL, SIGSTOP/SIGCONT and start again:
+real process (gateway/process/launcher.py) that a test may SIGKILL, SIGSTOP/SIGCONT and start again:
 the bootstrap and the gateway come back on the same address (nodes and clients know them by it),
 a node comes back on a new port under a new node id and joins through the bootstrap.
 
@@ -33,8 +33,8 @@ from typing import Any
 import httpx
 
 from engine.ports import free_port
-from gateway.launcher import ServerProcess as NodeServer
-from gateway.launcher import (
+from gateway.process.launcher import ServerProcess as NodeServer
+from gateway.process.launcher import (
     bootstrap_ready,
     loopback_transports,
     node_registered,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.ports import free_port
-from gateway.launcher import console_script
+from gateway.process.launcher import console_script
 from tests.test_gateway import RunningCluster, launched_cluster
 
 

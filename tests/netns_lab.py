@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.launcher import ServerProcess
+from gateway.process.launcher import ServerProcess
 
 
 class LabError(RuntimeError):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from gateway.cpus import worker_cpus
+from gateway.process.cpus import worker_cpus
 from proto import node_pb2
 from scripts.bench.fake_node import FakeNodeConfig, FakeRequest, StepSource
 from scripts.bench.fake_node import build_config as fake_node_config

@@ -337,7 +337,7 @@ def cluster_url(tmp_path: Path, model: Path, prefill: int, max_total_tokens: int
     length; its gateway URL. Its output goes to tmp_path / cluster.out, its logs to logs/."""
     import threading
 
-    from gateway.cluster import Cluster, ClusterConfig
+    from gateway.process.cluster import Cluster, ClusterConfig
 
     config = ClusterConfig(
         prefill=prefill,

@@ -164,7 +164,7 @@ def test_step_split_from_a_real_node_registry() -> None:
 def test_two_workers_against_a_real_cluster(tmp_path: Path, default_model_dir: Path) -> None:
     import threading
 
-    from gateway.cluster import Cluster, ClusterConfig
+    from gateway.process.cluster import Cluster, ClusterConfig
     from scripts.tiny_models import save_tiny_text_model
 
     model = save_tiny_text_model(default_model_dir, tmp_path / "tiny")

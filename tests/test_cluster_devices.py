@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.cluster import build_config, build_parser, node_devices
+from gateway.process.cluster import build_config, build_parser, node_devices
 
 
 def _config(*argv: str):  # type: ignore[no-untyped-def]
@@ -31,7 +31,7 @@ def test_a_bad_device_is_named() -> None:
 
 
 def test_a_node_started_later_takes_the_device_of_one_stopped_before() -> None:
-    from gateway.cluster import Cluster
+    from gateway.process.cluster import Cluster
 
     started: list[tuple[str, list[str]]] = []
 
@@ -48,7 +48,7 @@ def test_a_node_started_later_takes_the_device_of_one_stopped_before() -> None:
 
 
 def test_kv_stream_layers_go_to_prefill_nodes_and_a_restart_may_change_them() -> None:
-    from gateway.cluster import Cluster
+    from gateway.process.cluster import Cluster
 
     assert _config().kv_stream_layers == 0
     with pytest.raises(ValueError, match="--kv-stream-layers must be >= 0"):

@@ -1,5 +1,5 @@
-"""Late binding to a decode node (gateway/decode_line.py): requests that find every decode node
-at its running-request cap wait at the gateway, first come first served, and go to the first
+"""Late binding to a decode node (gateway/dispatch/decode_line.py): requests that find every decode
+node at its running-request cap wait at the gateway, first come first served, and go to the first
 node that has room; at most --decode-hold. The real-process check is in
 tests/test_gateway_routing.py (`test_a_request_waits_for_the_first_decode_node_with_room`)."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from gateway.decode_line import DecodeLine
-from gateway.dispatch import Dispatcher
+from gateway.dispatch.decode_line import DecodeLine
+from gateway.dispatch.dispatcher import Dispatcher
 from gateway.metrics import GatewayMetrics
-from gateway.nodes import DECODE, PREFILL, NodeDirectory
-from gateway.routing import Route
+from gateway.routing.nodes import DECODE, PREFILL, NodeDirectory
+from gateway.routing.policies import Route
 from proto import bootstrap_pb2
 from tests.test_kv_index_units import ROUTING, _node
 

@@ -28,8 +28,8 @@ import grpc
 import pytest
 import torch
 
-from gateway.launcher import ServerProcess as NodeServer
-from gateway.launcher import running_node, session_pids
+from gateway.process.launcher import ServerProcess as NodeServer
+from gateway.process.launcher import running_node, session_pids
 from proto import node_pb2
 from scripts.tiny_models import hf_greedy
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.launcher import pd_trio
+from gateway.process.launcher import pd_trio
 from proto import node_pb2
 from scripts.tiny_models import hf_greedy
 
@@ -38,7 +38,8 @@ def _colocated_on_decode_node(cluster, prompts, sampling) -> list[list[int]]:
 
     import grpc
 
-    from gateway.pd_client import NodeTarget, pd_generate
+    from gateway.dispatch.pd_client import pd_generate
+    from gateway.routing.nodes import NodeTarget
     from proto import node_pb2_grpc
 
     async def run() -> list[list[int]]:

@@ -49,9 +49,9 @@ import torch
 from engine.layer_groups import GroupDone
 from engine.request import FinishReason, Req
 from engine.sampling import SamplingParams
-from gateway.launcher import ServerProcess as NodeServer
-from gateway.launcher import bootstrap_ready, node_registered, running_node
-from gateway.pd_client import new_room
+from gateway.dispatch.pd_client import new_room
+from gateway.process.launcher import ServerProcess as NodeServer
+from gateway.process.launcher import bootstrap_ready, node_registered, running_node
 from kvtransfer.aux import AuxBuffer
 from kvtransfer.base import (
     MemoryRegion,

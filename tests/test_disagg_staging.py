@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine.ports import free_port
-from gateway.launcher import pd_trio
+from gateway.process.launcher import pd_trio
 from proto import node_pb2
 from scripts.tiny_models import hf_greedy
 

@@ -34,7 +34,7 @@ import httpx
 import pytest
 
 from engine.ports import free_port
-from gateway.launcher import console_script
+from gateway.process.launcher import console_script
 from proto import node_pb2
 from scripts.tiny_models import save_tiny_text_model
 from tests.fault_cluster import prompts

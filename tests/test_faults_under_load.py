@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.pd_client import PREFILL_ANSWER_GRACE_S
+from gateway.dispatch.pd_client import PREFILL_ANSWER_GRACE_S
 from proto import node_pb2
 from scripts.tiny_models import save_tiny_text_model
 from tests.fault_cluster import (

@@ -29,7 +29,7 @@ import openai
 import pytest
 
 from engine.ports import free_port
-from gateway.launcher import console_script, session_pids
+from gateway.process.launcher import console_script, session_pids
 from proto import node_pb2, node_pb2_grpc
 from scripts.tiny_models import hf_greedy
 

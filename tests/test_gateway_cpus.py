@@ -1,5 +1,5 @@
-"""`gateway-server --worker-cpus` (gateway/cpus.py): the cpulist parser, the check against the
-allowed CPUs, which CPU each worker gets, and the flag's way from the command line into the
+"""`gateway-server --worker-cpus` (gateway/process/cpus.py): the cpulist parser, the check against
+the allowed CPUs, which CPU each worker gets, and the flag's way from the command line into the
 frozen config. The pinned processes themselves are in tests/test_gateway_workers.py."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cluster import build_config as cluster_config
-from gateway.cluster import build_parser as cluster_parser
-from gateway.cpus import (
+from gateway.config import cpu_of_worker
+from gateway.process.cluster import build_config as cluster_config
+from gateway.process.cluster import build_parser as cluster_parser
+from gateway.process.cpus import (
     check_allowed,
-    cpu_of_worker,
     format_cpu_list,
     parse_cpu_list,
     worker_cpus,
@@ -77,7 +77,7 @@ def test_each_worker_takes_the_list_in_turn() -> None:
 def test_the_server_flag_reaches_each_workers_config(default_model_dir: Path) -> None:
     from dataclasses import replace
 
-    from gateway.server import build_config, build_parser
+    from gateway.process.server import build_config, build_parser
 
     cpu = min(os.sched_getaffinity(0))
     args = build_parser().parse_args(["--bootstrap", "b:1", "--workers", "3"])
@@ -108,7 +108,7 @@ def test_a_pinned_process_starts_its_threads_on_the_cpu() -> None:
     cpu = max(os.sched_getaffinity(0))
     code = (
         "import os, sys, threading\n"
-        "from gateway.cpus import pin_this_process\n"
+        "from gateway.process.cpus import pin_this_process\n"
         f"pin_this_process({cpu})\n"
         "seen = []\n"
         "thread = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))\n"

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from engine.ports import free_port
-from gateway.launcher import console_script, node_registered, running_node
+from gateway.process.launcher import console_script, node_registered, running_node
 from scripts.tiny_models import save_tiny_text_model
 from tests.test_gateway import RunningCluster, pd_cluster_process
 
@@ -208,8 +208,8 @@ def test_a_request_waits_for_the_first_decode_node_with_room(
 ) -> None:
     """Two decode nodes with a cap of one request each: a long stream on the first, a shorter
     one on the second, and a third request sent while both run. Round robin would send it to
-    the first, behind the long stream; the gateway holds it (gateway/decode_line.py) and sends
-    it to the second when that one's stream ends, so it finishes while the long one runs."""
+    the first, behind the long stream; the gateway holds it (gateway/dispatch/decode_line.py) and
+    sends it to the second when that one's stream ends, so it finishes while the long one runs."""
     args = [*GATEWAY_ARGS, "--prefill-policy", "round_robin", "--decode-hold", "30"]
     log = tmp_path / "pd-cluster.log"
     with pd_cluster_process(

@@ -5,8 +5,8 @@ the SSE frames.
 default model's tokenizer, one or several per chunk, as a decode node sends them); for every
 interval the events must carry the same text, token ids, finish reason and matched stop string
 as interval 1, with the first token alone in the first event. The same holds when the chunks
-after the first go to the client by the choice's fast lane (gateway/lane.py), some or all of
-them, and a request's inbox hands a chunk to its lane only while its consumer waits for it.
+after the first go to the client by the choice's fast lane (gateway/dispatch/lane.py), some or all
+of them, and a request's inbox hands a chunk to its lane only while its consumer waits for it.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.choices import ChoiceEvent, ChoiceJob, choice_events, lane_takes
-from gateway.lane import ChunkedWriter, TokenLane
-from gateway.pd_client import RequestInbox
-from gateway.sse import ChunkFrames, TextFrames, sse
-from gateway.text import TextCodec
+from gateway.api.choices import ChoiceEvent, ChoiceJob, choice_events, lane_takes
+from gateway.api.sse import ChunkFrames, TextFrames, sse
+from gateway.dispatch.lane import ChunkedWriter, TokenLane
+from gateway.dispatch.pd_client import RequestInbox
+from gateway.requests.text import TextCodec
 from proto import node_pb2
 
 INTERVALS = (1, 2, 3, 5, 8, 64)
@@ -334,8 +334,8 @@ def test_a_failing_lane_fails_its_request_not_the_reader() -> None:
 
 
 def test_chunked_writer_frames_as_uvicorn_does() -> None:
-    """Under the installed uvicorn (httptools, as gateway/server.py runs it) the writer is found
-    behind `send` once the response started, and what it writes reads as the same chunked body
+    """Under the installed uvicorn (httptools, as gateway/process/server.py runs it) the writer is
+    found behind `send` once the response started, and what it writes reads as the same chunked body
     as frames sent through `send`; before the start there is none."""
     import httpx
     import uvicorn

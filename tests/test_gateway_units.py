@@ -10,14 +10,14 @@ import pytest
 
 from engine import sampling_fields as table
 from engine.sampling import SamplingParams
+from gateway.api.openapi import openapi_document
 from gateway.config import GatewayConfig, LimitsConfig, ModelInfo, RoutingConfig
+from gateway.dispatch.migration import Progress
 from gateway.errors import APIError
-from gateway.migration import Progress
-from gateway.nodes import DECODE, PREFILL, LiveNode, NodeDirectory
-from gateway.openapi import openapi_document
-from gateway.protocol import parse_chat, parse_completion, parse_native
-from gateway.routing import PrefixAware, Router
-from gateway.text import StopTrimmer, TextCodec
+from gateway.requests.protocol import parse_chat, parse_completion, parse_native
+from gateway.requests.text import StopTrimmer, TextCodec
+from gateway.routing.nodes import DECODE, PREFILL, LiveNode, NodeDirectory
+from gateway.routing.policies import PrefixAware, Router
 from proto import bootstrap_pb2, node_pb2
 
 LIMITS = LimitsConfig(
@@ -251,7 +251,7 @@ def test_directory_follows_node_events() -> None:
     asyncio.run(scenario())
 
 
-# -- migration bookkeeping (gateway/migration.py) ------------------------------------------------
+# -- migration bookkeeping (gateway/dispatch/migration.py) -----------------------------------------
 
 
 def test_progress_resumes_with_the_streamed_tokens_and_the_rest_of_the_budget() -> None:

@@ -38,10 +38,10 @@ import httpx
 import pytest
 
 from engine.ports import free_port
-from gateway.app import Gateway
+from gateway.api.app import Gateway
 from gateway.config import GatewayConfig, ModelInfo
-from gateway.launcher import console_script, session_pids
-from gateway.text import TextCodec
+from gateway.process.launcher import console_script, session_pids
+from gateway.requests.text import TextCodec
 from scripts.tiny_models import save_tiny_text_model
 from tests.test_gateway import RunningCluster, launched_cluster
 from tests.test_gateway_units import LIMITS, ROUTING

@@ -12,7 +12,7 @@ import pytest
 from engine.generation_defaults import GenerationConfigError, load_generation_defaults
 from engine.model_fetch import DEFAULT_SOURCE, recommend_sampling
 from gateway.config import LimitsConfig, RequestDefaults
-from gateway.protocol import parse_chat, parse_native
+from gateway.requests.protocol import parse_chat, parse_native
 
 LIMITS = LimitsConfig(
     max_inflight=8, max_body_bytes=1 << 20, max_n=4, max_stop=4, max_stop_chars=64

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.launcher import pd_trio
+from gateway.process.launcher import pd_trio
 from proto import node_pb2
 from scripts.tiny_models import save_tiny_text_model
 

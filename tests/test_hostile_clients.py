@@ -32,8 +32,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from gateway.body import MAX_JSON_DEPTH, MIN_CONTAINERS, container_limit, parse_body
 from gateway.errors import APIError
+from gateway.requests.body import MAX_JSON_DEPTH, MIN_CONTAINERS, container_limit, parse_body
 from scripts.tiny_models import tiny_chat_model
 from tests.hardening import assert_openai_error, cluster_process
 from tests.test_gateway import RunningCluster, node_stub, wait_idle
@@ -332,9 +332,10 @@ def _answer(sock: socket.socket) -> tuple[int, dict[str, Any]]:
 
 
 def test_large_bodies_in_pieces_on_one_keep_alive_connection(cluster: RunningCluster) -> None:
-    """A body declared large is handed to the app whole (gateway/connections.py) and parsed in
-    a parse process (gateway/body.py): sent in pieces with pauses, a valid one is served, one
-    over the character bound gets the usual error, and the connection serves the next."""
+    """A body declared large is handed to the app whole (gateway/process/connections.py) and parsed
+    in a parse process (gateway/requests/body.py): sent in pieces with pauses, a valid one is
+    served, one over the character bound gets the usual error, and the connection serves the
+    next."""
     padding = "p" * 300_000  # an unknown field: ignored, but it makes the body large
     valid = {"model": "model", "prompt": "Tell me a story", "max_tokens": 2, "pad": padding}
     too_long = {"model": "model", "prompt": "a" * 300_000, "max_tokens": 2}

@@ -31,7 +31,7 @@ from engine.kv_events import (
     decode_batch,
     prefix_hashes,
 )
-from gateway.launcher import PDTrio, pd_trio
+from gateway.process.launcher import PDTrio, pd_trio
 from proto import bootstrap_pb2, bootstrap_pb2_grpc, node_pb2
 
 PAGE = 4

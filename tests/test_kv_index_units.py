@@ -34,11 +34,11 @@ from engine.kv_events import (
 )
 from engine.node.transfer_setup import node_load
 from gateway.config import RoutingConfig
-from gateway.kv_feed import FeedEndpoints, NodeFeed
 from gateway.metrics import GatewayMetrics
-from gateway.nodes import DECODE, PREFILL, LiveNode, NodeDirectory
-from gateway.prefix_index import EXPECT_S, PrefixIndex
-from gateway.routing import KVAware, LeastLoad, PrefixAware, Router, make_policy
+from gateway.routing.kv_feed import FeedEndpoints, NodeFeed
+from gateway.routing.nodes import DECODE, PREFILL, LiveNode, NodeDirectory
+from gateway.routing.policies import KVAware, LeastLoad, PrefixAware, Router, make_policy
+from gateway.routing.prefix_index import EXPECT_S, PrefixIndex
 from proto import bootstrap_pb2
 
 BLOCK = 4

@@ -26,7 +26,7 @@ import openai
 import pytest
 
 from engine.ports import free_port
-from gateway.launcher import console_script, node_registered, running_node
+from gateway.process.launcher import console_script, node_registered, running_node
 from proto import node_pb2, node_pb2_grpc
 from scripts.tiny_models import hf_greedy, save_tiny_text_model
 from tests.test_gateway import RunningCluster, pd_cluster_process

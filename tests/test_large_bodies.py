@@ -31,13 +31,13 @@ from typing import Any
 
 import pytest
 
-import gateway.body as body_module
-from gateway.app import until_disconnected
-from gateway.body import LARGE_BODY_BYTES
+import gateway.requests.body as body_module
+from gateway.api.app import until_disconnected
 from gateway.errors import APIError
-from gateway.memory import MemoryReturn, freeze_startup_objects
-from gateway.parse_process import BodyParser
-from gateway.tokenize import BodyRoute, PromptBounds
+from gateway.requests.body import LARGE_BODY_BYTES
+from gateway.requests.memory import MemoryReturn, freeze_startup_objects
+from gateway.requests.parse_process import BodyParser
+from gateway.requests.tokenize import BodyRoute, PromptBounds
 
 SMALL = json.dumps({"prompt": "hi"}).encode()
 LARGE = json.dumps({"prompt": "x" * LARGE_BODY_BYTES}).encode()

@@ -18,13 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # The gateway's whole start-up path up to serving: flags, model config, tokenizer, the ASGI app.
 GATEWAY_STARTUP = """
 import sys
-import gateway.server
-from gateway.app import Gateway, build_app
-from gateway.protocol import ChatMessage
-from gateway.text import TextCodec
+import gateway.process.server
+from gateway.api.app import Gateway, build_app
+from gateway.requests.protocol import ChatMessage
+from gateway.requests.text import TextCodec
 
-args = gateway.server.build_parser().parse_args(["--bootstrap", "127.0.0.1:1"])
-config = gateway.server.build_config(args, sys.argv[1])
+args = gateway.process.server.build_parser().parse_args(["--bootstrap", "127.0.0.1:1"])
+config = gateway.process.server.build_config(args, sys.argv[1])
 codec = TextCodec.load(sys.argv[1])
 codec.chat_prompt([ChatMessage("user", "hi")])
 build_app(Gateway(config, codec))

@@ -43,7 +43,7 @@ import grpc
 import httpx
 import pytest
 
-from gateway.launcher import console_script
+from gateway.process.launcher import console_script
 from proto import bootstrap_pb2, bootstrap_pb2_grpc, node_pb2, node_pb2_grpc
 from scripts.tiny_models import hf_greedy, save_tiny_text_model
 from tests.netns_lab import Host, Lab, lab_unavailable, netns_lab, wait_for

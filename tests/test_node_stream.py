@@ -1,5 +1,5 @@
 """`GenerateStream`: many requests on one call, a batch per engine step (engine/node/multiplex.py),
-and the gateway's client for it (`GenerateMux`, gateway/pd_client.py).
+and the gateway's client for it (`GenerateMux`, gateway/dispatch/pd_client.py).
 
 A real `decode-server` with the tiny llama allowed 65536 positions, so a request with a huge
 `max_new_tokens` runs until it is cancelled: every check depends on ordering, never on timing.
@@ -16,8 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.launcher import ServerProcess, running_node
-from gateway.pd_client import GenerateMux, NodeTarget, pd_generate
+from gateway.dispatch.pd_client import GenerateMux, pd_generate
+from gateway.process.launcher import ServerProcess, running_node
+from gateway.routing.nodes import NodeTarget
 from proto import node_pb2, node_pb2_grpc
 
 ENDLESS = 60000

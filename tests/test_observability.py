@@ -30,10 +30,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.ports import free_port
-from gateway.launcher import node_registered, running_node
-from gateway.pd_client import NodeTarget, PDResult, pd_generate
-from gateway.text import TextCodec
-from gateway.timeline import SEGMENTS
+from gateway.dispatch.pd_client import PDResult, pd_generate
+from gateway.dispatch.timeline import SEGMENTS
+from gateway.process.launcher import node_registered, running_node
+from gateway.requests.text import TextCodec
+from gateway.routing.nodes import NodeTarget
 from proto import node_pb2, node_pb2_grpc
 from scripts.tiny_models import save_tiny_text_model
 from tests.test_gateway import RunningCluster, pd_cluster_process

@@ -9,7 +9,7 @@ import logging
 from bootstrap.telemetry import JsonFormatter, RoomFilter, TextFormatter, current_room
 from engine.node.service import timing_to_proto
 from engine.timing import RequestTiming
-from gateway.timeline import SEGMENTS, assemble
+from gateway.dispatch.timeline import SEGMENTS, assemble
 from proto import node_pb2
 
 

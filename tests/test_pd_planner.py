@@ -691,8 +691,8 @@ def test_local_actuator_switches_a_running_cluster_with_nothing_lost(
     import time
     import urllib.request
 
-    from gateway.cluster import Cluster, build_config
-    from gateway.cluster import build_parser as cluster_parser
+    from gateway.process.cluster import Cluster, build_config
+    from gateway.process.cluster import build_parser as cluster_parser
     from scripts.planning.pd_planner import LocalActuator, scrapes_live
     from scripts.tiny_models import save_tiny_text_model
 

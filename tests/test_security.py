@@ -28,8 +28,8 @@ import pytest
 
 from bootstrap.client import BootstrapClient
 from bootstrap.security import TOKEN_HEADER, InternalAuth, RoomTickets, TLSConfig
-from gateway.launcher import ServerProcess as NodeServer
-from gateway.launcher import running_node
+from gateway.process.launcher import ServerProcess as NodeServer
+from gateway.process.launcher import running_node
 from proto import bootstrap_pb2 as pb
 from proto import bootstrap_pb2_grpc, node_pb2, node_pb2_grpc
 from scripts.tiny_models import tiny_chat_model
@@ -466,7 +466,7 @@ def test_tls_config_rejects_half_configurations() -> None:
 
 def test_api_keys_file_parsing(tmp_path: Path) -> None:
     from gateway.config import ADMIN, INFERENCE
-    from gateway.server import api_keys, build_parser
+    from gateway.process.server import api_keys, build_parser
 
     keys_file = tmp_path / "keys"
     keys_file.write_text("# comment\nk1\nk2 admin\nk3 inference,admin  # both\n\n")

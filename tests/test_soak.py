@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.launcher import session_pids
+from gateway.process.launcher import session_pids
 from scripts.serving.growth import Tolerance, judge, slope
 from scripts.serving.probes import Sample, metric_quantities, proc_usage
 from scripts.serving.soak_report import Findings, SampleLog, judge_samples, new_errors

@@ -1,5 +1,5 @@
-"""Tool calling units (gateway/tools.py): the parsers per chat-template family, the family read
-from a template, the forcing grammar, and how tools reach a template that ignores them."""
+"""Tool calling units (gateway/requests/tools.py): the parsers per chat-template family, the family
+read from a template, the forcing grammar, and how tools reach a template that ignores them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from gateway.protocol import ChatMessage
-from gateway.tools import (
+from gateway.requests.protocol import ChatMessage
+from gateway.requests.tools import (
     ToolCall,
     ToolFunction,
     ToolSpec,
@@ -116,8 +116,8 @@ def test_earlier_calls_are_shown_in_the_familys_form() -> None:
 
 
 def test_openapi_document_publishes_the_new_fields() -> None:
+    from gateway.api.openapi import openapi_document
     from gateway.config import GatewayConfig, ModelInfo
-    from gateway.openapi import openapi_document
     from tests.test_gateway_units import LIMITS, ROUTING
 
     config = GatewayConfig(

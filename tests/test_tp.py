@@ -112,7 +112,7 @@ def test_tp_colocated_matches_hf(default_model_dir, prompts_and_reference, tp_si
 def test_server_refuses_unmappable_tp_at_start(default_model_dir) -> None:
     import subprocess
 
-    from gateway.launcher import console_script
+    from gateway.process.launcher import console_script
 
     proc = subprocess.run(
         [console_script("decode-server"), "--model", str(default_model_dir), "--tp-size", "4"],

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.node.tp_transfer import _decode_plan, _encode_plan
-from gateway.launcher import NodeStartError, pd_trio
+from gateway.process.launcher import NodeStartError, pd_trio
 from kvtransfer.base import MemoryRegion, PeerInfo, PeerRank, TransferRange
 from kvtransfer.head_routes import (
     HeadRouteError,

@@ -29,7 +29,8 @@ from decode_node.decode_role import DecodeRole, DecodeRoleConfig
 from decode_node.rooms import DecodeEntry, DecodePhase
 from engine.request import FinishReason, Req
 from engine.sampling import SamplingParams
-from gateway.pd_client import NodeTarget, PDResult, pd_generate
+from gateway.dispatch.pd_client import PDResult, pd_generate
+from gateway.routing.nodes import NodeTarget
 from kvtransfer.aux import AUX_MAGIC, AuxBuffer, AuxMismatchError, FirstToken
 from kvtransfer.base import (
     KVTransferEngine,

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from engine.ports import free_port
-from gateway.launcher import bootstrap_ready, console_script, node_registered, running_node
+from gateway.process.launcher import bootstrap_ready, console_script, node_registered, running_node
 from tests.test_gateway_workers import _health
 
 WAIT_S = 120.0  # bound of every poll below (a failure, never a timing assertion)

@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 
 from gateway.config import GatewayConfig, LimitsConfig, ModelInfo, RoutingConfig
-from gateway.nodes import COLOCATED, DECODE, PREFILL, LiveNode, NodeDirectory
-from gateway.routing import Router, WorkerAffinity, make_policy
+from gateway.routing.nodes import COLOCATED, DECODE, PREFILL, LiveNode, NodeDirectory
+from gateway.routing.policies import Router, WorkerAffinity, make_policy
 from proto import bootstrap_pb2
 
 ROUTING = RoutingConfig(

@@ -1,7 +1,7 @@
 """`GenerateStream`: many requests over one gRPC call, answered with one batch per engine step.
 
-A gateway keeps one such call per node (gateway/pd_client.py, `GenerateMux`). On it the client
-opens requests (`StreamRequest.open`, a `GenerateRequest` with a rid) and cancels them
+A gateway keeps one such call per node (gateway/dispatch/pd_client.py, `GenerateMux`). On it the
+client opens requests (`StreamRequest.open`, a `GenerateRequest` with a rid) and cancels them
 (`cancel_rid`); the node sends `StreamBatch`es, each with at most one `RequestDelta` per request:
 the tokens since the last batch, then the `Finished`, or an `error` for a refused request. A
 per-request `Generate` costs the node one gRPC message per request per token; here it is one

@@ -1,9 +1,9 @@
 """Latency the gateway adds: streaming through gateway-server vs gRPC straight to the decode node.
 
-Starts a cluster with `gateway.cluster` (bootstrap + one decode node + the gateway; no prefill
-node, so the decode node prefills locally on both paths and the only difference is the gateway)
-and sends the same greedy request (a fixed token-id prompt, `ignore_eos`, N new tokens) over
-both paths:
+Starts a cluster with `gateway.process.cluster` (bootstrap + one decode node + the gateway; no
+prefill node, so the decode node prefills locally on both paths and the only difference is the
+gateway) and sends the same greedy request (a fixed token-id prompt, `ignore_eos`, N new tokens)
+over both paths:
 
 - direct: `Node.Generate` over gRPC, as the gateway itself calls it;
 - gateway: `POST /v1/completions` with `stream: true`, SSE parsed by an httpx client.
@@ -36,7 +36,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from gateway.cluster import Cluster, ClusterConfig
+from gateway.process.cluster import Cluster, ClusterConfig
 from proto import node_pb2, node_pb2_grpc
 
 

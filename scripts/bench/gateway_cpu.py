@@ -36,8 +36,8 @@ requests it finished, the nodes' per-step messages it received and the deltas in
 a step gave it: a worker holding fewer streams gets smaller messages and pays the per-message
 cost more often), its cores and CPU us per delta; and how many connections the clients opened
 (one per request: the kernel places each request anew). The load starts only once /health
-passes, which with `--workers N` is once every worker serves (gateway/workers.py): a first wave
-sent earlier piles onto the workers that listen already. `--out FILE` writes the tables too.
+passes, which with `--workers N` is once every worker serves (gateway/process/workers.py): a first
+wave sent earlier piles onto the workers that listen already. `--out FILE` writes the tables too.
 
 `--decode-policy NAME` is the gateway's (default `kv_aware`, i.e. `least_load` here: fake nodes
 publish no KV events). With `worker_affinity` gateway worker i sends all its requests to fake
@@ -91,8 +91,8 @@ from pathlib import Path
 
 from engine.ports import LOCALHOST, free_port
 from gateway.config import WORKER_LISTEN
-from gateway.cpus import format_cpu_list
-from gateway.launcher import (
+from gateway.process.cpus import format_cpu_list
+from gateway.process.launcher import (
     ServerProcess,
     bootstrap_ready,
     console_script,
@@ -100,7 +100,7 @@ from gateway.launcher import (
     running_node,
     session_pids,
 )
-from gateway.routing import POLICIES
+from gateway.routing.policies import POLICIES
 from scripts.bench.pinning import CpuPlan, host_cores, parse_cpu_list, pinned, plan_cpus
 from scripts.serving.procstat import cpu_seconds as process_cpu_seconds
 

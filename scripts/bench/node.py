@@ -3,8 +3,8 @@
 Part 1, over gRPC: starts a `decode-server` on 127.0.0.1 (or uses `--target HOST:PORT`) and,
 for each concurrency N, runs a closed loop: N client workers each send requests back to back
 until `--num-requests` have completed. `--client stream` (the default) sends them as the gateway
-does, all on one `GenerateStream` call (`GenerateMux`, gateway/pd_client.py); `--client generate`
-opens one `Generate` call per request (the only way before 2026-11-25). Prompts are random
+does, all on one `GenerateStream` call (`GenerateMux`, gateway/dispatch/pd_client.py); `--client
+generate` opens one `Generate` call per request (the only way before 2026-11-25). Prompts are random
 token ids in [100, 20000) (no special tokens), different per request so the prefix cache never
 helps; decoding is greedy with `ignore_eos`, so every request generates exactly `--output-len`
 tokens. Per level:
@@ -52,8 +52,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from gateway.launcher import running_node
-from gateway.pd_client import GenerateMux
+from gateway.dispatch.pd_client import GenerateMux
+from gateway.process.launcher import running_node
 from proto import node_pb2, node_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # engine paths in the profile are shown from here

@@ -27,8 +27,9 @@ import grpc
 import torch
 
 from engine.model_fetch import ensure_default_model
-from gateway.launcher import PDTrio, loopback_transports, pd_trio
-from gateway.pd_client import NodeTarget, pd_generate
+from gateway.dispatch.pd_client import pd_generate
+from gateway.process.launcher import PDTrio, loopback_transports, pd_trio
+from gateway.routing.nodes import NodeTarget
 from proto import node_pb2, node_pb2_grpc
 
 

@@ -10,7 +10,7 @@ decode node, token for token, and neither node keeps a page afterwards.
         --out "$OUT"
 
 A bootstrap-server, a prefill-server and a decode-server run as real processes on 127.0.0.1
-(gateway/launcher.py starts them exactly as an operator would), both nodes on the same GPU
+(gateway/process/launcher.py starts them exactly as an operator would), both nodes on the same GPU
 (`--device cuda`, KV pool in GPU memory, Triton attention, the default overlap scheduling) with
 a small fp32 dummy-weight Llama, so a difference is a bug and not rounding. Each transfer
 backend gets its own trio: NIXL (UCX: cuda_ipc between the two processes) and Mooncake (its CUDA
@@ -18,7 +18,7 @@ build over TCP, `MC_FORCE_TCP`, which stages GPU memory through host buffers; "n
 cannot register the nodes' CPU aux slots); `--backends cuda_ipc` runs one more, both nodes on
 the CUDA IPC backend (kvtransfer/cuda_ipc.py, not in the default set). Prompts of 5..900
 tokens (some longer than the 256-token chunked-prefill size of both nodes) go greedily
-through P->D with a room each, over gRPC without a gateway (gateway/pd_client.py), once one
+through P->D with a room each, over gRPC without a gateway (gateway/dispatch/pd_client.py), once one
 at a time and once all together; the reference is the same decode node prefilling itself
 (requests without a room), one at a time. Afterwards both nodes must be idle with no page
 in use (CheckIntegrity).
@@ -137,8 +137,8 @@ def prompts() -> list[list[int]]:
 
 @contextmanager
 def trio(workdir: Path, backend: str, device: str, extra: Sequence[str] = ()) -> Iterator[Any]:
-    """gateway/launcher.py's PD trio on this host (`extra`: more flags for both nodes)."""
-    from gateway.launcher import pd_trio
+    """gateway/process/launcher.py's PD trio on this host (`extra`: more flags for both nodes)."""
+    from gateway.process.launcher import pd_trio
 
     bins = console_wrappers(workdir / "bin")
     env = {"UCX_NET_DEVICES": "lo", "MC_LOG_LEVEL": "ERROR", **BACKENDS[backend]}

@@ -14,8 +14,8 @@ comparison with HF transformers is token for token. Sections:
 1. colocated: `LLM(tp_size=1|2, device="cuda")` with both attention backends (torch-native,
    Triton) against HF greedy on the same weights;
 2. PD across TP sizes (with `--carry`): a real bootstrap, prefill and decode server
-   (gateway/launcher.py's trio) for prefill TP=2 -> decode TP=1 and prefill TP=1 -> decode TP=2,
-   through NIXL (UCX cuda_ipc) and Mooncake (its CUDA build over TCP, GPU memory staged):
+   (gateway/process/launcher.py's trio) for prefill TP=2 -> decode TP=1 and prefill TP=1 -> decode
+   TP=2, through NIXL (UCX cuda_ipc) and Mooncake (its CUDA build over TCP, GPU memory staged):
    every prompt through the prefill node, output equal to HF, pages sent, and no page left on
    either node. A TP=2 node holds GPUs 0 and 1, the TP=1 node GPU 0. Rank 1 of the TP=2
    prefill node waits for its own GPU before it writes its KV shard (rank 0 waits for its own),
@@ -114,7 +114,7 @@ def colocated(
 
 def pd_split(workdir: Path, model: Path, backend: str, p_tp: int, d_tp: int,
              batch: list[list[int]], expected: list[list[int]], device: str) -> Row:  # fmt: skip
-    from gateway.launcher import pd_trio
+    from gateway.process.launcher import pd_trio
     from proto import node_pb2
 
     name = f"PD {backend}: prefill TP={p_tp} -> decode TP={d_tp} == HF"

@@ -17,9 +17,9 @@ shape: where the tokens per second go between the engine and the client.
    Mooncake's pruned CUDA build (scripts/gpu/mooncake_wheels.py) into a site folder;
 2. engine: `scripts.gpu step --batches C --context 272` in a process of its own (decode
    step time with and without overlap; engine tok/s = C / step time with overlap);
-3. one `pd-cluster --prefill 0 --decode 1` (gateway/cluster.py's own parser, so `--cluster-args`
-   takes any of its flags), the decode node with the engine's settings: dummy bf16 weights,
-   Triton attention, CUDA graphs (always on for CUDA), overlap, prefix cache off;
+3. one `pd-cluster --prefill 0 --decode 1` (gateway/process/cluster.py's own parser, so
+   `--cluster-args` takes any of its flags), the decode node with the engine's settings: dummy
+   bf16 weights, Triton attention, CUDA graphs (always on for CUDA), overlap, prefix cache off;
 4. node direct: `scripts.bench.node --target <the decode node>`: C gRPC streams back to back,
    `--num-requests` requests of `--input-len` random tokens and `--output-len` new tokens;
 5. served: `scripts.serving.bench_serving --workers W` through the gateway, the same requests
@@ -206,7 +206,7 @@ def node_args(args: argparse.Namespace) -> list[str]:
 
 
 def cluster_config(args: argparse.Namespace, model: Path) -> object:
-    from gateway.cluster import build_config, build_parser
+    from gateway.process.cluster import build_config, build_parser
 
     tokens = args.concurrency * (args.input_len + args.output_len + 64)
     argv = ["--prefill", "0", "--decode", "1", "--model", str(model)]
@@ -271,7 +271,7 @@ def served_phase(args: argparse.Namespace, url: str, watch: list[str], figures: 
 
 
 def cluster_phases(args: argparse.Namespace, model: Path, figures: Figures) -> None:
-    from gateway.cluster import Cluster
+    from gateway.process.cluster import Cluster
 
     config = cluster_config(args, model)
     with (args.out / "cluster.log").open("w") as log_file:

@@ -18,7 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, replace
 
-from gateway.cluster import Cluster, ClusterConfig
+from gateway.process.cluster import Cluster, ClusterConfig
 from scripts.serving.benchmark import BenchmarkConfig, run_benchmark, warm
 from scripts.serving.client import served_model
 

@@ -537,12 +537,12 @@ class KubernetesActuator:
 
 @dataclass
 class LocalActuator:
-    """The nodes of a local cluster (gateway/cluster.py's `Cluster`, which this process started):
-    first stops the nodes of a role the target has too many of (each gets SIGTERM and finishes
-    its in-flight work), then starts the missing ones with their peers' flags. Stopping first
-    keeps the node count within the budget (a GPU freed before it is taken again)."""
+    """The nodes of a local cluster (gateway/process/cluster.py's `Cluster`, which this process
+    started): first stops the nodes of a role the target has too many of (each gets SIGTERM and
+    finishes its in-flight work), then starts the missing ones with their peers' flags. Stopping
+    first keeps the node count within the budget (a GPU freed before it is taken again)."""
 
-    cluster: Any  # gateway.cluster.Cluster
+    cluster: Any  # gateway.process.cluster.Cluster
 
     def apply(self, target: Split) -> str:
         want = {"prefill": target.prefill, "decode": target.decode}
@@ -864,7 +864,7 @@ def node_profile(args: argparse.Namespace) -> NodeProfile:
 
 @dataclass
 class LocalCluster:
-    cluster: Any  # gateway.cluster.Cluster
+    cluster: Any  # gateway.process.cluster.Cluster
     url: str
 
 
@@ -873,8 +873,8 @@ def start_local_cluster(args: argparse.Namespace) -> LocalCluster:
     import shlex
     import threading
 
-    from gateway.cluster import Cluster, ClusterError, build_config
-    from gateway.cluster import build_parser as cluster_parser
+    from gateway.process.cluster import Cluster, ClusterError, build_config
+    from gateway.process.cluster import build_parser as cluster_parser
 
     config = build_config(cluster_parser().parse_args(shlex.split(args.cluster_args)))
     if args.budget is None:

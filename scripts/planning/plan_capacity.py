@@ -330,7 +330,7 @@ def read_measured(path: Path) -> dict[str, Any]:
 
 
 def cmd_host(args: argparse.Namespace) -> int:
-    from gateway.cluster import ClusterConfig
+    from gateway.process.cluster import ClusterConfig
     from scripts.planning.host_cost import measure
     from scripts.serving.benchmark import BenchmarkConfig
     from scripts.serving.client import ClientConfig

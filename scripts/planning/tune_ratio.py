@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gateway.cluster import Cluster, ClusterConfig, ClusterError, parse_devices
+from gateway.process.cluster import Cluster, ClusterConfig, ClusterError, parse_devices
 from scripts.planning.sweep import (
     RatePoint,
     Split,

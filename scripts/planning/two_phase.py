@@ -7,8 +7,8 @@ serves.
     python -m scripts.planning.two_phase --predict --out /tmp/two-phase     # seconds
 
 For each configuration (`--splits`, default every P:D of `--budget` and colocated; then the
-planner unless `--no-planner`) it starts a cluster (gateway/cluster.py's launcher; every node
-`--threads-per-node` OMP threads, as the profile was measured; disaggregated splits send every
+planner unless `--no-planner`) it starts a cluster (gateway/process/cluster.py's launcher; every
+node `--threads-per-node` OMP threads, as the profile was measured; disaggregated splits send every
 prompt through a prefill node: the gateway's `--local-prefill-max-tokens 0`), sends a few
 warm-up requests, then the same schedule of requests (scripts/planning/two_phase_score.py):
 phase A `--a-seconds` of Poisson arrivals at `--a-rate` of `--a-input`-token prompts with
@@ -55,8 +55,8 @@ from pathlib import Path
 
 import httpx
 
-from gateway.cluster import Cluster, ClusterError, build_config
-from gateway.cluster import build_parser as cluster_parser
+from gateway.process.cluster import Cluster, ClusterError, build_config
+from gateway.process.cluster import build_parser as cluster_parser
 from scripts.planning.profile import NodeProfile
 from scripts.planning.simulator import HostConfig
 from scripts.planning.sweep import Split, parse_splits

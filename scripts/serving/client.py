@@ -138,7 +138,7 @@ async def send(
     return trace, "".join(pieces)
 
 
-TIMING_COMMENT = ": Server-Timing: "  # how the gateway ends a stream (gateway/app.py)
+TIMING_COMMENT = ": Server-Timing: "  # how the gateway ends a stream (gateway/api/app.py)
 
 
 def parse_server_timing(value: str) -> dict[str, float]:

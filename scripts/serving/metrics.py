@@ -59,7 +59,7 @@ class RequestTrace:
     session: int = 0
     turn: int = 0
     # The gateway's breakdown of this request (its `Server-Timing`, ms per segment; see
-    # gateway/timeline.py); empty where the server sent none.
+    # gateway/dispatch/timeline.py); empty where the server sent none.
     timing_ms: dict[str, float] = field(default_factory=dict)
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (0 if not sent)
     reusable_tokens: int = 0  # a perfect cache's hit, as the dataset knows it (datasets.py)

@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.launcher import session_pids
+from gateway.process.launcher import session_pids
 from proto import node_pb2, node_pb2_grpc
 
 # Cumulative error counters per process kind: (sample name, label that must match or None).

@@ -174,7 +174,8 @@ def cpu_table(usages: Sequence[ProcessCpu], output_tokens: int) -> str:
     return "\n".join(lines)
 
 
-# The gateway's segments up to the first token, then the rest (gateway/timeline.py's order).
+# The gateway's segments up to the first token, then the rest (gateway/dispatch/timeline.py's
+# order).
 TTFT_SEGMENTS = (
     "gateway_queue", "prefill_bootstrap_wait", "prefill_queue", "prefill", "transfer",
     "decode_queue", "decode_first",

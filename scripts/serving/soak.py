@@ -34,8 +34,8 @@ from pathlib import Path
 
 import grpc
 
-from gateway.cluster import Cluster, ClusterConfig, ClusterError
-from gateway.launcher import loopback_transports
+from gateway.process.cluster import Cluster, ClusterConfig, ClusterError
+from gateway.process.launcher import loopback_transports
 from proto import node_pb2, node_pb2_grpc
 from scripts.serving.benchmark import BenchmarkConfig, run_benchmark
 from scripts.serving.client import ClientConfig, served_model

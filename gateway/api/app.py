@@ -2,8 +2,8 @@
 
 Every API request goes through `Gateway.serve`: API key (401; 403 for a key without the route's
 scope, see `gateway/config.py`), body size (413) and JSON (400) checks (a large body is parsed
-in a parse process, with its route's cheap prompt bound, gateway/body.py; memory is handed
-back after a burst of them, gateway/memory.py), admission (`max_inflight`, 429 with
+in a parse process, with its route's cheap prompt bound, gateway/requests/body.py; memory is handed
+back after a burst of them, gateway/requests/memory.py), admission (`max_inflight`, 429 with
 Retry-After), then the handler. A handler returns either a response object (sent as JSON) or
 an SSE byte stream (`EventStream`). While a handler works and while a stream is sent, the
 client's connection is watched: when it goes away the work is cancelled, which aborts the
@@ -30,32 +30,33 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bootstrap.client import BootstrapClient
-from gateway.body import LARGE_BODY_BYTES, container_limit
+from gateway.api.native_api import NativeHandler
+from gateway.api.openai_api import OpenAIHandlers, Payload
+from gateway.api.openapi import openapi_document
+from gateway.api.sse import DONE
 from gateway.config import ADMIN, INFERENCE, GatewayConfig
-from gateway.dispatch import Dispatcher
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.lane import ChunkedWriter, LaneFrames
+from gateway.dispatch.timeline import RequestTrace, current_trace
 from gateway.errors import APIError
-from gateway.kv_feed import KVFeeds
-from gateway.lane import ChunkedWriter, LaneFrames
-from gateway.memory import MemoryReturn, freeze_startup_objects, reuse_freed_memory
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.native_api import NativeHandler
-from gateway.nodes import ROLE_NAMES, NodeDirectory
-from gateway.openai_api import OpenAIHandlers, Payload
-from gateway.openapi import openapi_document
-from gateway.parse_process import BodyParser
-from gateway.prefix_index import PrefixIndex
-from gateway.sse import DONE
-from gateway.text import TextCodec
-from gateway.timeline import RequestTrace, current_trace
-from gateway.tokenize import BodyRoute, PromptEncoder
+from gateway.requests.body import LARGE_BODY_BYTES, container_limit
+from gateway.requests.memory import MemoryReturn, freeze_startup_objects, reuse_freed_memory
+from gateway.requests.parse_process import BodyParser
+from gateway.requests.text import TextCodec
+from gateway.requests.tokenize import BodyRoute, PromptEncoder
+from gateway.routing.kv_feed import KVFeeds
+from gateway.routing.nodes import ROLE_NAMES, NodeDirectory
+from gateway.routing.prefix_index import PrefixIndex
 
 logger = logging.getLogger("pdserve.gateway")
 
 Handler = Callable[[dict[str, Any]], Coroutine[Any, Any, Payload]]
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
-# OpenAI answers carry the timing breakdown of their slowest choice (gateway/timeline.py): a
-# header when not streamed; a stream's headers leave before any timing exists, so it ends with
-# the same value in an SSE comment line before `data: [DONE]` (clients skip comment lines).
+# OpenAI answers carry the timing breakdown of their slowest choice
+# (gateway/dispatch/timeline.py): a header when not streamed; a stream's headers leave before any
+# timing exists, so it ends with the same value in an SSE comment line before `data: [DONE]`
+# (clients skip comment lines).
 TIMING_HEADER = "Server-Timing"
 
 
@@ -128,7 +129,7 @@ class EventStream(Response):
     async def _pump(self, send: Send, body_send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         # Body frames go straight onto uvicorn's transport while it takes writes, and so may
-        # the lane's (gateway/lane.py): no ASGI message and coroutine per frame.
+        # the lane's (gateway/dispatch/lane.py): no ASGI message and coroutine per frame.
         writer = ChunkedWriter.for_send(body_send)
         lane = self.frames.lane if isinstance(self.frames, LaneFrames) else None
         if lane is not None:
@@ -191,7 +192,8 @@ class Gateway:
             config.internal_auth,
             keepalive_s=config.routing.node_keepalive_s,
         )
-        # The nodes' KV events, followed by this worker into its own index (gateway/kv_feed.py).
+        # The nodes' KV events, followed by this worker into its own index
+        # (gateway/routing/kv_feed.py).
         self.prefix_index = PrefixIndex()
         self.kv_feeds = KVFeeds(self.prefix_index, self.metrics)
         self.dispatcher = Dispatcher(
@@ -207,7 +209,7 @@ class Gateway:
             codec, config.model.context_length, config.tokenizer_workers, config.limits.max_n
         )
         # Large bodies are parsed in parse processes (started with the app); after a burst of
-        # them a thread hands the freed memory back (gateway/memory.py).
+        # them a thread hands the freed memory back (gateway/requests/memory.py).
         limit = container_limit(config.model.context_length)
         self.bodies = BodyParser(limit, self.encoder.bounds)
         self.trimmer = ThreadPoolExecutor(1, thread_name_prefix="memory-trim")
@@ -216,7 +218,8 @@ class Gateway:
         self.openai = OpenAIHandlers(*handlers)
         self.native = NativeHandler(*handlers)
         self.inflight = 0
-        self.draining = False  # SIGTERM (gateway/server.py): finish what is in flight, take no more
+        # SIGTERM (gateway/process/server.py): finish what is in flight, take no more
+        self.draining = False
 
     async def drain(self, timeout_s: float) -> None:
         """Wait (with `draining` set) until no request is in flight, or `timeout_s`."""
@@ -240,7 +243,7 @@ class Gateway:
         self, request: Request, endpoint: str, handler: Handler, route: BodyRoute | None = None
     ) -> Response:
         """`route`: whose cheap prompt bound (the handler's first check) a large body's parse
-        process applies before sending the parsed body back (gateway/body.py)."""
+        process applies before sending the parsed body back (gateway/requests/body.py)."""
         status = 200
         trace = RequestTrace()
         current_trace.set(trace)  # this request's choices record their timelines here
@@ -362,12 +365,12 @@ class Gateway:
             size += len(piece)
             if size > limit:
                 raise too_large
-        return b"".join(pieces)  # a body received whole (gateway/connections.py): no copy
+        return b"".join(pieces)  # a body received whole (gateway/process/connections.py): no copy
 
     def health(self) -> JSONResponse:
         counts = {name: self.directory.count(role) for role, name in ROLE_NAMES.items()}
         # With --workers N, not ready until every worker listens: load sent earlier lands on
-        # the workers that happen to listen already and stays there (gateway/workers.py).
+        # the workers that happen to listen already and stays there (gateway/process/workers.py).
         starting = self.workers_serving is not None and not self.workers_serving()
         ok = counts["decode"] + counts["colocated"] > 0 and not self.draining and not starting
         if self.draining:

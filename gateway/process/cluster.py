@@ -9,7 +9,7 @@ the gateway serves /metrics on its API port: one `[pd-cluster] metrics <name> <u
 for scrape configs and tests); streams the
 children's logs with a `[name]` prefix. On Ctrl-C / SIGTERM, or when the bootstrap or the
 gateway dies, it stops everything: SIGTERM to each child (gateway first, bootstrap last), SIGKILL
-after the grace period, and a kill of each child's whole session (gateway/launcher.py), so
+after the grace period, and a kill of each child's whole session (gateway/process/launcher.py), so
 nothing is left behind even if a child died or left processes of its own. Children also get
 SIGTERM from the kernel if pd-cluster itself is killed (PR_SET_PDEATHSIG).
 
@@ -55,8 +55,8 @@ from bootstrap.telemetry import add_log_args
 from engine.ports import LOCALHOST as HOST
 from engine.ports import free_port
 from gateway.config import MAX_WORKERS
-from gateway.cpus import allowed_cpus, worker_cpus
-from gateway.launcher import ServerProcess, console_script, loopback_transports
+from gateway.process.cpus import allowed_cpus, worker_cpus
+from gateway.process.launcher import ServerProcess, console_script, loopback_transports
 
 _POLL_S = 0.25
 _CPUS_FLAG = "--gateway-worker-cpus"
@@ -266,7 +266,8 @@ class Cluster:
             if dead:
                 raise ClusterError(f"{dead[0].name} exited with code {dead[0].process.returncode}")
             health = _get_json(url + "/health")
-            # "ok": every gateway worker serves (gateway/workers.py), and the nodes are known
+            # "ok": every gateway worker serves (gateway/process/workers.py), and the nodes are
+            # known
             counts = health is not None and all(health.get(k) == n for k, n in want.items())
             if counts and health is not None and health.get("status") == "ok":
                 return

@@ -69,5 +69,5 @@ class TextFrames:
 
     def event_frame(self, event: Any) -> bytes | None:
         """The frame of a text-only event (a `ChoiceEvent` without logprobs or end); None when
-        it has no text (gateway/lane.py's `frame` stage)."""
+        it has no text (gateway/dispatch/lane.py's `frame` stage)."""
         return self.frame(event.index, event.text) if event.text else None

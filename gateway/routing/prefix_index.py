@@ -1,7 +1,7 @@
 """The gateway's global prefix index: which node holds which KV block, from the nodes' events.
 
-Fed by `gateway/kv_feed.py` (one feed per node) and read by the `kv_aware` routing policy
-(`gateway/routing.py`). A block is a page of token ids named by its chained hash
+Fed by `gateway/routing/kv_feed.py` (one feed per node) and read by the `kv_aware` routing policy
+(`gateway/routing/policies.py`). A block is a page of token ids named by its chained hash
 (`engine/kv_events.py`), so a prompt's hashes, computed here from its token ids, are looked up
 directly: a node holds the first k blocks of a prompt when it holds each of their hashes (it
 cannot hold a block without the ones before it, as its radix cache is a tree).

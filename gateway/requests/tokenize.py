@@ -16,7 +16,7 @@ loop it would delay every other client's stream. Two defences:
    `INLINE_CHARS` characters (and chats of at most `INLINE_MESSAGES` messages: rendering the
    template is Python) are tokenized in place, so a one-token request never queues behind
    someone else's long prompt. The memory a long prompt took is handed back after the
-   request (gateway/memory.py).
+   request (gateway/requests/memory.py).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gateway.errors import APIError, bad_request
-from gateway.protocol import ChatMessage, Prompt, too_many_prompts
-from gateway.text import TextCodec
-from gateway.tools import ToolSpec
+from gateway.requests.protocol import ChatMessage, Prompt, too_many_prompts
+from gateway.requests.text import TextCodec
+from gateway.requests.tools import ToolSpec
 
 INLINE_CHARS = 2048  # tokenized on the event loop: well under a millisecond
 INLINE_MESSAGES = 16
@@ -61,7 +61,7 @@ class BodyRoute(enum.Enum):
 class PromptBounds:
     """The cheap bounds (1. above) for one served model: lengths only, no tokenizer. Picklable,
     so that a parse process applies a route's bound to a large body before sending its parsed
-    object back (gateway/body.py); each handler applies the same bound first thing."""
+    object back (gateway/requests/body.py); each handler applies the same bound first thing."""
 
     context_length: int
     max_token_chars: int | None  # TextCodec.max_token_chars: None, no character bound

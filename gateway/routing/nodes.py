@@ -24,7 +24,6 @@ import grpc
 
 from bootstrap.client import BootstrapClient
 from bootstrap.security import InternalAuth
-from gateway.pd_client import NodeTarget
 from proto import bootstrap_pb2, node_pb2_grpc
 
 logger = logging.getLogger("pdserve.gateway.nodes")
@@ -33,6 +32,14 @@ PREFILL = bootstrap_pb2.PREFILL
 DECODE = bootstrap_pb2.DECODE
 COLOCATED = bootstrap_pb2.COLOCATED
 ROLE_NAMES: dict[int, str] = {PREFILL: "prefill", DECODE: "decode", COLOCATED: "colocated"}
+
+
+@dataclass(frozen=True)
+class NodeTarget:
+    """Where one request goes: a node's id and its gRPC stub (gateway/dispatch/pd_client.py)."""
+
+    node_id: str
+    stub: node_pb2_grpc.NodeStub
 
 
 @dataclass
@@ -147,7 +154,7 @@ class NodeDirectory:
         self.channel_options = keepalive_options(keepalive_s)
         self.on_change = on_change
         # A node may have room for one more request: its load was refreshed or it joined
-        # (the dispatcher's line of held requests looks again; gateway/decode_line.py).
+        # (the dispatcher's line of held requests looks again; gateway/dispatch/decode_line.py).
         self.on_room: Callable[[], None] | None = None
         self.nodes: dict[str, LiveNode] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}

@@ -35,8 +35,8 @@ a 3.9 MB body holds the GIL for 5-7 ms (the bracket counts, then orjson in one C
 thread of the gateway, eight of them back to back starved the event loop of the GIL between
 its I/O waits (a one-token request x1.7-x2.4 its idle latency beside eight 3.9 MB prompts on a
 32-core host, where the same burst sent to a bare sink left it at x1.0). The parse process
-also applies the route's cheap prompt bound (`PromptBounds`, gateway/tokenize.py): a body the
-bound refuses comes back as a small error record (`ErrorRecord`: no exception objects cross
+also applies the route's cheap prompt bound (`PromptBounds`, gateway/requests/tokenize.py): a body
+the bound refuses comes back as a small error record (`ErrorRecord`: no exception objects cross
 between processes), answered where the handler would have raised it (after the draining and
 admission checks); a body that passes comes back as its parsed object, which the bound keeps
 small (the context's worth of text or token ids).
@@ -52,10 +52,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.errors import APIError, bad_request
-from gateway.memory import malloc_trim
+from gateway.requests.memory import malloc_trim
 
 if TYPE_CHECKING:  # a parse process imports these as it unpickles its first job
-    from gateway.tokenize import BodyRoute, PromptBounds
+    from gateway.requests.tokenize import BodyRoute, PromptBounds
 
 MAX_JSON_DEPTH = 32  # nesting levels of objects and arrays
 LARGE_BODY_BYTES = 64 << 10  # parsed in a parse process; memory handed back after (app.py)

@@ -4,14 +4,14 @@
 (usage over every node it ran on), `cached_tokens` and `route` (its last nodes) say how it ended.
 
 Attempts: while every decode node is at its running-request cap the choice waits at the gateway
-(gateway/decode_line.py); then the router picks a (prefill?, decode) pair; `PDStream` sends to
-both. If the attempt fails before the first token reached us (a node is unreachable, refuses, or
+(gateway/dispatch/decode_line.py); then the router picks a (prefill?, decode) pair; `PDStream` sends
+to both. If the attempt fails before the first token reached us (a node is unreachable, refuses, or
 the KV hand-off fails), the failed node is excluded and the next attempt goes elsewhere (or to
 the decode node alone when no other prefill node is left), up to `max_attempts`. Requests the
 nodes call invalid (e.g. too long for their context) become a 400 at once. A failure after the
 first token (the decode node died, its stream broke, or it aborted the request, e.g. while
-shutting down) migrates the choice (gateway/migration.py): the node is excluded and prompt +
-streamed tokens go to another pair, the chunks continuing the same iteration, up to
+shutting down) migrates the choice (gateway/dispatch/migration.py): the node is excluded and prompt
++ streamed tokens go to another pair, the chunks continuing the same iteration, up to
 `migration_limit` moves; then `GenerationFailed` names every node that failed. Leaving the
 iteration early (the HTTP client went away) cancels both node calls: the request is aborted on
 both nodes.
@@ -29,16 +29,16 @@ import grpc
 
 from bootstrap.security import RoomTickets
 from gateway.config import RoutingConfig
-from gateway.decode_line import DecodeLine
+from gateway.dispatch.decode_line import DecodeLine
+from gateway.dispatch.lane import TokenLane
+from gateway.dispatch.migration import Progress
+from gateway.dispatch.pd_client import PDResult, PDStream
+from gateway.dispatch.timeline import Timeline, assemble, current_trace
 from gateway.errors import APIError, GenerationFailed, bad_request, unavailable
-from gateway.lane import TokenLane
 from gateway.metrics import GatewayMetrics
-from gateway.migration import Progress
-from gateway.nodes import NodeDirectory
-from gateway.pd_client import PDResult, PDStream
-from gateway.prefix_index import PrefixIndex
-from gateway.routing import Route, Router
-from gateway.timeline import Timeline, assemble, current_trace
+from gateway.routing.nodes import NodeDirectory
+from gateway.routing.policies import Route, Router
+from gateway.routing.prefix_index import PrefixIndex
 from proto import node_pb2
 
 logger = logging.getLogger("pdserve.gateway.dispatch")
@@ -130,7 +130,7 @@ class Dispatcher:
 
     async def hold(self, excluded: Collection[str], rid: str) -> bool:
         """Wait in the line while every decode node (but `excluded`) is at its cap, or others
-        wait already (gateway/decode_line.py); at most --decode-hold. True when the line
+        wait already (gateway/dispatch/decode_line.py); at most --decode-hold. True when the line
         released the request to a node with room: route it and count its slot (`enter`'s
         `takes_slot`) before the next await, or the next in line takes the same slot."""
         if self.line.hold_s <= 0:
@@ -169,7 +169,7 @@ class Generation:
         rid: str,
         lane: TokenLane | None = None,
     ) -> None:
-        """`lane`: the streamed choice's fast lane (gateway/lane.py); each attempt puts its
+        """`lane`: the streamed choice's fast lane (gateway/dispatch/lane.py); each attempt puts its
         per-chunk bookkeeping on it."""
         self.dispatcher = dispatcher
         self.lane = lane

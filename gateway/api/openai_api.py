@@ -12,11 +12,10 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncGenerator, Awaitable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
-from gateway.choices import (
+from gateway.api.choices import (
     ChoiceEvent,
     ChoiceJob,
     ChoiceResult,
@@ -26,15 +25,15 @@ from gateway.choices import (
     merge,
     usage,
 )
+from gateway.api.sse import DONE, ChunkFrames, TextFrames, sse
 from gateway.config import LimitsConfig, ModelInfo
-from gateway.dispatch import Dispatcher
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.lane import LaneFrames, TokenLane
 from gateway.errors import APIError, bad_request
-from gateway.lane import LaneFrames, TokenLane
-from gateway.protocol import SamplingOptions, parse_chat, parse_completion
-from gateway.sse import DONE, ChunkFrames, TextFrames, sse
-from gateway.text import TextCodec
-from gateway.tokenize import PromptEncoder, prompt_too_long
-from gateway.tools import ToolSpec, tool_parser
+from gateway.requests.protocol import SamplingOptions, parse_chat, parse_completion
+from gateway.requests.text import TextCodec
+from gateway.requests.tokenize import PromptEncoder, prompt_too_long
+from gateway.requests.tools import ToolSpec, tool_parser
 from proto import node_pb2
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -59,14 +58,6 @@ def token_budget(
             code="context_length_exceeded",
         )
     return min(requested or default or room, room)
-
-
-@dataclass
-class StreamState:
-    """What a streaming response tracks per choice (completions' text_offset)."""
-
-    offsets: dict[int, int] = field(default_factory=dict)
-    ends: list[Any] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -260,7 +251,7 @@ class OpenAIHandlers(APIHandlers):
 
     @staticmethod
     def _lane(jobs: Sequence[ChoiceJob], stream: bool) -> TokenLane | None:
-        """A fast lane (gateway/lane.py) for a stream of one text-only choice."""
+        """A fast lane (gateway/dispatch/lane.py) for a stream of one text-only choice."""
         return TokenLane() if stream and len(jobs) == 1 and lane_takes(jobs[0].sampling) else None
 
     def _header(self, rid: str, kind: str) -> dict[str, Any]:
@@ -271,7 +262,7 @@ class OpenAIHandlers(APIHandlers):
             "model": self.model.served_name,
         }
 
-    async def _completion_stream(
+    def _completion_stream(
         self,
         events: PrimedEvents,
         rid: str,
@@ -279,46 +270,27 @@ class OpenAIHandlers(APIHandlers):
         prompt_tokens: int,
         lane: TokenLane | None = None,
     ) -> AsyncGenerator[bytes, None]:
-        header = self._header(rid, "text_completion")
-        frames = ChunkFrames.for_header(header)
-        texts = TextFrames(frames, _completion_text)
-        state = StreamState()
-        if lane is not None:
-            lane.frame = texts.event_frame
-        try:
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    if event.end is not None:
-                        state.ends.append(event.end)
-                    elif not event.logprobs:
-                        if event.text:
-                            yield texts.frame(event.index, event.text)
-                        continue
-                    logprobs = None
-                    if event.logprobs:
-                        offset = state.offsets.get(event.index, 0)
-                        logprobs = self._completion_logprob_lists(
-                            event.token_ids, event.logprobs, offset
-                        )
-                        state.offsets[event.index] = offset + sum(
-                            len(t) for t in logprobs["tokens"]
-                        )
-                    yield frames.choice(
-                        {
-                            "index": event.index,
-                            "text": event.text,
-                            "logprobs": logprobs,
-                            "finish_reason": event.end.reason if event.end else None,
-                        }
-                    )
-        except APIError as exc:
-            yield sse(exc.body())
-            return
-        if include_usage:
-            yield sse({**header, "choices": [], "usage": usage(state.ends, prompt_tokens)})
-        yield DONE
+        offsets: dict[int, int] = {}  # per choice: characters streamed (logprobs' text_offset)
 
-    async def _chat_stream(
+        def choice(event: ChoiceEvent) -> dict[str, Any]:
+            logprobs = None
+            if event.logprobs:
+                offset = offsets.get(event.index, 0)
+                logprobs = self._completion_logprob_lists(event.token_ids, event.logprobs, offset)
+                offsets[event.index] = offset + sum(len(t) for t in logprobs["tokens"])
+            return {
+                "index": event.index,
+                "text": event.text,
+                "logprobs": logprobs,
+                "finish_reason": event.end.reason if event.end else None,
+            }
+
+        header = self._header(rid, "text_completion")
+        return self._stream(
+            events, header, _completion_text, choice, include_usage, prompt_tokens, lane
+        )
+
+    def _chat_stream(
         self,
         events: PrimedEvents,
         rid: str,
@@ -327,19 +299,50 @@ class OpenAIHandlers(APIHandlers):
         prompt_tokens: int,
         lane: TokenLane | None = None,
     ) -> AsyncGenerator[bytes, None]:
+        def choice(event: ChoiceEvent) -> dict[str, Any]:
+            logprobs = None
+            if event.logprobs:
+                logprobs = {"content": self._chat_entries(event.token_ids, event.logprobs)}
+            return {
+                "index": event.index,
+                "delta": {"content": event.text} if event.text else {},
+                "logprobs": logprobs,
+                "finish_reason": event.end.reason if event.end else None,
+            }
+
         header = self._header(rid, "chat.completion.chunk")
         if include_usage:
             header["usage"] = None
+        roles = [
+            {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+             "finish_reason": None}
+            for index in range(n)
+        ]  # fmt: skip
+        return self._stream(
+            events, header, _chat_text, choice, include_usage, prompt_tokens, lane, roles
+        )
+
+    async def _stream(
+        self,
+        events: PrimedEvents,
+        header: dict[str, Any],
+        text_choice: Callable[[int, str], dict[str, Any]],
+        choice: Callable[[ChoiceEvent], dict[str, Any]],
+        include_usage: bool,
+        prompt_tokens: int,
+        lane: TokenLane | None,
+        opening: Sequence[dict[str, Any]] = (),
+    ) -> AsyncGenerator[bytes, None]:
+        """A streamed answer: the `opening` choices, then a chunk per event (`text_choice` for
+        text only, which the fast lane may frame too; `choice` for the rest), the usage chunk if
+        asked for and `[DONE]`. An error after the first chunk ends the stream with its body."""
         frames = ChunkFrames.for_header(header)
-        texts = TextFrames(frames, _chat_text)
+        texts = TextFrames(frames, text_choice)
         if lane is not None:
             lane.frame = texts.event_frame
         ends = []
-        for index in range(n):
-            delta = {"role": "assistant", "content": ""}
-            yield frames.choice(
-                {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-            )
+        for first in opening:
+            yield frames.choice(first)
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -349,17 +352,7 @@ class OpenAIHandlers(APIHandlers):
                         if event.text:
                             yield texts.frame(event.index, event.text)
                         continue
-                    logprobs = None
-                    if event.logprobs:
-                        logprobs = {"content": self._chat_entries(event.token_ids, event.logprobs)}
-                    yield frames.choice(
-                        {
-                            "index": event.index,
-                            "delta": {"content": event.text} if event.text else {},
-                            "logprobs": logprobs,
-                            "finish_reason": event.end.reason if event.end else None,
-                        }
-                    )
+                    yield frames.choice(choice(event))
         except APIError as exc:
             yield sse(exc.body())
             return
@@ -388,7 +381,7 @@ class OpenAIHandlers(APIHandlers):
         return {"message": message, "finish_reason": "stop" if tools.named else "tool_calls"}
 
     def _tool_family(self, tools: ToolSpec) -> str:
-        # A forced call is JSON whatever the template (gateway/tools.py).
+        # A forced call is JSON whatever the template (gateway/requests/tools.py).
         return "json" if tools.forced else self.codec.tool_family
 
     async def _tool_stream(

@@ -1,11 +1,12 @@
 """The fast lane of a streamed choice: a node's token chunk straight to the client's socket.
 
 A streamed token normally travels up a chain of async generators, each resumed once per token:
-the request's `MuxedCall` and `PDStream` (gateway/pd_client.py), its `Generation` (retries and
-migration, gateway/dispatch.py), `choice_events` (text, gateway/choices.py), the API's frame
-encoder (gateway/openai_api.py) and the response's writer (`EventStream`, gateway/app.py), which
-awaits the server's ASGI `send`. At stream interval 1 that chain, a task wake-up, a future and an
-ASGI message per token cost more of the gateway's CPU than the token's own work.
+the request's `MuxedCall` and `PDStream` (gateway/dispatch/pd_client.py), its `Generation` (retries
+and migration, gateway/dispatch/dispatcher.py), `choice_events` (text, gateway/api/choices.py), the
+API's frame encoder (gateway/api/openai_api.py) and the response's writer (`EventStream`,
+gateway/api/app.py), which awaits the server's ASGI `send`. At stream interval 1 that chain, a
+task wake-up, a future and an ASGI message per token cost more of the gateway's CPU than the
+token's own work.
 
 A `TokenLane` is the same per-token work as plain calls, run by the mux's reader in the turn of
 the loop that parsed the node's `StreamBatch` (one pass over every request of a step). Each

@@ -73,11 +73,6 @@ def worker_cpus(text: str, allowed: Collection[int], flag: str = FLAG) -> tuple[
     return cpus
 
 
-def cpu_of_worker(cpus: Sequence[int], index: int) -> int | None:
-    """Worker `index`'s CPU: `cpus[index % len(cpus)]`; None when nothing is pinned."""
-    return cpus[index % len(cpus)] if cpus else None
-
-
 def allowed_cpus(flag: str = FLAG) -> set[int]:
     """The CPUs this process may run on; ValueError naming `flag` where Linux's affinity
     calls do not exist."""

@@ -7,16 +7,17 @@
   `sampling_params`, `stream`)
 
 The models are the one declaration of the request fields: they validate the bodies (strict
-JSON types: no "1" for 1, no true for 1), and `gateway/openapi.py` publishes their JSON schema
+JSON types: no "1" for 1, no true for 1), and `gateway/api/openapi.py` publishes their JSON schema
 at `GET /openapi.json`. The sampling fields' ranges and defaults come from the engine's table
-(`engine/sampling_fields.py`); a bad field answers 400 naming it (gateway/fields.py). What a
-model cannot know is checked after it, at run time: the served model's name, this gateway's
+(`engine/sampling_fields.py`); a bad field answers 400 naming it (gateway/requests/fields.py). What
+a model cannot know is checked after it, at run time: the served model's name, this gateway's
 flags (`--max-n`, stop-string limits; the context length in openai_api.py), and rules that
 tie two fields together. Unknown fields are ignored, except those in `_UNSUPPORTED`, which
 would change the answer.
 
 The bodies and parsing of `response_format`, `tools` / `tool_choice` and /generate's grammars
-live in `gateway/structured.py`; they add a grammar (engine/grammar_spec.py) to the options.
+live in `gateway/requests/structured.py`; they add a grammar (engine/grammar_spec.py) to the
+options.
 
 Sampling fields become one `SamplingOptions`; `SamplingOptions.to_proto` makes the node's
 `SamplingParams` for one choice (choice i of a seeded request uses seed + i, so the n choices
@@ -36,9 +37,9 @@ from engine import sampling_fields as table
 from engine.grammar_spec import GrammarSpec
 from gateway.config import LimitsConfig
 from gateway.errors import APIError, bad_request
-from gateway.fields import ONE_OF, number, validation_error
-from gateway.fields import RequestModel as _Body
-from gateway.structured import (
+from gateway.requests.fields import ONE_OF, number, validation_error
+from gateway.requests.fields import RequestModel as _Body
+from gateway.requests.structured import (
     NamedToolChoice,
     ResponseFormat,
     ToolBody,
@@ -47,7 +48,7 @@ from gateway.structured import (
     parse_tools,
     response_format_grammar,
 )
-from gateway.tools import ToolCall, ToolSpec
+from gateway.requests.tools import ToolCall, ToolSpec
 from proto import node_pb2
 
 # Fields that would change what the client gets, which this server does not implement.

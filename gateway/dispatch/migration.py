@@ -10,7 +10,7 @@ client's stream goes on with the new node's tokens, none repeated and none missi
 choice's usage counts the tokens of every node it ran on.
 
 `Progress` keeps the streamed tokens, the nodes tried and the number of moves;
-gateway/dispatch.py drives the attempts.
+gateway/dispatch/dispatcher.py drives the attempts.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.errors import bad_request
-from gateway.protocol import ChatMessage, Prompt
-from gateway.tools import ToolSpec, parser_family, render_chat
+from gateway.requests.protocol import ChatMessage, Prompt
+from gateway.requests.tools import ToolSpec, parser_family, render_chat
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded before the output so the first output token keeps its leading space
@@ -34,7 +34,7 @@ class TextCodec:
         self._token_text: dict[int, str] = {}
         self._decoded_alone: dict[int, str] = {}  # decode([id]); at most the vocabulary
         self._backend_decode = _backend_decoder(tokenizer)
-        # No token covers more characters than this (None: unknown); gateway/tokenize.py.
+        # No token covers more characters than this (None: unknown); gateway/requests/tokenize.py.
         self.max_token_chars = _max_token_chars(tokenizer)
 
     @classmethod
@@ -68,7 +68,8 @@ class TextCodec:
 
     @property
     def tool_family(self) -> str:
-        """How this model writes tool calls (gateway/tools.py), read from its chat template."""
+        """How this model writes tool calls (gateway/requests/tools.py), read from its chat
+        template."""
         template = getattr(self.tokenizer, "chat_template", None)
         return parser_family(template if isinstance(template, str) else None)
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from engine.grammar_spec import GrammarSpec
 
 if TYPE_CHECKING:
-    from gateway.protocol import ChatMessage
+    from gateway.requests.protocol import ChatMessage
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The gateway's OpenAPI 3.1 document, served at `GET /openapi.json`.
 
 The request bodies' schemas are generated from the models that parse them
-(`gateway/protocol.py`, pydantic), so the document cannot drift from the parser. The limits of
-this gateway's flags (served model name, context length, `--max-n`, stop limits), which the
+(`gateway/requests/protocol.py`, pydantic), so the document cannot drift from the parser. The limits
+of this gateway's flags (served model name, context length, `--max-n`, stop limits), which the
 parser checks at run time, are written into those schemas here, so that clients and API
 fuzzers (tests/test_hostile_input.py runs schemathesis on it) see what is enforced. Every error
 answer has OpenAI's error shape (`ErrorResponse`). Streaming answers (`stream: true`) are
@@ -16,7 +16,13 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from gateway.config import ADMIN, INFERENCE, GatewayConfig
-from gateway.protocol import BODIES, ChatBody, CompletionBody, GenerateBody, NativeSamplingFields
+from gateway.requests.protocol import (
+    BODIES,
+    ChatBody,
+    CompletionBody,
+    GenerateBody,
+    NativeSamplingFields,
+)
 
 Schema = dict[str, Any]
 _REFS = "#/components/schemas/{model}"

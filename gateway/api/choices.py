@@ -17,10 +17,10 @@ import contextlib
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
-from gateway.dispatch import Dispatcher
-from gateway.lane import TokenLane
-from gateway.text import IncrementalDetokenizer, StopTrimmer, TextCodec
-from gateway.timeline import Timeline
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.lane import TokenLane
+from gateway.dispatch.timeline import Timeline
+from gateway.requests.text import IncrementalDetokenizer, StopTrimmer, TextCodec
 from proto import node_pb2
 
 
@@ -39,7 +39,7 @@ class ChoiceEnd:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    timeline: Timeline | None = None  # where the time went (gateway/timeline.py)
+    timeline: Timeline | None = None  # where the time went (gateway/dispatch/timeline.py)
     cache_node: str = ""  # the node whose prefix cache served `cached_tokens`
     # Prompt tokens 1.. when the request asked for prompt logprobs (token 0 has none).
     prompt_logprobs: Sequence[node_pb2.TokenLogprobs] = ()
@@ -114,8 +114,9 @@ class PendingTokens:
 
 
 def lane_takes(sampling: node_pb2.SamplingParams) -> bool:
-    """Whether a choice's chunks may take a fast lane (gateway/lane.py): its events are text
-    only (no logprobs) and a chunk never ends it (no stop strings, which are matched per chunk)."""
+    """Whether a choice's chunks may take a fast lane (gateway/dispatch/lane.py): its events are
+    text only (no logprobs) and a chunk never ends it (no stop strings, which are matched per
+    chunk)."""
     return not (sampling.stop or sampling.logprobs or sampling.top_logprobs)
 
 

@@ -33,7 +33,7 @@ crashes after it served is reported and started again; one that dies before it e
 SIGINT stops the workers gracefully (uvicorn lets open requests finish), then kills what is
 left. Workers ask the kernel for SIGTERM when the supervisor dies, however it dies.
 
-`--worker-cpus LIST` pins worker i to CPU LIST[i % len(LIST)] (gateway/cpus.py): the worker
+`--worker-cpus LIST` pins worker i to CPU LIST[i % len(LIST)] (gateway/process/cpus.py): the worker
 sets its affinity as the first thing it does, before it starts any thread, and a replacement
 takes its predecessor's index and so its CPU. The supervisor itself stays unpinned (it only
 waits). Unpinned workers on a busy 32-core host paid 31-37 µs of CPU per streamed token each
@@ -71,8 +71,8 @@ from types import FrameType
 
 from bootstrap.telemetry import LogConfig, configure_logging
 from gateway.config import GatewayConfig
-from gateway.cpus import pin_this_process
 from gateway.metrics import MULTIPROCESS_ENV
+from gateway.process.cpus import pin_this_process
 
 logger = logging.getLogger("pdserve.gateway.workers")
 
@@ -131,8 +131,8 @@ def worker_main(
     if config.cpu is not None:  # first: every thread started from here on inherits it
         pin_this_process(config.cpu)
     configure_logging(spec.log)
-    from gateway.server import serve
-    from gateway.text import TextCodec
+    from gateway.process.server import serve
+    from gateway.requests.text import TextCodec
 
     codec = TextCodec.load(config.model.path)
     sock = shared if shared is not None else reuse_port_socket(config.host, config.port)

@@ -39,7 +39,8 @@ from typing import ClassVar, TypeAlias
 import grpc
 
 from bootstrap.security import RoomTickets
-from gateway.lane import TokenLane
+from gateway.dispatch.lane import TokenLane
+from gateway.routing.nodes import NodeTarget
 from proto import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger("pdserve.gateway.pd_client")
@@ -79,12 +80,6 @@ class PDResult:
 BatchObserver: TypeAlias = Callable[[int], None]
 
 
-@dataclass(frozen=True)
-class NodeTarget:
-    node_id: str
-    stub: node_pb2_grpc.NodeStub
-
-
 class PDStream:
     """One request on a (decode, optional prefill) pair; iterate once for D's responses.
 
@@ -106,10 +101,10 @@ class PDStream:
         on_batch: BatchObserver | None = None,
     ) -> None:
         """`resumed_tokens`: the last this many `input_ids` were generated for the request on
-        another node (a migrated request, gateway/migration.py). `lane`: the streamed choice's
-        fast lane (gateway/lane.py), which the mux's reader may hand this call's chunks to;
-        whoever gave it puts `record` among its observers. `on_batch`: told the size of every
-        per-step message the decode node's mux receives (`GenerateMux.for_stub`)."""
+        another node (a migrated request, gateway/dispatch/migration.py). `lane`: the streamed
+        choice's fast lane (gateway/dispatch/lane.py), which the mux's reader may hand this call's
+        chunks to; whoever gave it puts `record` among its observers. `on_batch`: told the size of
+        every per-step message the decode node's mux receives (`GenerateMux.for_stub`)."""
         self.decode = decode
         self.lane = lane
         self.on_batch = on_batch
@@ -213,8 +208,8 @@ class RequestInbox:
     consumer takes every chunk that arrived since it last looked in one go: when it falls
     behind, the tokens of several steps travel on as one chunk (as a decode node merges them
     when its gateway reads slowly, engine/node/multiplex.py) instead of one frame each. With a
-    `lane` (gateway/lane.py) a plain chunk that comes while the consumer waits for it goes to
-    the client by the lane, in the reader's turn, and wakes nobody.
+    `lane` (gateway/dispatch/lane.py) a plain chunk that comes while the consumer waits for it goes
+    to the client by the lane, in the reader's turn, and wakes nobody.
     """
 
     __slots__ = ("_loop", "_waiter", "chunks", "end", "lane")
@@ -243,7 +238,7 @@ class RequestInbox:
 
     def _lane_failed(self, exc: Exception) -> None:
         """A bug on the lane must not stop the mux's reader (every request on the node): this
-        request fails as if its node had, and is moved (gateway/dispatch.py)."""
+        request fails as if its node had, and is moved (gateway/dispatch/dispatcher.py)."""
         logger.exception("the stream fast lane failed (a gateway bug): failing the request")
         self.lane = None
         self.close(_rpc_error(grpc.StatusCode.INTERNAL, f"gateway stream lane failed: {exc!r}"))

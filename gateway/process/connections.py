@@ -47,9 +47,9 @@ from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.body import LARGE_BODY_BYTES
 from gateway.config import ConnectionLimits
 from gateway.errors import APIError
+from gateway.requests.body import LARGE_BODY_BYTES
 
 SEND_BUFFER_BYTES = 32 << 10
 

@@ -1,9 +1,9 @@
 """Following every live node's KV-cache events into the gateway's prefix index.
 
-`KVFeeds.sync` runs on every change of the node table (`gateway/nodes.py`): a node that
+`KVFeeds.sync` runs on every change of the node table (`gateway/routing/nodes.py`): a node that
 registered KV-event endpoints gets a `NodeFeed` task; one that left, or registered again with
 other endpoints (a restart), has its feed stopped and its blocks dropped from the index. Every
-gateway worker runs its own feeds into its own index (gateway/workers.py).
+gateway worker runs its own feeds into its own index (gateway/process/workers.py).
 
 A feed (vLLM's consumer protocol, `engine/node/kv_publisher.py`): subscribe (SUB), then ask
 the replay socket for a snapshot and apply it; then apply each batch whose seq is the last one
@@ -36,8 +36,8 @@ from engine.kv_events import (
     decode_batch,
 )
 from gateway.metrics import GatewayMetrics
-from gateway.nodes import LiveNode, NodeDirectory
-from gateway.prefix_index import PrefixIndex
+from gateway.routing.nodes import LiveNode, NodeDirectory
+from gateway.routing.prefix_index import PrefixIndex
 
 logger = logging.getLogger("pdserve.gateway.kv_events")
 

@@ -3,8 +3,9 @@
 Flags -> frozen `GatewayConfig` -> tokenizer -> Starlette app on uvicorn (uvloop, httptools).
 Nodes are not configured here: they are discovered from the bootstrap (`--bootstrap`). SIGINT /
 SIGTERM: uvicorn stops accepting, lets open requests finish, then the app closes its channels.
-`--workers N` (N > 1) runs N such processes on one port under a supervisor (gateway/workers.py);
-`--worker-cpus LIST` pins each to a CPU (gateway/cpus.py), or the one process without --workers.
+`--workers N` (N > 1) runs N such processes on one port under a supervisor
+(gateway/process/workers.py); `--worker-cpus LIST` pins each to a CPU (gateway/process/cpus.py),
+or the one process without --workers.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ from gateway.config import (
     RequestDefaults,
     RoutingConfig,
 )
-from gateway.cpus import allowed_cpus, pin_this_process, worker_cpus
-from gateway.routing import POLICIES
+from gateway.process.cpus import allowed_cpus, pin_this_process, worker_cpus
+from gateway.routing.policies import POLICIES
 
 if TYPE_CHECKING:
-    from gateway.text import TextCodec
+    from gateway.requests.text import TextCodec
 
 logger = logging.getLogger("pdserve.gateway")
 
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request that finds every decode node at its running-request cap waits "
         "at the gateway for the first to have room, rather than in one node's queue; then it "
         "joins a queue (default 0: at once; late binding is not yet shown to pay, see "
-        "gateway/decode_line.py)",
+        "gateway/dispatch/decode_line.py)",
     )
     g.add_argument(
         "--node-keepalive",
@@ -342,8 +343,8 @@ def serve(
     (its /health is 503 until then)."""
     import uvicorn
 
-    from gateway.app import Gateway, build_app, with_server_send
-    from gateway.connections import guarded_protocol
+    from gateway.api.app import Gateway, build_app, with_server_send
+    from gateway.process.connections import guarded_protocol
 
     gateway = Gateway(config, codec, multiprocess_dir, workers_serving)
 
@@ -413,13 +414,13 @@ def main(argv: list[str] | None = None) -> int:
         model_path = resolve_model(args.model)
         config = build_config(args, model_path)
         if config.workers > 1:
-            from gateway.workers import Supervisor
+            from gateway.process.workers import Supervisor
 
             return Supervisor(config, log).run()
         if config.cpu is not None:  # before the tokenizer and the server start threads
             pin_this_process(config.cpu)
             logger.info("gateway-server (pid %d) pinned to CPU %d", os.getpid(), config.cpu)
-        from gateway.text import TextCodec
+        from gateway.requests.text import TextCodec
 
         codec = TextCodec.load(model_path)
     except (ValueError, FileNotFoundError) as exc:

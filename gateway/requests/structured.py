@@ -2,9 +2,9 @@
 
 - `response_format` (`ResponseFormat`): `json_object` or `json_schema` become the request's
   grammar; `/generate`'s `json_schema`, `regex` and `ebnf` likewise (`native_grammar`);
-- `tools`, `tool_choice`, `parallel_tool_calls` become a `ToolSpec` (gateway/tools.py);
+- `tools`, `tool_choice`, `parallel_tool_calls` become a `ToolSpec` (gateway/requests/tools.py);
 - a schema feature the engine cannot enforce answers 400 naming the field and the keyword; a
-  schema the compiler refuses is answered by the node (gateway/openai_api.py, grammar_refusal).
+  schema the compiler refuses is answered by the node (gateway/api/openai_api.py, grammar_refusal).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pydantic import Field
 
 from engine.grammar_spec import GrammarSpec, unsupported_schema_feature
 from gateway.errors import bad_request
-from gateway.fields import RequestModel as _Body
-from gateway.tools import ToolFunction, ToolSpec
+from gateway.requests.fields import RequestModel as _Body
+from gateway.requests.tools import ToolFunction, ToolSpec
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 

@@ -10,7 +10,7 @@ token after the first and its top N, answered in `meta_info.input_token_logprobs
 `{"text", "output_ids", "meta_info": {"id", "finish_reason", "matched", "prompt_tokens",
 "completion_tokens", "cached_tokens", "cache_node", "timing", "output_token_logprobs"?}}`;
 `cache_node` is the node whose prefix cache served `cached_tokens`; `timing` is the
-request's breakdown in seconds (gateway/timeline.py). Streaming sends the same
+request's breakdown in seconds (gateway/dispatch/timeline.py). Streaming sends the same
 objects with the text and ids of each piece (deltas), `meta_info.finish_reason` on the last,
 then `[DONE]`.
 """
@@ -23,9 +23,8 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from engine.sampling_fields import MAX_NEW_TOKENS
-from gateway.choices import ChoiceJob, choice_events, collect
-from gateway.errors import APIError
-from gateway.openai_api import (
+from gateway.api.choices import ChoiceJob, choice_events, collect
+from gateway.api.openai_api import (
     WHOLE_CHOICE,
     APIHandlers,
     Payload,
@@ -34,8 +33,9 @@ from gateway.openai_api import (
     primed,
     token_budget,
 )
-from gateway.protocol import parse_native
-from gateway.sse import DONE, sse
+from gateway.api.sse import DONE, sse
+from gateway.errors import APIError
+from gateway.requests.protocol import parse_native
 from proto import node_pb2
 
 

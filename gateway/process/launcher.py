@@ -11,7 +11,7 @@ is left behind even when the server itself died first.
 `running_node` is the context manager the tests and scripts use: a server on 127.0.0.1 and a
 free port, ready on exit from `with`, stopped whatever happens; a server that lost the race for
 its port is started again on another. `pd_trio` runs a bootstrap + prefill + decode trio of
-them and sends requests through it without a gateway (gateway/pd_client.py).
+them and sends requests through it without a gateway (gateway/dispatch/pd_client.py).
 
 No torch here (the gateway package must not import it): only the standard library, grpc and
 the generated stubs.
@@ -36,7 +36,8 @@ from typing import IO, TypeVar
 import grpc
 
 from engine.ports import LOCALHOST, free_port
-from gateway.pd_client import NodeTarget, PDResult, pd_generate
+from gateway.dispatch.pd_client import PDResult, pd_generate
+from gateway.routing.nodes import NodeTarget
 from proto import bootstrap_pb2, bootstrap_pb2_grpc, node_pb2, node_pb2_grpc
 
 # A server that lost the race for its port exits with this in its log; it is started again.

@@ -1,9 +1,9 @@
 """Parse processes: large request bodies parsed outside the gateway's process (issue 25).
 
 `BodyParser` parses a small body on the event loop and hands a large one (`LARGE_BODY_BYTES`
-or more) to one of `PARSE_PROCESSES` parse processes; why, in gateway/body.py's docstring.
-`ParseProcess` is one child (`python -m gateway.parse_process`), started with `subprocess`, not
-`multiprocessing`: gateway-server's `--workers` are daemonic multiprocessing processes, which
+or more) to one of `PARSE_PROCESSES` parse processes; why, in gateway/requests/body.py's docstring.
+`ParseProcess` is one child (`python -m gateway.requests.parse_process`), started with `subprocess`,
+not `multiprocessing`: gateway-server's `--workers` are daemonic multiprocessing processes, which
 may not start multiprocessing children, and a fork of the threaded gateway is never safe.
 It serves one body at a time over its stdin and stdout:
 
@@ -13,7 +13,7 @@ It serves one body at a time over its stdin and stdout:
 The body is written straight from its buffer (no pickled copy of it, unlike a
 ProcessPoolExecutor's call), through a pipe enlarged to `PIPE_BYTES`, by the thread that waits
 for the answer (one `parse-body` thread per process): the gateway's event loop only hands the
-job over. What the child does with it is `gateway.body.answer_job`. A child ends when the
+job over. What the child does with it is `gateway.requests.body.answer_job`. A child ends when the
 gateway closes its pipe, or dies with it; Ctrl-C is the gateway's to handle, not the child's.
 """
 
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING
 
-from gateway.body import (
+from gateway.requests.body import (
     LARGE_BODY_BYTES,
     MIN_CONTAINERS,
     ParseAnswer,
@@ -45,7 +45,7 @@ from gateway.body import (
 )
 
 if TYPE_CHECKING:
-    from gateway.tokenize import BodyRoute, PromptBounds
+    from gateway.requests.tokenize import BodyRoute, PromptBounds
 
 logger = logging.getLogger("pdserve.gateway")
 PARSE_PROCESSES = 2  # per gateway process (or worker): large bodies queue for them
@@ -61,7 +61,7 @@ class ParseProcess:
     """One parse process, used by one body at a time (`BodyParser` keeps them)."""
 
     def __init__(self) -> None:
-        command = [sys.executable, "-m", "gateway.parse_process"]
+        command = [sys.executable, "-m", "gateway.requests.parse_process"]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self.process.stdin is not None and self.process.stdout is not None
         self._to_child = self.process.stdin
@@ -174,7 +174,7 @@ def _read_message(stream: IO[bytes]) -> object | None:
 
 def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
     """The child's loop: one job, its body, its answer; until the gateway closes the pipe."""
-    from gateway.memory import reuse_freed_memory
+    from gateway.requests.memory import reuse_freed_memory
 
     reuse_freed_memory()
     while True:
@@ -197,7 +197,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    import gateway.tokenize  # noqa: F401  (what the jobs unpickle, before the first one)
+    import gateway.requests.tokenize  # noqa: F401  (what the jobs unpickle, before the first one)
 
     serve(sys.stdin.buffer, answers)
     os._exit(0)  # nothing to clean up; skip the interpreter's teardown

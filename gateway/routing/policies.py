@@ -14,14 +14,14 @@ name; the prefill and decode sides each get their own policy instance (flags
   no match, or when the matching node is busier than the idlest by more than
   `prefix_balance_slack` requests, it falls back to `least_load`.
 - `kv_aware` (the default of both sides): routes on what the nodes' caches really hold, from
-  the global prefix index their KV events feed (gateway/prefix_index.py, gateway/kv_feed.py).
-  Each candidate costs `kv_compute_weight` x the prompt tokens it would have to compute (those
-  past its cached prefix) + the side's load weight x its load in tokens (`LiveNode.load_tokens`:
-  running and queued, not the evictable cache); the cheapest wins. On the prefill side load is
-  compute queued (weight 1: the same unit as the hit); on the decode side it is the running
-  streams' context, which costs bandwidth per step rather than compute once, so its weight is
-  small (0.01) and a follow-up turn stays with the node holding its history unless that node
-  carries a hundred times the history in extra streams. When no candidate publishes events (or
+  the global prefix index their KV events feed (gateway/routing/prefix_index.py,
+  gateway/routing/kv_feed.py). Each candidate costs `kv_compute_weight` x the prompt tokens it would
+  have to compute (those past its cached prefix) + the side's load weight x its load in tokens
+  (`LiveNode.load_tokens`: running and queued, not the evictable cache); the cheapest wins. On the
+  prefill side load is compute queued (weight 1: the same unit as the hit); on the decode side it is
+  the running streams' context, which costs bandwidth per step rather than compute once, so its
+  weight is small (0.01) and a follow-up turn stays with the node holding its history unless that
+  node carries a hundred times the history in extra streams. When no candidate publishes events (or
   none is synced yet) it is the side's old default: `prefix_aware` for prefill, `least_load`
   for decode.
 - `worker_affinity` (never the default): gateway worker i (`gateway-server --workers N`, 0 for a
@@ -56,8 +56,8 @@ from dataclasses import dataclass
 
 from gateway.config import RoutingConfig
 from gateway.errors import unavailable
-from gateway.nodes import COLOCATED, DECODE, PREFILL, LiveNode, NodeDirectory
-from gateway.prefix_index import PrefixIndex
+from gateway.routing.nodes import COLOCATED, DECODE, PREFILL, LiveNode, NodeDirectory
+from gateway.routing.prefix_index import PrefixIndex
 
 
 class RoutingPolicy(ABC):
