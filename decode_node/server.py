@@ -43,7 +43,9 @@ async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> Non
         publisher = start_kv_events(args, scheduler)
         if publisher is not None:
             engine_loop.bind_kv_events(publisher.publish)
-        service = NodeService(engine_loop, "colocated", model_path)
+        service = NodeService(
+            engine_loop, "colocated", model_path, max_unsent_tokens=args.stream_buffer_tokens
+        )
         engine_loop.start()
         try:
             await serve_node(

@@ -160,6 +160,8 @@ class FaultCluster:
         args += ["--transfer-backend", self.backend, "--max-total-tokens", "8192"]
         args += ["--chunked-prefill-size", "32", "--bootstrap-timeout", str(t.bootstrap_s)]
         args += ["--transfer-timeout", str(t.transfer_s), *extra]
+        if self.backend == "cuda_ipc":  # GPU to GPU only: both nodes on this host's GPU 0
+            args += ["--device", "cuda"]
         if script == "decode-server":
             args = ["--mode", "disaggregated", *args]
         proc = self._start(

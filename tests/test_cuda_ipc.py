@@ -52,6 +52,7 @@ from kvtransfer.process_memory import (
     ProcessMemoryError,
     write_process_memory,
 )
+from tests.triton_interpreter import interpret
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,18 +111,9 @@ KERNEL_CASES = textwrap.dedent(
 
 
 def test_kernel_moves_what_torch_indexing_moves_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [sys.executable, "-c", KERNEL_CASES],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
-    assert len(lines) == 8, out.stdout
+    stdout = interpret(KERNEL_CASES, timeout=240)
+    lines = stdout.splitlines()
+    assert len(lines) == 8, stdout
     assert lines[0].startswith("scattered pages") and lines[0].endswith(" 256")
     assert lines[1].split()[-2:] == ["3", "1024"]  # 3 runs of 1 KiB pages, chunk = a page
     assert lines[2].split()[-2:] == ["8", "256"]  # the same runs cut into 1 KiB pieces

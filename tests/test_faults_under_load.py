@@ -21,6 +21,8 @@ Each case adds a row to the fault table (printed at the end of the module, and w
 `fault-table.md` in the pytest temp dir): requests in flight at the fault, lost (must be 0),
 pages leaked (must be 0), recovery time measured from the outcomes. The killed node is started
 again by the next case. Slow (a few minutes per backend): marked `faults`, `make test-faults`.
+The backends: mooncake and nixl on the CPU; cuda_ipc (killed peer: its copies into or out of a
+dead process's GPU memory) only where a CUDA GPU is visible, its nodes with `--device cuda`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from gateway.dispatch.pd_client import PREFILL_ANSWER_GRACE_S
 from proto import node_pb2
@@ -54,7 +57,10 @@ from tests.fault_cluster import (
 
 pytestmark = pytest.mark.faults
 
-BACKENDS = ["mooncake", "nixl"]
+# cuda_ipc copies GPU to GPU only (a CPU KV pool is refused): its nodes run on the GPU and its
+# cases are skipped where none is visible (`make test-faults` on the device machine runs them).
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda_ipc needs a CUDA GPU")
+BACKENDS = ["mooncake", "nixl", pytest.param("cuda_ipc", marks=needs_cuda)]
 TIMEOUTS = Timeouts()
 RATE = 5.0  # requests per second
 MAX_TOKENS = 32  # long enough that several requests are in flight at a fault

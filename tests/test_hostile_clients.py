@@ -9,8 +9,8 @@ that send what no well-behaved client would:
    usual context-length error; lists no request could need (a million prompts, a hundred
    thousand messages) rejected by their length before their items are validated;
 3. slow connections: headers or a body that never finish (408, and never counted in flight),
-   more connections from one address than allowed, a stream the client stops reading (cut,
-   its pages freed on both nodes);
+   more connections from one address than allowed, a stream the client stops reading (cut
+   within `--stream-stall-timeout` of the last byte it took, its pages freed on both nodes);
 4. (marker `faults`) hypothesis bodies: nesting, unicode with surrogates, numbers at the
    edges, huge lists: no 5xx.
 Asserted: statuses, error shapes, that the cluster still serves and that no node keeps a page.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import APIError
+from gateway.process.connections import STALL_CHECK_S
 from gateway.requests.body import MAX_JSON_DEPTH, MIN_CONTAINERS, container_limit, parse_body
 from scripts.tiny_models import tiny_chat_model
 from tests.hardening import assert_openai_error, cluster_process
@@ -42,6 +44,8 @@ CONTEXT = 1024  # a stalled stream needs room to outgrow the socket buffers
 HEADER_TIMEOUT_S = 3
 BODY_TIMEOUT_S = 5
 STALL_TIMEOUT_S = 2
+# how late a stalled stream may be let go: the gateway's check period and this test's polling
+STALL_TOLERANCE_S = STALL_CHECK_S + 0.3
 MAX_INFLIGHT = 8
 PER_CLIENT = 24
 ROUTES = {
@@ -278,6 +282,18 @@ def _read_all(sock: socket.socket) -> bytes:
         data += piece
 
 
+def _seconds_until_cut(cluster: RunningCluster, sock: socket.socket) -> float:
+    """Seconds from the last data that reached `sock` (the kernel's `tcpi_last_data_recv`, read
+    without reading the data) until the gateway has let its request go (/health `inflight`)."""
+    while True:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 64)
+        (since_data_ms,) = struct.unpack_from("=I", info, 52)
+        last_data_at = time.monotonic() - since_data_ms / 1000
+        if _inflight(cluster) == 0:
+            return time.monotonic() - last_data_at
+        time.sleep(0.05)
+
+
 def _head(path: str, length: int) -> bytes:
     return (
         f"POST {path} HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
@@ -399,11 +415,15 @@ def test_a_stream_nobody_reads_is_cut_and_aborted(cluster: RunningCluster) -> No
         sock.sendall(_head("/v1/chat/completions", len(content)) + content)
         first = sock.recv(4096)
         assert first.startswith(b"HTTP/1.1 200"), first[:200]
-        for name in ("prefill-0", "decode-0"):  # while the client reads nothing more
+        stalled_s = _seconds_until_cut(cluster, sock)  # while the client reads nothing more
+        for name in ("prefill-0", "decode-0"):
             check = wait_idle(node_stub(cluster.node_address(name)))
             assert check.ok and check.used_pages == 0, (name, check)
         rest = _read_all(sock)  # the gateway closed it: the stream never completes
     assert b"data: [DONE]" not in rest
+    print(f"stalled stream let go {stalled_s:.2f} s after the last byte its client took")
+    # cut once the client has taken nothing for the timeout, and no later than the next check
+    assert STALL_TIMEOUT_S - 0.1 <= stalled_s <= STALL_TIMEOUT_S + STALL_TOLERANCE_S, stalled_s
     assert _inflight(cluster) == 0
     _still_serves(cluster)
 

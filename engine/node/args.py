@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.engine_loop import LoopConfig
 from engine.models.linear_backends import LINEAR_KERNELS
 from engine.node.kv_publisher import add_kv_events_args
+from engine.node.multiplex import MAX_UNSENT_TOKENS
 from kvtransfer import TRANSFER_BACKENDS
 from kvtransfer.base import TransferConfig
 from kvtransfer.cuda_batch_copy import COPY_METHODS
@@ -113,6 +114,14 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         "listens on every interface)",
     )
     g.add_argument("--port", type=int, default=30001)
+    g.add_argument(
+        "--stream-buffer-tokens",
+        type=int,
+        default=MAX_UNSENT_TOKENS,
+        help="tokens a request on a GenerateStream call may have unsent while its client does "
+        "not read; past it the request is aborted (its pages freed) and the client gets "
+        "RESOURCE_EXHAUSTED",
+    )
     g.add_argument(
         "--drain-timeout",
         "--shutdown-grace",

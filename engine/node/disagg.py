@@ -41,7 +41,9 @@ async def serve_disaggregated(
     engine_loop = EngineLoop(scheduler, loop_config(args, kind), served.role, metrics)
     if publisher is not None:
         engine_loop.bind_kv_events(publisher.publish)
-    service = NodeService(engine_loop, kind, model_path, link)
+    service = NodeService(
+        engine_loop, kind, model_path, link, max_unsent_tokens=args.stream_buffer_tokens
+    )
     config = server_config(args)
     service.switcher = RoleSwitcher(
         served, parts, engine_loop, service, link, metrics, config.drain_timeout_s

@@ -8,8 +8,14 @@ per-request `Generate` costs the node one gRPC message per request per token; he
 per step for all of the call's requests.
 
 Backpressure: a client that reads slowly holds up the writer (gRPC flow control); meanwhile the
-deltas of further steps merge into the pending ones, so the engine never waits and memory grows
-only by the tokens themselves. The call ending early (client gone, connection lost) aborts
+deltas of further steps merge into the pending ones, so the engine never waits. What a request
+has not sent is bounded: past `max_unsent_tokens` (`--stream-buffer-tokens`) it is aborted,
+its pages freed and its unsent tokens dropped, and its delta becomes an `error`
+(RESOURCE_EXHAUSTED, naming the flag) that the client gets once it reads again; the gateway
+takes it as a failed attempt (moves the request elsewhere or answers the error). Not a pause
+(the request would hold its pages for a reader that may never come back, and the scheduler
+would need a parked state for it), not dropped tokens (a wrong answer): a client that far
+behind is gone in all but name. The call ending early (client gone, connection lost) aborts
 every request still running on it, which frees their pages at once.
 """
 
@@ -67,11 +73,17 @@ class _Pending:
         return delta
 
 
+# Tokens a request may have waiting for its client (a stalled reader): far above what a step,
+# a burst or a paused gateway (GC, a busy event loop) leaves, far below a node's memory
+MAX_UNSENT_TOKENS = 4096
+
+
 class StreamConnection:
     """The requests of one `GenerateStream` call; an `OutputReceiver` for all of them."""
 
-    def __init__(self, host: StreamHost) -> None:
+    def __init__(self, host: StreamHost, max_unsent_tokens: int = MAX_UNSENT_TOKENS) -> None:
         self.host = host
+        self.max_unsent_tokens = max_unsent_tokens
         self.live: dict[str, Req] = {}  # opened, not finished, not cancelled
         self.ready = asyncio.Event()
         self._pending: dict[str, _Pending] = {}
@@ -83,7 +95,23 @@ class StreamConnection:
         pending.token_ids.extend(token_ids)
         if logprobs is not None:
             pending.logprobs.append(logprobs)
+        if len(pending.token_ids) > self.max_unsent_tokens:
+            self._overflow(rid, len(pending.token_ids))
         self.ready.set()
+
+    def _overflow(self, rid: str, unsent: int) -> None:
+        """The client is too far behind on `rid`: abort it, keep only the error for the client."""
+        req = self.live.pop(rid, None)
+        if req is not None:
+            self.host.close(req, aborted=True)
+        del self._pending[rid]
+        self.refuse(
+            rid,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"request {rid!r}: its client left {unsent} tokens unread, more than the "
+            f"{self.max_unsent_tokens} a request may hold on this node (--stream-buffer-tokens): "
+            "aborted and its pages freed",
+        )
 
     def end(self, finish: RequestFinish) -> None:
         self._pending.setdefault(finish.rid, _Pending()).finish = finish
@@ -134,13 +162,15 @@ class StreamConnection:
 
 
 async def serve_stream(
-    host: StreamHost, requests: AsyncIterator[node_pb2.StreamRequest]
+    host: StreamHost,
+    requests: AsyncIterator[node_pb2.StreamRequest],
+    max_unsent_tokens: int = MAX_UNSENT_TOKENS,
 ) -> AsyncIterator[node_pb2.StreamBatch]:
     """The `GenerateStream` handler: read opens and cancels, write one batch per wake-up.
 
     Ends once the client has half-closed and every request on the call has ended.
     """
-    conn = StreamConnection(host)
+    conn = StreamConnection(host, max_unsent_tokens)
     reader = asyncio.create_task(_read(conn, requests))
     try:
         while True:

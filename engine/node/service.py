@@ -20,7 +20,7 @@ from bootstrap.telemetry import current_room
 from engine.engine_loop import EngineLoop, RequestFinish
 from engine.grammar_spec import GrammarSpec
 from engine.node.bootstrap_link import NodeLink
-from engine.node.multiplex import RequestError, serve_stream
+from engine.node.multiplex import MAX_UNSENT_TOKENS, RequestError, serve_stream
 from engine.node.streams import (
     OutputReceiver,
     OutputRouter,
@@ -71,9 +71,17 @@ def sampling_to_proto(params: SamplingParams) -> node_pb2.SamplingParams:
 
 class NodeService(node_pb2_grpc.NodeServicer):
     def __init__(
-        self, engine: EngineLoop, role: str, model_name: str, link: NodeLink | None = None
+        self,
+        engine: EngineLoop,
+        role: str,
+        model_name: str,
+        link: NodeLink | None = None,
+        max_unsent_tokens: int = MAX_UNSENT_TOKENS,
     ) -> None:
+        if max_unsent_tokens < 1:
+            raise ValueError(f"--stream-buffer-tokens must be >= 1, got {max_unsent_tokens}")
         self.engine = engine
+        self.max_unsent_tokens = max_unsent_tokens  # a GenerateStream request's (multiplex.py)
         self.role = role
         self.model_name = model_name
         self.link = link
@@ -251,7 +259,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[node_pb2.StreamBatch]:
         try:
-            async for batch in serve_stream(self, request_iterator):
+            async for batch in serve_stream(self, request_iterator, self.max_unsent_tokens):
                 yield batch
         except RequestError as exc:
             await context.abort(exc.code, str(exc))

@@ -12,14 +12,21 @@ with four guards, all per connection (`ConnectionLimits`), and one economy:
   complete bodies).
 - connections per client address: beyond the cap a new connection is answered 429 and closed
   before anything is read.
-- stream stall: a response that cannot be written because the client does not read makes the
-  transport pause writing (its buffer is full); when that lasts `stream_stall_timeout_s` the
-  connection is aborted. The app then sees a disconnect, which cancels the stream and aborts
-  the request on its nodes (their pages are freed). A connection's kernel send buffer is
-  capped at `SEND_BUFFER_BYTES` (Linux doubles it) and its transport buffer at the same:
-  otherwise they grow to megabytes for a client that does not read, pinning memory and hiding
-  the stall behind minutes of tokens. Token streams need far less; the cost is a throughput
-  cap of about 64 KiB per round trip for one large non-streamed answer on a long-RTT link.
+- stream stall: a response whose client takes no byte for `stream_stall_timeout_s` has its
+  connection aborted. The app then sees a disconnect, which cancels the stream and aborts the
+  request on its nodes (their pages are freed). The stall is the kernel's to see: bytes wait
+  for the client and none has gone out since its receive window closed (`_stalled_for`, Linux's
+  `TCP_INFO` and `SIOCOUTQ`); a response in progress is looked at every `STALL_CHECK_S`, so
+  the stream ends at most that much after its timeout. The transport pausing writes (its
+  buffer full) was the old start of the clock: that comes only once the kernel's buffer and the
+  transport's have filled at the stream's token rate, 1.4 to 2.7 s late on a 2 s timeout in
+  tests/test_hostile_clients.py. It stays as the clock where the kernel does not say (another
+  OS) or keeps sending (retransmissions to a peer that vanished). A connection's kernel send
+  buffer is capped at `SEND_BUFFER_BYTES` (Linux doubles it) and its transport buffer at the
+  same: otherwise they grow to megabytes for a client that does not read, pinning memory.
+  Token streams need far less; the cost is a throughput cap of about 64 KiB per round trip
+  for one large non-streamed answer on a long-RTT link. The check costs two system calls per
+  streaming connection per `STALL_CHECK_S`.
 - large bodies handed over whole: uvicorn pauses reading at every 64 KiB of body and wakes the
   app, which copies what came (its bytearray into bytes) and asks for more: for a 3.9 MB body
   about 20 wake-ups and, with the app's join, four copies on the event loop (6 ms of its time
@@ -40,8 +47,12 @@ protocol hooks plus `cycle` and `transport`, which tests/test_hostile_clients.py
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import socket
+import struct
+import sys
+import termios
 from collections import Counter
 from collections.abc import Callable
 
@@ -52,6 +63,7 @@ from gateway.errors import APIError
 from gateway.requests.body import LARGE_BODY_BYTES
 
 SEND_BUFFER_BYTES = 32 << 10
+STALL_CHECK_S = 0.5  # (at most a quarter of the timeout) how often a response looks for a stall
 
 
 def _raw_error(exc: APIError) -> bytes:
@@ -71,6 +83,30 @@ def _timeout_error(what: str, seconds: float, flag: str) -> bytes:
         "whole request at once"
     )
     return _raw_error(APIError(408, message, code="request_timeout"))
+
+
+# struct tcp_info (linux/tcp.h): `tcpi_last_data_sent`, milliseconds since data last went out
+_LAST_DATA_SENT = struct.Struct("=I")
+_LAST_DATA_SENT_AT = 44
+_TCP_INFO_BYTES = 64
+
+
+def _stalled_for(sock: socket.socket | None) -> float | None:
+    """Seconds that bytes have waited for the peer with none sent (its receive window shut); 0
+    when none wait; None where the kernel does not say."""
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+        waiting = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4))  # == SIOCOUTQ
+    except OSError:
+        return None
+    if len(info) < _LAST_DATA_SENT_AT + _LAST_DATA_SENT.size:
+        return None
+    if not int.from_bytes(waiting, sys.byteorder):
+        return 0.0
+    (ms,) = _LAST_DATA_SENT.unpack_from(info, _LAST_DATA_SENT_AT)
+    return float(ms) / 1000
 
 
 def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -99,6 +135,7 @@ def guarded_protocol(
             headers={"Retry-After": "1"},
         )
     )
+    check_s = min(STALL_CHECK_S, limits.stream_stall_timeout_s / 4)
     header_late = _timeout_error("header", limits.header_timeout_s, "--header-timeout")
     body_late = _timeout_error("body", limits.body_timeout_s, "--body-timeout")
 
@@ -106,6 +143,7 @@ def guarded_protocol(
         _peer: str | None = None  # counted under this address while open
         _timer: asyncio.TimerHandle | None = None  # the header, body or stall deadline
         _whole: list[bytes] | None = None  # a large body's pieces, handed to the app at its end
+        _stall_check: asyncio.TimerHandle | None = None  # while a response is in progress
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -126,6 +164,7 @@ def guarded_protocol(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._check_stall_in(None)
             self._whole = None
             if self._peer is not None:
                 open_per_client[self._peer] -= 1
@@ -158,6 +197,7 @@ def guarded_protocol(
             self._whole = None
             super().on_message_complete()
             self._disarm()
+            self._check_stall_in(check_s)
 
         def pause_writing(self) -> None:
             super().pause_writing()
@@ -175,6 +215,26 @@ def guarded_protocol(
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
+
+        def _check_stall_in(self, seconds: float | None) -> None:
+            if self._stall_check is not None:
+                self._stall_check.cancel()
+            self._stall_check = None
+            if seconds is not None:
+                self._stall_check = self.loop.call_later(seconds, self._check_stall)
+
+        def _check_stall(self) -> None:
+            self._stall_check = None
+            cycle = self.cycle
+            if self.transport.is_closing() or cycle is None or cycle.response_complete:
+                return
+            stalled_s = _stalled_for(self.transport.get_extra_info("socket"))
+            if stalled_s is None:
+                return  # the kernel does not say: the transport's pause starts the clock
+            if stalled_s >= limits.stream_stall_timeout_s:
+                self.transport.abort()
+                return
+            self._check_stall_in(check_s)
 
         def _expire(self, answer: bytes | None) -> None:
             self._timer = None
