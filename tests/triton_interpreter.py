@@ -56,15 +56,6 @@ def interpret(script: str, *args: str, timeout: float = 300) -> str:
     return run_child(["-c", PRELUDE + textwrap.dedent(script), *args], timeout)
 
 
-def interpret_module(module: str, *args: str, timeout: float = 300) -> str:
-    """`python -m module args` under the interpreter; its stdout."""
-    script = (
-        PRELUDE + f"import runpy, sys; sys.argv[0] = {module!r}\n"
-        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
-    )
-    return run_child(["-c", script, *args], timeout)
-
-
 def run_child(argv: list[str], timeout: float) -> str:
     done = subprocess.run(
         [sys.executable, *argv],
