@@ -163,21 +163,24 @@ def decode_requests(cluster: FaultCluster) -> dict[str, float]:
 
 
 def wait_decoding(cluster: FaultCluster, name: str, before: dict[str, float]) -> None:
-    """Until the gateway routed every stream (each counted in `decode_requests` since `before`)
-    and `name` decodes at least one of them, with most of its MAX_TOKENS still to come.
+    """Until the gateway routed every stream (each counted in `decode_requests` since `before`:
+    none reaches `name` once it drains) and `name` decodes at least one of them. Only GetLoad
+    is polled then, so that the drain finds that stream well before its MAX_TOKENS.
 
     The condition is about `name` alone: waiting for every stream's KILL_AFTER-th chunk let a
     node finish all its streams while the other node's last one had not sent its sixth chunk
     (requests reach the prefill node up to a second apart on a busy host), and the drained
     node then held nothing."""
     deadline = time.monotonic() + 60
+    while sum(decode_requests(cluster).values()) - sum(before.values()) < len(PROMPTS):
+        assert time.monotonic() < deadline, "the gateway did not route every stream"
+        time.sleep(0.02)
     while True:
-        routed = sum(decode_requests(cluster).values()) - sum(before.values())
         load = cluster[name].stub.GetLoad(node_pb2.GetLoadRequest(), timeout=10)
-        if routed >= len(PROMPTS) and load.running_requests >= 1:
+        if load.running_requests >= 1:
             return
         assert time.monotonic() < deadline, f"{name} decoded none of the streams: {load}"
-        time.sleep(0.01)
+        time.sleep(0.002)
 
 
 @pytest.fixture(scope="module")
