@@ -150,31 +150,16 @@ def run_streams(
     return results, held
 
 
-def decode_requests(cluster: FaultCluster) -> dict[str, float]:
-    """Choices the gateway sent to each decode node (by node id), from its /metrics."""
-    counts: dict[str, float] = {}
-    for line in httpx.get(cluster.url + "/metrics", timeout=10).text.splitlines():
-        labels = re.match(r"pdserve_gateway_node_requests_total\{(.*)\} (\S+)$", line)
-        if labels and 'role="decode"' in labels[1]:
-            node_id = re.search(r'node_id="([^"]*)"', labels[1])
-            assert node_id, line
-            counts[node_id[1]] = counts.get(node_id[1], 0) + float(labels[2])
-    return counts
-
-
-def wait_decoding(cluster: FaultCluster, name: str, before: dict[str, float]) -> None:
-    """Until the gateway routed every stream (each counted in `decode_requests` since `before`:
-    none reaches `name` once it drains) and `name` decodes at least one of them. Only GetLoad
-    is polled then, so that the drain finds that stream well before its MAX_TOKENS.
+def wait_decoding(cluster: FaultCluster, name: str) -> None:
+    """Until `name` decodes one of the streams. Only the node's GetLoad is polled (every few ms):
+    the tiny model streams MAX_TOKENS in a second or two, and on a busy host one round trip
+    through the gateway (its /metrics, a stream's chunks) can take longer than that.
 
     The condition is about `name` alone: waiting for every stream's KILL_AFTER-th chunk let a
     node finish all its streams while the other node's last one had not sent its sixth chunk
     (requests reach the prefill node up to a second apart on a busy host), and the drained
     node then held nothing."""
     deadline = time.monotonic() + 60
-    while sum(decode_requests(cluster).values()) - sum(before.values()) < len(PROMPTS):
-        assert time.monotonic() < deadline, "the gateway did not route every stream"
-        time.sleep(0.02)
     while True:
         load = cluster[name].stub.GetLoad(node_pb2.GetLoadRequest(), timeout=10)
         if load.running_requests >= 1:
@@ -279,10 +264,9 @@ def test_sigterm_drains_the_decode_node(
     page in use. Either way every client gets the reference text."""
     cluster.ensure()
     moved_before = cluster.gateway_metric("pdserve_gateway_migrations_total")
-    routed_before = decode_requests(cluster)
     node_log, gateway_log = cluster[victim].log_text(), cluster["gateway"].log_text()
     results, threads = start_streams(cluster)
-    wait_decoding(cluster, victim, routed_before)
+    wait_decoding(cluster, victim)
     with ThreadPoolExecutor(1) as pool:
         exited = pool.submit(cluster.terminate, victim)
         _wait_for_log(cluster, "bootstrap", f"{cluster.node_id(victim)} is draining")
@@ -308,14 +292,16 @@ def test_sigterm_drains_the_decode_node(
         assert moved == 0
         return
     assert f"aborted {held} in-flight requests" in log
-    # The streams the node gave up, in the gateway's words (the first attempt of each failed,
-    # nothing else did): those that had streamed tokens move, one aborted while it still
-    # waited for its KV is sent again from scratch (a retry, not a move).
+    # The streams the node gave up, in the gateway's words: those that had streamed tokens
+    # move; one aborted while it still waited for its KV is sent again from scratch (a retry,
+    # not a move). A stream that reached the node after its drain began was refused there
+    # ("failed before its first token") and went elsewhere: the node never held it.
     gateway = cluster["gateway"].log_text()[len(gateway_log) :]
     streamed = {}
     for result in results:
         failed = rf"request {re.escape(result.rid)}-0 attempt 1 failed after (\d+) streamed tokens"
-        if found := re.search(failed, gateway):
+        found = re.search(failed + ".*", gateway)
+        if found and "failed before its first token" not in found[0]:
             streamed[result.rid] = int(found[1])
     assert len(streamed) == held, (streamed, held)
     assert moved == sum(1 for tokens in streamed.values() if tokens > 0)
