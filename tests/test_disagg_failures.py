@@ -528,9 +528,9 @@ def test_prefill_dies_mid_transfer(fleet: Fleet) -> None:
     writing = start_pd(fleet, "prefill-victim", "decode", prompt(LONG_PROMPT, seed=4))
     queued = start_pd(fleet, "prefill-victim", "decode", prompt(LONG_PROMPT, seed=5))
     wait_first_prefill_batch(victim, p_offset)
-    # Freeze P at once: it computes a chunk in well under 10 ms, the whole prompt in about a
-    # second. Waiting for the second room's delivery first gave a busy host's test thread
-    # that second, and P finished the room it was to die in. Bootstrap hands a frozen P its
+    # Freeze P at once: on a calm host it computes a chunk in about 8 ms, the whole prompt in
+    # a second or two, and any wait before the freeze (the second room's delivery was one) is
+    # time in which P may finish the room it is to die in. Bootstrap hands a frozen P its
     # destinations all the same (they wait in P's socket).
     os.kill(victim.pid, signal.SIGSTOP)
     try:
