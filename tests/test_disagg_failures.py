@@ -22,8 +22,10 @@ replayed destination; a cancel that arrives while the last writes are in flight)
 One module-scoped fleet per backend (one bootstrap, named nodes on it) is shared by all cases:
 the tiny llama with 65536 positions, so a 4000-token prompt in 32-token chunks keeps the prefill
 node busy for over a hundred steps and "mid-prefill" is a matter of ordering (act once P's log
-shows the first prefill batch), not of timing. A test that kills a node kills one it owns
-(`prefill-victim`, `decode-short`), which the fleet starts again when a later test needs it.
+shows the first prefill batch), not of timing. Those steps take about a second in all, so a
+test freezes or kills its node right then and waits for anything else afterwards. A test that
+kills a node kills one it owns (`prefill-victim`, `decode-short`), which the fleet starts
+again when a later test needs it.
 Nothing here asserts how fast anything is; timeouts only guard against hangs.
 """
 
@@ -526,10 +528,14 @@ def test_prefill_dies_mid_transfer(fleet: Fleet) -> None:
     writing = start_pd(fleet, "prefill-victim", "decode", prompt(LONG_PROMPT, seed=4))
     queued = start_pd(fleet, "prefill-victim", "decode", prompt(LONG_PROMPT, seed=5))
     wait_first_prefill_batch(victim, p_offset)
-    wait_delivered(fleet.bootstrap, b_offset, queued.outcome.room)
-
+    # Freeze P at once: on a calm host it computes a chunk in about 8 ms, the whole prompt in
+    # a second or two, and any wait before the freeze (the second room's delivery was one) is
+    # time in which P may finish the room it is to die in. Bootstrap hands a frozen P its
+    # destinations all the same (they wait in P's socket).
     os.kill(victim.pid, signal.SIGSTOP)
     try:
+        for call in (writing, queued):  # D holds both rooms' pages
+            wait_delivered(fleet.bootstrap, b_offset, call.outcome.room)
         held = decode.integrity().used_pages
         assert held >= 2 * LONG_PROMPT // PAGE_SIZE  # both rooms' destinations
         abort(decode, queued.outcome.rid)

@@ -24,6 +24,7 @@ instead. Then SIGTERM drains: a decode node (its streams end there, or move once
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -69,6 +70,7 @@ class StreamResult:
     usage: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     started: threading.Event = field(default_factory=threading.Event)
+    rid: str = ""  # the gateway's id of the request (its log names it)
 
 
 def body(index: int) -> dict[str, Any]:
@@ -103,10 +105,29 @@ def stream(cluster: FaultCluster, index: int, result: StreamResult) -> None:
                     result.finish_reason = choice.get("finish_reason") or result.finish_reason
                     result.chunks += 1
                 result.usage = event.get("usage") or result.usage
+                result.rid = event.get("id") or result.rid
                 if result.chunks >= KILL_AFTER:
                     result.started.set()
     finally:
         result.started.set()
+
+
+def start_streams(cluster: FaultCluster) -> tuple[list[StreamResult], list[threading.Thread]]:
+    """All requests at once, each streamed by its own thread."""
+    results = [StreamResult() for _ in PROMPTS]
+    threads = [
+        threading.Thread(target=stream, args=(cluster, i, r), daemon=True)
+        for i, r in enumerate(results)
+    ]
+    for thread in threads:
+        thread.start()
+    return results, threads
+
+
+def join_streams(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive(), "a stream did not end"
 
 
 def run_streams(
@@ -115,13 +136,7 @@ def run_streams(
     """All requests at once; with `kill`, `stop` (default: SIGKILL) the decode node with the
     most of them (or decode-0 / decode-1 when `kill` names it) once every stream is under way.
     Returns the results and how many requests each node held."""
-    results = [StreamResult() for _ in PROMPTS]
-    threads = [
-        threading.Thread(target=stream, args=(cluster, i, r), daemon=True)
-        for i, r in enumerate(results)
-    ]
-    for thread in threads:
-        thread.start()
+    results, threads = start_streams(cluster)
     for result in results:
         assert result.started.wait(60), "a stream did not start"
     held = {}
@@ -131,10 +146,26 @@ def run_streams(
             held[name] = load.running_requests + load.queued_requests
         victim = kill if isinstance(kill, str) else max(held, key=lambda name: held[name])
         (stop or cluster.kill)(victim)
-    for thread in threads:
-        thread.join(120)
-        assert not thread.is_alive(), "a stream did not end"
+    join_streams(threads)
     return results, held
+
+
+def wait_decoding(cluster: FaultCluster, name: str) -> None:
+    """Until `name` decodes one of the streams. Only the node's GetLoad is polled (every few ms):
+    the tiny model streams MAX_TOKENS in a second or two, and on a busy host one round trip
+    through the gateway (its /metrics, a stream's chunks) can take longer than that.
+
+    The condition is about `name` alone: waiting for every stream's KILL_AFTER-th chunk let a
+    node finish all its streams while the other node's last one had not sent its sixth chunk
+    (requests reach the prefill node up to a second apart on a busy host), and the drained
+    node then held nothing."""
+    deadline = time.monotonic() + 60
+    while True:
+        load = cluster[name].stub.GetLoad(node_pb2.GetLoadRequest(), timeout=10)
+        if load.running_requests >= 1:
+            return
+        assert time.monotonic() < deadline, f"{name} decoded none of the streams: {load}"
+        time.sleep(0.002)
 
 
 @pytest.fixture(scope="module")
@@ -233,28 +264,47 @@ def test_sigterm_drains_the_decode_node(
     page in use. Either way every client gets the reference text."""
     cluster.ensure()
     moved_before = cluster.gateway_metric("pdserve_gateway_migrations_total")
-    exit_codes: list[int] = []
-    late: list[str] = []
-
-    def drain(name: str) -> None:
-        with ThreadPoolExecutor(1) as pool:
-            exited = pool.submit(cluster.terminate, name)
-            _wait_for_log(cluster, "bootstrap", f"{cluster.node_id(name)} is draining")
-            late.append(complete(cluster, 0))  # routed around the draining node
-            exit_codes.append(exited.result(timeout=120))
-
-    results, held = run_streams(cluster, victim, drain)
-    assert exit_codes == [0]
-    assert held[victim] >= 1
+    node_log, gateway_log = cluster[victim].log_text(), cluster["gateway"].log_text()
+    results, threads = start_streams(cluster)
+    wait_decoding(cluster, victim)
+    with ThreadPoolExecutor(1) as pool:
+        exited = pool.submit(cluster.terminate, victim)
+        _wait_for_log(cluster, "bootstrap", f"{cluster.node_id(victim)} is draining")
+        late = complete(cluster, 0)  # routed around the draining node
+        exit_code = exited.result(timeout=120)
+    join_streams(threads)
+    assert exit_code == 0
+    log = cluster[victim].log_text()[len(node_log) :]
+    # What the node held when it began to drain, in its own words: a GetLoad before the
+    # SIGTERM races with streams that end in between.
+    draining = re.search(r"draining \(shutting down\): no new requests; (\d+) in flight", log)
+    assert draining, log
+    held = int(draining[1])
+    assert held >= 1
     for got, want in zip(results, reference, strict=True):
         assert not got.error and got.text == want.text
         assert got.usage["completion_tokens"] == MAX_TOKENS
-    assert late == [reference[0].text]
+    assert late == reference[0].text
     moved = cluster.gateway_metric("pdserve_gateway_migrations_total") - moved_before
-    assert moved == (held[victim] if moves else 0)
-    log = cluster[victim].log_text()
     assert "drained: no request in flight, no page in use" in log
     assert ("aborted" in log) == moves
+    if not moves:
+        assert moved == 0
+        return
+    assert f"aborted {held} in-flight requests" in log
+    # The streams the node gave up, in the gateway's words: those that had streamed tokens
+    # move; one aborted while it still waited for its KV is sent again from scratch (a retry,
+    # not a move). A stream that reached the node after its drain began was refused there
+    # ("failed before its first token") and went elsewhere: the node never held it.
+    gateway = cluster["gateway"].log_text()[len(gateway_log) :]
+    streamed = {}
+    for result in results:
+        failed = rf"request {re.escape(result.rid)}-0 attempt 1 failed after (\d+) streamed tokens"
+        found = re.search(failed + ".*", gateway)
+        if found and "failed before its first token" not in found[0]:
+            streamed[result.rid] = int(found[1])
+    assert len(streamed) == held, (streamed, held)
+    assert moved == sum(1 for tokens in streamed.values() if tokens > 0)
 
 
 def complete(cluster: FaultCluster, index: int) -> str:
