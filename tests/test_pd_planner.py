@@ -14,29 +14,15 @@ import pytest
 
 from bootstrap.admin import NodeSummary
 from gateway.metrics import GatewayMetrics
-from scripts.planning.pd_planner import (
-    Decision,
-    KubernetesActuator,
-    Planner,
-    PlannerConfig,
-    PlannerError,
-    RoleChange,
-    Scrape,
-    Window,
-    build_parser,
-    main,
-    node_profile,
-    parse_scrape,
-    plan_role_changes,
-    planner_config,
-    run,
-    scrapes_recorded,
-)
-from scripts.planning.planner import SimOutcome
-from scripts.planning.profile import NodeProfile
-from scripts.planning.sweep import Split
+from planner.actuators import KubernetesActuator, RoleChange, plan_role_changes
+from planner.capacity import SimOutcome
+from planner.cli import build_parser, main, node_profile, planner_config
+from planner.metrics import SLO, Distribution, summarize
+from planner.policy import Decision, Planner, PlannerConfig, run
+from planner.profile import NodeProfile
+from planner.splits import Split
+from planner.window import PlannerError, Scrape, Window, parse_scrape, scrapes_recorded
 from scripts.planning.two_phase_replay import recorded_flags, replay, report
-from scripts.serving.metrics import SLO, Distribution, summarize
 
 SLO_ = SLO(ttft_ms=3000.0, tpot_ms=100.0)
 
@@ -693,7 +679,8 @@ def test_local_actuator_switches_a_running_cluster_with_nothing_lost(
 
     from gateway.cluster import Cluster, build_config
     from gateway.cluster import build_parser as cluster_parser
-    from scripts.planning.pd_planner import LocalActuator, scrapes_live
+    from planner.actuators import LocalActuator
+    from planner.window import scrapes_live
     from scripts.tiny_models import save_tiny_text_model
 
     model = save_tiny_text_model(default_model_dir, tmp_path / "model")
@@ -781,7 +768,7 @@ def test_the_console_scripts_resolve_and_are_packaged() -> None:
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     scripts = project["project"]["scripts"]
-    assert scripts["pd-planner"] == "scripts.planning.pd_planner:main"
+    assert scripts["pd-planner"] == "planner.cli:main"
     assert scripts["pdserve-admin"] == "bootstrap.admin:main"
     include = project["tool"]["setuptools"]["packages"]["find"]["include"]
     for name, target in scripts.items():

@@ -17,9 +17,9 @@ from dataclasses import replace
 
 import pytest
 
-from scripts.planning.profile import NodeProfile
-from scripts.planning.simulator import Arrival, HostConfig, Simulation
-from scripts.serving.metrics import RequestTrace
+from planner.metrics import RequestTrace
+from planner.profile import NodeProfile
+from planner.simulator import Arrival, HostConfig, Simulation
 
 PROMPT, OUTPUT = 96, 100  # a stream holds 96 + 100 tokens of KV at its end
 STREAM = PROMPT + OUTPUT

@@ -46,6 +46,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from planner.arrivals import LoadConfig
+from planner.datasets import GENERATORS, DatasetConfig, build_sessions
+from planner.metrics import SLO
 from scripts.serving.benchmark import BenchmarkConfig, run_benchmark
 from scripts.serving.client import (
     ClientConfig,
@@ -53,9 +56,6 @@ from scripts.serving.client import (
     normalize_base_url,
     served_model,
 )
-from scripts.serving.datasets import GENERATORS, DatasetConfig, build_sessions
-from scripts.serving.load import LoadConfig
-from scripts.serving.metrics import SLO
 from scripts.serving.node_metrics import MetricsError, MetricsWatch, StepSplit, parse_target
 from scripts.serving.procstat import CpuWatch, ProcessCpu, WatchSpec, saturation_warnings
 from scripts.serving.report import (
