@@ -1,4 +1,4 @@
-"""pd-planner (scripts/planning/pd_planner.py): windows from the gateway's real metrics, decisions
+"""pd-planner (planner/): windows from the gateway's real metrics, decisions
 on recorded windows (deterministic), hysteresis and cool-down, the online correction, and what
 the Kubernetes actuator sends (there is no cluster here: a fake AppsV1Api records the calls)."""
 
@@ -769,6 +769,7 @@ def test_the_console_scripts_resolve_and_are_packaged() -> None:
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     scripts = project["project"]["scripts"]
     assert scripts["pd-planner"] == "planner.cli:main"
+    assert scripts["pdserve-bench"] == "scripts.serving.bench_serving:main"
     assert scripts["pdserve-admin"] == "bootstrap.admin:main"
     include = project["tool"]["setuptools"]["packages"]["find"]["include"]
     for name, target in scripts.items():
@@ -825,3 +826,31 @@ def test_a_decision_names_the_retractions_each_split_would_make() -> None:
     assert set(retractions) == set(decision.predicted)
     assert retractions["2P1D"] > 0
     assert retractions["2P1D"] > retractions["1P2D"]
+
+
+# pd-planner's whole path on a record: flags, profile, windows, decisions; then every actuator.
+PLANNER_RUN = """
+import sys
+from planner.cli import main
+import planner.actuators
+code = main(sys.argv[1:])
+heavy = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+print("torch modules:", heavy[:5], file=sys.stderr)
+sys.exit(3 if heavy else code)
+"""
+
+
+def test_the_planner_process_does_not_import_torch(tmp_path: Path) -> None:
+    """The planner runs beside a cluster, often on a small host of its own: its decisions need
+    the simulator and numpy, never torch (only the profiler, which runs the engine, does)."""
+    import subprocess
+    import sys
+
+    argv = ["--replay", str(_prefill_heavy(tmp_path / "rec.jsonl")), "--profile",
+            str(_profile_file(tmp_path)), "--budget", "3", "--slo-ttft-ms", "3000",
+            "--sim-seconds", "5", "--lasting-seconds", "0", "--dry-run"]  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", PLANNER_RUN, *argv], cwd=root,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count('"action"') == 3  # a decision per window of the record

@@ -22,7 +22,7 @@
                adds the prediction with every step 5% slower and faster (at overload a
                profile taken in another hour moves goodput by far more than 15%)
 
-The simulator (scripts/planning/simulator.py) is a discrete-event model of the nodes' queues
+The simulator (planner/simulator.py) is a discrete-event model of the nodes' queues
 and batching rules. On a CPU host where nodes share cores, pass --host-cores and
 --threads-per-node so that steps running at once slow each other down.
 
