@@ -1,12 +1,12 @@
 """How the planner moves a cluster to a split.
 
-Actuators: `--dry-run` (decide only); `switch` (`--bootstrap HOST:PORT`), which
-switches the roles of the live nodes in place, one at a time, each registered in its new role
-before the next (a node keeps its weights and KV pool: bootstrap/admin.py, what `pdserve-admin
-switch-role` does); `kubernetes`, which sets the replica counts of the prefill and decode
-Deployments (deploy/k8s) through the official client's scale subresource; `local`, which starts
-the cluster itself (`--cluster-args`, pd-cluster's flags) and stops and starts its node
-processes (a new process loads its weights again).
+Actuators: `--dry-run` (decide only); `switch` (`--bootstrap HOST:PORT`), which switches the roles
+of the live nodes in place, one at a time, each registered in its new role before the next (a node
+keeps its weights and KV pool: bootstrap/admin.py, what `pdserve-admin switch-role` does);
+`kubernetes`, which sets the replica counts of the prefill and decode Deployments (deploy/k8s)
+through the official client's scale subresource; `local`, which starts the cluster itself
+(`--cluster-args`, pd-cluster's flags) and stops and starts its node processes (a new process loads
+its weights again).
 """
 
 from __future__ import annotations

@@ -193,10 +193,6 @@ def node_profile(args: argparse.Namespace) -> NodeProfile:
     return profile
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def add_host_args(parser: argparse.ArgumentParser) -> None:
     """The simulator's host model (`HostConfig`): pd-planner's and plan_capacity's flags."""
     g = parser.add_argument_group("host model")
@@ -246,3 +242,7 @@ def host_config(args: argparse.Namespace) -> HostConfig:
         None if pd_ms is None else pd_ms / 1000,
         args.co_runner_slowdown,
     )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

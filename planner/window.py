@@ -11,7 +11,6 @@ prefill backlog they read the split's capacity, not the load), mean input and ou
 of the admitted choices (outputs: their budgets times the share of its budget a finished
 choice used; a record without the admission counters: per finished request), the cached
 fraction of the prompts, and the measured mean TTFT and TPOT.
-
 """
 
 from __future__ import annotations
