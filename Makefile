@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
-PACKAGES := engine kvtransfer bootstrap prefill_node decode_node gateway
+PACKAGES := engine kvtransfer bootstrap prefill_node decode_node gateway planner
 
 .PHONY: proto setup run test test-faults test-tp lint typecheck pytest fetch-model bench-engine bench-gateway clean
 

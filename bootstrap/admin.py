@@ -18,7 +18,7 @@ or gave up the switch (the message says why and what to do), 2 bad usage or an u
 3 the bootstrap or the node did not answer in time.
 
 The functions below are what pd-planner's `switch` actuator calls too
-(scripts/planning/pd_planner.py).
+(planner/actuators.py).
 """
 
 from __future__ import annotations

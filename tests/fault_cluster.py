@@ -40,9 +40,9 @@ from gateway.process.launcher import (
     node_registered,
     running_node,
 )
+from planner.datasets import RequestSpec
 from proto import node_pb2
 from scripts.serving.client import ClientConfig, send
-from scripts.serving.datasets import RequestSpec
 
 loopback_transports()  # the servers inherit it
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from planner.arrivals import LoadConfig, schedule
+from planner.datasets import DatasetConfig, DatasetError, build_sessions, load_mooncake
+from planner.metrics import RequestTrace
 from scripts.serving.client import request_body
-from scripts.serving.datasets import DatasetConfig, DatasetError, build_sessions, load_mooncake
-from scripts.serving.load import LoadConfig, schedule
-from scripts.serving.metrics import RequestTrace
 from scripts.serving.report import best_cached, cache_summary, turn_table
 
 

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from engine.ports import free_port
+from planner.arrivals import LoadConfig, LoadError, arrival_gaps
+from planner.datasets import DatasetConfig, DatasetError, build_sessions, load_sharegpt
+from planner.metrics import SLO, RequestTrace, SLOError, percentile, summarize
 from scripts.serving.client import parse_server_timing
-from scripts.serving.datasets import DatasetConfig, DatasetError, build_sessions, load_sharegpt
-from scripts.serving.load import LoadConfig, LoadError, arrival_gaps
-from scripts.serving.metrics import SLO, RequestTrace, SLOError, percentile, summarize
 from scripts.serving.report import document, table, throughput_series, timing_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,7 +144,8 @@ def test_throughput_series_buckets_tokens_and_completions() -> None:
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
-    from scripts.planning.sweep import RatePoint, Split, SplitResult, plot_goodput
+    from planner.splits import Split
+    from scripts.planning.sweep import RatePoint, SplitResult, plot_goodput
     from scripts.serving.report import plot
 
     paths = plot(hand_made_run(), tmp_path, "t_")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.serving.load import LoadConfig, LoadError, arrival_times
+from planner.arrivals import LoadConfig, LoadError, arrival_times
 from scripts.serving.node_metrics import StepSplit, parse_reading, parse_target
 from scripts.serving.procstat import (
     CpuWatch,

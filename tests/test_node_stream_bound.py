@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.launcher import ServerProcess, running_node
+from gateway.process.launcher import ServerProcess, running_node
 from proto import node_pb2
 from tests.test_node_stream import ENDLESS, PROMPTS, StreamCall, assert_clean
 

@@ -1,4 +1,4 @@
-"""pd-planner (scripts/planning/pd_planner.py): windows from the gateway's real metrics, decisions
+"""pd-planner (planner/): windows from the gateway's real metrics, decisions
 on recorded windows (deterministic), hysteresis and cool-down, the online correction, and what
 the Kubernetes actuator sends (there is no cluster here: a fake AppsV1Api records the calls)."""
 
@@ -14,29 +14,15 @@ import pytest
 
 from bootstrap.admin import NodeSummary
 from gateway.metrics import GatewayMetrics
-from scripts.planning.pd_planner import (
-    Decision,
-    KubernetesActuator,
-    Planner,
-    PlannerConfig,
-    PlannerError,
-    RoleChange,
-    Scrape,
-    Window,
-    build_parser,
-    main,
-    node_profile,
-    parse_scrape,
-    plan_role_changes,
-    planner_config,
-    run,
-    scrapes_recorded,
-)
-from scripts.planning.planner import SimOutcome
-from scripts.planning.profile import NodeProfile
-from scripts.planning.sweep import Split
+from planner.actuators import KubernetesActuator, RoleChange, plan_role_changes
+from planner.capacity import SimOutcome
+from planner.cli import build_parser, main, node_profile, planner_config
+from planner.metrics import SLO, Distribution, summarize
+from planner.policy import Decision, Planner, PlannerConfig, run
+from planner.profile import NodeProfile
+from planner.splits import Split
+from planner.window import PlannerError, Scrape, Window, parse_scrape, scrapes_recorded
 from scripts.planning.two_phase_replay import recorded_flags, replay, report
-from scripts.serving.metrics import SLO, Distribution, summarize
 
 SLO_ = SLO(ttft_ms=3000.0, tpot_ms=100.0)
 
@@ -693,7 +679,8 @@ def test_local_actuator_switches_a_running_cluster_with_nothing_lost(
 
     from gateway.process.cluster import Cluster, build_config
     from gateway.process.cluster import build_parser as cluster_parser
-    from scripts.planning.pd_planner import LocalActuator, scrapes_live
+    from planner.actuators import LocalActuator
+    from planner.window import scrapes_live
     from scripts.tiny_models import save_tiny_text_model
 
     model = save_tiny_text_model(default_model_dir, tmp_path / "model")
@@ -781,7 +768,8 @@ def test_the_console_scripts_resolve_and_are_packaged() -> None:
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     scripts = project["project"]["scripts"]
-    assert scripts["pd-planner"] == "scripts.planning.pd_planner:main"
+    assert scripts["pd-planner"] == "planner.cli:main"
+    assert scripts["pdserve-bench"] == "scripts.serving.bench_serving:main"
     assert scripts["pdserve-admin"] == "bootstrap.admin:main"
     include = project["tool"]["setuptools"]["packages"]["find"]["include"]
     for name, target in scripts.items():
@@ -838,3 +826,31 @@ def test_a_decision_names_the_retractions_each_split_would_make() -> None:
     assert set(retractions) == set(decision.predicted)
     assert retractions["2P1D"] > 0
     assert retractions["2P1D"] > retractions["1P2D"]
+
+
+# pd-planner's whole path on a record: flags, profile, windows, decisions; then every actuator.
+PLANNER_RUN = """
+import sys
+from planner.cli import main
+import planner.actuators
+code = main(sys.argv[1:])
+heavy = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+print("torch modules:", heavy[:5], file=sys.stderr)
+sys.exit(3 if heavy else code)
+"""
+
+
+def test_the_planner_process_does_not_import_torch(tmp_path: Path) -> None:
+    """The planner runs beside a cluster, often on a small host of its own: its decisions need
+    the simulator and numpy, never torch (only the profiler, which runs the engine, does)."""
+    import subprocess
+    import sys
+
+    argv = ["--replay", str(_prefill_heavy(tmp_path / "rec.jsonl")), "--profile",
+            str(_profile_file(tmp_path)), "--budget", "3", "--slo-ttft-ms", "3000",
+            "--sim-seconds", "5", "--lasting-seconds", "0", "--dry-run"]  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", PLANNER_RUN, *argv], cwd=root,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count('"action"') == 3  # a decision per window of the record

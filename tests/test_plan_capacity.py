@@ -12,27 +12,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scripts.planning.plan_capacity import main as plan_capacity
-from scripts.planning.planner import (
+from planner.arrivals import LoadConfig, arrival_gaps
+from planner.capacity import (
     Comparison,
     arrivals,
     comparison_table,
     max_rate,
     workload_from_settings,
 )
-from scripts.planning.profile import HostMismatch, NodeProfile, ProfileError, fit_prefill, this_host
-from scripts.planning.simulator import Arrival, HostConfig, Simulation
-from scripts.planning.sweep import (
-    Split,
-    SplitResult,
-    SweepError,
-    best_split,
-    parse_rates,
-    parse_splits,
-)
-from scripts.serving.datasets import DatasetConfig
-from scripts.serving.load import LoadConfig, arrival_gaps
-from scripts.serving.metrics import SLO, summarize
+from planner.datasets import DatasetConfig
+from planner.metrics import SLO, summarize
+from planner.profile import HostMismatch, NodeProfile, ProfileError, fit_prefill, this_host
+from planner.simulator import Arrival, HostConfig, Simulation
+from planner.splits import Split, SplitError, parse_splits
+from scripts.planning.plan_capacity import main as plan_capacity
+from scripts.planning.sweep import SplitResult, best_split, parse_rates
 
 S = 0.2  # seconds: prefill of one 100-token prompt (0.05 + 0.0015 * 100)
 D0 = 0.03  # seconds per decode step, whatever the batch
@@ -312,9 +306,9 @@ def test_comparison_error_and_best_split() -> None:
     assert [s.name for s in parse_splits("all", 3)] == ["1P2D", "2P1D", "colocated x3"]
     names = [s.name for s in parse_splits("1:1, 0:2,colocated,2:1", 3)]
     assert names == ["1P1D", "colocated x2", "colocated x3", "2P1D"]
-    with pytest.raises(SweepError, match="is not P:D"):
+    with pytest.raises(SplitError, match="is not P:D"):
         parse_splits("1-1", 2)
-    with pytest.raises(SweepError, match="--rates must be positive"):
+    with pytest.raises(SplitError, match="--rates must be positive"):
         parse_rates("0,1")
     assert parse_rates("2,0.5") == (0.5, 2.0)
     assert best_split([SplitResult(Split(1, 1))], 0.9) is None

@@ -235,7 +235,7 @@ def test_the_planner_switches_roles_through_the_bootstrap(
 ) -> None:
     """pd-planner --actuator switch on recorded prefill-heavy windows (1P2D -> 2P1D): the
     least busy decode node becomes a prefill node in place, and the decision says so."""
-    from scripts.planning.pd_planner import main
+    from planner.cli import main
     from tests.test_pd_planner import _prefill_heavy, _profile_file
 
     before = listed_roles(cluster)

@@ -1,4 +1,4 @@
-"""The simulator's per-node capacity (scripts/planning/simulator.py): a node's KV pool
+"""The simulator's per-node capacity (planner/simulator.py): a node's KV pool
 (`max_total_tokens`) and running cap (`max_running_requests`) bound how many requests it holds
 at once; the rest wait in its queue, so their TTFT grows while the node's CPU has room. What
 makes a second decode node worth its cores when streams are long (the two-phase benchmark's
@@ -17,9 +17,9 @@ from dataclasses import replace
 
 import pytest
 
-from scripts.planning.profile import NodeProfile
-from scripts.planning.simulator import Arrival, HostConfig, Simulation
-from scripts.serving.metrics import RequestTrace
+from planner.metrics import RequestTrace
+from planner.profile import NodeProfile
+from planner.simulator import Arrival, HostConfig, Simulation
 
 PROMPT, OUTPUT = 96, 100  # a stream holds 96 + 100 tokens of KV at its end
 STREAM = PROMPT + OUTPUT

@@ -19,8 +19,8 @@ from engine.engine_loop import EngineLoop, LoopConfig
 from engine.node.args import add_node_args, loop_config
 from engine.request import Req
 from engine.sampling import RequestSampler, SamplingParams
+from planner.profile import NodeProfile
 from scripts.planning.plan_capacity import main as plan_capacity
-from scripts.planning.profile import NodeProfile
 from scripts.planning.step_report import (
     Step,
     TraceError,

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from scripts.planning.pd_planner import Planner, PlannerConfig, Scrape, run
-from scripts.planning.profile import NodeProfile
+from planner.metrics import SLO, RequestTrace
+from planner.policy import Planner, PlannerConfig, run
+from planner.profile import NodeProfile
+from planner.window import Scrape
 from scripts.planning.two_phase import build_bench, build_parser, cluster_argv, planner_argv
-from scripts.planning.two_phase_rescore import rescore
 from scripts.planning.two_phase_score import (
     Phase,
     RunResult,
@@ -32,7 +32,6 @@ from scripts.planning.two_phase_score import (
     score_table,
     window_checks,
 )
-from scripts.serving.metrics import SLO, RequestTrace
 
 SLO_ = SLO(ttft_ms=1000.0, tpot_ms=100.0)
 A = Phase("A", duration_s=20.0, rate=2.0, input_len=400, output_len=4)
@@ -113,46 +112,6 @@ def test_attainment_goodput_and_lost_per_phase_from_request_records() -> None:
     assert [r["phase"] for r in rows] == list(schedule.phase_of[:last])
     assert rows[0]["ttft"] == pytest.approx(1.5) and rows[lost_one]["error"] == "http_503"
     assert rows[1]["tpot"] == pytest.approx(0.05) and rows[1]["output_tokens"] == 4
-
-
-def _recorded(folder: Path, name: str, planner: bool, slo: SLO, seed: int = 0) -> None:
-    """A `two_phase.json` as the benchmark writes it: one run whose A requests take 1.5 s to
-    their first token every third time (0.2 s otherwise), B's 0.2 s, every gap 50 ms."""
-    workload = Workload((A, B), slo, seed)
-    schedule = build_schedule(workload)
-    traces = [_trace(i, at, 1.5 if phase == 0 and i % 3 == 0 else 0.2, 0.05, 4)
-              for i, (at, phase) in enumerate(zip(schedule.times, schedule.phase_of,
-                                                  strict=True))]  # fmt: skip
-    run = RunResult(name, planner, checks=[WindowCheck(0.0, 10.0, "2P1D", 2.0, 1.8, 20, 18)])
-    run.record(workload, schedule, traces)
-    folder.mkdir()
-    doc = {"workload": {"phases": [asdict(A), asdict(B)], "slo": asdict(slo), "seed": seed},
-           "runs": [run.to_json()]}  # fmt: skip
-    (folder / "two_phase.json").write_text(json.dumps(doc))
-
-
-def test_recorded_runs_are_scored_again_under_another_slo(tmp_path: Path) -> None:
-    """The static run scored under TTFT 2 s meets every request (1.5 s first tokens pass), under
-    1 s it misses every third of A's, as when it ran; the planner's windows count only under the
-    SLO it planned for; folders of other schedules are refused."""
-    _recorded(tmp_path / "static", "2P1D", False, SLO_)
-    _recorded(tmp_path / "planner", "planner", True, SLO(ttft_ms=2000.0, tpot_ms=100.0))
-    folders = [tmp_path / "static", tmp_path / "planner"]
-    n_a = build_schedule(Workload((A, B), SLO_)).phase_of.count(0)
-    loose = rescore(folders, SLO(ttft_ms=2000.0, tpot_ms=100.0))
-    assert f"| 2P1D [static] | A | {n_a} | {n_a} | 100% |" in loose
-    assert "windows left out" not in loose and "mean |error|: 0.0%" in loose
-    assert "Goals of planner [planner]:" in loose
-    tight = rescore(folders, SLO_)
-    met_a = sum(1 for i in range(n_a) if i % 3)
-    for name in ("2P1D [static]", "planner [planner]"):
-        assert f"| {name} | A | {n_a} | {met_a} |" in tight
-    assert "planner's windows left out (its planner ran under TTFT 2000 / TPOT 100 ms)" in tight
-    alone = rescore([tmp_path / "static"], SLO_)
-    assert f"| 2P1D | A | {n_a} | {met_a} |" in alone and "\nGoals:\n" in alone
-    _recorded(tmp_path / "other", "1P2D", False, SLO_, seed=1)
-    with pytest.raises(TwoPhaseError, match="schedules do not compare"):
-        rescore([tmp_path / "static", tmp_path / "other"], SLO_)
 
 
 def test_each_run_is_written_as_it_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -290,7 +249,6 @@ def test_the_goals_on_runs() -> None:
     assert goals.mean_abs_error is None  # no windows
     assert any("1.27x" in line and "NO" in line for line in goals.lines())
     # Windows where 0 was predicted and 0 met the SLO agree exactly, and say nothing: said.
-    from scripts.planning.two_phase_score import WindowCheck
 
     zeros = [WindowCheck(0.0, 15.0, "1P2D", 0.4, 0.0, 6, 0),
              WindowCheck(15.0, 30.0, "1P2D", 0.4, 0.0, 6, 0)]  # fmt: skip
@@ -314,7 +272,7 @@ def test_the_planner_gets_the_benchmarks_flags() -> None:
     assert argv[argv.index("--sim-warmup") + 1] == "30.0"
     assert argv[argv.index("--node-max-total-tokens") + 1] == "16384"
     assert "--node-max-running-requests" not in argv
-    # The nodes' KV pool and running cap: the cluster, the planner and --predict get the same.
+    # The nodes' KV pool and running cap: the cluster and the planner get the same.
     capped = build_bench(build_parser().parse_args(
         ["--out", "x", "--max-total-tokens", "3072", "--max-running-requests", "3"]))  # fmt: skip
     assert capped.planner is not None
@@ -324,68 +282,5 @@ def test_the_planner_gets_the_benchmarks_flags() -> None:
     cluster = cluster_argv(capped, capped.planner.start, Path("logs"))
     assert cluster[cluster.index("--max-total-tokens") + 1] == "3072"
     assert cluster[cluster.index("--node-args") + 1] == "--max-running-requests 3"
-    node = capped.nodes.profile(_profile())
-    assert (node.max_total_tokens, node.max_running_requests) == (3072, 3)
     with pytest.raises(TwoPhaseError, match="--planner-start"):
         build_bench(build_parser().parse_args(["--out", "x", "--planner-start", "1:1"]))
-
-
-def test_the_predicted_table_compares_the_best_split_per_phase_with_the_best_static() -> None:
-    from scripts.planning.simulator import HostConfig
-    from scripts.planning.sweep import Split
-    from scripts.planning.two_phase_predict import Prediction, predict, prediction_table
-
-    workload = Workload((A, B), SLO(ttft_ms=3000.0, tpot_ms=100.0))
-    rows = predict(_profile(), workload, [Split(1, 2), Split(2, 1)], HostConfig())
-    assert [r.split for r in rows] == ["1P2D", "2P1D"]
-    assert all(0.0 <= a <= 1.0 for r in rows for a in r.attainment)
-    assert all(len(r.retractions) == len(r.recomputed) == 2 for r in rows)  # one per phase
-    made_up = [Prediction("1P2D", (0.5, 1.0)), Prediction("2P1D", (1.0, 0.5))]
-    # 1P2D: (0.5 x 2 req/s x 20 s + 1.0 x 5 x 10) / 30 s; 2P1D: (40 + 25) / 30
-    assert made_up[0].goodput(workload) == pytest.approx(70 / 30)
-    table = prediction_table(made_up, workload)
-    assert "| best split per phase, switches free | 100% | 100% | 3.000 |" in table
-    assert "ideal planner / best static split: 1.29x" in table  # 90 / 70
-    # Each split's retractions per phase, with the tokens prefilled again after them.
-    retracting = Prediction("2P1D", (1.0, 0.5), retractions=(0, 3), recomputed=(0, 400))
-    assert "| 2P1D | 100% | 50% | 2.167 | 0 (0) / 3 (400) |" in prediction_table(
-        [retracting], workload
-    )
-
-
-def test_the_search_ranks_pairings_by_what_an_ideal_planner_gains() -> None:
-    from scripts.planning.two_phase_search import Pairing, rank
-
-    a = Phase("A", 60.0, 1.0, 768, 4)  # 60 requests
-    b = Phase("B", 120.0, 0.25, 128, 384)  # 30 requests
-    good = Pairing(a, b, {"1P2D": 0.3, "2P1D": 1.0, "colocated x3": 0.5},
-                   {"1P2D": 1.0, "2P1D": 0.2, "colocated x3": 0.6})  # fmt: skip
-    # ideal: 60 + 30 met; best static 2P1D: 60 + 6 -> 90 / 66
-    assert good.ratio == pytest.approx(90 / 66) and good.qualifies(0.9)
-    assert good.goodput("1P2D") == pytest.approx((18 + 30) / 180)
-    easy = Pairing(a, b, {"1P2D": 0.3, "2P1D": 1.0, "colocated x3": 0.5},
-                   {"1P2D": 1.0, "2P1D": 0.95, "colocated x3": 0.6})  # fmt: skip
-    assert not easy.qualifies(0.9)  # 2P1D meets 90% in both phases
-    assert rank([easy, good], 0.9) == [good, easy]
-    assert "1.36x" in good.line() and "2P1D: 100%/20%" in good.line()
-    assert "A 768/4 @ 1 req/s" in good.line()  # phase A in/out tokens
-
-
-def test_the_search_averages_a_phase_over_draws() -> None:
-    from scripts.planning.sweep import parse_splits
-    from scripts.planning.two_phase import PROFILE
-    from scripts.planning.two_phase_predict import CALM_HOST, predict
-    from scripts.planning.two_phase_search import phase_attainment
-
-    profile = NodeProfile.load(PROFILE)
-    phase = Phase("B", 20.0, 0.6, 128, 64)
-    slo = SLO(ttft_ms=2000.0, tpot_ms=150.0)
-    draws = [
-        {r.split: r.attainment[0] for r in predict(
-            profile, Workload((phase,), slo, seed=seed), parse_splits("all", 3), CALM_HOST
-        )}
-        for seed in (0, 1, 2)
-    ]  # fmt: skip
-    assert phase_attainment(profile, phase, slo) == draws[0]
-    mean = phase_attainment(profile, phase, slo, seeds=3)
-    assert mean == pytest.approx({s: sum(d[s] for d in draws) / 3 for s in draws[0]})

@@ -22,7 +22,7 @@
                adds the prediction with every step 5% slower and faster (at overload a
                profile taken in another hour moves goodput by far more than 15%)
 
-The simulator (scripts/planning/simulator.py) is a discrete-event model of the nodes' queues
+The simulator (planner/simulator.py) is a discrete-event model of the nodes' queues
 and batching rules. On a CPU host where nodes share cores, pass --host-cores and
 --threads-per-node so that steps running at once slow each other down.
 
@@ -54,8 +54,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from scripts.planning import step_report
-from scripts.planning.planner import (
+from planner.capacity import (
     Comparison,
     calibrate_slowdown,
     comparison_table,
@@ -63,9 +62,11 @@ from scripts.planning.planner import (
     simulate,
     workload_from_settings,
 )
-from scripts.planning.profile import NodeProfile, fit_prefill, this_host
-from scripts.planning.simulator import HostConfig
-from scripts.planning.sweep import Split, SweepError, parse_splits
+from planner.cli import add_host_args as add_simulated_host_args
+from planner.cli import host_config
+from planner.profile import NodeProfile, fit_prefill, this_host
+from planner.splits import Split, SplitError, parse_splits
+from scripts.planning import step_report
 from scripts.serving.bench_serving import (
     add_workload_args,
     dataset_config,
@@ -78,54 +79,8 @@ VALIDATION_TARGET = 0.15  # relative goodput error the issue asks for
 
 
 def add_host_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("host")
-    g.add_argument("--profile", type=Path, required=True, help="JSON written by `profile`")
-    g.add_argument("--host-cores", type=int, default=0, help="0: a device per node (GPU)")
-    g.add_argument("--threads-per-node", type=int, default=1)
-    g.add_argument("--slowdown", type=float, default=1.0, help="scales every step time")
-    g.add_argument(
-        "--co-runner-slowdown",
-        type=float,
-        default=0.0,
-        help="fraction each other step in flight slows a step by, beyond sharing --host-cores "
-        "(memory bandwidth; `steps` shows a step's ratio by the company it kept)",
-    )
-    g.add_argument(
-        "--host-overhead-ms",
-        type=float,
-        default=0.0,
-        help="host CPU ms outside engine steps per streamed token, charged to --host-cores "
-        "(measure it with `plan_capacity.py host`)",
-    )
-    g.add_argument(
-        "--host-overhead-pd-ms",
-        type=float,
-        default=None,
-        help="the same for clusters with prefill nodes (`host --prefill 1`; default: "
-        "--host-overhead-ms)",
-    )
-
-
-def host_config(args: argparse.Namespace) -> HostConfig:
-    if args.host_cores < 0 or args.threads_per_node < 1 or not args.slowdown > 0:
-        raise ValueError("--host-cores must be >= 0, --threads-per-node >= 1, --slowdown > 0")
-    if args.co_runner_slowdown < 0:
-        raise ValueError(f"--co-runner-slowdown must be >= 0, got {args.co_runner_slowdown}")
-    pd_ms = args.host_overhead_pd_ms
-    for flag, value in (
-        ("--host-overhead-ms", args.host_overhead_ms),
-        ("--host-overhead-pd-ms", pd_ms),
-    ):
-        if value is not None and value < 0:
-            raise ValueError(f"{flag} must be >= 0, got {value}")
-    return HostConfig(
-        args.host_cores,
-        args.threads_per_node,
-        args.slowdown,
-        args.host_overhead_ms / 1000,
-        None if pd_ms is None else pd_ms / 1000,
-        args.co_runner_slowdown,
-    )
+    parser.add_argument("--profile", type=Path, required=True, help="JSON written by `profile`")
+    add_simulated_host_args(parser)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -228,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from scripts.planning.profiler import ProfilePlan, fit_decode, measure
+    from planner.profiler import ProfilePlan, fit_decode, measure
 
     gpu = args.device.startswith("cuda")
     plan = ProfilePlan(
@@ -454,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (ValueError, SweepError) as exc:
+    except (ValueError, SplitError) as exc:
         print(f"plan_capacity: error: {exc}", file=sys.stderr)
         return 2
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .profile import NodeProfile
+from planner.profile import NodeProfile
 
 KINDS = ("prefill", "decode", "mixed")
 

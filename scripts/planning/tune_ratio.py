@@ -35,14 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from gateway.process.cluster import Cluster, ClusterConfig, ClusterError, parse_devices
+from planner.datasets import build_sessions
+from planner.metrics import RequestTrace
+from planner.splits import Split, SplitError, parse_splits
 from scripts.planning.sweep import (
     RatePoint,
-    Split,
     SplitResult,
-    SweepError,
     best_split,
     parse_rates,
-    parse_splits,
     plot_goodput,
     sweep_table,
 )
@@ -54,8 +54,6 @@ from scripts.serving.bench_serving import (
 )
 from scripts.serving.benchmark import BenchmarkConfig, run_benchmark, warm
 from scripts.serving.client import ClientConfig, served_model
-from scripts.serving.datasets import build_sessions
-from scripts.serving.metrics import RequestTrace
 from scripts.serving.report import pyplot, timing_table
 
 
@@ -117,12 +115,12 @@ def build_config(args: argparse.Namespace) -> TuneConfig:
     splits = parse_splits(args.splits, args.budget)
     rates = parse_rates(args.rates)
     if not 0 < args.slo_attainment <= 1:
-        raise SweepError(f"--slo-attainment must be in (0, 1], got {args.slo_attainment}")
+        raise SplitError(f"--slo-attainment must be in (0, 1], got {args.slo_attainment}")
     if args.warmup < 0:
-        raise SweepError(f"--warmup must be >= 0, got {args.warmup}")
+        raise SplitError(f"--warmup must be >= 0, got {args.warmup}")
     slo = slo_config(args)
     if not slo.given:
-        raise SweepError("give at least one of --slo-ttft-ms, --slo-tpot-ms, --slo-e2e-ms")
+        raise SplitError("give at least one of --slo-ttft-ms, --slo-tpot-ms, --slo-e2e-ms")
     load = load_config(args, request_rate=rates[0])
     dataset = dataset_config(args, load.num_sessions or 1000)
     client = ClientConfig("http://unset", "", args.ignore_eos, args.temperature)

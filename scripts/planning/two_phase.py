@@ -4,7 +4,6 @@ serves.
 
     python -m scripts.planning.two_phase --out benchmarks/serving-RUN      # ~23 min
     python -m scripts.planning.two_phase --quick --out /tmp/two-phase       # ~15 min
-    python -m scripts.planning.two_phase --predict --out /tmp/two-phase     # seconds
 
 For each configuration (`--splits`, default every P:D of `--budget` and colocated; then the
 planner unless `--no-planner`) it starts a cluster (gateway/process/cluster.py's launcher; every
@@ -17,12 +16,12 @@ phase A `--a-seconds` of Poisson arrivals at `--a-rate` of `--a-input`-token pro
 from `--planner-start` and stops and starts node processes within the budget); `--actuator
 switch` starts the cluster here and runs `pd-planner --actuator switch --bootstrap HOST:PORT`
 (role switches inside the nodes). The planner gets `--interval`, `--cooldown`, the SLOs,
-`--headroom 1`, `--sim-warmup` (its steady state) and the host model `--predict` uses, so that
+`--headroom 1`, `--sim-warmup` (its steady state) and this CPU's host model (`CALM_HOST`), so that
 what it predicts for a window is the goodput of the window's own requests at its rate.
 `--max-total-tokens` and `--max-running-requests` set every node's KV pool and running cap (a
 node holds about pool / (prompt + output) long streams at full length, more while it retracts
 and prefills them again: the memory a decode-heavy phase needs), and the same values go to the
-planner's simulator and to `--predict`.
+planner's simulator.
 A run ends `--grace` seconds after the last phase: requests unfinished then are cancelled and
 count as lost (an overloaded split's backlog would otherwise drain for many minutes).
 
@@ -34,7 +33,7 @@ both SLOs (TTFT and TPOT, per request), attainment, goodput, requests lost; for 
 actions and per window the predicted vs measured goodput of the requests admitted in the
 window (two_phase_score.py: windows within `--settle` s of a switch or a phase change are
 transient and left out of the mean absolute error, and counted); then the issue's goals, met
-or not. `python -m scripts.planning.two_phase_search` looks for phase shapes to run.
+or not.
 """
 
 from __future__ import annotations
@@ -50,17 +49,18 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
 from gateway.process.cluster import Cluster, ClusterError, build_config
 from gateway.process.cluster import build_parser as cluster_parser
-from scripts.planning.profile import NodeProfile
-from scripts.planning.simulator import HostConfig
-from scripts.planning.sweep import Split, parse_splits
-from scripts.planning.two_phase_predict import CALM_HOST, predict, prediction_table
+from planner.arrivals import LoadConfig
+from planner.datasets import DatasetConfig, Session
+from planner.metrics import SLO, RequestTrace
+from planner.simulator import HostConfig
+from planner.splits import Split, parse_splits
 from scripts.planning.two_phase_score import (
     GOAL_ATTAINMENT,
     Phase,
@@ -79,12 +79,16 @@ from scripts.planning.two_phase_score import (
 from scripts.serving.benchmark import BenchmarkConfig, warm
 from scripts.serving.client import ClientConfig, served_model
 from scripts.serving.client import send as send_one
-from scripts.serving.datasets import DatasetConfig, Session
-from scripts.serving.load import LoadConfig
-from scripts.serving.metrics import SLO, RequestTrace
 
 PROFILE = Path("benchmarks/serving-2026-11-24/node_profile.json")  # one thread a node, this CPU
 READY_MARK = "[pd-planner] cluster ready: "
+# The host model validated against five sweeps on this 2-core CPU (benchmarks/serving-2026-11-24.md:
+# 8.0% mean goodput error): processor sharing of 2 cores, host work of 1.60 ms (colocated) /
+# 2.37 ms (with prefill nodes) per streamed token, every step 1.15x the in-process profile and
+# 10% slower per other step in flight.
+CALM_HOST = HostConfig(host_cores=2, threads_per_node=1, slowdown=1.15,
+                       overhead_s_per_token=1.60e-3, pd_overhead_s_per_token=2.37e-3,
+                       co_runner=0.10)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,7 @@ class PlannerRun:
 @dataclass(frozen=True)
 class NodeCapacity:
     """Every node's KV pool and running cap (pd-cluster's --max-total-tokens, the nodes'
-    --max-running-requests), given to the cluster, to the planner and to `--predict` alike."""
+    --max-running-requests), given to the cluster and to the planner alike."""
 
     max_total_tokens: int = 16384  # pd-cluster's default
     max_running_requests: int | None = None  # None: the node's default (256)
@@ -126,11 +130,6 @@ class NodeCapacity:
         if self.max_running_requests is not None:
             args += ["--node-max-running-requests", str(self.max_running_requests)]
         return args
-
-    def profile(self, profile: NodeProfile) -> NodeProfile:
-        running = self.max_running_requests or profile.max_running_requests
-        return replace(profile, max_total_tokens=self.max_total_tokens,
-                       max_running_requests=running)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -225,13 +224,12 @@ def run_static(config: BenchConfig, split: Split, schedule: Schedule) -> RunResu
 
 
 def planner_argv(config: BenchConfig, run: PlannerRun, slo: SLO) -> list[str]:
-    return [sys.executable, "-m", "scripts.planning.pd_planner", "--actuator", run.actuator,
+    return [sys.executable, "-m", "planner", "--actuator", run.actuator,
             *planner_flags(config.budget, run, slo, config.nodes)]  # fmt: skip
 
 
 def planner_flags(budget: int, run: PlannerRun, slo: SLO, nodes: NodeCapacity) -> list[str]:
-    """Every `pd-planner` flag of a planner run but the actuator's (two_phase_replay.py gives
-    a recorded run's planner the same)."""
+    """Every `pd-planner` flag of a planner run but the actuator's."""
     return ["--budget", str(budget), "--profile", str(run.profile),
             "--interval", str(run.interval_s), "--cooldown", str(run.cooldown_s),
             "--hysteresis", str(run.hysteresis), "--headroom", "1",
@@ -244,7 +242,7 @@ def planner_flags(budget: int, run: PlannerRun, slo: SLO, nodes: NodeCapacity) -
 
 
 def host_args(host: HostConfig) -> list[str]:
-    """pd-planner's host model flags: the one `--predict` uses (validated on 11-24)."""
+    """pd-planner's host model flags (`CALM_HOST`: validated on 11-24)."""
     pd = host.overhead(disaggregated=True)
     return ["--slowdown", str(host.slowdown), "--co-runner-slowdown", str(host.co_runner),
             "--host-overhead-ms", f"{host.overhead_s_per_token * 1000:g}",
@@ -319,9 +317,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--splits", default="all", help="static splits: 'all' or e.g. 1:2,2:1")
     p.add_argument("--no-planner", action="store_true", help="static splits only")
     p.add_argument("--no-static", action="store_true", help="the planner run only")
-    p.add_argument("--predict", action="store_true",
-                   help="print the simulator's attainment per split and phase (a calm 2-core "
-                   "host, two_phase_predict.py) and exit: seconds, no cluster")  # fmt: skip
     g = p.add_argument_group("workload (phase A prefill-heavy, phase B decode-heavy)")
     g.add_argument("--a-seconds", type=float, default=120.0)
     g.add_argument("--a-rate", type=float, default=2.0, help="requests/s, Poisson")
@@ -357,8 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--planner-nice", type=int, default=10,
                    help="run pd-planner at this niceness (it shares the nodes' cores)")  # fmt: skip
     g.add_argument("--max-total-tokens", type=int, default=16384,
-                   help="every node's KV pool in tokens (pd-cluster's flag; the planner and "
-                   "--predict get it too)")  # fmt: skip
+                   help="every node's KV pool in tokens (pd-cluster's flag; the planner "
+                   "gets it too)")  # fmt: skip
     g.add_argument("--max-running-requests", type=int, default=None,
                    help="every node's running-request cap (default: the node's, 256)")  # fmt: skip
     g.add_argument("--settle", type=float, default=15.0,
@@ -463,12 +458,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"two_phase: error: {exc}", file=sys.stderr)
         return 2
-    if args.predict:
-        splits = config.splits or parse_splits(args.splits, args.budget)
-        profile = config.nodes.profile(NodeProfile.load(args.profile))
-        rows = predict(profile, config.workload, splits, CALM_HOST)
-        print(prediction_table(rows, config.workload))
-        return 0
     os.environ["OMP_NUM_THREADS"] = str(args.threads_per_node)  # inherited by every node
     config.out.mkdir(parents=True, exist_ok=True)
     runs, uptime = [], [uptime_line()]

@@ -27,9 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from scripts.planning.sweep import parse_splits
+from planner.metrics import SLO
+from planner.splits import parse_splits
 from scripts.planning.two_phase import NodeCapacity, PlannerRun, planner_flags
-from scripts.serving.metrics import SLO
 
 
 def recorded_flags(doc: dict[str, Any]) -> list[str]:
@@ -61,7 +61,7 @@ def replay(run_dir: Path, extra: list[str]) -> list[dict[str, Any]]:
     doc = json.loads((run_dir / "two_phase.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
         scrapes = scrapes_file(run_dir, Path(tmp) / "scrapes.jsonl")
-        argv = [sys.executable, "-m", "scripts.planning.pd_planner", "--replay", str(scrapes),
+        argv = [sys.executable, "-m", "planner", "--replay", str(scrapes),
                 "--dry-run", *recorded_flags(doc), *extra]  # fmt: skip
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:

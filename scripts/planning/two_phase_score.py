@@ -1,10 +1,10 @@
 """The pure parts of the two-phase benchmark (scripts/planning/two_phase.py): the workload's
 schedule, each run's score per phase, and the planner's predicted vs measured goodput per window.
 
-- Schedule: each phase is `duration_s` of Poisson arrivals at `rate` (scripts/serving/load.py's
-  `arrival_times`, seed + phase index) of random-token prompts (scripts/serving/datasets.py,
+- Schedule: each phase is `duration_s` of Poisson arrivals at `rate` (planner/arrivals.py's
+  `arrival_times`, seed + phase index) of random-token prompts (planner/datasets.py,
   its own seed per phase, so no phase is served from another's prefix cache); the sessions carry
-  their arrival times, so load.py sends them as a trace.
+  their arrival times, so the load tool sends them as a trace.
 - Score: a request belongs to the phase it was scheduled in; it meets the SLO when it completed
   and its TTFT and its TPOT both met theirs (`RequestTrace.meets`). Attainment = met / scheduled;
   goodput = met / the phase's seconds (the same denominator for every run, so runs compare);
@@ -35,9 +35,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from scripts.serving.datasets import DatasetConfig, Session, build_sessions
-from scripts.serving.load import LoadConfig, arrival_times
-from scripts.serving.metrics import SLO, RequestTrace, percentile
+from planner.arrivals import LoadConfig, arrival_times
+from planner.datasets import DatasetConfig, Session, build_sessions
+from planner.metrics import SLO, RequestTrace, percentile
 
 GOAL_ATTAINMENT = 0.9  # issue 20: the planner keeps >= 90% of requests within the SLO
 
@@ -361,16 +361,6 @@ def request_rows(schedule: Schedule, traces: Sequence[RequestTrace]) -> list[dic
              "ttft": t.ttft, "tpot": t.tpot, "e2e": t.e2e, "prompt_tokens": t.prompt_tokens,
              "output_tokens": t.output_tokens, "error": t.error}
             for t in sorted(traces, key=lambda t: t.session)]  # fmt: skip
-
-
-def trace_of(row: dict[str, Any]) -> RequestTrace:
-    """A `request_rows` row back as a trace that scores as the request did: its first token at
-    TTFT, its end at E2E (TPOT follows from them and the output tokens)."""
-    sent, ttft = float(row["sent"]), row["ttft"]
-    return RequestTrace(sent=sent, chunks=[] if ttft is None else [sent + float(ttft)],
-                        done=sent + float(row["e2e"]), prompt_tokens=int(row["prompt_tokens"]),
-                        output_tokens=int(row["output_tokens"]), error=str(row["error"]),
-                        session=int(row["index"]))  # fmt: skip
 
 
 def _ms(value: float | None) -> str:

@@ -1,12 +1,13 @@
 """Load test of any OpenAI-compatible server: TTFT / ITL / TPOT / E2E, throughput, goodput.
 
-Sends a workload (datasets: random, prefix, sharegpt, multiturn, conversation, mooncake; see
-scripts/serving/datasets.py)
-with Poisson arrivals (`--request-rate`, `--burstiness`), at most `--max-concurrency` sessions
-in flight, for `--num-prompts` sessions or `--duration` seconds; every request streams. Prints
-a summary table; `--output-file` writes every setting, figure and per-request trace as JSON;
-`--plot DIR` writes PNGs (latency CDFs, TTFT/TPOT over time, throughput over time). Metric
-definitions: scripts/serving/metrics.py.
+`pdserve-bench` (the console script; `python -m scripts.serving.bench_serving` alike) sends a
+workload (datasets: random, prefix, sharegpt, multiturn, conversation, and mooncake: a trace
+replayed at its own timestamps, `--dataset mooncake --dataset-path trace.jsonl`; see
+planner/datasets.py) with Poisson arrivals (`--request-rate`, `--burstiness`), at most
+`--max-concurrency` sessions in flight, for `--num-prompts` sessions or `--duration` seconds;
+every request streams. Prints a summary table; `--output-file` writes every setting, figure and
+per-request trace as JSON; `--plot DIR` writes PNGs (latency CDFs, TTFT/TPOT over time,
+throughput over time). Metric definitions: planner/metrics.py.
 
 `--workers N` sends the load from N client processes sharing one schedule
 (scripts/serving/workers.py); every client's CPU is reported, with a warning when one used more
@@ -46,6 +47,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from planner.arrivals import LoadConfig
+from planner.datasets import GENERATORS, DatasetConfig, build_sessions
+from planner.metrics import SLO
 from scripts.serving.benchmark import BenchmarkConfig, run_benchmark
 from scripts.serving.client import (
     ClientConfig,
@@ -53,9 +57,6 @@ from scripts.serving.client import (
     normalize_base_url,
     served_model,
 )
-from scripts.serving.datasets import GENERATORS, DatasetConfig, build_sessions
-from scripts.serving.load import LoadConfig
-from scripts.serving.metrics import SLO
 from scripts.serving.node_metrics import MetricsError, MetricsWatch, StepSplit, parse_target
 from scripts.serving.procstat import CpuWatch, ProcessCpu, WatchSpec, saturation_warnings
 from scripts.serving.report import (
@@ -170,7 +171,9 @@ def slo_config(args: argparse.Namespace) -> SLO:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="pdserve-bench",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")

@@ -8,10 +8,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from planner.arrivals import LoadConfig
+from planner.datasets import DatasetConfig, Session, build_sessions
+from planner.metrics import SLO, Summary, summarize
+
 from .client import ClientConfig
-from .datasets import DatasetConfig, Session, build_sessions
-from .load import LoadConfig, LoadResult, run_load
-from .metrics import SLO, Summary, summarize
+from .load import LoadResult, run_load
 from .procstat import ProcessCpu
 from .workers import run_load_in_workers
 

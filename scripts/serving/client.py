@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from .datasets import RequestSpec
-from .metrics import RequestTrace
+from planner.datasets import RequestSpec
+from planner.metrics import RequestTrace
 
 
 class ServerUnreachable(RuntimeError):

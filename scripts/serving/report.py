@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .metrics import Distribution, RequestTrace, Summary
+from planner.metrics import Distribution, RequestTrace, Summary
+
 from .node_metrics import StepSplit
 from .procstat import ProcessCpu
 

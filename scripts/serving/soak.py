@@ -36,12 +36,13 @@ import grpc
 
 from gateway.process.cluster import Cluster, ClusterConfig, ClusterError
 from gateway.process.launcher import loopback_transports
+from planner.arrivals import LoadConfig
+from planner.datasets import DatasetConfig, build_sessions
+from planner.metrics import SLO, summarize
 from proto import node_pb2, node_pb2_grpc
 from scripts.serving.benchmark import BenchmarkConfig, run_benchmark
 from scripts.serving.client import ClientConfig, served_model
-from scripts.serving.datasets import DatasetConfig, build_sessions
-from scripts.serving.load import LoadConfig, LoadResult, run_load
-from scripts.serving.metrics import SLO, summarize
+from scripts.serving.load import LoadResult, run_load
 from scripts.serving.probes import Prober, Target
 from scripts.serving.soak_report import (
     Findings,

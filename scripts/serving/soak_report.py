@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from planner.metrics import Summary
+
 from . import growth
 from .growth import Tolerance, Verdict, judge
-from .metrics import Summary
 from .probes import Sample
 
 JUDGED: dict[str, Tolerance] = {

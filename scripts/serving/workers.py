@@ -27,10 +27,12 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 from typing import Any
 
+from planner.arrivals import LoadConfig, LoadError, schedule
+from planner.datasets import Session
+from planner.metrics import RequestTrace
+
 from .client import ClientConfig
-from .datasets import Session
-from .load import LoadConfig, LoadError, LoadResult, Slice, run_slice, schedule
-from .metrics import RequestTrace
+from .load import LoadResult, Slice, run_slice
 from .procstat import ProcessCpu
 
 _START_MARGIN_S = 0.2  # between "go" and the common zero: every worker is awake by then

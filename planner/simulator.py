@@ -60,8 +60,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from scripts.serving.metrics import RequestTrace
-
+from .metrics import RequestTrace
 from .profile import NodeProfile
 
 HOST_WINDOW_S = 1.0  # the window over which the host's token rate is taken

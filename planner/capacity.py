@@ -9,13 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from scripts.serving.datasets import DatasetConfig, build_sessions
-from scripts.serving.load import LoadConfig, arrival_gaps
-from scripts.serving.metrics import SLO, Summary, summarize
-
+from .arrivals import LoadConfig, arrival_gaps
+from .datasets import DatasetConfig, build_sessions
+from .metrics import SLO, Summary, summarize
 from .profile import NodeProfile
 from .simulator import Arrival, HostConfig, Simulation
-from .sweep import Split
+from .splits import Split
 
 
 class PlanError(ValueError):

@@ -1,0 +1,7 @@
+"""`python -m planner`: pd-planner."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
