@@ -204,12 +204,15 @@ def test_sigkill_of_an_idle_prefill_node_moves_traffic(
 
 
 def test_a_request_waits_for_the_first_decode_node_with_room(
-    tiny_model: Path, tmp_path: Path
+    default_model_dir: Path, tmp_path: Path
 ) -> None:
     """Two decode nodes with a cap of one request each: a long stream on the first, a shorter
     one on the second, and a third request sent while both run. Round robin would send it to
     the first, behind the long stream; the gateway holds it (gateway/dispatch/decode_line.py) and
-    sends it to the second when that one's stream ends, so it finishes while the long one runs."""
+    sends it to the second when that one's stream ends, so it finishes while the long one runs.
+    The long stream is eight times the shorter one (a model of 4,096 positions): at three times,
+    a busy host that started the shorter stream late saw the long one end first."""
+    tiny_model = save_tiny_text_model(default_model_dir, tmp_path / "model", positions=4096)
     args = [*GATEWAY_ARGS, "--prefill-policy", "round_robin", "--decode-hold", "30"]
     log = tmp_path / "pd-cluster.log"
     with pd_cluster_process(
@@ -239,16 +242,17 @@ def test_a_request_waits_for_the_first_decode_node_with_room(
                 before
             )
 
-        long, long_node = stream(1, 980)
+        long, long_node = stream(1, 2400)
         short, short_node = stream(2, 300)
         assert long_node != short_node
         assert not short.done(), "the shorter stream ended before the third request came"
         before = per_node(cluster, requests, "decode")
         third = pool.submit(_complete, client, tiny_model.name, _prompt(3, 40))
         third_node = routed(before)  # held until the shorter stream ended
+        long_ran = not long.done()  # it waited for the shorter stream only
         assert cluster.metric("pdserve_gateway_decode_hold_seconds_count") == 1
         assert short.result(30) == "length"
-        assert not long.done()  # it waited for the shorter stream only
+        assert long_ran
         assert third_node == short_node  # not round robin's pick: behind the long stream
         assert third.result(60).choices[0].finish_reason == "length"
         assert cluster.metric("pdserve_gateway_decode_hold_expired_total") == 0
