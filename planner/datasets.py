@@ -122,11 +122,13 @@ def lengths(rng: np.random.Generator, mean: int, ratio: float, n: int) -> list[i
     """n integers uniform in [mean * (1 - ratio), mean * (1 + ratio)], at least 1."""
     low = max(1, math.floor(mean * (1 - ratio)))
     high = max(low, math.ceil(mean * (1 + ratio)))
-    return [int(x) for x in rng.integers(low, high + 1, size=n)]
+    return rng.integers(low, high + 1, size=n).tolist()
 
 
 def random_ids(rng: np.random.Generator, config: DatasetConfig, n: int) -> tuple[int, ...]:
-    return tuple(int(x) for x in rng.integers(config.token_id_low, config.token_id_high, size=n))
+    # tolist() makes the same Python ints as int(x) per element, ten times faster: the planner
+    # builds every arrival's ids for each split it simulates.
+    return tuple(rng.integers(config.token_id_low, config.token_id_high, size=n).tolist())
 
 
 def random_words(rng: np.random.Generator, n: int) -> str:
