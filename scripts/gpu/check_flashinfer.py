@@ -23,7 +23,6 @@ run_all.py calls `flashinfer_checks` and `flashinfer_figures` when flashinfer im
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 import traceback
@@ -332,11 +331,7 @@ def save_jit_modules(out: Path, limit: int) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--batches", default="1,16,64,256")
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--chunks", default="1024,4096,8192")
+    parser = run_all.figures_parser(prog, __doc__)
     parser.add_argument("--save-jit", type=int, default=0, help="compiled modules to keep")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

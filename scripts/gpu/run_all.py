@@ -582,12 +582,18 @@ def flashinfer_module(rep: Report) -> Any:
     return check_flashinfer
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+def figures_parser(prog: str | None, description: str) -> argparse.ArgumentParser:
+    """The flags of this suite and check_flashinfer: the report folder and the shapes timed."""
+    parser = argparse.ArgumentParser(prog=prog, description=description.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--chunks", default="1024,4096,8192")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = figures_parser(prog, __doc__)
     parser.add_argument("--pd-carry", type=Path, help="check_pd.py's --carry folder")
     parser.add_argument("--pd-wheels", type=Path, help="check_pd.py's --wheels folder")
     add_site_arg(parser)
