@@ -67,6 +67,7 @@ from planner.cli import add_host_args as add_simulated_host_args
 from planner.cli import host_config
 from planner.profile import NodeProfile, fit_prefill, this_host
 from planner.splits import Split, SplitError, parse_splits
+from scripts.flags import add_cluster_args, cluster_config
 from scripts.planning import step_report
 from scripts.serving.bench_serving import (
     add_workload_args,
@@ -74,7 +75,6 @@ from scripts.serving.bench_serving import (
     load_config,
     slo_config,
 )
-from scripts.serving.cluster_args import add_cluster_args, cluster_config
 from scripts.serving.report import table
 
 VALIDATION_TARGET = 0.15  # relative goodput error the issue asks for

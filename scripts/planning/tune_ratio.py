@@ -37,6 +37,7 @@ from gateway.process.cluster import Cluster, ClusterConfig, ClusterError, parse_
 from planner.datasets import build_sessions
 from planner.metrics import RequestTrace
 from planner.splits import Split, SplitError, parse_splits
+from scripts.flags import add_cluster_args, cluster_config
 from scripts.planning.sweep import (
     RatePoint,
     SplitResult,
@@ -53,7 +54,6 @@ from scripts.serving.bench_serving import (
 )
 from scripts.serving.benchmark import BenchmarkConfig, run_benchmark, warm
 from scripts.serving.client import ClientConfig, served_model
-from scripts.serving.cluster_args import add_cluster_args, cluster_config
 from scripts.serving.report import pyplot, timing_table
 
 

@@ -39,9 +39,9 @@ from planner.arrivals import LoadConfig
 from planner.datasets import DatasetConfig, build_sessions
 from planner.metrics import SLO, summarize
 from proto import node_pb2, node_pb2_grpc
+from scripts.flags import add_cluster_args, cluster_config
 from scripts.serving.benchmark import BenchmarkConfig, run_benchmark
 from scripts.serving.client import ClientConfig, served_model
-from scripts.serving.cluster_args import add_cluster_args, cluster_config
 from scripts.serving.load import LoadResult, run_load
 from scripts.serving.probes import Prober, Target
 from scripts.serving.soak_report import (

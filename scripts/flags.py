@@ -1,14 +1,24 @@
-"""The pd-cluster flags the tools that start their own clusters share, and the `ClusterConfig`
-they build (soak, tune_ratio, plan_capacity host)."""
+"""Flags the tools share: a frozen config from the flags of its fields' names, and the pd-cluster
+flags of the tools that start their own clusters (soak, tune_ratio, plan_capacity host)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from gateway.process.cluster import ClusterConfig
+
+T = TypeVar("T")
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace, **more: Any) -> T:
+    """`cls` (a dataclass) with each field that has a flag of its name taken from `args`;
+    `more` gives the others (renamed or parsed)."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in vars(args).items() if k in names} | more)
 
 
 def add_cluster_args(group: Any, gateway_args: str = "", gateway_help: str = "") -> None:
