@@ -39,7 +39,7 @@ from planner.arrivals import LoadConfig
 from planner.datasets import DatasetConfig, build_sessions
 from planner.metrics import SLO, summarize
 from proto import node_pb2, node_pb2_grpc
-from scripts.flags import add_cluster_args, cluster_config
+from scripts.flags import add_cluster_args, cluster_config, config_from_args
 from scripts.serving.benchmark import BenchmarkConfig, run_benchmark
 from scripts.serving.client import ClientConfig, served_model
 from scripts.serving.load import LoadResult, run_load
@@ -123,31 +123,24 @@ def build_parser() -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace) -> SoakConfig:
     if args.prefill < 0 or args.decode < 1:
         raise ValueError("--prefill must be >= 0 and --decode >= 1")
-    workload = DatasetConfig(
+    workload = config_from_args(
+        DatasetConfig,
+        args,
         name="random",
         num_sessions=1,
-        seed=args.seed,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
     )
     cluster = cluster_config(args, args.prefill, args.decode, log_dir=args.output_dir / "logs")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0 s, got {args.timeout}")
-    return SoakConfig(
+    return config_from_args(
+        SoakConfig,
+        args,
         duration_s=args.duration,
         interval_s=args.interval,
-        load_fraction=args.load_fraction,
-        capacity=args.capacity,
-        capacity_requests=args.capacity_requests,
-        capacity_concurrency=args.capacity_concurrency,
-        max_concurrency=args.max_concurrency,
-        max_errors=args.max_errors,
         drain_timeout_s=args.drain_timeout,
         workload=workload,
         client=ClientConfig("http://unset", "", ignore_eos=True, timeout_s=args.timeout),
         cluster=cluster,
-        output_dir=args.output_dir,
     )
 
 
