@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -339,15 +338,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     log(f"environment: {env}")
     rep = Report()
     ceilings = run_all.measure_ceilings(rep)
-
-    def section(name: str, fn) -> None:
-        log(f"== {name}")
-        try:
-            fn()
-        except Exception as exc:  # a failed section is reported, the run goes on
-            traceback.print_exc()
-            rep.errors.append(f"{name}: {type(exc).__name__}: {exc}")
-
+    section = rep.section
     flashinfer_checks(rep, Path(tempfile.mkdtemp()), section)
     if args.save_jit:  # before the figures, which may outlast the call
         section("save JIT modules", lambda: save_jit_modules(args.out, args.save_jit))

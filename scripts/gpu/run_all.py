@@ -92,6 +92,15 @@ class Report:
         self.rows.append((what, value, ceiling, pct))
         print(f"  {what}: {value} {ceiling} {pct}", flush=True)
 
+    def section(self, name: str, fn: Callable[[], object]) -> None:
+        """Runs `fn`; a failure is recorded as an error and the run goes on."""
+        log(f"== {name}")
+        try:
+            fn()
+        except Exception as exc:  # a failed section is reported, the run goes on
+            traceback.print_exc()
+            self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -603,15 +612,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     log(f"environment: {env}")
     rep = Report()
     copy_bw, matmul = measure_ceilings(rep)
-
-    def section(name: str, fn: Callable[[], object]) -> None:
-        log(f"== {name}")
-        try:
-            fn()
-        except Exception as exc:  # a failed section is reported, the run goes on
-            traceback.print_exc()
-            rep.errors.append(f"{name}: {type(exc).__name__}: {exc}")
-
+    section = rep.section
     section("kernel checks", lambda: check_backend_kernels(rep))
     section("elementwise checks", lambda: check_elementwise(rep))
     section("engine check", lambda: check_engine(rep, Path(tempfile.mkdtemp())))
