@@ -362,7 +362,11 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
         if source.plan is not None or config.worker_cpus:  # show that --worker-cpus held
             on = ", ".join(f"{i} on {_affinity(pid)}" for i, pid in sorted(pids.items()))
             print(f"  --worker-cpus: gateway workers {on}", flush=True)
-        row = _load(config, source, gateway, port, request, (workers, interval), pids)
+        shape = (workers, interval)
+        if config.load_tool == "bench_serving":
+            row = _bench_serving_load(config, source, gateway, port, shape)
+        else:
+            row = _raw_load(config, source, gateway, port, request, shape, pids)
         routes = requests_by_worker(_metrics(port))
         for worker, nodes in sorted(routes.items()):
             spread = ", ".join(f"{node} {count:,}" for node, count in sorted(nodes.items()))
@@ -457,20 +461,6 @@ def _affinity(pid: int) -> str:
 def _served_name(port: int) -> str:
     with urllib.request.urlopen(f"http://{LOCALHOST}:{port}/v1/models", timeout=10) as answer:
         return str(json.loads(answer.read())["data"][0]["id"])
-
-
-def _load(
-    config: BenchConfig,
-    source: TokenSource,
-    gateway: ServerProcess,
-    port: int,
-    request: bytes,
-    row: tuple[int, int],
-    pids: dict[int, int],
-) -> Row:
-    if config.load_tool == "bench_serving":
-        return _bench_serving_load(config, source, gateway, port, row)
-    return _raw_load(config, source, gateway, port, request, row, pids)
 
 
 def _bench_serving_load(
