@@ -1,2 +1,2 @@
 """Benchmarks of one part at a time: the engine, its CPU linears, a node over gRPC, the gateway's
-own cost (latency added; CPU per token against fake nodes), and KV transfer with the PD hand-off."""
+own cost (latency added; CPU per token against fake nodes)."""

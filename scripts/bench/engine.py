@@ -37,6 +37,7 @@ from engine import LLM, SamplingParams
 from engine.model_fetch import ensure_default_model
 from engine.models.linear_backends import LINEAR_KERNELS
 from engine.scheduler import StepStats
+from scripts.flags import config_from_args
 
 WARMUP_OUTPUT_LEN = 4
 
@@ -332,17 +333,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         parser.error("need --input-len >= 1, --output-len >= 2 and --repeats >= 1")
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu measures work only with --threads 1")
-    return BenchConfig(
+    return config_from_args(
+        BenchConfig,
+        args,
         batch_sizes=sizes,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        repeats=args.repeats,
-        seed=args.seed,
-        threads=args.threads,
-        clock=args.clock,
-        skip_hf=args.skip_hf,
-        output_json=args.output_json,
-        linear_kernel=args.linear_kernel,
     )
 
 

@@ -102,6 +102,7 @@ from gateway.process.launcher import (
 )
 from gateway.routing.policies import POLICIES
 from scripts.bench.pinning import CpuPlan, host_cores, parse_cpu_list, pinned, plan_cpus
+from scripts.flags import config_from_args
 from scripts.serving.procstat import cpu_seconds as process_cpu_seconds
 
 GOAL_US_PER_TOKEN = 25.0
@@ -361,7 +362,11 @@ def measure(config: BenchConfig, source: TokenSource, workers: int, interval: in
         if source.plan is not None or config.worker_cpus:  # show that --worker-cpus held
             on = ", ".join(f"{i} on {_affinity(pid)}" for i, pid in sorted(pids.items()))
             print(f"  --worker-cpus: gateway workers {on}", flush=True)
-        row = _load(config, source, gateway, port, request, (workers, interval), pids)
+        shape = (workers, interval)
+        if config.load_tool == "bench_serving":
+            row = _bench_serving_load(config, source, gateway, port, shape)
+        else:
+            row = _raw_load(config, source, gateway, port, request, shape, pids)
         routes = requests_by_worker(_metrics(port))
         for worker, nodes in sorted(routes.items()):
             spread = ", ".join(f"{node} {count:,}" for node, count in sorted(nodes.items()))
@@ -456,20 +461,6 @@ def _affinity(pid: int) -> str:
 def _served_name(port: int) -> str:
     with urllib.request.urlopen(f"http://{LOCALHOST}:{port}/v1/models", timeout=10) as answer:
         return str(json.loads(answer.read())["data"][0]["id"])
-
-
-def _load(
-    config: BenchConfig,
-    source: TokenSource,
-    gateway: ServerProcess,
-    port: int,
-    request: bytes,
-    row: tuple[int, int],
-    pids: dict[int, int],
-) -> Row:
-    if config.load_tool == "bench_serving":
-        return _bench_serving_load(config, source, gateway, port, row)
-    return _raw_load(config, source, gateway, port, request, row, pids)
 
 
 def _bench_serving_load(
@@ -829,28 +820,14 @@ def build_config(argv: list[str] | None) -> BenchConfig:
             "--workers, --intervals, --clients, --streams, --tokens, --tokens-per-message and "
             "--fake-nodes must be >= 1"
         )
-    return BenchConfig(
+    return config_from_args(
+        BenchConfig,
+        args,
         workers=tuple(int(v) for v in args.workers.split(",")),
         intervals=tuple(int(v) for v in args.intervals.split(",")),
         duration_s=args.duration,
-        clients=args.clients,
-        streams=args.streams,
-        tokens=args.tokens,
-        tokens_per_message=args.tokens_per_message,
-        step_ms=args.step_ms,
-        load_tool=args.load_tool,
-        waves=args.waves,
-        per_request_streams=args.per_request_streams,
-        fake_nodes=args.fake_nodes,
-        model=args.model,
         log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-gateway-cpu-")),
-        pin=args.pin,
-        clients_per_worker=args.clients_per_worker,
         warmup_s=args.warmup,
-        decode_policy=args.decode_policy,
-        out=args.out,
-        worker_listen=args.worker_listen,
-        worker_cpus=args.worker_cpus,
         idle_cpus=parse_cpu_list(args.idle_cpus),
     )
 

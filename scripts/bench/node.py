@@ -55,6 +55,7 @@ import numpy as np
 from gateway.dispatch.pd_client import GenerateMux
 from gateway.process.launcher import running_node
 from proto import node_pb2, node_pb2_grpc
+from scripts.flags import config_from_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # engine paths in the profile are shown from here
 
@@ -659,27 +660,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         p.error("need --input-len >= 1 and --output-len >= 2 (ITL needs two tokens)")
     if args.overhead_batch < 1 or args.overhead_steps < 1:
         p.error("need --overhead-batch >= 1 and --overhead-steps >= 1")
-    return BenchConfig(
-        target=args.target,
-        model=args.model,
+    return config_from_args(
+        BenchConfig,
+        args,
         server_args=tuple(args.server_arg),
-        page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
-        input_len=args.input_len,
-        output_len=args.output_len,
         concurrencies=levels,
-        num_requests=args.num_requests,
-        seed=args.seed,
         startup_timeout_s=args.startup_timeout,
         request_timeout_s=args.request_timeout,
-        threads=args.threads,
-        skip_node=args.skip_node,
-        skip_overhead=args.skip_overhead,
-        overhead_batch=args.overhead_batch,
-        overhead_steps=args.overhead_steps,
-        profile=args.profile,
-        output_json=args.output_json,
-        client=args.client,
     )
 
 

@@ -23,10 +23,8 @@ run_all.py calls `flashinfer_checks` and `flashinfer_figures` when flashinfer im
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -332,11 +330,7 @@ def save_jit_modules(out: Path, limit: int) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--batches", default="1,16,64,256")
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--chunks", default="1024,4096,8192")
+    parser = run_all.figures_parser(prog, __doc__)
     parser.add_argument("--save-jit", type=int, default=0, help="compiled modules to keep")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -344,15 +338,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     log(f"environment: {env}")
     rep = Report()
     ceilings = run_all.measure_ceilings(rep)
-
-    def section(name: str, fn) -> None:
-        log(f"== {name}")
-        try:
-            fn()
-        except Exception as exc:  # a failed section is reported, the run goes on
-            traceback.print_exc()
-            rep.errors.append(f"{name}: {type(exc).__name__}: {exc}")
-
+    section = rep.section
     flashinfer_checks(rep, Path(tempfile.mkdtemp()), section)
     if args.save_jit:  # before the figures, which may outlast the call
         section("save JIT modules", lambda: save_jit_modules(args.out, args.save_jit))

@@ -292,14 +292,20 @@ def markdown(res: Result, missing: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+def carry_parser(prog: str | None, description: str) -> argparse.ArgumentParser:
+    """The flags of this check and check_tp: carried wheels, the report folder, the device."""
+    parser = argparse.ArgumentParser(prog=prog, description=description.split("\n")[0])
     parser.add_argument("--carry", type=Path, help="folder from scripts.gpu wheels mooncake pack")
     parser.add_argument("--wheels", type=Path, help="folder of grpcio / protobuf wheels")
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the flow")
-    parser.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, choices=list(BACKENDS))
     add_site_arg(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = carry_parser(prog, __doc__)
+    parser.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, choices=list(BACKENDS))
     args = parser.parse_args(argv)
     install(args.carry, args.wheels, args.site)
     os.chdir(REPO_ROOT)

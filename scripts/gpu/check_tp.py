@@ -26,7 +26,6 @@ Writes check_tp.md (and the nodes' logs of a failed trio) to `--out`; exits 1 on
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import os
 import tempfile
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.gpu import check_pd
-from scripts.gpu.environment import REPO_ROOT, add_site_arg, console_wrappers, gpu_defaults
+from scripts.gpu.environment import REPO_ROOT, console_wrappers, gpu_defaults
 from scripts.tiny_models import hf_greedy, tiny_sizes
 
 VOCAB = 2048
@@ -162,13 +161,8 @@ def markdown(info: dict[str, str], rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    parser.add_argument("--carry", type=Path, help="scripts.gpu wheels mooncake pack folder")
-    parser.add_argument("--wheels", type=Path, help="folder of grpcio wheels (the stubs')")
-    parser.add_argument("--out", type=Path, default=Path("."))
+    parser = check_pd.carry_parser(prog, __doc__)
     parser.add_argument("--skip-colocated", action="store_true")
-    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the flow (gloo)")
-    add_site_arg(parser)
     args = parser.parse_args(argv)
     gpu_defaults()  # before the ranks and nodes start: they inherit it
     check_pd.install(args.carry, args.wheels, args.site)

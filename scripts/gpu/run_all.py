@@ -92,6 +92,15 @@ class Report:
         self.rows.append((what, value, ceiling, pct))
         print(f"  {what}: {value} {ceiling} {pct}", flush=True)
 
+    def section(self, name: str, fn: Callable[[], object]) -> None:
+        """Runs `fn`; a failure is recorded as an error and the run goes on."""
+        log(f"== {name}")
+        try:
+            fn()
+        except Exception as exc:  # a failed section is reported, the run goes on
+            traceback.print_exc()
+            self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -582,12 +591,18 @@ def flashinfer_module(rep: Report) -> Any:
     return check_flashinfer
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+def figures_parser(prog: str | None, description: str) -> argparse.ArgumentParser:
+    """The flags of this suite and check_flashinfer: the report folder and the shapes timed."""
+    parser = argparse.ArgumentParser(prog=prog, description=description.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--chunks", default="1024,4096,8192")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = figures_parser(prog, __doc__)
     parser.add_argument("--pd-carry", type=Path, help="check_pd.py's --carry folder")
     parser.add_argument("--pd-wheels", type=Path, help="check_pd.py's --wheels folder")
     add_site_arg(parser)
@@ -597,15 +612,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     log(f"environment: {env}")
     rep = Report()
     copy_bw, matmul = measure_ceilings(rep)
-
-    def section(name: str, fn: Callable[[], object]) -> None:
-        log(f"== {name}")
-        try:
-            fn()
-        except Exception as exc:  # a failed section is reported, the run goes on
-            traceback.print_exc()
-            rep.errors.append(f"{name}: {type(exc).__name__}: {exc}")
-
+    section = rep.section
     section("kernel checks", lambda: check_backend_kernels(rep))
     section("elementwise checks", lambda: check_elementwise(rep))
     section("engine check", lambda: check_engine(rep, Path(tempfile.mkdtemp())))

@@ -49,6 +49,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -66,6 +67,7 @@ from planner.cli import add_host_args as add_simulated_host_args
 from planner.cli import host_config
 from planner.profile import NodeProfile, fit_prefill, this_host
 from planner.splits import Split, SplitError, parse_splits
+from scripts.flags import add_cluster_args, cluster_config
 from scripts.planning import step_report
 from scripts.serving.bench_serving import (
     add_workload_args,
@@ -146,9 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=0, help="prefill nodes (0: colocated)")
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--threads-per-node", type=int, default=1, help="OMP_NUM_THREADS per node")
-    p.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "nixl"])
-    p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
-    p.add_argument("--max-total-tokens", type=int, default=16384)
+    add_cluster_args(p, gateway_help="extra gateway flags (with --prefill: after every prompt "
+                     "through a prefill node)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests first")
     add_workload_args(p)
 
@@ -285,7 +286,6 @@ def read_measured(path: Path) -> dict[str, Any]:
 
 
 def cmd_host(args: argparse.Namespace) -> int:
-    from gateway.process.cluster import ClusterConfig
     from scripts.planning.host_cost import measure
     from scripts.serving.benchmark import BenchmarkConfig
     from scripts.serving.client import ClientConfig
@@ -300,15 +300,9 @@ def cmd_host(args: argparse.Namespace) -> int:
         ClientConfig("http://unset", "", args.ignore_eos, args.temperature),
         slo_config(args),
     )
-    cluster = ClusterConfig(
-        prefill=args.prefill,
-        decode=args.decode,
-        backend=args.transfer_backend,
-        model=args.model,
-        port=0,
-        max_total_tokens=args.max_total_tokens,
-        gateway_args=("--local-prefill-max-tokens", "0") if args.prefill else (),
-    )
+    pd_only = ("--local-prefill-max-tokens", "0") if args.prefill else ()
+    gateway_args = pd_only + tuple(shlex.split(args.gateway_args))
+    cluster = cluster_config(args, args.prefill, args.decode, gateway_args=gateway_args)
     cost = measure(cluster, bench, args.warmup)
     print(
         f"{cost.requests} requests, {cost.output_tokens} tokens streamed: host CPU "

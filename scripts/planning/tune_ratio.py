@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import threading
 import time
@@ -38,6 +37,7 @@ from gateway.process.cluster import Cluster, ClusterConfig, ClusterError, parse_
 from planner.datasets import build_sessions
 from planner.metrics import RequestTrace
 from planner.splits import Split, SplitError, parse_splits
+from scripts.flags import add_cluster_args, cluster_config
 from scripts.planning.sweep import (
     RatePoint,
     SplitResult,
@@ -87,11 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--breakdown", action="store_true", help="print each rate's server-side time breakdown"
     )
     g = parser.add_argument_group("cluster (as pd-cluster)")
-    g.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
-    g.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "nixl"])
-    g.add_argument("--max-total-tokens", type=int, default=16384, help="KV tokens per node")
-    g.add_argument("--node-args", default="", help="extra flags for every node (quoted)")
-    g.add_argument("--gateway-args", default="", help="extra flags for the gateway")
+    add_cluster_args(g)
     g.add_argument(
         "--devices", default="", help="devices given to the nodes in turn (as pd-cluster)"
     )
@@ -124,17 +120,7 @@ def build_config(args: argparse.Namespace) -> TuneConfig:
     load = load_config(args, request_rate=rates[0])
     dataset = dataset_config(args, load.num_sessions or 1000)
     client = ClientConfig("http://unset", "", args.ignore_eos, args.temperature)
-    cluster = ClusterConfig(
-        prefill=0,
-        decode=1,
-        backend=args.transfer_backend,
-        model=args.model,
-        port=0,
-        max_total_tokens=args.max_total_tokens,
-        node_args=tuple(shlex.split(args.node_args)),
-        gateway_args=tuple(shlex.split(args.gateway_args)),
-        devices=parse_devices(args.devices),
-    )
+    cluster = cluster_config(args, 0, 1, devices=parse_devices(args.devices))
     pd_args = ("--local-prefill-max-tokens", str(args.pd_local_prefill_max_tokens))
     return TuneConfig(
         splits=splits,

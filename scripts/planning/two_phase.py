@@ -61,6 +61,7 @@ from planner.datasets import DatasetConfig, Session
 from planner.metrics import SLO, RequestTrace
 from planner.simulator import HostConfig
 from planner.splits import Split, parse_splits
+from scripts.flags import config_from_args
 from scripts.planning.two_phase_score import (
     GOAL_ATTAINMENT,
     Phase,
@@ -373,20 +374,14 @@ def build_bench(args: argparse.Namespace) -> BenchConfig:
     start = parse_splits(args.planner_start, args.budget)[0]
     planner = None
     if not args.no_planner:
-        planner = PlannerRun(
-            actuator=args.actuator,
+        planner = config_from_args(
+            PlannerRun,
+            args,
             start=start,
-            profile=args.profile,
             interval_s=args.interval or (10.0 if args.quick else 15.0),
             cooldown_s=args.cooldown or (25.0 if args.quick else 45.0),
-            hysteresis=args.hysteresis,
-            sim_seconds=args.sim_seconds,
             sim_warmup_s=args.sim_warmup,
-            lasting_seconds=args.lasting_seconds,
-            lasting_hysteresis=args.lasting_hysteresis,
             nice=args.planner_nice,
-            host_cores=args.host_cores,
-            threads_per_node=args.threads_per_node,
         )
     if start.nodes != args.budget:
         raise TwoPhaseError(f"--planner-start {start.name} is not {args.budget} nodes (--budget)")

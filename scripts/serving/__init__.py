@@ -1,5 +1,5 @@
 """Load against a running cluster: `bench_serving` (one workload, its figures; `pdserve-bench`),
-`soak` (hours of steady load, growth judged), `admission_limit`, `structured_check`.
+`soak` (hours of steady load, growth judged), `structured_check`.
 
 The load model they share with the planner lives in planner/ (datasets: what to send; arrivals:
 when; metrics: traces -> the figures). Here: client: one streamed request -> a `RequestTrace`;

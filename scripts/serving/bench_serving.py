@@ -50,6 +50,7 @@ from pathlib import Path
 from planner.arrivals import LoadConfig
 from planner.datasets import GENERATORS, DatasetConfig, build_sessions
 from planner.metrics import SLO
+from scripts.flags import config_from_args
 from scripts.serving.benchmark import BenchmarkConfig, run_benchmark
 from scripts.serving.client import (
     ClientConfig,
@@ -130,24 +131,20 @@ def dataset_config(args: argparse.Namespace, num_sessions: int) -> DatasetConfig
         raise ValueError(
             f"--token-id-range must be LOW:HIGH, got {args.token_id_range!r}"
         ) from None
-    return DatasetConfig(
+    return config_from_args(
+        DatasetConfig,
+        args,
         name=args.dataset,
         num_sessions=num_sessions,
-        seed=args.seed,
         input_len=args.random_input_len,
         output_len=args.random_output_len,
         range_ratio=args.random_range_ratio,
         token_id_low=low,
         token_id_high=high,
-        prefix_len=args.prefix_len,
-        prefix_group_size=args.prefix_group_size,
         turns=args.multiturn_turns,
         path=args.dataset_path,
-        sharegpt_output_len=args.sharegpt_output_len,
-        sharegpt_max_output_len=args.sharegpt_max_output_len,
         system_len=args.conversation_system_len,
         think_s=args.think_time,
-        mooncake_block_size=args.mooncake_block_size,
     )
 
 
@@ -155,13 +152,12 @@ def load_config(args: argparse.Namespace, request_rate: float | None = None) -> 
     num = args.num_prompts
     if num is None and args.duration is None:
         num = 100
-    return LoadConfig(
+    return config_from_args(
+        LoadConfig,
+        args,
         request_rate=args.request_rate if request_rate is None else request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
         num_sessions=num,
         duration_s=args.duration,
-        seed=args.seed,
     )
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import shlex
 import signal
 import sys
 import threading
@@ -40,6 +39,7 @@ from planner.arrivals import LoadConfig
 from planner.datasets import DatasetConfig, build_sessions
 from planner.metrics import SLO, summarize
 from proto import node_pb2, node_pb2_grpc
+from scripts.flags import add_cluster_args, cluster_config, config_from_args
 from scripts.serving.benchmark import BenchmarkConfig, run_benchmark
 from scripts.serving.client import ClientConfig, served_model
 from scripts.serving.load import LoadResult, run_load
@@ -112,14 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("cluster (as pd-cluster)")
     g.add_argument("--prefill", type=int, default=1)
     g.add_argument("--decode", type=int, default=1)
-    g.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "nixl"])
-    g.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
-    g.add_argument("--max-total-tokens", type=int, default=16384, help="KV tokens per node")
-    g.add_argument("--node-args", default="", help="extra flags for every node (quoted)")
-    g.add_argument(
-        "--gateway-args",
-        default="--local-prefill-max-tokens 0",
-        help="extra flags for the gateway (default: every prompt through a prefill node)",
+    add_cluster_args(
+        g,
+        "--local-prefill-max-tokens 0",
+        "extra flags for the gateway (default: every prompt through a prefill node)",
     )
     return parser
 
@@ -127,41 +123,24 @@ def build_parser() -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace) -> SoakConfig:
     if args.prefill < 0 or args.decode < 1:
         raise ValueError("--prefill must be >= 0 and --decode >= 1")
-    workload = DatasetConfig(
+    workload = config_from_args(
+        DatasetConfig,
+        args,
         name="random",
         num_sessions=1,
-        seed=args.seed,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
     )
-    cluster = ClusterConfig(
-        prefill=args.prefill,
-        decode=args.decode,
-        backend=args.transfer_backend,
-        model=args.model,
-        port=0,
-        max_total_tokens=args.max_total_tokens,
-        node_args=tuple(shlex.split(args.node_args)),
-        gateway_args=tuple(shlex.split(args.gateway_args)),
-        log_dir=args.output_dir / "logs",
-    )
+    cluster = cluster_config(args, args.prefill, args.decode, log_dir=args.output_dir / "logs")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0 s, got {args.timeout}")
-    return SoakConfig(
+    return config_from_args(
+        SoakConfig,
+        args,
         duration_s=args.duration,
         interval_s=args.interval,
-        load_fraction=args.load_fraction,
-        capacity=args.capacity,
-        capacity_requests=args.capacity_requests,
-        capacity_concurrency=args.capacity_concurrency,
-        max_concurrency=args.max_concurrency,
-        max_errors=args.max_errors,
         drain_timeout_s=args.drain_timeout,
         workload=workload,
         client=ClientConfig("http://unset", "", ignore_eos=True, timeout_s=args.timeout),
         cluster=cluster,
-        output_dir=args.output_dir,
     )
 
 
