@@ -44,7 +44,6 @@ from kvtransfer.base import (
 from kvtransfer.faults import FaultInjectingEngine
 from kvtransfer.room import LinkReset
 from proto import node_pb2, node_pb2_grpc
-from scripts.tiny_models import save_tiny_text_model
 from tests.fault_cluster import (
     FaultCluster,
     Row,
@@ -80,11 +79,6 @@ GATEWAY_ARGS = (
 
 
 @pytest.fixture(scope="module")
-def text_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_text_model(default_model_dir, tmp_path_factory.mktemp("xfer") / "tiny")
-
-
-@pytest.fixture(scope="module")
 def table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Row]]:
     rows: list[Row] = []
     yield rows
@@ -93,12 +87,12 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Row]]:
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def cluster(
-    request: pytest.FixtureRequest, text_model: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, tiny_text_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[FaultCluster]:
     backend: str = request.param
     tmp = tmp_path_factory.mktemp(f"xfer-{backend}")
     with FaultCluster.running(
-        tmp, text_model, backend, dict(NODES), Timeouts(), GATEWAY_ARGS
+        tmp, tiny_text_model, backend, dict(NODES), Timeouts(), GATEWAY_ARGS
     ) as cluster:
         yield cluster
 
