@@ -32,7 +32,6 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +45,7 @@ from tests.fault_cluster import (
     SteadyLoad,
     Timeouts,
     Verdict,
+    cluster_fixture,
     gateway_error,
     gateway_gone,
     judge,
@@ -104,16 +104,7 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Row]]:
     write_table(rows, tmp_path_factory.getbasetemp() / "fault-table-under-load.md")
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def cluster(
-    request: pytest.FixtureRequest, tiny_text_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FaultCluster]:
-    backend: str = request.param
-    tmp = tmp_path_factory.mktemp(f"faults-{backend}")
-    with FaultCluster.running(
-        tmp, tiny_text_model, backend, NODES, TIMEOUTS, GATEWAY_ARGS
-    ) as cluster:
-        yield cluster
+cluster = cluster_fixture("faults", NODES, GATEWAY_ARGS, TIMEOUTS, BACKENDS)
 
 
 @pytest.fixture(scope="module")

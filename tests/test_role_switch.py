@@ -24,7 +24,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -34,8 +33,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.ports import free_port
 from proto import node_pb2
-from scripts.tiny_models import save_tiny_text_model
-from tests.fault_cluster import FaultCluster, SteadyLoad, Timeouts, judge, prompts, reference_texts
+from tests.fault_cluster import (
+    FaultCluster,
+    SteadyLoad,
+    cluster_fixture,
+    judge,
+    prompts,
+    reference_texts,
+)
 
 MAX_TOKENS = 48
 PROMPTS = prompts(count=6, length=40, seed=20)
@@ -57,14 +62,7 @@ GATEWAY_ARGS = (
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def cluster(
-    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FaultCluster]:
-    tmp = tmp_path_factory.mktemp("role-switch")
-    model = save_tiny_text_model(default_model_dir, tmp / "tiny")
-    with FaultCluster.running(tmp, model, "mooncake", NODES, Timeouts(), GATEWAY_ARGS) as cluster:
-        yield cluster
+cluster = cluster_fixture("role-switch", NODES, GATEWAY_ARGS)
 
 
 @pytest.fixture(scope="module")

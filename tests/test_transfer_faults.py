@@ -20,7 +20,6 @@ import asyncio
 import ctypes
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import grpc
 import pytest
@@ -48,7 +47,7 @@ from tests.fault_cluster import (
     FaultCluster,
     Row,
     SteadyLoad,
-    Timeouts,
+    cluster_fixture,
     gateway_error,
     judge,
     prompts,
@@ -85,16 +84,7 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Row]]:
     write_table(rows, tmp_path_factory.getbasetemp() / "fault-table-transfer.md")
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def cluster(
-    request: pytest.FixtureRequest, tiny_text_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FaultCluster]:
-    backend: str = request.param
-    tmp = tmp_path_factory.mktemp(f"xfer-{backend}")
-    with FaultCluster.running(
-        tmp, tiny_text_model, backend, dict(NODES), Timeouts(), GATEWAY_ARGS
-    ) as cluster:
-        yield cluster
+cluster = cluster_fixture("xfer", NODES, GATEWAY_ARGS, backends=BACKENDS)
 
 
 @pytest.mark.faults
