@@ -1,8 +1,15 @@
-"""Builders shared by the unit tests that need no processes."""
+"""Builders and fixture factories shared by several test modules."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
 from gateway.config import RoutingConfig
+from scripts.tiny_models import hf_greedy
 
 
 def routing_config(
@@ -19,3 +26,19 @@ def routing_config(
         prefix_max_blocks=1000,
         prefix_balance_slack=2,
     )
+
+
+def greedy_reference_fixtures(lengths: list[int], seed: int, max_new: int) -> tuple[Any, Any]:
+    """Module fixtures `prompts` (random token ids, one prompt per length, seeded) and
+    `hf_reference` (HF greedy output of each on the default model, `max_new` tokens)."""
+
+    @pytest.fixture(scope="module")
+    def prompts() -> list[list[int]]:
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in lengths]
+
+    @pytest.fixture(scope="module")
+    def hf_reference(default_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+        return hf_greedy(default_model_dir, prompts, max_new)
+
+    return prompts, hf_reference

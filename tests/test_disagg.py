@@ -11,25 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from gateway.process.launcher import pd_trio
 from proto import node_pb2
-from scripts.tiny_models import hf_greedy
+from tests.helpers import greedy_reference_fixtures
 
 LENGTHS = [5, 8, 12, 20, 30, 45, 64, 90, 128, 180, 256, 360, 512, 720, 1000, 1500]
 MAX_NEW = 6
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(7)
-    return [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in LENGTHS]
-
-
-@pytest.fixture(scope="module")
-def hf_reference(default_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    return hf_greedy(default_model_dir, prompts, MAX_NEW)
+prompts, hf_reference = greedy_reference_fixtures(LENGTHS, seed=7, max_new=MAX_NEW)
 
 
 def _colocated_on_decode_node(cluster, prompts, sampling) -> list[list[int]]:

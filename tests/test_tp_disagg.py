@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.node.tp_transfer import _decode_plan, _encode_plan
 from gateway.process.launcher import NodeStartError, pd_trio
@@ -25,7 +24,7 @@ from kvtransfer.head_routes import (
     route_pages,
 )
 from proto import node_pb2
-from scripts.tiny_models import hf_greedy
+from tests.helpers import greedy_reference_fixtures
 
 HEAD = 1000  # bytes of one KV head's part of a page
 MAX_NEW = 5
@@ -134,15 +133,7 @@ def test_write_plan_wire_format_round_trips() -> None:
 LENGTHS = [7, 40, 150]
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(10)
-    return [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in LENGTHS]
-
-
-@pytest.fixture(scope="module")
-def hf_reference(default_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    return hf_greedy(default_model_dir, prompts, MAX_NEW)
+prompts, hf_reference = greedy_reference_fixtures(LENGTHS, seed=10, max_new=MAX_NEW)
 
 
 _MATRIX = pytest.mark.tp_matrix  # `make test-tp`; `make test` keeps one case per backend
