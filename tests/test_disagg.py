@@ -18,6 +18,8 @@ from tests.helpers import greedy_reference_fixtures
 
 LENGTHS = [5, 8, 12, 20, 30, 45, 64, 90, 128, 180, 256, 360, 512, 720, 1000, 1500]
 MAX_NEW = 6
+GREEDY = node_pb2.SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+NODE_ARGS = ["--max-total-tokens", "16384", "--page-size", "16"]
 
 
 prompts, hf_reference = greedy_reference_fixtures(LENGTHS, seed=7, max_new=MAX_NEW)
@@ -49,15 +51,14 @@ def _colocated_on_decode_node(cluster, prompts, sampling) -> list[list[int]]:
 def test_pd_matches_colocated_and_hf(
     tmp_path: Path, default_model_dir: Path, prompts, hf_reference, backend: str
 ) -> None:
-    sampling = node_pb2.SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     with pd_trio(
         tmp_path,
         default_model_dir,
         backend,
-        node_args=["--max-total-tokens", "16384", "--page-size", "16"],
+        node_args=NODE_ARGS,
         prefill_args=["--chunked-prefill-size", "512"],
     ) as cluster:
-        results = cluster.generate_many(prompts, sampling)
+        results = cluster.generate_many(prompts, GREEDY)
         for result in results:
             assert result.finished is not None, result.prefill_error
             assert result.finished.finish_reason == "length", result.finished.detail
@@ -65,7 +66,7 @@ def test_pd_matches_colocated_and_hf(
         pd_tokens = [r.token_ids for r in results]
         assert pd_tokens == hf_reference
         if backend == "mooncake":  # the node path is the same for both backends
-            assert _colocated_on_decode_node(cluster, prompts, sampling) == hf_reference
+            assert _colocated_on_decode_node(cluster, prompts, GREEDY) == hf_reference
             # Seeded sampling: D continues the stream P started with the first token.
             seeded = node_pb2.SamplingParams(
                 max_new_tokens=MAX_NEW, temperature=0.9, seed=11, ignore_eos=True
@@ -100,17 +101,16 @@ def test_pd_streaming_kv_by_layer_group_matches_hf(
     """`--kv-stream-layers G`: each chunk's pages leave layer group by layer group during the
     forward. Greedy output equals HF; a second round, the prompts in P's prefix cache, streams
     the cached pages too; no page leaks on either node."""
-    sampling = node_pb2.SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     with pd_trio(
         tmp_path,
         default_model_dir,
         backend,
-        node_args=["--max-total-tokens", "16384", "--page-size", "16"],
+        node_args=NODE_ARGS,
         prefill_args=["--chunked-prefill-size", str(chunk), "--kv-stream-layers", str(groups)],
         decode_args=["--tp-size", str(decode_tp)],
     ) as cluster:
         for _ in range(2):
-            results = cluster.generate_many(prompts, sampling)
+            results = cluster.generate_many(prompts, GREEDY)
             for result in results:
                 assert result.finished is not None, result.prefill_error
                 assert result.prefill is not None and result.prefill.sent_pages > 0
