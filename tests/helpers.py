@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +44,13 @@ def greedy_reference_fixtures(lengths: list[int], seed: int, max_new: int) -> tu
         return hf_greedy(default_model_dir, prompts, max_new)
 
     return prompts, hf_reference
+
+
+def terminate(process: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds; reaps it."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
