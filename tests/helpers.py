@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from gateway.config import RoutingConfig
+from gateway.dispatch.pd_client import PDResult
+from gateway.process.launcher import PDTrio
+from proto import node_pb2
 from scripts.tiny_models import hf_greedy
 
 
@@ -54,3 +57,19 @@ def terminate(process: subprocess.Popen[bytes], timeout: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def generate_as_reference(
+    trio: PDTrio,
+    prompts: list[list[int]],
+    sampling: node_pb2.SamplingParams,
+    reference: list[list[int]],
+) -> list[PDResult]:
+    """Runs the prompts through the pair: each one finished, its prefill sent pages, and the
+    tokens equal `reference`."""
+    results = trio.generate_many(prompts, sampling)
+    for result in results:
+        assert result.finished is not None, result.prefill_error
+        assert result.prefill is not None and result.prefill.sent_pages > 0
+    assert [r.token_ids for r in results] == reference
+    return results

@@ -14,7 +14,7 @@ import pytest
 
 from gateway.process.launcher import pd_trio
 from proto import node_pb2
-from tests.helpers import greedy_reference_fixtures
+from tests.helpers import generate_as_reference, greedy_reference_fixtures
 
 LENGTHS = [5, 8, 12, 20, 30, 45, 64, 90, 128, 180, 256, 360, 512, 720, 1000, 1500]
 MAX_NEW = 6
@@ -110,11 +110,7 @@ def test_pd_streaming_kv_by_layer_group_matches_hf(
         decode_args=["--tp-size", str(decode_tp)],
     ) as cluster:
         for _ in range(2):
-            results = cluster.generate_many(prompts, GREEDY)
-            for result in results:
-                assert result.finished is not None, result.prefill_error
-                assert result.prefill is not None and result.prefill.sent_pages > 0
-            assert [r.token_ids for r in results] == hf_reference
+            results = generate_as_reference(cluster, prompts, GREEDY, hf_reference)
         # Every page's layers went once per group: at least one range per group and page.
         long = results[-1].prefill
         assert long is not None and long.descriptors >= groups * long.sent_pages

@@ -24,7 +24,7 @@ from kvtransfer.head_routes import (
     route_pages,
 )
 from proto import node_pb2
-from tests.helpers import greedy_reference_fixtures
+from tests.helpers import generate_as_reference, greedy_reference_fixtures
 
 HEAD = 1000  # bytes of one KV head's part of a page
 MAX_NEW = 5
@@ -163,11 +163,7 @@ def test_pd_across_tp_sizes_matches_hf(
         prefill_args=["--tp-size", str(p_tp), "--chunked-prefill-size", "64"],
         decode_args=["--tp-size", str(d_tp)],
     ) as cluster:
-        results = cluster.generate_many(prompts, sampling)
-        for result in results:
-            assert result.finished is not None, result.prefill_error
-            assert result.prefill is not None and result.prefill.sent_pages > 0
-        assert [r.token_ids for r in results] == hf_reference
+        results = generate_as_reference(cluster, prompts, sampling, hf_reference)
         # One descriptor per page and run of KV heads at most (3 KV heads), never per token
         # or layer (30 layers x K,V x 16 tokens pieces per page and head if token-major).
         long = results[-1].prefill
