@@ -36,7 +36,6 @@ import pytest
 from engine.ports import free_port
 from gateway.process.launcher import console_script
 from proto import node_pb2
-from scripts.tiny_models import save_tiny_text_model
 from tests.fault_cluster import prompts
 from tests.test_gateway import RunningCluster, launched_cluster, node_stub
 
@@ -196,14 +195,13 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Row]]:
 @pytest.fixture(scope="module", params=BACKENDS)
 def cluster(
     request: pytest.FixtureRequest,
-    default_model_dir: Path,
+    tiny_text_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Cluster]:
     backend: str = request.param
     tmp = tmp_path_factory.mktemp(f"rolling-{backend}")
-    model = save_tiny_text_model(default_model_dir, tmp / "tiny")
     port = free_port()
-    command = [console_script("pd-cluster"), "--model", str(model), "--port", str(port)]
+    command = [console_script("pd-cluster"), "--model", str(tiny_text_model), "--port", str(port)]
     command += ["--prefill", "1", "--decode", "2", "--gateways", "2"]
     command += ["--transfer-backend", backend, "--max-total-tokens", "8192"]
     command += ["--gateway-args", "--local-prefill-max-tokens 0 --drain-timeout 60"]
@@ -215,7 +213,7 @@ def cluster(
     with launched_cluster(command, port, tmp / "pd-cluster.log") as running:
         urls = re.findall(r"\[pd-cluster\] gateway gateway-\d (http://\S+)", running.log())
         assert len(urls) == 2 and urls[0] == running.url, running.log()[-2000:]
-        yield Cluster(running, urls, model.name, backend)
+        yield Cluster(running, urls, tiny_text_model.name, backend)
 
 
 @pytest.fixture(scope="module")
