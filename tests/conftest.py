@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from scripts.tiny_models import tiny_sizes
+from scripts.tiny_models import save_tiny_text_model, tiny_sizes
 
 # The machines running the suite are small and shared: never fail a property test on speed.
 settings.register_profile("pdserve", deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -50,6 +50,12 @@ def default_model_dir() -> Path:
     from engine.model_fetch import ensure_default_model
 
     return ensure_default_model(progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_text_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random weights, the default model's tokenizer: nodes start and run fast, text round-trips."""
+    return save_tiny_text_model(default_model_dir, tmp_path_factory.mktemp("tiny-text") / "tiny")
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from engine.ports import free_port
 from gateway.process.launcher import ServerProcess as NodeServer
@@ -267,6 +268,33 @@ class FaultCluster:
             for line in text.splitlines()
             if line.startswith((name + "{", name + " "))
         )
+
+
+def cluster_fixture(
+    name: str,
+    nodes: dict[str, tuple[str, list[str]]],
+    gateway_args: tuple[str, ...],
+    timeouts: Timeouts = Timeouts(),
+    backends: list[str] | None = None,
+) -> Any:
+    """A module fixture `cluster`: a FaultCluster of `nodes` on the tiny text model, one per
+    backend in `backends` (a parametrised fixture), else one on mooncake. Each gets its own
+    copy of `nodes`: a test may add nodes to it."""
+
+    @pytest.fixture(scope="module", params=backends)
+    def cluster(
+        request: pytest.FixtureRequest,
+        tiny_text_model: Path,
+        tmp_path_factory: pytest.TempPathFactory,
+    ) -> Iterator[FaultCluster]:
+        backend: str = getattr(request, "param", "mooncake")
+        tmp = tmp_path_factory.mktemp(f"{name}-{backend}")
+        with FaultCluster.running(
+            tmp, tiny_text_model, backend, dict(nodes), timeouts, gateway_args
+        ) as running:
+            yield running
+
+    return cluster
 
 
 def http_ok(url: str) -> bool:

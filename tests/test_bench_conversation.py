@@ -101,15 +101,13 @@ def test_best_hit_is_the_shared_prefix_or_the_previous_turn_in_whole_blocks() ->
     assert table[4].startswith("| all | 4 |")
 
 
-def test_conversation_run_against_a_real_cluster(tmp_path: Path, default_model_dir: Path) -> None:
+def test_conversation_run_against_a_real_cluster(tmp_path: Path, tiny_text_model: Path) -> None:
     """The conversation workload through a real 1P1D pd-cluster (tiny llama, real tokenizer):
     every turn completes, the server's cached_tokens reach the report, and the follow-up turns
     find their history in a cache (the per-turn table and the JSON's cache figures)."""
-    from scripts.tiny_models import save_tiny_text_model
     from tests.test_bench_serving import cluster_url, run_cli
 
-    model = save_tiny_text_model(default_model_dir, tmp_path / "tiny")
-    with cluster_url(tmp_path, model, prefill=1, max_total_tokens=8192) as url:
+    with cluster_url(tmp_path, tiny_text_model, prefill=1, max_total_tokens=8192) as url:
         result = run_cli(
             "--base-url", url, "--dataset", "conversation", "--num-prompts", "2",
             "--multiturn-turns", "3", "--conversation-system-len", "200",

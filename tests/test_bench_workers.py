@@ -161,15 +161,13 @@ def test_step_split_from_a_real_node_registry() -> None:
 
 
 @pytest.mark.slow
-def test_two_workers_against_a_real_cluster(tmp_path: Path, default_model_dir: Path) -> None:
+def test_two_workers_against_a_real_cluster(tmp_path: Path, tiny_text_model: Path) -> None:
     import threading
 
     from gateway.process.cluster import Cluster, ClusterConfig
-    from scripts.tiny_models import save_tiny_text_model
 
-    model = save_tiny_text_model(default_model_dir, tmp_path / "tiny")
     config = ClusterConfig(
-        prefill=0, decode=1, backend="mooncake", model=str(model), port=0,
+        prefill=0, decode=1, backend="mooncake", model=str(tiny_text_model), port=0,
         max_total_tokens=4096, log_dir=tmp_path / "logs",
     )  # fmt: skip
     out = tmp_path / "out.json"

@@ -117,6 +117,10 @@ def dest(room: int, prefill_id: str, decode_id: str) -> pb.RoomDestination:
     )
 
 
+def room_status(room: int, prefill_id: str, state: pb.RoomState = pb.DONE) -> pb.RoomStatus:
+    return pb.RoomStatus(room=room, prefill_node_id=prefill_id, state=state)
+
+
 async def next_item(stream: AsyncIterator[T]) -> T:
     return await asyncio.wait_for(anext(stream), WAIT_S)
 
@@ -273,9 +277,7 @@ def test_rendezvous_decode_posts_before_prefill_subscribes(server: Server) -> No
             got = await next_item(client.watch_destinations(prefill_id))
             assert (got.room, list(got.page_ids), got.cancelled) == (room, [3, 4], False)
 
-            await client.post_room_status(
-                pb.RoomStatus(room=room, prefill_node_id=prefill_id, state=pb.DONE)
-            )
+            await client.post_room_status(room_status(room, prefill_id))
             status = await next_item(client.watch_room_status(decode_id))  # buffered for D
             assert (status.room, status.state, status.decode_node_id) == (room, pb.DONE, decode_id)
 
@@ -295,19 +297,15 @@ def test_rendezvous_prefill_subscribes_first(server: Server) -> None:
             assert (await pending).room == room
 
             pending_status = asyncio.ensure_future(next_item(statuses))
-            progress = pb.RoomStatus(room=room, prefill_node_id=prefill_id, state=pb.TRANSFERRING)
+            progress = room_status(room, prefill_id, pb.TRANSFERRING)
             await client.post_room_status(progress)
             assert (await pending_status).state == pb.TRANSFERRING
-            await client.post_room_status(
-                pb.RoomStatus(room=room, prefill_node_id=prefill_id, state=pb.DONE)
-            )
+            await client.post_room_status(room_status(room, prefill_id))
             assert (await next_item(statuses)).state == pb.DONE
 
             # The room is closed: its number may be reused, a late post is NOT_FOUND.
             await expect_error(
-                client.post_room_status(
-                    pb.RoomStatus(room=room, prefill_node_id=prefill_id, state=pb.DONE)
-                ),
+                client.post_room_status(room_status(room, prefill_id)),
                 grpc.StatusCode.NOT_FOUND,
             )
 
@@ -425,7 +423,7 @@ def test_stream_disconnect_keeps_pending_items(server: Server) -> None:
             assert (await next_matching(again, lambda d: d.room != first)).room == second
 
             for room in (first, second):
-                status = pb.RoomStatus(room=room, prefill_node_id=prefill_id, state=pb.DONE)
+                status = room_status(room, prefill_id)
                 await client.post_room_status(status)
             call = stub.WatchRoomStatus(pb.WatchRoomStatusRequest(decode_node_id=decode_id))
             assert (await asyncio.wait_for(call.read(), WAIT_S)).room == first
@@ -511,7 +509,7 @@ def test_prefill_dead_while_connected_leaves_its_rooms_unsettled(log_dir: Path) 
                 (room, pb.FAILED, True) for room in rooms.values()
             }
             await client.post_room_status(  # the frozen P wakes up and settles its room
-                pb.RoomStatus(room=rooms[frozen], prefill_node_id=frozen, state=pb.FAILED)
+                room_status(rooms[frozen], frozen, pb.FAILED)
             )
             settled = await next_item(statuses)
             assert (settled.room, settled.may_still_write) == (rooms[frozen], False)

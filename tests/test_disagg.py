@@ -11,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from gateway.process.launcher import pd_trio
 from proto import node_pb2
-from scripts.tiny_models import hf_greedy
+from tests.helpers import generate_as_reference, greedy_reference_fixtures
 
 # Within a page (5, 12), whole pages (64, 256), odd pages (30, 90), exactly one chunk (512) and
 # three chunks whose last one ends mid-page (1100 at 512 and at 500 tokens a chunk): every case
@@ -23,17 +22,11 @@ from scripts.tiny_models import hf_greedy
 # prefilled up to four times over.
 LENGTHS = [5, 12, 30, 64, 90, 256, 512, 1100]
 MAX_NEW = 6
+GREEDY = node_pb2.SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+NODE_ARGS = ["--max-total-tokens", "16384", "--page-size", "16"]
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(7)
-    return [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in LENGTHS]
-
-
-@pytest.fixture(scope="module")
-def hf_reference(default_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    return hf_greedy(default_model_dir, prompts, MAX_NEW)
+prompts, hf_reference = greedy_reference_fixtures(LENGTHS, seed=7, max_new=MAX_NEW)
 
 
 def _colocated_on_decode_node(cluster, prompts, sampling) -> list[list[int]]:
@@ -62,15 +55,14 @@ def _colocated_on_decode_node(cluster, prompts, sampling) -> list[list[int]]:
 def test_pd_matches_colocated_and_hf(
     tmp_path: Path, default_model_dir: Path, prompts, hf_reference, backend: str
 ) -> None:
-    sampling = node_pb2.SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     with pd_trio(
         tmp_path,
         default_model_dir,
         backend,
-        node_args=["--max-total-tokens", "16384", "--page-size", "16"],
+        node_args=NODE_ARGS,
         prefill_args=["--chunked-prefill-size", "512"],
     ) as cluster:
-        results = cluster.generate_many(prompts, sampling)
+        results = cluster.generate_many(prompts, GREEDY)
         for result in results:
             assert result.finished is not None, result.prefill_error
             assert result.finished.finish_reason == "length", result.finished.detail
@@ -78,7 +70,7 @@ def test_pd_matches_colocated_and_hf(
         pd_tokens = [r.token_ids for r in results]
         assert pd_tokens == hf_reference
         if backend == "mooncake":  # the node path is the same for both backends
-            assert _colocated_on_decode_node(cluster, prompts, sampling) == hf_reference
+            assert _colocated_on_decode_node(cluster, prompts, GREEDY) == hf_reference
             # Seeded sampling: D continues the stream P started with the first token.
             seeded = node_pb2.SamplingParams(
                 max_new_tokens=MAX_NEW, temperature=0.9, seed=11, ignore_eos=True
@@ -113,21 +105,16 @@ def test_pd_streaming_kv_by_layer_group_matches_hf(
     """`--kv-stream-layers G`: each chunk's pages leave layer group by layer group during the
     forward. Greedy output equals HF; a second round, the prompts in P's prefix cache, streams
     the cached pages too; no page leaks on either node."""
-    sampling = node_pb2.SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     with pd_trio(
         tmp_path,
         default_model_dir,
         backend,
-        node_args=["--max-total-tokens", "16384", "--page-size", "16"],
+        node_args=NODE_ARGS,
         prefill_args=["--chunked-prefill-size", str(chunk), "--kv-stream-layers", str(groups)],
         decode_args=["--tp-size", str(decode_tp)],
     ) as cluster:
         for _ in range(2):
-            results = cluster.generate_many(prompts, sampling)
-            for result in results:
-                assert result.finished is not None, result.prefill_error
-                assert result.prefill is not None and result.prefill.sent_pages > 0
-            assert [r.token_ids for r in results] == hf_reference
+            results = generate_as_reference(cluster, prompts, GREEDY, hf_reference)
         # Every page's layers went once per group: at least one range per group and page.
         long = results[-1].prefill
         assert long is not None and long.descriptors >= groups * long.sent_pages

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
-from engine.builder import build_engine
+from engine.builder import Engine, build_engine
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, LoopConfig
 from engine.request import FinishReason, Req
@@ -77,20 +77,32 @@ def _req(rid: str, prompt_len: int) -> Req:
     return Req(rid, prompt, params, RequestSampler(params, prompt, 256, "cpu"))
 
 
-def test_a_role_finishes_a_request_from_inside_a_forward(tiny_model_dir) -> None:
-    engine = build_engine(EngineConfig(str(Path(tiny_model_dir("llama"))), max_total_tokens=1024))
+def _engine(tiny_model_dir) -> Engine:  # type: ignore[no-untyped-def]
+    return build_engine(EngineConfig(str(Path(tiny_model_dir("llama"))), max_total_tokens=1024))
+
+
+def _run_until_computed(
+    engine: Engine, interlude_s: float, reqs: list[Req]
+) -> tuple[InterludeRole, LoopOutput]:
+    """Queues `reqs` before the loop starts, runs it until the request "computed" finished."""
     role = InterludeRole()
-    loop = EngineLoop(engine.scheduler, LoopConfig(interlude_s=0.0), role=role)
+    loop = EngineLoop(engine.scheduler, LoopConfig(interlude_s=interlude_s), role=role)
     role.loop = loop
     output = LoopOutput(loop)
-    # Both are queued before the loop starts: the first step computes one and holds the other.
-    loop.submit(_req("held", 8))
-    loop.submit(_req("computed", 40))
+    for req in reqs:
+        loop.submit(req)
     loop.start()
     try:
         assert output.wait_finished(["computed"])
     finally:
         loop.stop()
+    return role, output
+
+
+def test_a_role_finishes_a_request_from_inside_a_forward(tiny_model_dir) -> None:
+    engine = _engine(tiny_model_dir)
+    # Both are queued before the loop starts: the first step computes one and holds the other.
+    role, output = _run_until_computed(engine, 0.0, [_req("held", 8), _req("computed", 40)])
     layers = engine.scheduler.runner.model_config.num_layers
     assert len(role.calls_in_step) == layers  # once per layer of the one forward, interval 0
     assert all(role.calls_in_step)
@@ -100,17 +112,7 @@ def test_a_role_finishes_a_request_from_inside_a_forward(tiny_model_dir) -> None
 
 
 def test_a_role_is_called_at_most_every_interlude_interval(tiny_model_dir) -> None:
-    engine = build_engine(EngineConfig(str(Path(tiny_model_dir("llama"))), max_total_tokens=1024))
-    role = InterludeRole()
-    loop = EngineLoop(engine.scheduler, LoopConfig(interlude_s=3600.0), role=role)
-    role.loop = loop
-    output = LoopOutput(loop)
-    loop.submit(_req("computed", 40))
-    loop.start()
-    try:
-        assert output.wait_finished(["computed"])
-    finally:
-        loop.stop()
+    role, _ = _run_until_computed(_engine(tiny_model_dir), 3600.0, [_req("computed", 40)])
     assert len(role.calls_in_step) == 1  # the first layer; the rest fall inside the hour
 
 
@@ -119,7 +121,7 @@ def test_a_tensor_parallel_node_gets_no_interlude(tiny_model_dir) -> None:
     all-reduce; a TP prefill node's poll broadcasts to them (engine/node/tp_transfer.py), so the
     two would wait for each other until gloo's timeout (seen: `make test-tp`, PD 3->1). The
     TP engine itself is covered by tests/test_tp_disagg.py; here only the rule."""
-    engine = build_engine(EngineConfig(str(Path(tiny_model_dir("llama"))), max_total_tokens=1024))
+    engine = _engine(tiny_model_dir)
     runner = engine.scheduler.runner
     runner.group = SimpleNamespace(size=2)  # type: ignore[assignment]  # rank 0 of two
     EngineLoop(engine.scheduler, LoopConfig(), role=InterludeRole())

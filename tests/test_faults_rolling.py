@@ -36,7 +36,6 @@ import pytest
 from engine.ports import free_port
 from gateway.process.launcher import console_script
 from proto import node_pb2
-from scripts.tiny_models import save_tiny_text_model
 from tests.fault_cluster import prompts
 from tests.test_gateway import RunningCluster, launched_cluster, node_stub
 
@@ -196,14 +195,13 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Row]]:
 @pytest.fixture(scope="module", params=BACKENDS)
 def cluster(
     request: pytest.FixtureRequest,
-    default_model_dir: Path,
+    tiny_text_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Cluster]:
     backend: str = request.param
     tmp = tmp_path_factory.mktemp(f"rolling-{backend}")
-    model = save_tiny_text_model(default_model_dir, tmp / "tiny")
     port = free_port()
-    command = [console_script("pd-cluster"), "--model", str(model), "--port", str(port)]
+    command = [console_script("pd-cluster"), "--model", str(tiny_text_model), "--port", str(port)]
     command += ["--prefill", "1", "--decode", "2", "--gateways", "2"]
     command += ["--transfer-backend", backend, "--max-total-tokens", "8192"]
     command += ["--gateway-args", "--local-prefill-max-tokens 0 --drain-timeout 60"]
@@ -215,7 +213,7 @@ def cluster(
     with launched_cluster(command, port, tmp / "pd-cluster.log") as running:
         urls = re.findall(r"\[pd-cluster\] gateway gateway-\d (http://\S+)", running.log())
         assert len(urls) == 2 and urls[0] == running.url, running.log()[-2000:]
-        yield Cluster(running, urls, model.name, backend)
+        yield Cluster(running, urls, tiny_text_model.name, backend)
 
 
 @pytest.fixture(scope="module")
@@ -228,11 +226,30 @@ def reference(cluster: Cluster) -> list[str]:
     return texts
 
 
-def judge(outcomes: list[Outcome], reference: list[str]) -> tuple[list[Outcome], list[Outcome]]:
+def judge(
+    outcomes: list[Outcome],
+    reference: list[str],
+    table: list[Row],
+    fault: str,
+    backend: str,
+    note: str,
+) -> list[Outcome]:
+    """Adds the run's row to the table and returns the failed outcomes; a wrong text fails."""
     correct = [o for o in outcomes if not o.error and o.text == reference[o.prompt]]
     wrong = [o for o in outcomes if not o.error and o.text != reference[o.prompt]]
     assert not wrong, f"wrong text: {wrong[:3]}"
-    return correct, [o for o in outcomes if o.error]
+    failed = [o for o in outcomes if o.error]
+    table.append(Row(fault, backend, len(outcomes), len(correct), len(failed), note))
+    return failed
+
+
+def kill_gateway_under_load(cluster: Cluster, sig: signal.Signals, after_s: float) -> list[Outcome]:
+    """Steady load; `sig` to gateway-1 once it warmed up; the outcomes `after_s` later."""
+    with Load(cluster.urls, cluster.model) as load:
+        time.sleep(WARMUP_S)
+        os.kill(cluster.child_pid("gateway-1"), sig)
+        time.sleep(after_s)
+        return load.stop()
 
 
 def test_gateway_sigterm_fails_nothing(
@@ -240,21 +257,10 @@ def test_gateway_sigterm_fails_nothing(
 ) -> None:
     """SIGTERM gateway-1: its streams finish, its new requests go to gateway-0 (pd-cluster
     serves on; the rolling restart that follows starts gateway-1 again)."""
-    with Load(cluster.urls, cluster.model) as load:
-        time.sleep(WARMUP_S)
-        os.kill(cluster.child_pid("gateway-1"), signal.SIGTERM)
-        time.sleep(AFTER_S + 2)
-        outcomes = load.stop()
-    correct, failed = judge(outcomes, reference)
-    table.append(
-        Row(
-            "SIGTERM of one of two gateways",
-            cluster.backend,
-            len(outcomes),
-            len(correct),
-            len(failed),
-            "its streams finish; its new requests go to the other",
-        )
+    outcomes = kill_gateway_under_load(cluster, signal.SIGTERM, AFTER_S + 2)
+    note = "its streams finish; its new requests go to the other"
+    failed = judge(
+        outcomes, reference, table, "SIGTERM of one of two gateways", cluster.backend, note
     )
     assert not failed, f"failed: {[o.error for o in failed[:3]]}"
 
@@ -275,19 +281,12 @@ def test_rolling_restart_fails_nothing(
             time.sleep(0.5)
         time.sleep(AFTER_S)
         outcomes = load.stop()
-    correct, failed = judge(outcomes, reference)
     this_restart = cluster.running.log().rsplit("rolling restart of", 1)[1]
     exits = dict(re.findall(r"\[pd-cluster\] restarted (\S+) \(exit code (-?\d+)\)", this_restart))
     restarted = len(exits)
-    table.append(
-        Row(
-            "rolling SIGTERM restart (all 6)",
-            cluster.backend,
-            len(outcomes),
-            len(correct),
-            len(failed),
-            f"{restarted} processes restarted one at a time",
-        )
+    note = f"{restarted} processes restarted one at a time"
+    failed = judge(
+        outcomes, reference, table, "rolling SIGTERM restart (all 6)", cluster.backend, note
     )
     assert not failed, f"failed: {[o.error for o in failed[:3]]}"
     assert exits == dict.fromkeys(exits, "0") and restarted == 6, exits  # drained, exited 0
@@ -299,21 +298,10 @@ def test_gateway_sigkill_fails_only_its_streams(
 ) -> None:
     """Kill gateway-1 mid-stream: only the streams it held fail; its clients' next requests
     go to gateway-0."""
-    with Load(cluster.urls, cluster.model) as load:
-        time.sleep(WARMUP_S)
-        os.kill(cluster.child_pid("gateway-1"), signal.SIGKILL)
-        time.sleep(AFTER_S)
-        outcomes = load.stop()
-    correct, failed = judge(outcomes, reference)
-    table.append(
-        Row(
-            "SIGKILL of one of two gateways",
-            cluster.backend,
-            len(outcomes),
-            len(correct),
-            len(failed),
-            "only the streams it held fail",
-        )
+    outcomes = kill_gateway_under_load(cluster, signal.SIGKILL, AFTER_S)
+    note = "only the streams it held fail"
+    failed = judge(
+        outcomes, reference, table, "SIGKILL of one of two gateways", cluster.backend, note
     )
     assert all(o.started and o.gateway == 1 for o in failed), [o.error for o in failed]
     assert len(failed) <= CLIENTS

@@ -32,14 +32,12 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
 from gateway.dispatch.pd_client import PREFILL_ANSWER_GRACE_S
 from proto import node_pb2
-from scripts.tiny_models import save_tiny_text_model
 from tests.fault_cluster import (
     FaultCluster,
     Outcome,
@@ -47,6 +45,7 @@ from tests.fault_cluster import (
     SteadyLoad,
     Timeouts,
     Verdict,
+    cluster_fixture,
     gateway_error,
     gateway_gone,
     judge,
@@ -105,19 +104,7 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Row]]:
     write_table(rows, tmp_path_factory.getbasetemp() / "fault-table-under-load.md")
 
 
-@pytest.fixture(scope="module")
-def text_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_text_model(default_model_dir, tmp_path_factory.mktemp("faults") / "tiny")
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def cluster(
-    request: pytest.FixtureRequest, text_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FaultCluster]:
-    backend: str = request.param
-    tmp = tmp_path_factory.mktemp(f"faults-{backend}")
-    with FaultCluster.running(tmp, text_model, backend, NODES, TIMEOUTS, GATEWAY_ARGS) as cluster:
-        yield cluster
+cluster = cluster_fixture("faults", NODES, GATEWAY_ARGS, TIMEOUTS, BACKENDS)
 
 
 @pytest.fixture(scope="module")

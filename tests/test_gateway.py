@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import threading
 import time
@@ -32,6 +31,7 @@ from engine.ports import free_port
 from gateway.process.launcher import console_script, session_pids
 from proto import node_pb2, node_pb2_grpc
 from scripts.tiny_models import hf_greedy
+from tests.helpers import terminate
 
 pytestmark = pytest.mark.slow  # the real default model
 
@@ -154,12 +154,7 @@ def launched_cluster(
 
 def _stop_cluster(process: subprocess.Popen[bytes]) -> list[int]:
     members_before = set(_children(process.pid))
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    terminate(process, 120)
     # a member may go a moment after pd-cluster (a gateway's multiprocessing resource tracker
     # exits once it reads its supervisor's pipe closed): leftovers are what is still there later
     deadline = time.monotonic() + 30

@@ -36,29 +36,25 @@ LOCAL_PREFILL_MAX = 32  # the prefix gateway lets the decode node prefill prompt
 
 
 @pytest.fixture(scope="module")
-def tiny_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Random weights, real tokenizer: text round-trips, and nodes start and run fast."""
-    return save_tiny_text_model(default_model_dir, tmp_path_factory.mktemp("tiny-llama-tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
+def cluster(
+    tiny_text_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningCluster]:
     log = tmp_path_factory.mktemp("gateway-2p2d") / "pd-cluster.log"
     args = [*GATEWAY_ARGS, "--prefill-policy", "round_robin"]
     with pd_cluster_process(
-        log, tiny_model, "mooncake", prefill=2, decode=2, gateway_args=args
+        log, tiny_text_model, "mooncake", prefill=2, decode=2, gateway_args=args
     ) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def prefix_gateway(
-    cluster: RunningCluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    cluster: RunningCluster, tiny_text_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningCluster]:
     """A second gateway-server on the same bootstrap, routing prefills by prefix."""
     port = free_port()
     command = [console_script("gateway-server"), "--bootstrap", cluster.node_address("bootstrap")]
-    command += ["--model", str(tiny_model), "--port", str(port), *GATEWAY_ARGS]
+    command += ["--model", str(tiny_text_model), "--port", str(port), *GATEWAY_ARGS]
     command += ["--prefill-policy", "prefix_aware", "--prefix-block-tokens", "16"]
     command += ["--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX)]
     log = tmp_path_factory.mktemp("gateway-prefix") / "gateway.log"
@@ -103,10 +99,10 @@ def _prompt(seed: int, length: int) -> list[int]:
     return torch.randint(100, 40000, (length,), generator=gen).tolist()
 
 
-def test_round_robin_reaches_all_four_nodes(cluster: RunningCluster, tiny_model: Path) -> None:
+def test_round_robin_reaches_all_four_nodes(cluster: RunningCluster, tiny_text_model: Path) -> None:
     client = _client(cluster.url)
     for i in range(8):
-        out = _complete(client, tiny_model.name, _prompt(i, 40))
+        out = _complete(client, tiny_text_model.name, _prompt(i, 40))
         assert out.choices[0].finish_reason == "length"
     requests = "pdserve_gateway_node_requests_total"
     prefill = per_node(cluster, requests, "prefill")
@@ -116,7 +112,7 @@ def test_round_robin_reaches_all_four_nodes(cluster: RunningCluster, tiny_model:
 
 
 def test_prefix_aware_keeps_a_shared_prefix_on_one_prefill_node(
-    prefix_gateway: RunningCluster, tiny_model: Path
+    prefix_gateway: RunningCluster, tiny_text_model: Path
 ) -> None:
     client = _client(prefix_gateway.url)
     prefix = _prompt(100, SHARED_PREFIX)
@@ -124,7 +120,7 @@ def test_prefix_aware_keeps_a_shared_prefix_on_one_prefill_node(
     before = per_node(prefix_gateway, requests, "prefill")
     cached = []
     for i in range(4):
-        out = _complete(client, tiny_model.name, prefix + _prompt(200 + i, 8))
+        out = _complete(client, tiny_text_model.name, prefix + _prompt(200 + i, 8))
         cached.append(out.usage.prompt_tokens_details.cached_tokens)
     after = per_node(prefix_gateway, requests, "prefill")
     deltas = {node: after[node] - before.get(node, 0) for node in after}
@@ -136,25 +132,25 @@ def test_prefix_aware_keeps_a_shared_prefix_on_one_prefill_node(
 
 
 def test_short_prompts_are_prefilled_by_the_decode_node(
-    prefix_gateway: RunningCluster, tiny_model: Path
+    prefix_gateway: RunningCluster, tiny_text_model: Path
 ) -> None:
     requests = "pdserve_gateway_node_requests_total"
     before = per_node(prefix_gateway, requests, "prefill")
     local = prefix_gateway.metric("pdserve_gateway_local_prefills_total")
     for i in range(3):
-        out = _complete(_client(prefix_gateway.url), tiny_model.name, _prompt(500 + i, 20))
+        out = _complete(_client(prefix_gateway.url), tiny_text_model.name, _prompt(500 + i, 20))
         assert out.choices[0].finish_reason == "length"
     assert per_node(prefix_gateway, requests, "prefill") == before
     assert prefix_gateway.metric("pdserve_gateway_local_prefills_total") == local + 3
 
 
 def test_a_decode_node_joining_gets_traffic_without_restart(
-    cluster: RunningCluster, tiny_model: Path, tmp_path: Path
+    cluster: RunningCluster, tiny_text_model: Path, tmp_path: Path
 ) -> None:
     client = _client(cluster.url)
     requests = "pdserve_gateway_node_requests_total"
     bootstrap = cluster.node_address("bootstrap")
-    args = ["--mode", "disaggregated", "--model", str(tiny_model), "--bootstrap", bootstrap]
+    args = ["--mode", "disaggregated", "--model", str(tiny_text_model), "--bootstrap", bootstrap]
     args += ["--transfer-backend", "mooncake", "--max-total-tokens", "8192"]
     with running_node(
         "decode-server", args, tmp_path / "decode-new.log", probe=node_registered
@@ -163,18 +159,18 @@ def test_a_decode_node_joining_gets_traffic_without_restart(
             time.sleep(0.1)
         before = per_node(cluster, requests, "decode")
         for i in range(6):
-            _complete(client, tiny_model.name, _prompt(700 + i, 40))
+            _complete(client, tiny_text_model.name, _prompt(700 + i, 40))
         after = per_node(cluster, requests, "decode")
         assert len(after) == 3 and all(after[n] > before.get(n, 0) for n in after), after
         new.process.send_signal(signal.SIGTERM)  # it deregisters: LEFT
         while httpx.get(cluster.url + "/health").json()["decode"] != 2:
             time.sleep(0.1)
-    out = _complete(client, tiny_model.name, _prompt(800, 40))
+    out = _complete(client, tiny_text_model.name, _prompt(800, 40))
     assert out.choices[0].finish_reason == "length"
 
 
 def test_sigkill_of_an_idle_prefill_node_moves_traffic(
-    cluster: RunningCluster, tiny_model: Path
+    cluster: RunningCluster, tiny_text_model: Path
 ) -> None:
     client = _client(cluster.url)
     requests = "pdserve_gateway_node_requests_total"
@@ -182,7 +178,7 @@ def test_sigkill_of_an_idle_prefill_node_moves_traffic(
     before = per_node(cluster, requests, "prefill")
     os.kill(victim_pid, signal.SIGKILL)
     for i in range(6):
-        out = _complete(client, tiny_model.name, _prompt(300 + i, 40))  # raises on any error
+        out = _complete(client, tiny_text_model.name, _prompt(300 + i, 40))  # raises on any error
         assert out.choices[0].finish_reason == "length"
     after = per_node(cluster, requests, "prefill")
     served = {node: after[node] - before.get(node, 0) for node in after}
@@ -191,14 +187,14 @@ def test_sigkill_of_an_idle_prefill_node_moves_traffic(
     # The bootstrap declares the node dead; its LEFT event takes it out of the gateway's table.
     while _prefill_count(cluster.url) != 1:
         time.sleep(0.2)
-    out = _complete(client, tiny_model.name, _prompt(400, 40))
+    out = _complete(client, tiny_text_model.name, _prompt(400, 40))
     assert out.choices[0].finish_reason == "length"
 
     # No prefill node left at all: the decode nodes prefill locally, still without an error.
     local = cluster.metric("pdserve_gateway_local_prefills_total")
     os.kill(cluster.child_pid("prefill-1"), signal.SIGKILL)
     for i in range(3):
-        out = _complete(client, tiny_model.name, _prompt(600 + i, 40))
+        out = _complete(client, tiny_text_model.name, _prompt(600 + i, 40))
         assert out.choices[0].finish_reason == "length"
     assert cluster.metric("pdserve_gateway_local_prefills_total") == local + 3
 
@@ -212,11 +208,11 @@ def test_a_request_waits_for_the_first_decode_node_with_room(
     sends it to the second when that one's stream ends, so it finishes while the long one runs.
     The long stream is eight times the shorter one (a model of 4,096 positions): at three times,
     a busy host that started the shorter stream late saw the long one end first."""
-    tiny_model = save_tiny_text_model(default_model_dir, tmp_path / "model", positions=4096)
+    model = save_model(default_model_dir, tmp_path / "model", positions=4096)
     args = [*GATEWAY_ARGS, "--prefill-policy", "round_robin", "--decode-hold", "30"]
     log = tmp_path / "pd-cluster.log"
     with pd_cluster_process(
-        log, tiny_model, "mooncake", decode=2, gateway_args=args,
+        log, model, "mooncake", decode=2, gateway_args=args,
         node_args=["--max-running-requests", "1"],
     ) as cluster, ThreadPoolExecutor(3) as pool:  # fmt: skip
         client = _client(cluster.url)
@@ -234,7 +230,7 @@ def test_a_request_waits_for_the_first_decode_node_with_room(
             the decode node it went to; the future gives its finish reason."""
             before = per_node(cluster, requests, "decode")
             chunks = iter(client.completions.create(
-                model=tiny_model.name, prompt=_prompt(seed, 40), max_tokens=max_tokens,
+                model=model.name, prompt=_prompt(seed, 40), max_tokens=max_tokens,
                 temperature=0, stream=True, extra_body={"ignore_eos": True},
             ))  # fmt: skip
             next(chunks)
@@ -247,7 +243,7 @@ def test_a_request_waits_for_the_first_decode_node_with_room(
         assert long_node != short_node
         assert not short.done(), "the shorter stream ended before the third request came"
         before = per_node(cluster, requests, "decode")
-        third = pool.submit(_complete, client, tiny_model.name, _prompt(3, 40))
+        third = pool.submit(_complete, client, model.name, _prompt(3, 40))
         third_node = routed(before)  # held until the shorter stream ended
         long_ran = not long.done()  # it waited for the shorter stream only
         assert cluster.metric("pdserve_gateway_decode_hold_seconds_count") == 1

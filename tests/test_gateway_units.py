@@ -11,7 +11,7 @@ import pytest
 from engine import sampling_fields as table
 from engine.sampling import SamplingParams
 from gateway.api.openapi import openapi_document
-from gateway.config import GatewayConfig, LimitsConfig, ModelInfo, RoutingConfig
+from gateway.config import GatewayConfig, LimitsConfig, ModelInfo
 from gateway.dispatch.migration import Progress
 from gateway.errors import APIError
 from gateway.requests.protocol import parse_chat, parse_completion, parse_native
@@ -19,20 +19,12 @@ from gateway.requests.text import StopTrimmer, TextCodec
 from gateway.routing.nodes import DECODE, PREFILL, LiveNode, NodeDirectory
 from gateway.routing.policies import PrefixAware, Router
 from proto import bootstrap_pb2, node_pb2
+from tests.helpers import routing_config
 
 LIMITS = LimitsConfig(
     max_inflight=8, max_body_bytes=1 << 20, max_n=4, max_stop=4, max_stop_chars=64
 )
-ROUTING = RoutingConfig(
-    prefill_policy="prefix_aware",
-    decode_policy="round_robin",
-    local_prefill_max_tokens=8,
-    max_attempts=3,
-    node_cooldown_s=5.0,
-    prefix_block_tokens=4,
-    prefix_max_blocks=1000,
-    prefix_balance_slack=2,
-)
+ROUTING = routing_config("prefix_aware", "round_robin", 8)
 
 
 @pytest.fixture(scope="module")

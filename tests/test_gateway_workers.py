@@ -42,7 +42,6 @@ from gateway.api.app import Gateway
 from gateway.config import GatewayConfig, ModelInfo
 from gateway.process.launcher import console_script, session_pids
 from gateway.requests.text import TextCodec
-from scripts.tiny_models import save_tiny_text_model
 from tests.test_gateway import RunningCluster, launched_cluster
 from tests.test_gateway_units import LIMITS, ROUTING
 
@@ -57,16 +56,13 @@ CPU_LIST = ",".join(dict.fromkeys(str(cpu) for cpu in CPUS))  # worker i on CPUS
 
 
 @pytest.fixture(scope="module")
-def tiny_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_text_model(default_model_dir, tmp_path_factory.mktemp("tiny-llama-text"))
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
+def cluster(
+    tiny_text_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningCluster]:
     """pd-cluster whose gateway runs two workers and streams every INTERVAL tokens."""
     log = tmp_path_factory.mktemp("gateway-workers") / "pd-cluster.log"
     port = free_port()
-    command = [console_script("pd-cluster"), "--model", str(tiny_model), "--port", str(port)]
+    command = [console_script("pd-cluster"), "--model", str(tiny_text_model), "--port", str(port)]
     command += ["--max-total-tokens", "8192", "--gateway-workers", "2"]
     command += ["--gateway-worker-cpus", CPU_LIST]
     args = [*GATEWAY_ARGS, "--stream-interval", str(INTERVAL)]
@@ -114,11 +110,11 @@ def _session_empties(gateway: RunningCluster) -> None:
 
 @pytest.fixture(scope="module")
 def reference(
-    cluster: RunningCluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    cluster: RunningCluster, tiny_text_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningCluster]:
     """One worker, interval 1: what every other configuration must stream."""
     log = tmp_path_factory.mktemp("gateway-reference") / "gateway.log"
-    gateway = _gateway(cluster, tiny_model, log)
+    gateway = _gateway(cluster, tiny_text_model, log)
     yield gateway
     _stop(gateway)
 
@@ -276,13 +272,13 @@ def test_every_worker_feeds_its_own_prefix_index(cluster: RunningCluster) -> Non
 def test_shared_listener_workers_serve_the_same_tokens(
     cluster: RunningCluster,
     reference: RunningCluster,
-    tiny_model: Path,
+    tiny_text_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """`--worker-listen shared`: both workers accept from the supervisor's one listener and
     stream what one worker streams; the gate and the per-worker series hold as with reuseport."""
     log = tmp_path_factory.mktemp("gateway-shared") / "gateway.log"
-    gateway = _gateway(cluster, tiny_model, log, "--workers", "2", "--worker-listen", "shared")
+    gateway = _gateway(cluster, tiny_text_model, log, "--workers", "2", "--worker-listen", "shared")
     try:
         assert len(_worker_pids(gateway.url, 2)) == 2  # each answered on a connection it took
         assert _health(gateway.url).get("status") == "ok"
@@ -345,10 +341,10 @@ def test_stream_interval_keeps_the_token_ids(
 
 
 def test_a_killed_worker_is_replaced_and_workers_die_with_the_supervisor(
-    cluster: RunningCluster, tiny_model: Path, tmp_path: Path
+    cluster: RunningCluster, tiny_text_model: Path, tmp_path: Path
 ) -> None:
     log = tmp_path / "gateway.log"
-    gateway = _gateway(cluster, tiny_model, log, "--workers", "2", "--worker-cpus", CPU_LIST)
+    gateway = _gateway(cluster, tiny_text_model, log, "--workers", "2", "--worker-cpus", CPU_LIST)
     try:
         first = _worker_pids(gateway.url, 2)
         victim = min(first)
@@ -379,10 +375,10 @@ def test_pd_cluster_pins_each_gateway_worker_to_its_cpu(cluster: RunningCluster)
 
 
 def test_a_one_process_gateway_runs_on_the_lists_first_cpu(
-    cluster: RunningCluster, tiny_model: Path, tmp_path: Path
+    cluster: RunningCluster, tiny_text_model: Path, tmp_path: Path
 ) -> None:
     cpus = ",".join(dict.fromkeys(str(cpu) for cpu in reversed(CPUS)))  # CPUS[1] first
-    gateway = _gateway(cluster, tiny_model, tmp_path / "gateway.log", "--worker-cpus", cpus)
+    gateway = _gateway(cluster, tiny_text_model, tmp_path / "gateway.log", "--worker-cpus", cpus)
     try:
         pid = _health(gateway.url)["pid"]
         assert pid == gateway.process.pid, gateway.log()  # no supervisor: the server itself
@@ -404,10 +400,10 @@ def test_a_one_process_gateway_runs_on_the_lists_first_cpu(
     ],
 )
 def test_bad_gateway_flags_name_the_flag_and_range(
-    tiny_model: Path, flag: str, value: str, message: str
+    tiny_text_model: Path, flag: str, value: str, message: str
 ) -> None:
     command = [console_script("gateway-server"), "--bootstrap", "127.0.0.1:1"]
-    command += ["--model", str(tiny_model), flag, value]
+    command += ["--model", str(tiny_text_model), flag, value]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
@@ -426,7 +422,7 @@ def test_bad_gateway_worker_cpus_flag_of_pd_cluster() -> None:
     assert "--gateway-worker-cpus '3-1': the range '3-1' runs backwards" in result.stderr
 
 
-def test_a_taken_port_fails_the_supervisor_at_once(tiny_model: Path) -> None:
+def test_a_taken_port_fails_the_supervisor_at_once(tiny_text_model: Path) -> None:
     import socket
 
     with socket.socket() as taken:
@@ -434,7 +430,7 @@ def test_a_taken_port_fails_the_supervisor_at_once(tiny_model: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         command = [console_script("gateway-server"), "--bootstrap", "127.0.0.1:1"]
-        command += ["--model", str(tiny_model), "--workers", "2", "--port", str(port)]
+        command += ["--model", str(tiny_text_model), "--workers", "2", "--port", str(port)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr, result.stderr

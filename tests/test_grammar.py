@@ -25,7 +25,6 @@ from engine.grammar import (
 )
 from engine.grammar_spec import GrammarSpec
 from engine.sampling import RequestSampler
-from scripts.tiny_models import save_tiny_text_model
 
 PERSON = {
     "type": "object",
@@ -45,11 +44,6 @@ SPECS = [
     GrammarSpec("regex", REGEX),
     GrammarSpec("ebnf", EBNF),
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_text_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_text_model(default_model_dir, tmp_path_factory.mktemp("grammar") / "tiny")
 
 
 @pytest.fixture(scope="module")

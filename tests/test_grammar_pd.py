@@ -18,7 +18,6 @@ import pytest
 
 from gateway.process.launcher import pd_trio
 from proto import node_pb2
-from scripts.tiny_models import save_tiny_text_model
 
 # The first token must be a digit or "[": the unconstrained tiny model picks neither.
 REGEX = r"([0-9]{2,4}|\[[a-z]{1,5}\]) (ok|no)\."
@@ -35,11 +34,6 @@ def _sampling(kind: str, spec: str, **extra: object) -> node_pb2.SamplingParams:
     return node_pb2.SamplingParams(
         max_new_tokens=48, grammar=node_pb2.Grammar(kind=kind, spec=spec), **extra
     )
-
-
-@pytest.fixture(scope="module")
-def tiny_text_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_text_model(default_model_dir, tmp_path_factory.mktemp("grammar-pd") / "tiny")
 
 
 def test_first_token_constraint_holds_across_the_hand_off(

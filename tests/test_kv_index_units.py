@@ -33,25 +33,16 @@ from engine.kv_events import (
     prefix_hashes,
 )
 from engine.node.transfer_setup import node_load
-from gateway.config import RoutingConfig
 from gateway.metrics import GatewayMetrics
 from gateway.routing.kv_feed import FeedEndpoints, NodeFeed
 from gateway.routing.nodes import DECODE, PREFILL, LiveNode, NodeDirectory
 from gateway.routing.policies import KVAware, LeastLoad, PrefixAware, Router, make_policy
 from gateway.routing.prefix_index import EXPECT_S, PrefixIndex
 from proto import bootstrap_pb2
+from tests.helpers import routing_config
 
 BLOCK = 4
-ROUTING = RoutingConfig(
-    prefill_policy="kv_aware",
-    decode_policy="kv_aware",
-    local_prefill_max_tokens=8,
-    max_attempts=3,
-    node_cooldown_s=5.0,
-    prefix_block_tokens=4,
-    prefix_max_blocks=1000,
-    prefix_balance_slack=2,
-)
+ROUTING = routing_config("kv_aware", "kv_aware", 8)
 
 
 def stored(tokens: list[int], parent_tokens: list[int] = ()) -> BlockStored:  # type: ignore[assignment]

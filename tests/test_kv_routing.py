@@ -28,7 +28,7 @@ import pytest
 from engine.ports import free_port
 from gateway.process.launcher import console_script, node_registered, running_node
 from proto import node_pb2, node_pb2_grpc
-from scripts.tiny_models import hf_greedy, save_tiny_text_model
+from scripts.tiny_models import hf_greedy
 from tests.test_gateway import RunningCluster, pd_cluster_process
 from tests.test_gateway_routing import per_node
 
@@ -40,15 +40,12 @@ BLOCKS = "pdserve_gateway_kv_index_blocks"
 
 
 @pytest.fixture(scope="module")
-def tiny_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_text_model(default_model_dir, tmp_path_factory.mktemp("tiny-kv-routing"))
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
+def cluster(
+    tiny_text_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningCluster]:
     log = tmp_path_factory.mktemp("kv-routing") / "pd-cluster.log"
     args = ["--local-prefill-max-tokens", str(LOCAL_MAX)]
-    with pd_cluster_process(log, tiny_model, "mooncake", 2, 2, gateway_args=args) as c:
+    with pd_cluster_process(log, tiny_text_model, "mooncake", 2, 2, gateway_args=args) as c:
         wait_synced(c.url, 4)
         yield c
 
@@ -116,7 +113,7 @@ def node_ids(cluster: RunningCluster) -> dict[str, str]:
 
 
 def test_a_session_follows_its_history_and_reports_exact_cached_tokens(
-    cluster: RunningCluster, tiny_model: Path
+    cluster: RunningCluster, tiny_text_model: Path
 ) -> None:
     histories = []
     for session in range(4):
@@ -133,7 +130,7 @@ def test_a_session_follows_its_history_and_reports_exact_cached_tokens(
         assert nodes == first, (session, nodes, first)
         assert out["meta_info"]["cached_tokens"] == 96  # P's pages of the turn-1 prompt
         assert out["meta_info"]["cache_node"] == first["prefill"]
-        assert out["output_ids"] == hf_greedy(tiny_model, [turn2], MAX_NEW)[0]
+        assert out["output_ids"] == hf_greedy(tiny_text_model, [turn2], MAX_NEW)[0]
         # Turn 3, 8 new tokens: D lacks 8 + 1 tokens only, it prefills them itself.
         held = (len(turn2) + MAX_NEW - 1) // PAGE * PAGE
         turn3 = turn2 + out["output_ids"] + user_turn(session, 3, 8)
@@ -142,13 +139,13 @@ def test_a_session_follows_its_history_and_reports_exact_cached_tokens(
         assert out3["meta_info"]["cached_tokens"] == held
         assert out3["meta_info"]["cache_node"] == first["decode"]
         if session == 0:
-            assert out3["output_ids"] == hf_greedy(tiny_model, [turn3], MAX_NEW)[0]
+            assert out3["output_ids"] == hf_greedy(tiny_text_model, [turn3], MAX_NEW)[0]
     assert cluster.metric("pdserve_gateway_local_prefills_total") == local_before + 4
     # The same through the OpenAI API, streamed: the usage chunk carries cached_tokens.
     history, first = histories[0]
     turn2 = history + user_turn(0, 2, 40)
     stream = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none").completions.create(
-        model=tiny_model.name,
+        model=tiny_text_model.name,
         prompt=turn2,
         max_tokens=MAX_NEW,
         temperature=0,
@@ -166,7 +163,7 @@ def test_a_session_follows_its_history_and_reports_exact_cached_tokens(
 
 
 def test_index_equals_the_caches_and_a_late_gateway_catches_up(
-    cluster: RunningCluster, tiny_model: Path, tmp_path: Path
+    cluster: RunningCluster, tiny_text_model: Path, tmp_path: Path
 ) -> None:
     for i in range(3):
         generate(cluster.url, SYSTEM + user_turn(50 + i, 1, 30))
@@ -182,7 +179,7 @@ def test_index_equals_the_caches_and_a_late_gateway_catches_up(
         time.sleep(0.2)
     port = free_port()
     command = [console_script("gateway-server"), "--bootstrap", cluster.node_address("bootstrap")]
-    command += ["--model", str(tiny_model), "--port", str(port)]
+    command += ["--model", str(tiny_text_model), "--port", str(port)]
     log = tmp_path / "late-gateway.log"
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -205,10 +202,10 @@ def test_index_equals_the_caches_and_a_late_gateway_catches_up(
 
 
 def test_a_killed_decode_node_leaves_the_index_and_is_rebuilt(
-    cluster: RunningCluster, tiny_model: Path, tmp_path: Path
+    cluster: RunningCluster, tiny_text_model: Path, tmp_path: Path
 ) -> None:
     bootstrap = cluster.node_address("bootstrap")
-    args = ["--mode", "disaggregated", "--model", str(tiny_model), "--bootstrap", bootstrap]
+    args = ["--mode", "disaggregated", "--model", str(tiny_text_model), "--bootstrap", bootstrap]
     args += ["--transfer-backend", "mooncake", "--max-total-tokens", "8192"]
     args += ["--node-id", "decode-extra"]
     port = free_port()

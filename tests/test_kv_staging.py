@@ -204,14 +204,22 @@ LOOP_LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, page_size=16, 
 POOL, STAGING = 48, 32
 
 
+def registered_engine(
+    backend: str, node_name: str, cache: PagedKVCache
+) -> tuple[KVTransferEngine, MemoryRegion]:
+    """A transfer engine with the cache's storage registered as the region "kv"."""
+    engine = create_engine(TransferConfig(backend=backend, node_name=node_name))
+    storage = cache.storage
+    region = MemoryRegion("kv", storage.data_ptr(), storage.numel() * storage.element_size())
+    engine.register([region])
+    return engine, region
+
+
 def receiver_main(backend: str, conn: Connection) -> None:
     """The decode side: a pool with staging pages; scatters a span into pages on request."""
     cache = filled_cache(LOOP_LAYOUT, POOL, STAGING, seed=99)
     stager = PageStager(cache, min_runs=0)
-    engine = create_engine(TransferConfig(backend=backend, node_name=f"staging-d-{backend}"))
-    storage = cache.storage
-    region = MemoryRegion("kv", storage.data_ptr(), storage.numel() * storage.element_size())
-    engine.register([region])
+    engine, region = registered_engine(backend, f"staging-d-{backend}", cache)
     conn.send((engine.local_endpoint(), region))
     while (command := conn.recv()) is not None:
         n, dst = command
@@ -247,10 +255,7 @@ def test_scattered_pages_move_as_one_descriptor_through_a_real_engine(backend: s
         endpoint, remote = here.recv()
         sender = filled_cache(LOOP_LAYOUT, POOL, STAGING, seed=1)
         stager = PageStager(sender, min_runs=0)
-        engine = create_engine(TransferConfig(backend=backend, node_name=f"staging-p-{backend}"))
-        storage = sender.storage
-        local = MemoryRegion("kv", storage.data_ptr(), storage.numel() * storage.element_size())
-        engine.register([local])
+        engine, local = registered_engine(backend, f"staging-p-{backend}", sender)
         engine.connect(PeerInfo("decode", endpoint, {"kv": remote}))
         rng = random.Random(7)
         before = None

@@ -27,18 +27,16 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from proto import node_pb2
-from scripts.tiny_models import save_tiny_text_model
-from tests.fault_cluster import FaultCluster, Timeouts, prompts
+from tests.fault_cluster import FaultCluster, cluster_fixture, prompts
 
 MAX_TOKENS = 160  # long enough that every stream is mid-way when the node dies
 KILL_AFTER = 6  # text chunks every stream must have received before the kill
@@ -168,14 +166,7 @@ def wait_decoding(cluster: FaultCluster, name: str) -> None:
         time.sleep(0.002)
 
 
-@pytest.fixture(scope="module")
-def cluster(
-    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FaultCluster]:
-    tmp = tmp_path_factory.mktemp("migration")
-    model = save_tiny_text_model(default_model_dir, tmp / "tiny")
-    with FaultCluster.running(tmp, model, "mooncake", NODES, Timeouts(), GATEWAY_ARGS) as cluster:
-        yield cluster
+cluster = cluster_fixture("migration", NODES, GATEWAY_ARGS)
 
 
 @pytest.fixture(scope="module")

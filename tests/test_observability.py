@@ -36,7 +36,6 @@ from gateway.process.launcher import node_registered, running_node
 from gateway.requests.text import TextCodec
 from gateway.routing.nodes import NodeTarget
 from proto import node_pb2, node_pb2_grpc
-from scripts.tiny_models import save_tiny_text_model
 from tests.test_gateway import RunningCluster, pd_cluster_process
 
 N = 4  # requests of the counting test
@@ -115,25 +114,17 @@ def eventually(check: Callable[[], bool], what: str, timeout: float = 60.0) -> N
 
 
 @pytest.fixture(scope="module")
-def tiny_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Random weights, the default model's tokenizer: fast nodes, real text."""
-    return save_tiny_text_model(
-        default_model_dir, tmp_path_factory.mktemp("tiny-llama-observability")
-    )
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tiny_text_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     log = tmp_path_factory.mktemp("observability") / "pd-cluster.log"
     gateway_args = ["--local-prefill-max-tokens", "0", "--log-level", "debug"]
     node_args = ["--log-level", "debug", "--chunked-prefill-size", str(CHUNK)]
     with pd_cluster_process(
-        log, tiny_model, "mooncake", gateway_args=gateway_args, node_args=node_args
+        log, tiny_text_model, "mooncake", gateway_args=gateway_args, node_args=node_args
     ) as running:
         eventually(lambda: "[pd-cluster] metrics gateway" in running.log(), "metrics lines")
         urls = dict(re.findall(r"^\[pd-cluster\] metrics (\S+) (\S+)$", running.log(), re.M))
         assert set(urls) == set(PROCESSES), urls
-        yield Cluster(running, urls, tiny_model.name)
+        yield Cluster(running, urls, tiny_text_model.name)
 
 
 def _prompt(i: int) -> str:
@@ -165,8 +156,8 @@ def _one_token_tail(codec: TextCodec, prompt: str) -> str:
     return prompt
 
 
-def test_counters_move_by_exactly_n_requests(cluster: Cluster, tiny_model: Path) -> None:
-    codec = TextCodec.load(str(tiny_model))
+def test_counters_move_by_exactly_n_requests(cluster: Cluster, tiny_text_model: Path) -> None:
+    codec = TextCodec.load(str(tiny_text_model))
     prompts = [_prompt(i) for i in range(N)]
     prompts[0] = _one_token_tail(codec, prompts[0])  # a 1-token chunk is still prefill
     before = cluster.scrape_all()
@@ -347,12 +338,12 @@ def test_every_process_logs_one_format_with_the_room(cluster: Cluster) -> None:
 
 
 def test_injected_transfer_failure_counts_once(
-    cluster: Cluster, tiny_model: Path, tmp_path: Path
+    cluster: Cluster, tiny_text_model: Path, tmp_path: Path
 ) -> None:
     bootstrap = cluster.running.node_address("bootstrap")
     decode_address = cluster.running.node_address("decode-0")
     metrics_port = free_port()
-    args = ["--model", str(tiny_model), "--bootstrap", bootstrap, "--transfer-backend"]
+    args = ["--model", str(tiny_text_model), "--bootstrap", bootstrap, "--transfer-backend"]
     args += ["mooncake", "--max-total-tokens", "8192", "--inject-transfer-failures", "1.0"]
     args += ["--metrics-port", str(metrics_port)]
     with running_node(

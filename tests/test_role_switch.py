@@ -24,7 +24,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -34,8 +33,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.ports import free_port
 from proto import node_pb2
-from scripts.tiny_models import save_tiny_text_model
-from tests.fault_cluster import FaultCluster, SteadyLoad, Timeouts, judge, prompts, reference_texts
+from tests.fault_cluster import (
+    FaultCluster,
+    SteadyLoad,
+    cluster_fixture,
+    judge,
+    prompts,
+    reference_texts,
+)
 
 MAX_TOKENS = 48
 PROMPTS = prompts(count=6, length=40, seed=20)
@@ -57,14 +62,7 @@ GATEWAY_ARGS = (
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def cluster(
-    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FaultCluster]:
-    tmp = tmp_path_factory.mktemp("role-switch")
-    model = save_tiny_text_model(default_model_dir, tmp / "tiny")
-    with FaultCluster.running(tmp, model, "mooncake", NODES, Timeouts(), GATEWAY_ARGS) as cluster:
-        yield cluster
+cluster = cluster_fixture("role-switch", NODES, GATEWAY_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +145,14 @@ def complete(cluster: FaultCluster, index: int) -> str:
     return str(response.json()["choices"][0]["text"])
 
 
+def assert_serves_rooms(cluster: FaultCluster, reference: list[str], rooms_metric: str) -> None:
+    """Four prompts come back as the reference, and decode-1 finished a room of its new role."""
+    before = node_metric("decode-1", rooms_metric, outcome="done")
+    for index in range(4):
+        assert complete(cluster, index) == reference[index]
+    assert node_metric("decode-1", rooms_metric, outcome="done") >= before + 1
+
+
 def test_a_decode_node_switches_to_prefill_under_load(
     cluster: FaultCluster, reference: list[str]
 ) -> None:
@@ -157,10 +163,7 @@ def test_a_decode_node_switches_to_prefill_under_load(
     assert node_metric("decode-1", "pdserve_node_info", role="prefill") == 1
     assert node_metric("decode-1", "pdserve_node_info", role="decode") == 0
     # Routed as a prefill node now: round robin over two prefill nodes gives it half the prompts.
-    before = node_metric("decode-1", "pdserve_prefill_rooms_total", outcome="done")
-    for index in range(4):
-        assert complete(cluster, index) == reference[index]
-    assert node_metric("decode-1", "pdserve_prefill_rooms_total", outcome="done") >= before + 1
+    assert_serves_rooms(cluster, reference, "pdserve_prefill_rooms_total")
 
 
 def test_a_prefill_node_switches_back_to_decode_under_load(
@@ -171,10 +174,7 @@ def test_a_prefill_node_switches_back_to_decode_under_load(
     assert node_metric("decode-1", "pdserve_node_role_switches_total",
                        **{"from": "prefill", "to": "decode"}) == 1  # fmt: skip
     assert node_metric("decode-1", "pdserve_node_info", role="decode") == 1
-    before = node_metric("decode-1", "pdserve_decode_rooms_total", outcome="done")
-    for index in range(4):
-        assert complete(cluster, index) == reference[index]
-    assert node_metric("decode-1", "pdserve_decode_rooms_total", outcome="done") >= before + 1
+    assert_serves_rooms(cluster, reference, "pdserve_decode_rooms_total")
 
 
 def test_a_node_serves_colocated_and_comes_back(

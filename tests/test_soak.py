@@ -24,7 +24,6 @@ from gateway.process.launcher import session_pids
 from scripts.serving.growth import Tolerance, judge, slope
 from scripts.serving.probes import Sample, metric_quantities, proc_usage
 from scripts.serving.soak_report import Findings, SampleLog, judge_samples, new_errors
-from scripts.tiny_models import save_tiny_text_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ("-m", "scripts.serving.soak")  # run from ROOT
@@ -176,15 +175,10 @@ def test_bad_flags_exit_2_with_one_line(tmp_path: Path) -> None:
 # -- a real 20-second soak ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_text_model(default_model_dir, tmp_path_factory.mktemp("tiny-llama-soak"))
-
-
 @pytest.mark.slow
-def test_short_soak_on_a_real_cluster_passes(tiny_model: Path, tmp_path: Path) -> None:
+def test_short_soak_on_a_real_cluster_passes(tiny_text_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "soak"
-    cmd = [sys.executable, *SCRIPT, "--output-dir", str(out), "--model", str(tiny_model)]
+    cmd = [sys.executable, *SCRIPT, "--output-dir", str(out), "--model", str(tiny_text_model)]
     cmd += ["--duration", "20", "--interval", "2", "--capacity-requests", "6"]
     cmd += ["--capacity-concurrency", "3", "--input-len", "48", "--output-len", "8"]
     cmd += ["--max-total-tokens", "4096"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.node.tp_transfer import _decode_plan, _encode_plan
 from gateway.process.launcher import NodeStartError, pd_trio
@@ -25,7 +24,7 @@ from kvtransfer.head_routes import (
     route_pages,
 )
 from proto import node_pb2
-from scripts.tiny_models import hf_greedy
+from tests.helpers import generate_as_reference, greedy_reference_fixtures
 
 HEAD = 1000  # bytes of one KV head's part of a page
 MAX_NEW = 5
@@ -134,15 +133,7 @@ def test_write_plan_wire_format_round_trips() -> None:
 LENGTHS = [7, 40, 150]
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(10)
-    return [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in LENGTHS]
-
-
-@pytest.fixture(scope="module")
-def hf_reference(default_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    return hf_greedy(default_model_dir, prompts, MAX_NEW)
+prompts, hf_reference = greedy_reference_fixtures(LENGTHS, seed=10, max_new=MAX_NEW)
 
 
 _MATRIX = pytest.mark.tp_matrix  # `make test-tp`; `make test` keeps one case per backend
@@ -172,11 +163,7 @@ def test_pd_across_tp_sizes_matches_hf(
         prefill_args=["--tp-size", str(p_tp), "--chunked-prefill-size", "64"],
         decode_args=["--tp-size", str(d_tp)],
     ) as cluster:
-        results = cluster.generate_many(prompts, sampling)
-        for result in results:
-            assert result.finished is not None, result.prefill_error
-            assert result.prefill is not None and result.prefill.sent_pages > 0
-        assert [r.token_ids for r in results] == hf_reference
+        results = generate_as_reference(cluster, prompts, sampling, hf_reference)
         # One descriptor per page and run of KV heads at most (3 KV heads), never per token
         # or layer (30 layers x K,V x 16 tokens pieces per page and head if token-major).
         long = results[-1].prefill

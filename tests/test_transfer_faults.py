@@ -20,7 +20,6 @@ import asyncio
 import ctypes
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import grpc
 import pytest
@@ -44,12 +43,11 @@ from kvtransfer.base import (
 from kvtransfer.faults import FaultInjectingEngine
 from kvtransfer.room import LinkReset
 from proto import node_pb2, node_pb2_grpc
-from scripts.tiny_models import save_tiny_text_model
 from tests.fault_cluster import (
     FaultCluster,
     Row,
     SteadyLoad,
-    Timeouts,
+    cluster_fixture,
     gateway_error,
     judge,
     prompts,
@@ -80,27 +78,13 @@ GATEWAY_ARGS = (
 
 
 @pytest.fixture(scope="module")
-def text_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_text_model(default_model_dir, tmp_path_factory.mktemp("xfer") / "tiny")
-
-
-@pytest.fixture(scope="module")
 def table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Row]]:
     rows: list[Row] = []
     yield rows
     write_table(rows, tmp_path_factory.getbasetemp() / "fault-table-transfer.md")
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def cluster(
-    request: pytest.FixtureRequest, text_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FaultCluster]:
-    backend: str = request.param
-    tmp = tmp_path_factory.mktemp(f"xfer-{backend}")
-    with FaultCluster.running(
-        tmp, text_model, backend, dict(NODES), Timeouts(), GATEWAY_ARGS
-    ) as cluster:
-        yield cluster
+cluster = cluster_fixture("xfer", NODES, GATEWAY_ARGS, backends=BACKENDS)
 
 
 @pytest.mark.faults

@@ -12,7 +12,6 @@ token source) and the gateway's two workers.
 from __future__ import annotations
 
 import contextlib
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import pytest
 
 from engine.ports import free_port
 from gateway.process.launcher import bootstrap_ready, console_script, node_registered, running_node
+from tests.helpers import terminate
 from tests.test_gateway_workers import _health
 
 WAIT_S = 120.0  # bound of every poll below (a failure, never a timing assertion)
@@ -57,12 +57,7 @@ def gateway_url(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
             _workers_seeing_both_nodes(url, log)
             yield url
         finally:
-            gateway.send_signal(signal.SIGTERM)
-            try:
-                gateway.wait(60)
-            except subprocess.TimeoutExpired:
-                gateway.kill()
-                gateway.wait()
+            terminate(gateway, 60)
         assert gateway.returncode == 0, log.read_text()[-3000:]
 
 

@@ -10,21 +10,13 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.config import GatewayConfig, LimitsConfig, ModelInfo, RoutingConfig
+from gateway.config import GatewayConfig, LimitsConfig, ModelInfo
 from gateway.routing.nodes import COLOCATED, DECODE, PREFILL, LiveNode, NodeDirectory
 from gateway.routing.policies import Router, WorkerAffinity, make_policy
 from proto import bootstrap_pb2
+from tests.helpers import routing_config
 
-ROUTING = RoutingConfig(
-    prefill_policy="worker_affinity",
-    decode_policy="worker_affinity",
-    local_prefill_max_tokens=4,
-    max_attempts=3,
-    node_cooldown_s=5.0,
-    prefix_block_tokens=4,
-    prefix_max_blocks=1000,
-    prefix_balance_slack=2,
-)
+ROUTING = routing_config("worker_affinity", "worker_affinity", 4)
 LONG = list(range(10))  # past local_prefill_max_tokens: a prefill node is chosen too
 NODES = ("d-0", "d-1", "d-2", "d-3")
 # Requests each node has; the least loaded is d-2, then d-1.
