@@ -208,7 +208,7 @@ def test_a_request_waits_for_the_first_decode_node_with_room(
     sends it to the second when that one's stream ends, so it finishes while the long one runs.
     The long stream is eight times the shorter one (a model of 4,096 positions): at three times,
     a busy host that started the shorter stream late saw the long one end first."""
-    model = save_model(default_model_dir, tmp_path / "model", positions=4096)
+    model = save_tiny_text_model(default_model_dir, tmp_path / "model", positions=4096)
     args = [*GATEWAY_ARGS, "--prefill-policy", "round_robin", "--decode-hold", "30"]
     log = tmp_path / "pd-cluster.log"
     with pd_cluster_process(
