@@ -37,9 +37,10 @@ def opening(rid: str, ids: list[int], max_new_tokens: int) -> node_pb2.StreamReq
 class StreamCall:
     """A blocking `GenerateStream` call: `send` messages, `read_until` what arrived per request."""
 
-    def __init__(self, server: ServerProcess) -> None:
+    def __init__(self, server: ServerProcess, stub: node_pb2_grpc.NodeStub | None = None) -> None:
         self._outbox: queue.Queue[node_pb2.StreamRequest | None] = queue.Queue()
-        self.call = server.stub.GenerateStream(iter(self._outbox.get, None), timeout=RPC_TIMEOUT)
+        stub = stub or server.stub
+        self.call = stub.GenerateStream(iter(self._outbox.get, None), timeout=RPC_TIMEOUT)
         self.tokens: dict[str, list[int]] = defaultdict(list)
         self.finished: dict[str, node_pb2.Finished] = {}
         self.errors: dict[str, node_pb2.RequestError] = {}

@@ -2,8 +2,9 @@
 
 A real `decode-server` (the tiny llama allowed 65536 positions, so the requests run until
 something ends them) with `--stream-buffer-tokens 32`, and a client that opens eight endless
-requests asking for 20 top logprobs a token (large batches: the call's gRPC flow-control window
-fills within a few dozen steps), reads one batch and then nothing. The node must abort every
+requests asking for 20 top logprobs a token (large batches) on a channel without BDP probing
+(its flow-control window stays at 64 KiB and fills within a few steps), reads one batch and then
+nothing. The node must abort every
 request by itself and free its pages; once the client reads again, each request's last delta
 is RESOURCE_EXHAUSTED naming the flag. Without the bound they would decode forever, their
 unsent tokens growing in the node's memory.
@@ -19,7 +20,7 @@ import grpc
 import pytest
 
 from gateway.process.launcher import ServerProcess, running_node
-from proto import node_pb2
+from proto import node_pb2, node_pb2_grpc
 from tests.test_node_stream import ENDLESS, PROMPTS, StreamCall, assert_clean
 
 BUFFER_TOKENS = 32
@@ -56,7 +57,10 @@ def test_a_stalled_reader_gets_its_requests_aborted_and_their_pages_freed(
 ) -> None:
     prompts = list(PROMPTS.values())
     rids = [f"stalled-{i}" for i in range(REQUESTS)]
-    call = StreamCall(node)
+    # Without BDP probing the call's window stays at gRPC's initial 64 KiB instead of growing
+    # to megabytes: it fills within a few steps, as a slow gateway's would in production.
+    channel = grpc.insecure_channel(node.address, options=[("grpc.http2.bdp_probe", 0)])
+    call = StreamCall(node, node_pb2_grpc.NodeStub(channel))
     for i, rid in enumerate(rids):
         call.send(opening(rid, prompts[i % len(prompts)]))
     call.read_until(lambda c: c.tokens)  # decoding has started; from here on nothing is read
