@@ -4,10 +4,9 @@ A real `decode-server` (the tiny llama allowed 65536 positions, so the requests 
 something ends them) with `--stream-buffer-tokens 32`, and a client that opens eight endless
 requests asking for 20 top logprobs a token (large batches) on a channel without BDP probing
 (its flow-control window stays at 64 KiB and fills within a few steps), reads one batch and then
-nothing. The node must abort every
-request by itself and free its pages; once the client reads again, each request's last delta
-is RESOURCE_EXHAUSTED naming the flag. Without the bound they would decode forever, their
-unsent tokens growing in the node's memory.
+nothing. The node must abort every request by itself and free its pages; once the client reads
+again, each request's last delta is RESOURCE_EXHAUSTED naming the flag. Without the bound they
+would decode forever, their unsent tokens growing in the node's memory.
 """
 
 from __future__ import annotations
