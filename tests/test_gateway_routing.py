@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,7 @@ import httpx
 import openai
 import pytest
 import torch
+from openai.types import Completion
 
 from engine.ports import free_port
 from gateway.process.launcher import console_script, node_registered, running_node
@@ -207,7 +209,8 @@ def test_a_request_waits_for_the_first_decode_node_with_room(
     the first, behind the long stream; the gateway holds it (gateway/dispatch/decode_line.py) and
     sends it to the second when that one's stream ends, so it finishes while the long one runs.
     The long stream is eight times the shorter one (a model of 4,096 positions): at three times,
-    a busy host that started the shorter stream late saw the long one end first."""
+    a busy host that started the shorter stream late saw the long one end first. Once the third
+    request is done the long stream is dropped: it must still have been running then."""
     model = save_tiny_text_model(default_model_dir, tmp_path / "model", positions=4096)
     args = [*GATEWAY_ARGS, "--prefill-policy", "round_robin", "--decode-hold", "30"]
     log = tmp_path / "pd-cluster.log"
@@ -225,18 +228,28 @@ def test_a_request_waits_for_the_first_decode_node_with_room(
             (node,) = [n for n in after if after[n] != before.get(n, 0)]
             return node
 
+        drop = threading.Event()
+
+        def read(chunks: openai.Stream[Completion]) -> str | None:
+            """The stream's finish reason; "dropped" if `drop` was set before it ended."""
+            reason = None
+            for chunk in chunks:
+                reason = chunk.choices[0].finish_reason
+                if drop.is_set() and reason is None:
+                    chunks.close()
+                    return "dropped"
+            return reason
+
         def stream(seed: int, max_tokens: int) -> tuple[Future[str | None], str]:
             """A streaming request, once its first token came (it holds its node's slot), and
             the decode node it went to; the future gives its finish reason."""
             before = per_node(cluster, requests, "decode")
-            chunks = iter(client.completions.create(
+            chunks = client.completions.create(
                 model=model.name, prompt=_prompt(seed, 40), max_tokens=max_tokens,
                 temperature=0, stream=True, extra_body={"ignore_eos": True},
-            ))  # fmt: skip
-            next(chunks)
-            return pool.submit(lambda: [c.choices[0].finish_reason for c in chunks][-1]), routed(
-                before
-            )
+            )  # fmt: skip
+            next(iter(chunks))
+            return pool.submit(read, chunks), routed(before)
 
         long, long_node = stream(1, 2400)
         short, short_node = stream(2, 300)
@@ -252,4 +265,5 @@ def test_a_request_waits_for_the_first_decode_node_with_room(
         assert third_node == short_node  # not round robin's pick: behind the long stream
         assert third.result(60).choices[0].finish_reason == "length"
         assert cluster.metric("pdserve_gateway_decode_hold_expired_total") == 0
-        assert long.result(120) == "length"
+        drop.set()
+        assert long.result(30) == "dropped"  # still streaming after the third request
