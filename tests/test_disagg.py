@@ -16,11 +16,12 @@ from gateway.process.launcher import pd_trio
 from proto import node_pb2
 from tests.helpers import generate_as_reference, greedy_reference_fixtures
 
-# Within a page (5, 12), whole pages (64, 256), odd pages (30, 90), exactly one chunk (512) and
-# three chunks whose last one ends mid-page (1100 at 512 and at 500 tokens a chunk): every case
-# of the old 16-length ladder (4,930 tokens) in 2,069 tokens, which the suite's slowest tests
-# prefilled up to four times over.
-LENGTHS = [5, 12, 30, 64, 90, 256, 512, 1100]
+# Within a page (5, 12), whole pages (64, 128), odd pages (30, 90), exactly one chunk (128) and
+# three chunks whose last one ends mid-page (300 at 128 and at 125 tokens a chunk): every case
+# of the old 16-length ladder (4,930 tokens) in 629 tokens, which the suite's slowest tests
+# prefill up to four times over on the real model.
+LENGTHS = [5, 12, 30, 64, 90, 128, 300]
+CHUNK = 128
 MAX_NEW = 6
 GREEDY = node_pb2.SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 NODE_ARGS = ["--max-total-tokens", "16384", "--page-size", "16"]
@@ -60,7 +61,7 @@ def test_pd_matches_colocated_and_hf(
         default_model_dir,
         backend,
         node_args=NODE_ARGS,
-        prefill_args=["--chunked-prefill-size", "512"],
+        prefill_args=["--chunked-prefill-size", str(CHUNK)],
     ) as cluster:
         results = cluster.generate_many(prompts, GREEDY)
         for result in results:
@@ -88,8 +89,8 @@ def test_pd_matches_colocated_and_hf(
 @pytest.mark.parametrize(
     ("backend", "groups", "chunk", "decode_tp"),
     [
-        ("mooncake", 2, 512, 1),  # 30 layers in 2 groups, chunks of whole pages
-        ("nixl", 4, 500, 3),  # 8+8+7+7 layers; chunks end mid-page; D's 3 ranks (head runs)
+        ("mooncake", 2, CHUNK, 1),  # 30 layers in 2 groups, chunks of whole pages
+        ("nixl", 4, CHUNK - 3, 3),  # 8+8+7+7 layers; chunks end mid-page; D's 3 ranks (head runs)
     ],
 )
 def test_pd_streaming_kv_by_layer_group_matches_hf(
