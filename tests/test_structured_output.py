@@ -69,7 +69,7 @@ def _ask(client: openai.OpenAI, model: str, case: SchemaCase, stream: bool) -> t
 
 def test_every_schema_gets_a_valid_document(client, model_name) -> None:
     jobs = [(case, stream) for case in SCHEMAS for stream in (False, True)]
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(len(jobs)) as pool:
         answers = list(pool.map(lambda job: _ask(client, model_name, *job), jobs))
     problems = []
     for (case, stream), (text, finish) in zip(jobs, answers, strict=True):
