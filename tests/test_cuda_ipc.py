@@ -23,17 +23,18 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer import (
+from kvtransfer import create_engine
+from kvtransfer.base import (
     MemoryRegion,
     PeerInfo,
+    RangeColumns,
     TransferConfig,
     TransferError,
     TransferRange,
     TransferState,
     coalesce_pages,
-    create_engine,
+    columns_of,
 )
-from kvtransfer.base import RangeColumns, columns_of
 from kvtransfer.cuda_ipc_plan import (
     BACKEND_FLAG,
     MAX_CHUNK_BYTES,

@@ -19,7 +19,9 @@ from engine.memory.staging import StagingSpan, count_runs
 from engine.metrics import PrefillMetrics
 from engine.request import Req
 from engine.sampling import SamplingParams
-from kvtransfer import (
+from kvtransfer import create_engine
+from kvtransfer.aux import AuxBuffer
+from kvtransfer.base import (
     KVTransferEngine,
     MemoryRegion,
     PeerInfo,
@@ -27,9 +29,7 @@ from kvtransfer import (
     TransferRange,
     TransferState,
     coalesce_pages,
-    create_engine,
 )
-from kvtransfer.aux import AuxBuffer
 from kvtransfer.head_routes import NodeKV
 from kvtransfer.room import RoomDestination
 from prefill_node.writes import RoomWriter

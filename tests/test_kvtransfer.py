@@ -18,18 +18,18 @@ from multiprocessing.connection import Connection
 import numpy as np
 import pytest
 
-from kvtransfer import (
+from kvtransfer import create_engine
+from kvtransfer.base import (
     KVTransferEngine,
     MemoryRegion,
     PeerInfo,
+    RangeColumns,
     TransferConfig,
     TransferError,
     TransferRange,
     TransferState,
     coalesce_pages,
-    create_engine,
 )
-from kvtransfer.base import RangeColumns
 from kvtransfer.head_routes import RankKV, plan_routes
 from kvtransfer.room import RoomDestination
 from kvtransfer.sender import KVSender, page_runs
