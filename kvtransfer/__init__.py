@@ -1,20 +1,15 @@
-"""KV transfer backends (Mooncake Transfer Engine, NIXL, CUDA IPC) behind one small interface."""
+"""KV transfer backends (Mooncake Transfer Engine, NIXL, CUDA IPC) behind one small interface.
+
+The interface is kvtransfer/base.py (`KVTransferEngine`, its config, regions, ranges and
+handles): import its names from there. This module is the registry of backends by name and
+`create_engine`, which loads the one a config names.
+"""
 
 from __future__ import annotations
 
 import importlib
 
-from kvtransfer.base import (
-    KVTransferEngine,
-    MemoryRegion,
-    PeerInfo,
-    TransferConfig,
-    TransferError,
-    TransferHandle,
-    TransferRange,
-    TransferState,
-    coalesce_pages,
-)
+from kvtransfer.base import KVTransferEngine, TransferConfig
 
 TRANSFER_BACKENDS: dict[str, tuple[str, str]] = {
     # name: (module:class, the package to install)
@@ -49,18 +44,3 @@ def create_engine(config: TransferConfig) -> KVTransferEngine:
             engine, config.fail_rate, aux_corrupt_rate=config.aux_corrupt_rate
         )
     return engine
-
-
-__all__ = [
-    "TRANSFER_BACKENDS",
-    "KVTransferEngine",
-    "MemoryRegion",
-    "PeerInfo",
-    "TransferConfig",
-    "TransferError",
-    "TransferHandle",
-    "TransferRange",
-    "TransferState",
-    "coalesce_pages",
-    "create_engine",
-]

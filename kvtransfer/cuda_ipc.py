@@ -42,17 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtransfer.base import (
-    KVTransferEngine,
-    MemoryRegion,
-    PeerInfo,
-    TransferConfig,
-    TransferError,
-    TransferHandle,
-    TransferRange,
-    TransferState,
-    coalesce_pages,
-)
+from kvtransfer import base
 from kvtransfer.cuda_batch_copy import CopyMethod, page_descriptors, parse_copy_method
 from kvtransfer.cuda_driver import CudaDriver
 from kvtransfer.cuda_ipc_kernel import CopyLauncher
@@ -89,7 +79,7 @@ class MappedPeer:
 
 
 @dataclass
-class CudaIpcHandle(TransferHandle):
+class CudaIpcHandle(base.TransferHandle):
     peer_id: str
     events: list[Any] = field(default_factory=list)  # torch.cuda.Event after each kernel
     keep: list[Any] = field(default_factory=list)  # the kernels' row tables, until done
@@ -97,21 +87,21 @@ class CudaIpcHandle(TransferHandle):
     settled: bool = False  # a poll saw every kernel done (release need not ask again)
 
 
-class CudaIpcEngine(KVTransferEngine):
+class CudaIpcEngine(base.KVTransferEngine):
     name = "cuda_ipc"
     stream_ordered = True  # its kernel's stream waits for the caller's
 
-    def __init__(self, config: TransferConfig) -> None:
+    def __init__(self, config: base.TransferConfig) -> None:
         super().__init__(config)
         if not torch.cuda.is_available():
-            raise TransferError(
+            raise base.TransferError(
                 f"{BACKEND_FLAG} needs CUDA GPUs (torch {torch.__version__} sees none); use "
                 "--transfer-backend nixl or mooncake on this host"
             )
         try:
             method = parse_copy_method(config.ipc_copy)
         except ValueError as exc:
-            raise TransferError(str(exc)) from None
+            raise base.TransferError(str(exc)) from None
         self._driver = CudaDriver()
         self.copy_method, self.copy_fallback = method, ""  # what page-id writes use, and why
         if method.batched and self._driver.batch_copier is None:
@@ -127,7 +117,7 @@ class CudaIpcEngine(KVTransferEngine):
         self._queues: dict[int, CopyQueue] = {}  # per GPU that runs copies
         self._launcher = CopyLauncher()
 
-    def register(self, regions: Sequence[MemoryRegion]) -> None:
+    def register(self, regions: Sequence[base.MemoryRegion]) -> None:
         for region in regions:
             check_registrable(region)
             exported = ExportedRegion(region.name, region.addr, region.length, region.device)
@@ -149,13 +139,13 @@ class CudaIpcEngine(KVTransferEngine):
         """The GPU that runs this engine's copies: the one holding its KV pool."""
         gpu = [r for r in self._regions if r.on_gpu]
         if not gpu:
-            raise TransferError(
+            raise base.TransferError(
                 f"cuda_ipc engine {self.config.node_name!r}: register the GPU KV pool before "
                 "connecting to peers"
             )
         return gpu[0].device_index
 
-    def connect(self, peer: PeerInfo) -> None:
+    def connect(self, peer: base.PeerInfo) -> None:
         known = self._peers.get(peer.node_id)
         if known is not None and known.endpoint_bytes == peer.endpoint:
             return
@@ -173,7 +163,7 @@ class CudaIpcEngine(KVTransferEngine):
                     continue
                 if endpoint.pid == os.getpid():  # both engines in one process (tests, benches)
                     if region.device_index != device:
-                        raise TransferError(
+                        raise base.TransferError(
                             f"both engines are in this process, {region.device} and cuda:"
                             f"{device}: within one process the copy stays on one GPU"
                         )
@@ -183,9 +173,9 @@ class CudaIpcEngine(KVTransferEngine):
                     by_handle[region.ipc_handle] = self._driver.open(region.ipc_handle, device)
                     mapped.opened.append(by_handle[region.ipc_handle])
                 mapped.bases[i] = by_handle[region.ipc_handle] + region.offset
-        except TransferError as exc:
+        except base.TransferError as exc:
             self._unmap(mapped)
-            raise TransferError(
+            raise base.TransferError(
                 f"cuda_ipc engine {self.config.node_name!r} could not map the memory of peer "
                 f"{peer.node_id!r} (its {endpoint.regions[0].device} into cuda:{device}): {exc}"
             ) from exc
@@ -197,20 +187,20 @@ class CudaIpcEngine(KVTransferEngine):
         for addr in peer.opened:
             try:
                 self._driver.close(addr, device)
-            except TransferError as exc:
+            except base.TransferError as exc:
                 logger.warning("%s: %s", self.config.node_name, exc)
         peer.opened.clear()
 
     def _peer(self, peer_id: str) -> MappedPeer:
         peer = self._peers.get(peer_id)
         if peer is None:
-            raise TransferError(
+            raise base.TransferError(
                 f"cuda_ipc engine {self.config.node_name!r}: peer {peer_id!r} is not "
                 "connected; call connect() with its PeerInfo first"
             )
         return peer
 
-    def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
+    def write(self, peer_id: str, ranges: Sequence[base.TransferRange]) -> base.TransferHandle:
         peer = self._peer(peer_id)
         handle = CudaIpcHandle(peer_id)
         groups = group_ranges(ranges, self._regions, peer.endpoint, self.config.node_name)
@@ -223,13 +213,13 @@ class CudaIpcEngine(KVTransferEngine):
                 except ProcessMemoryError as exc:
                     self._fail(handle, f"CPU write of {len(rows)} ranges: {exc}")
                 continue
-            base = peer.bases[peer_i]
+            peer_base = peer.bases[peer_i]
             columns[0] -= local.addr  # offsets into both regions (the columns are ours)
             columns[1] -= remote.addr
             slot = self._tables(local.device_index).take()
             out = None if slot is None else slot.host_rows
-            plan = plan_columns(columns, align=(local.addr, base), out=out)
-            self._launch(handle, plan, local, base, slot)
+            plan = plan_columns(columns, align=(local.addr, peer_base), out=out)
+            self._launch(handle, plan, local, peer_base, slot)
         return handle
 
     def write_pages(
@@ -240,7 +230,7 @@ class CudaIpcEngine(KVTransferEngine):
         page_bytes: int,
         src_base: int,
         dst_base: int,
-    ) -> TransferHandle:
+    ) -> base.TransferHandle:
         """Whole pages of one pool into the peer's, checked by the smallest and largest page
         id and planned straight from the ids (kvtransfer/cuda_ipc_plan.py's `plan_pages`):
         no range object, no per-range check. Anything else (pages beyond a pool, CPU
@@ -263,15 +253,17 @@ class CudaIpcEngine(KVTransferEngine):
         )
         if planned is None:
             src, dst = np.asarray(src_pages).tolist(), np.asarray(dst_pages).tolist()
-            return self.write(peer_id, coalesce_pages(src, dst, page_bytes, src_base, dst_base))
+            return self.write(
+                peer_id, base.coalesce_pages(src, dst, page_bytes, src_base, dst_base)
+            )
         local = self._regions[planned.local_index]
-        base = peer.bases[planned.peer_index]
+        peer_base = peer.bases[planned.peer_index]
         plan = planned.plan
-        word = lowest_bit(plan.chunk_bytes | local.addr | base, 8)
+        word = lowest_bit(plan.chunk_bytes | local.addr | peer_base, 8)
         if word != plan.word_bytes:  # the mapped base is less aligned than the peer's own
             plan = CopyPlan(plan.chunk_bytes, word, plan.rows, plan.longest)
         handle = CudaIpcHandle(peer_id)
-        self._launch(handle, plan, local, base, slot if local.device_index == device else None)
+        self._launch(handle, plan, local, peer_base, slot if local.device_index == device else None)
         return handle
 
     def write_pages_batched(
@@ -282,7 +274,7 @@ class CudaIpcEngine(KVTransferEngine):
         page_bytes: int,
         bases: tuple[int, int],
         method: CopyMethod = CopyMethod.BATCH,
-    ) -> TransferHandle:
+    ) -> base.TransferHandle:
         """`write_pages` by the driver's batched copy, whatever `copy_method` says (the
         benchmarks run both): checked as the kernel's page-id write is, then one descriptor
         a run of pages adjacent on both sides, queued by one driver call after the caller's
@@ -290,7 +282,7 @@ class CudaIpcEngine(KVTransferEngine):
         peer = self._peer(peer_id)
         copier = self._driver.batch_copier
         if copier is None:
-            raise TransferError(
+            raise base.TransferError(
                 f"cuda_ipc engine {self.config.node_name!r}: no batched copy here "
                 f"({self._driver.batch_missing}); use --cuda-ipc-copy kernel"
             )
@@ -301,7 +293,7 @@ class CudaIpcEngine(KVTransferEngine):
         if len(src) and page_bytes > 0:
             pair = page_regions(src, dst, page_bytes, bases, self._regions, peer.endpoint.regions)
         if pair is None:  # the range path refuses what is wrong, naming the range
-            ranges = coalesce_pages(src.tolist(), dst.tolist(), page_bytes, *bases)
+            ranges = base.coalesce_pages(src.tolist(), dst.tolist(), page_bytes, *bases)
             return self.write(peer_id, ranges)
         local, remote = self._regions[pair[0]], peer.endpoint.regions[pair[1]]
         mapped = peer.bases[pair[1]] + (bases[1] - remote.addr)  # the peer's page 0, here
@@ -360,21 +352,21 @@ class CudaIpcEngine(KVTransferEngine):
             handle.error = f"write to peer {handle.peer_id!r} failed: {reason}"
             logger.warning("%s: %s", self.config.node_name, handle.error)
 
-    def poll(self, handle: TransferHandle) -> TransferState:
+    def poll(self, handle: base.TransferHandle) -> base.TransferState:
         assert isinstance(handle, CudaIpcHandle)
         for event in [] if handle.settled else handle.events:
             try:
                 if not event.query():
-                    return TransferState.PENDING
+                    return base.TransferState.PENDING
             except RuntimeError as exc:  # the kernel faulted (e.g. the peer's memory is gone)
                 self._fail(handle, f"copy kernel: {exc}")
         handle.settled = True
-        return TransferState.FAILED if handle.error else TransferState.DONE
+        return base.TransferState.FAILED if handle.error else base.TransferState.DONE
 
-    def release(self, handle: TransferHandle) -> None:
+    def release(self, handle: base.TransferHandle) -> None:
         assert isinstance(handle, CudaIpcHandle)
-        if self.poll(handle) is TransferState.PENDING:  # no event query once polled settled
-            raise TransferError(
+        if self.poll(handle) is base.TransferState.PENDING:  # no event query once polled settled
+            raise base.TransferError(
                 f"cuda_ipc engine {self.config.node_name!r}: cannot release a write that is "
                 "still in flight; poll until DONE or FAILED"
             )

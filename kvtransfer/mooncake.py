@@ -56,17 +56,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtransfer.base import (
-    KVTransferEngine,
-    MemoryRegion,
-    PeerInfo,
-    TransferConfig,
-    TransferError,
-    TransferHandle,
-    TransferRange,
-    TransferState,
-    columns_of,
-)
+from kvtransfer import base
 
 if TYPE_CHECKING:
     from mooncake.engine import TransferEngine
@@ -152,25 +142,25 @@ def lower_thread_priority() -> None:
 
 
 @dataclass
-class MooncakeHandle(TransferHandle):
+class MooncakeHandle(base.TransferHandle):
     peer_id: str
     batch_ids: list[int]
     error: str = ""  # the first failure seen (starting or finishing a batch); ends FAILED
     completion: Future[int] | None = field(default=None, repr=False)
 
 
-class MooncakeEngine(KVTransferEngine):
+class MooncakeEngine(base.KVTransferEngine):
     name = "mooncake"
     notifies_completion = True  # its waiter thread sees each write end: `_completed`
 
-    def __init__(self, config: TransferConfig) -> None:
+    def __init__(self, config: base.TransferConfig) -> None:
         super().__init__(config)
         for key, value in MOONCAKE_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         transport_env = {}
         if config.protocol == NVLINK_INTRA:
             if not cuda_build():
-                raise TransferError(
+                raise base.TransferError(
                     f"mooncake engine {config.node_name!r}: protocol {NVLINK_INTRA!r} needs "
                     "Mooncake's CUDA build (pip install mooncake-transfer-engine-cuda13, or "
                     "mooncake-transfer-engine for CUDA 12, instead of the -non-cuda wheel)"
@@ -184,14 +174,14 @@ class MooncakeEngine(KVTransferEngine):
                 config.host, "P2PHANDSHAKE", config.protocol, config.device_names
             )
         if rc != 0:
-            raise TransferError(
+            raise base.TransferError(
                 f"mooncake engine {config.node_name!r} failed to start on host {config.host!r} "
                 f"with protocol {config.protocol!r} devices {config.device_names!r} (rc={rc}); "
                 "for rdma check the device names, for tcp the host address"
             )
         if config.protocol == "rdma":
             self._require_rdma_devices()
-        self._regions: list[MemoryRegion] = []
+        self._regions: list[base.MemoryRegion] = []
         self._peer_sessions: dict[str, str] = {}
         # nvlink_intra copies finish well inside a GIL switch interval (see the docstring).
         self._yield_in_poll = config.protocol == NVLINK_INTRA
@@ -206,7 +196,7 @@ class MooncakeEngine(KVTransferEngine):
         """The engine falls back to TCP without a word when it finds no RDMA device."""
         topology = json.loads(self._live_engine().get_local_topology())
         if not any(preferred or available for preferred, available in topology.values()):
-            raise TransferError(
+            raise base.TransferError(
                 f"mooncake engine {self.config.node_name!r}: protocol 'rdma' was asked for but "
                 f"no RDMA device matched {self.config.device_names or 'any'!r} (it would run "
                 "over tcp); check the device names (ibv_devices) or use protocol 'tcp'"
@@ -214,10 +204,10 @@ class MooncakeEngine(KVTransferEngine):
 
     def _live_engine(self) -> TransferEngine:
         if self._engine is None:
-            raise TransferError(f"mooncake engine {self.config.node_name!r} is closed")
+            raise base.TransferError(f"mooncake engine {self.config.node_name!r} is closed")
         return self._engine
 
-    def register(self, regions: Sequence[MemoryRegion]) -> None:
+    def register(self, regions: Sequence[base.MemoryRegion]) -> None:
         engine = self._live_engine()
         for region in regions:
             if region.device == "cpu":
@@ -231,7 +221,7 @@ class MooncakeEngine(KVTransferEngine):
                         f"; protocol {NVLINK_INTRA!r} registers only cudaMalloc'd GPU memory "
                         "(not CPU memory, not PyTorch's expandable segments)"
                     )
-                raise TransferError(
+                raise base.TransferError(
                     f"mooncake engine {self.config.node_name!r} could not register region "
                     f"{region.name!r} ({region.length} bytes at {region.addr:#x} on "
                     f"{region.device}, rc={rc}){hint}"
@@ -241,20 +231,20 @@ class MooncakeEngine(KVTransferEngine):
     def local_endpoint(self) -> bytes:
         return f"{self.config.host}:{self._live_engine().get_rpc_port()}".encode()
 
-    def connect(self, peer: PeerInfo) -> None:
+    def connect(self, peer: base.PeerInfo) -> None:
         self._peer_sessions[peer.node_id] = peer.endpoint.decode()
 
-    def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
+    def write(self, peer_id: str, ranges: Sequence[base.TransferRange]) -> base.TransferHandle:
         engine = self._live_engine()
         session = self._peer_sessions.get(peer_id)
         if session is None:
-            raise TransferError(
+            raise base.TransferError(
                 f"mooncake engine {self.config.node_name!r}: peer {peer_id!r} is not connected; "
                 "call connect() with its PeerInfo first"
             )
         handle = MooncakeHandle(peer_id=peer_id, batch_ids=[])
         step = self.config.max_descriptors_per_batch
-        src, dst, length = columns_of(ranges)
+        src, dst, length = base.columns_of(ranges)
         for start in range(0, len(ranges), step):
             batch = slice(start, start + step)
             batch_id = engine.batch_transfer_async_write(
@@ -289,24 +279,24 @@ class MooncakeEngine(KVTransferEngine):
             handle.error = f"write to peer {handle.peer_id!r} at {session} failed: {reason}"
             logger.warning("%s: %s", self.config.node_name, handle.error)
 
-    def poll(self, handle: TransferHandle) -> TransferState:
+    def poll(self, handle: base.TransferHandle) -> base.TransferState:
         assert isinstance(handle, MooncakeHandle)
         if handle.completion is not None:
             done = handle.completion.done() or self._yield_to_waiter(handle.completion)
             if not done:
-                return TransferState.PENDING
+                return base.TransferState.PENDING
             if handle.completion.result() != 0:
                 self._fail(
                     handle,
                     "a batch failed or timed out (peer gone, range outside its memory, or more "
                     "descriptors in flight than MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER allows)",
                 )
-        return TransferState.FAILED if handle.error else TransferState.DONE
+        return base.TransferState.FAILED if handle.error else base.TransferState.DONE
 
-    def release(self, handle: TransferHandle) -> None:
+    def release(self, handle: base.TransferHandle) -> None:
         # The status call already freed the batch ids; nothing is held per handle.
-        if self.poll(handle) is TransferState.PENDING:
-            raise TransferError(
+        if self.poll(handle) is base.TransferState.PENDING:
+            raise base.TransferError(
                 f"mooncake engine {self.config.node_name!r}: cannot release a write that is "
                 "still in flight (the library cannot cancel it); poll until DONE or FAILED"
             )

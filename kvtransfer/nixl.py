@@ -53,19 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtransfer.base import (
-    KVTransferEngine,
-    MemoryRegion,
-    PeerInfo,
-    RangeColumns,
-    TransferConfig,
-    TransferError,
-    TransferHandle,
-    TransferRange,
-    TransferState,
-    columns_of,
-    holding_regions,
-)
+from kvtransfer import base
 
 if TYPE_CHECKING:
     from nixl._api import nixl_agent
@@ -98,21 +86,21 @@ def net_device_for(host: str) -> str:
     return ""
 
 
-def memory_kind(region: MemoryRegion) -> MemoryKind:
+def memory_kind(region: base.MemoryRegion) -> MemoryKind:
     if region.device.startswith("cuda"):
         _, _, index = region.device.partition(":")
         return "VRAM", int(index or 0)
     return "DRAM", 0
 
 
-def find_kind(regions: Sequence[MemoryRegion], addr: int, length: int) -> MemoryKind | None:
+def find_kind(regions: Sequence[base.MemoryRegion], addr: int, length: int) -> MemoryKind | None:
     for region in regions:
         if region.addr <= addr and addr + length <= region.addr + region.length:
             return memory_kind(region)
     return None
 
 
-def _kind_ids(regions: Sequence[MemoryRegion]) -> tuple[list[MemoryKind], np.ndarray]:
+def _kind_ids(regions: Sequence[base.MemoryRegion]) -> tuple[list[MemoryKind], np.ndarray]:
     """The distinct memory kinds of `regions`, and each region's index among them."""
     kinds = list(dict.fromkeys(memory_kind(r) for r in regions))
     return kinds, np.array([kinds.index(memory_kind(r)) for r in regions], dtype=np.int64)
@@ -146,7 +134,7 @@ def _progress_delay(delay_us: int) -> Iterator[None]:
 
 
 @dataclass
-class NixlHandle(TransferHandle):
+class NixlHandle(base.TransferHandle):
     peer_id: str
     requests: list[Any] = field(default_factory=list)  # nixl_xfer_handle
     error: str = ""  # the first failure seen (starting or checking a request); ends FAILED
@@ -157,14 +145,14 @@ class NixlPeer:
     node_id: str
     endpoint: bytes  # the agent metadata it was loaded from
     agent_name: str
-    regions: list[MemoryRegion]
+    regions: list[base.MemoryRegion]
 
 
-class NixlEngine(KVTransferEngine):
+class NixlEngine(base.KVTransferEngine):
     name = "nixl"
     concurrent_writes = True
 
-    def __init__(self, config: TransferConfig) -> None:
+    def __init__(self, config: base.TransferConfig) -> None:
         super().__init__(config)
         # The library is configured here and only where the environment says nothing. NIXL
         # reads its log level when imported (its INFO lines go to stdout), hence the late import.
@@ -181,22 +169,22 @@ class NixlEngine(KVTransferEngine):
                 config.node_name, nixl_agent_config(backends=["UCX"])
             )
         if "UCX" not in self._agent.backends:
-            raise TransferError(
+            raise base.TransferError(
                 f"nixl agent {config.node_name!r} has no UCX backend; the installed nixl "
                 "wheel lacks its UCX plugin (pip install nixl)"
             )
-        self._regions: list[MemoryRegion] = []
+        self._regions: list[base.MemoryRegion] = []
         self._registrations: list[Any] = []  # nixlRegDList, one per region
         self._peers: dict[str, NixlPeer] = {}
         self._agent_lock = threading.Lock()  # one call into the agent at a time (see top)
 
-    def register(self, regions: Sequence[MemoryRegion]) -> None:
+    def register(self, regions: Sequence[base.MemoryRegion]) -> None:
         for region in regions:
             mem, device = memory_kind(region)
             try:
                 descs = self._agent.register_memory([(region.addr, region.length, device, "")], mem)
             except Exception as exc:  # nixl raises its own Exception subclasses
-                raise TransferError(
+                raise base.TransferError(
                     f"nixl agent {self.config.node_name!r} could not register region "
                     f"{region.name!r} ({region.length} bytes of {mem} at {region.addr:#x}): {exc}"
                 ) from exc
@@ -206,11 +194,11 @@ class NixlEngine(KVTransferEngine):
     def local_endpoint(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
-    def connect(self, peer: PeerInfo) -> None:
+    def connect(self, peer: base.PeerInfo) -> None:
         with self._agent_lock:
             self._connect(peer)
 
-    def _connect(self, peer: PeerInfo) -> None:
+    def _connect(self, peer: base.PeerInfo) -> None:
         known = self._peers.get(peer.node_id)
         if known is not None and known.endpoint == peer.endpoint:
             return
@@ -219,7 +207,7 @@ class NixlEngine(KVTransferEngine):
         try:
             agent_name = self._agent.add_remote_agent(peer.endpoint)
         except Exception as exc:
-            raise TransferError(
+            raise base.TransferError(
                 f"nixl agent {self.config.node_name!r} could not load the metadata of peer "
                 f"{peer.node_id!r}: {exc}"
             ) from exc
@@ -227,14 +215,14 @@ class NixlEngine(KVTransferEngine):
             peer.node_id, peer.endpoint, agent_name, list(peer.regions.values())
         )
 
-    def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
+    def write(self, peer_id: str, ranges: Sequence[base.TransferRange]) -> base.TransferHandle:
         with self._agent_lock:
             return self._write(peer_id, ranges)
 
-    def _write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
+    def _write(self, peer_id: str, ranges: Sequence[base.TransferRange]) -> base.TransferHandle:
         peer = self._peers.get(peer_id)
         if peer is None:
-            raise TransferError(
+            raise base.TransferError(
                 f"nixl agent {self.config.node_name!r}: peer {peer_id!r} is not connected; "
                 "call connect() with its PeerInfo first"
             )
@@ -249,15 +237,15 @@ class NixlEngine(KVTransferEngine):
         return handle
 
     def _group(
-        self, peer: NixlPeer, ranges: Sequence[TransferRange]
+        self, peer: NixlPeer, ranges: Sequence[base.TransferRange]
     ) -> dict[tuple[MemoryKind, MemoryKind], np.ndarray]:
         """Rows (src, dst, length: uint64 [n, 3]) per (local kind, remote kind), in the order
         of their first range; checks every range's bounds (as columns: no Python per range,
         but ~30 us of numpy calls, so a write of a few ranges, the aux slot's, goes by hand)."""
-        if len(ranges) <= FEW_RANGES and not isinstance(ranges, RangeColumns):
+        if len(ranges) <= FEW_RANGES and not isinstance(ranges, base.RangeColumns):
             return self._group_few(peer, ranges)
-        columns = columns_of(ranges)
-        local, remote = holding_regions(
+        columns = base.columns_of(ranges)
+        local, remote = base.holding_regions(
             self._regions, peer.regions, columns, ranges,
             f"nixl agent {self.config.node_name!r}", peer.node_id, "PeerInfo",
         )  # fmt: skip
@@ -273,16 +261,16 @@ class NixlEngine(KVTransferEngine):
         return groups
 
     def _group_few(
-        self, peer: NixlPeer, ranges: Sequence[TransferRange]
+        self, peer: NixlPeer, ranges: Sequence[base.TransferRange]
     ) -> dict[tuple[MemoryKind, MemoryKind], np.ndarray]:
         """`_group` range by range."""
-        groups: dict[tuple[MemoryKind, MemoryKind], list[TransferRange]] = {}
+        groups: dict[tuple[MemoryKind, MemoryKind], list[base.TransferRange]] = {}
         for r in ranges:
             local = find_kind(self._regions, r.src_addr, r.length)
             remote = find_kind(peer.regions, r.dst_addr, r.length)
             if local is None or remote is None:
                 side = "local" if local is None else f"peer {peer.node_id!r}"
-                raise TransferError(
+                raise base.TransferError(
                     f"nixl agent {self.config.node_name!r}: range {r} lies outside every "
                     f"registered {side} region (the peer's regions come from its PeerInfo)"
                 )
@@ -326,19 +314,19 @@ class NixlEngine(KVTransferEngine):
             handle.error = f"write to peer {handle.peer_id!r} failed: {reason}"
             logger.warning("%s: %s", self.config.node_name, handle.error)
 
-    def poll(self, handle: TransferHandle) -> TransferState:
+    def poll(self, handle: base.TransferHandle) -> base.TransferState:
         assert isinstance(handle, NixlHandle)
         if not self._agent_lock.acquire(blocking=False):
-            return TransferState.PENDING  # another thread is posting: ask again later
+            return base.TransferState.PENDING  # another thread is posting: ask again later
         try:
             states = [self._request_state(handle, request) for request in handle.requests]
         finally:
             self._agent_lock.release()
         if "PROC" in states:
-            return TransferState.PENDING
+            return base.TransferState.PENDING
         if handle.error or "ERR" in states:
-            return TransferState.FAILED
-        return TransferState.DONE
+            return base.TransferState.FAILED
+        return base.TransferState.DONE
 
     def _request_state(self, handle: NixlHandle, request: Any) -> str:
         try:
@@ -351,7 +339,7 @@ class NixlEngine(KVTransferEngine):
             self._fail(handle, detail)
         return state
 
-    def release(self, handle: TransferHandle) -> None:
+    def release(self, handle: base.TransferHandle) -> None:
         assert isinstance(handle, NixlHandle)
         with self._agent_lock:
             self._release(handle)
@@ -361,7 +349,7 @@ class NixlEngine(KVTransferEngine):
             try:
                 self._agent.release_xfer_handle(request)
             except Exception as exc:
-                raise TransferError(
+                raise base.TransferError(
                     f"nixl agent {self.config.node_name!r}: could not release a write to peer "
                     f"{handle.peer_id!r} (still in flight and not cancellable?): {exc}"
                 ) from exc

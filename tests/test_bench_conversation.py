@@ -105,21 +105,19 @@ def test_conversation_run_against_a_real_cluster(tmp_path: Path, tiny_text_model
     """The conversation workload through a real 1P1D pd-cluster (tiny llama, real tokenizer):
     every turn completes, the server's cached_tokens reach the report, and the follow-up turns
     find their history in a cache (the per-turn table and the JSON's cache figures)."""
-    from tests.test_bench_serving import cluster_url, run_cli
+    from tests.test_bench_serving import cluster_url, run_against
 
     with cluster_url(tmp_path, tiny_text_model, prefill=1, max_total_tokens=8192) as url:
-        result = run_cli(
-            "--base-url", url, "--dataset", "conversation", "--num-prompts", "2",
+        printed, doc = run_against(
+            url, tmp_path / "out.json", "--dataset", "conversation", "--num-prompts", "2",
             "--multiturn-turns", "3", "--conversation-system-len", "200",
             "--random-input-len", "20", "--random-output-len", "8", "--ignore-eos",
-            "--max-concurrency", "1", "--output-file", str(tmp_path / "out.json"),
+            "--max-concurrency", "1",
             # No pause between turns: each is routed before the nodes' KV events of the
             # last one arrive, on the blocks the gateway expects (prefix_index.py).
         )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert "| turn | requests | TTFT p50 ms" in result.stdout
-    doc = json.loads((tmp_path / "out.json").read_text())
-    assert doc["summary"]["completed"] == 6 and doc["summary"]["failed"] == 0
+    assert "| turn | requests | TTFT p50 ms" in printed
+    assert doc["summary"]["completed"] == 6
     later = [r for r in doc["requests"] if r["turn"] > 0]
     assert all(r["cached_tokens"] > 0 for r in later), later
     # Session 2's first turn finds the system prompt the first session left in a cache.

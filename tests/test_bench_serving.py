@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -357,27 +358,35 @@ def cluster_url(tmp_path: Path, model: Path, prefill: int, max_total_tokens: int
             cluster.stop()
 
 
+def run_against(url: str, out: Path, *args: str) -> tuple[str, dict[str, Any]]:
+    """The script run on `url` with `args`, its JSON written to `out`: what it printed and that
+    JSON, once it exited 0 with no request failed."""
+    result = run_cli("--base-url", url, *args, "--output-file", str(out))
+    assert result.returncode == 0, result.stderr
+    doc: dict[str, Any] = json.loads(out.read_text())
+    assert doc["summary"]["failed"] == 0
+    return result.stdout, doc
+
+
 @pytest.mark.slow
 def test_cli_against_a_real_colocated_cluster(tmp_path: Path, default_model_dir: Path) -> None:
     """A few requests through a real pd-cluster (one colocated node): exact lengths, JSON."""
     with cluster_url(tmp_path, default_model_dir, prefill=0, max_total_tokens=4096) as url:
-        result = run_cli(
-            "--base-url", url, "--num-prompts", "3", "--random-input-len", "24",
+        printed, doc = run_against(
+            url, tmp_path / "out.json", "--num-prompts", "3", "--random-input-len", "24",
             "--random-output-len", "4", "--ignore-eos", "--request-rate", "inf",
-            "--slo-ttft-ms", "60000", "--output-file", str(tmp_path / "out.json"),
+            "--slo-ttft-ms", "60000",
         )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert "Successful requests" in result.stdout
-    doc = json.loads((tmp_path / "out.json").read_text())
-    assert doc["summary"]["completed"] == 3 and doc["summary"]["failed"] == 0
+    assert "Successful requests" in printed
+    assert doc["summary"]["completed"] == 3
     assert [r["output_tokens"] for r in doc["requests"]] == [4, 4, 4]
     assert [r["prompt_tokens"] for r in doc["requests"]] == [24, 24, 24]
     assert all(len(r["chunks"]) >= 1 and r["ttft"] > 0 for r in doc["requests"])
     # The gateway's breakdown of each request arrives and is printed per segment.
     assert all(r["timing_ms"]["e2e"] > 0 and "decode_first" in r["timing_ms"]
                for r in doc["requests"])  # fmt: skip
-    assert "Server-side breakdown of 3 requests" in result.stdout
-    assert "| prefill_queue |" in result.stdout
+    assert "Server-side breakdown of 3 requests" in printed
+    assert "| prefill_queue |" in printed
 
 
 def test_server_timing_parsed_and_tabled() -> None:

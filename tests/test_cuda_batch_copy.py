@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtransfer import coalesce_pages
+from kvtransfer.base import coalesce_pages
 from kvtransfer.cuda_batch_copy import (
     _ARGS_12_8,
     _ARGS_13_0,

@@ -23,17 +23,18 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer import (
+from kvtransfer import create_engine
+from kvtransfer.base import (
     MemoryRegion,
     PeerInfo,
+    RangeColumns,
     TransferConfig,
     TransferError,
     TransferRange,
     TransferState,
     coalesce_pages,
-    create_engine,
+    columns_of,
 )
-from kvtransfer.base import RangeColumns, columns_of
 from kvtransfer.cuda_ipc_plan import (
     BACKEND_FLAG,
     MAX_CHUNK_BYTES,
@@ -52,6 +53,7 @@ from kvtransfer.process_memory import (
     ProcessMemoryError,
     write_process_memory,
 )
+from tests.fake_transfer import RecordingEngine
 from tests.triton_interpreter import interpret
 
 REPO = Path(__file__).resolve().parents[1]
@@ -422,23 +424,10 @@ def test_plan_pages_moves_the_bytes_of_the_checked_ranges(pools: str) -> None:
 def test_write_pages_by_default_writes_the_coalesced_ranges() -> None:
     """KVTransferEngine.write_pages (additive): backends without a page path (NIXL, Mooncake,
     the TP and fault wrappers) get `write` of the pages' coalesced ranges, ids as ints."""
-    from kvtransfer.base import KVTransferEngine
-
-    class Recording(KVTransferEngine):
-        def __init__(self) -> None:
-            super().__init__(TransferConfig(backend="nixl", node_name="p"))
-            self.writes: list[tuple[str, list[TransferRange]]] = []
-
-        def write(self, peer_id, ranges):  # type: ignore[no-untyped-def]
-            self.writes.append((peer_id, list(ranges)))
-            return TransferState.DONE
-
-        register = local_endpoint = connect = poll = release = close = None  # type: ignore[assignment]
-
-    engine = Recording()
+    engine = RecordingEngine()
     engine.write_pages("d", np.array([3, 4, 9]), [7, 8, 1], 4096, 1 << 20, 1 << 30)
-    [(peer, ranges)] = engine.writes
-    assert peer == "d"
+    [ranges] = engine.writes
+    assert engine.peer_ids == ["d"]
     assert ranges == coalesce_pages([3, 4, 9], [7, 8, 1], 4096, 1 << 20, 1 << 30)
     assert all(type(r.src_addr) is int for r in ranges)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -20,21 +19,21 @@ from engine.memory.staging import StagingSpan, count_runs
 from engine.metrics import PrefillMetrics
 from engine.request import Req
 from engine.sampling import SamplingParams
-from kvtransfer import (
+from kvtransfer import create_engine
+from kvtransfer.aux import AuxBuffer
+from kvtransfer.base import (
     KVTransferEngine,
     MemoryRegion,
     PeerInfo,
     TransferConfig,
-    TransferHandle,
     TransferRange,
     TransferState,
     coalesce_pages,
-    create_engine,
 )
-from kvtransfer.aux import AuxBuffer
 from kvtransfer.head_routes import NodeKV
 from kvtransfer.room import RoomDestination
 from prefill_node.writes import RoomWriter
+from tests.fake_transfer import RecordingEngine, wait_settled
 
 POISON = -7.0
 
@@ -234,15 +233,6 @@ def receiver_main(backend: str, conn: Connection) -> None:
     engine.close()
 
 
-def wait_done(engine, handle, timeout: float = 30.0) -> TransferState:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while (state := engine.poll(handle)) is TransferState.PENDING:
-        assert time.monotonic() < deadline, "write did not settle"
-        time.sleep(0.001)
-    engine.release(handle)
-    return state
-
-
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_scattered_pages_move_as_one_descriptor_through_a_real_engine(backend: str) -> None:
     ctx = mp.get_context("spawn")
@@ -276,7 +266,9 @@ def test_scattered_pages_move_as_one_descriptor_through_a_real_engine(backend: s
                     n * LOOP_LAYOUT.page_bytes,
                 )
             ]
-            assert wait_done(engine, engine.write("decode", ranges)) is TransferState.DONE
+            handle = engine.write("decode", ranges)
+            assert wait_settled(engine, handle) is TransferState.DONE
+            engine.release(handle)
             stager.area.release(s_span)
             here.send("done")
             pool = here.recv()
@@ -298,38 +290,6 @@ def test_scattered_pages_move_as_one_descriptor_through_a_real_engine(backend: s
 
 
 # ---- the prefill node's writer: which writes it stages --------------------------------------
-
-
-class RecordingEngine(KVTransferEngine):
-    """Remembers every write (ranges per peer) and says DONE at once."""
-
-    name = "recording"
-
-    def __init__(self) -> None:
-        super().__init__(TransferConfig(backend="recording", node_name="p"))
-        self.writes: list[list[TransferRange]] = []
-
-    def register(self, regions):  # type: ignore[no-untyped-def]
-        pass
-
-    def local_endpoint(self) -> bytes:
-        return b""
-
-    def connect(self, peer):  # type: ignore[no-untyped-def]
-        pass
-
-    def write(self, peer_id, ranges):  # type: ignore[no-untyped-def]
-        self.writes.append(list(ranges))
-        return TransferHandle()
-
-    def poll(self, handle):  # type: ignore[no-untyped-def]
-        return TransferState.DONE
-
-    def release(self, handle):  # type: ignore[no-untyped-def]
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class OnePeerLink:

@@ -18,22 +18,22 @@ from multiprocessing.connection import Connection
 import numpy as np
 import pytest
 
-from kvtransfer import (
+from kvtransfer import create_engine
+from kvtransfer.base import (
     KVTransferEngine,
     MemoryRegion,
     PeerInfo,
+    RangeColumns,
     TransferConfig,
     TransferError,
-    TransferHandle,
     TransferRange,
     TransferState,
     coalesce_pages,
-    create_engine,
 )
-from kvtransfer.base import RangeColumns
 from kvtransfer.head_routes import RankKV, plan_routes
 from kvtransfer.room import RoomDestination
 from kvtransfer.sender import KVSender, page_runs
+from tests.fake_transfer import wait_settled
 
 BACKENDS = ["mooncake", "nixl"]
 BUFFER_BYTES = 32 << 20
@@ -152,15 +152,6 @@ class Initiator:
         return int(self.buffer.ctypes.data)
 
 
-def wait(engine: KVTransferEngine, handle: TransferHandle, timeout: float = 30.0) -> TransferState:
-    deadline = time.monotonic() + timeout
-    while (state := engine.poll(handle)) is TransferState.PENDING:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"write still pending after {timeout} s")
-        time.sleep(0.001)
-    return state
-
-
 def make_initiator(backend: str, node_name: str) -> Initiator:
     engine = create_engine(TransferConfig(backend=backend, node_name=node_name))
     buffer = np.random.default_rng(7).integers(0, 256, BUFFER_BYTES, dtype=np.uint8)
@@ -193,7 +184,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Loopback]:
 def write_and_wait(initiator: Initiator, target: Target, ranges: Sequence[TransferRange]) -> None:
     assert target.ask(Fill(SENTINEL))
     handle = initiator.engine.write(target.peer.node_id, ranges)
-    assert wait(initiator.engine, handle) is TransferState.DONE
+    assert wait_settled(initiator.engine, handle) is TransferState.DONE
     initiator.engine.release(handle)
 
 
@@ -274,7 +265,7 @@ def test_concurrent_writes_to_one_peer(pair: Loopback) -> None:
         for w in range(writes)
     ]
     for handle in handles:
-        assert wait(initiator.engine, handle) is TransferState.DONE
+        assert wait_settled(initiator.engine, handle) is TransferState.DONE
         initiator.engine.release(handle)
     written = writes * pages * PAGE
     dst = target.read()
@@ -311,7 +302,7 @@ def test_write_outside_peer_region_fails(pair: Loopback) -> None:
         handle = initiator.engine.write(
             target.peer.node_id, [TransferRange(initiator.base, beyond, PAGE)]
         )
-        state = wait(initiator.engine, handle)
+        state = wait_settled(initiator.engine, handle)
         initiator.engine.release(handle)
     except TransferError as exc:
         assert target.peer.node_id in str(exc)
@@ -334,14 +325,14 @@ def test_write_to_dead_peer_fails_in_bounded_time(pair: Loopback) -> None:
         initiator.engine.connect(doomed.peer)
         ranges = [TransferRange(initiator.base, doomed.region.addr, 1 << 20)]
         handle = initiator.engine.write(doomed.peer.node_id, ranges)  # opens the connection
-        assert wait(initiator.engine, handle) is TransferState.DONE
+        assert wait_settled(initiator.engine, handle) is TransferState.DONE
         initiator.engine.release(handle)
         doomed.process.kill()
         doomed.process.join(10)
         started = time.monotonic()
         try:
             handle = initiator.engine.write(doomed.peer.node_id, ranges)
-            state = wait(initiator.engine, handle, timeout=40)
+            state = wait_settled(initiator.engine, handle, timeout=40)
             initiator.engine.release(handle)
         except TransferError as exc:
             assert doomed.peer.node_id in str(exc)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer import TransferConfig, TransferError, create_engine
+from kvtransfer import create_engine
+from kvtransfer.base import TransferConfig, TransferError
 from kvtransfer.mooncake import cuda_build
 from scripts.gpu.mooncake_wheels import keep_mooncake, keep_nixl
 

@@ -153,15 +153,21 @@ def assert_serves_rooms(cluster: FaultCluster, reference: list[str], rooms_metri
     assert node_metric("decode-1", rooms_metric, outcome="done") >= before + 1
 
 
+def assert_switch_counted(printed: str, old: str, new: str) -> None:
+    """pdserve-admin printed `old -> new`; decode-1 counted that switch once and its
+    `pdserve_node_info` names `new` alone."""
+    assert f"{old} -> {new}" in printed
+    switch = {"from": old, "to": new}
+    assert node_metric("decode-1", "pdserve_node_role_switches_total", **switch) == 1
+    assert node_metric("decode-1", "pdserve_node_info", role=new) == 1
+    assert node_metric("decode-1", "pdserve_node_info", role=old) == 0
+
+
 def test_a_decode_node_switches_to_prefill_under_load(
     cluster: FaultCluster, reference: list[str]
 ) -> None:
     printed = switch_under_load(cluster, reference, "prefill", must_hold=True)
-    assert "decode -> prefill" in printed
-    assert node_metric("decode-1", "pdserve_node_role_switches_total",
-                       **{"from": "decode", "to": "prefill"}) == 1  # fmt: skip
-    assert node_metric("decode-1", "pdserve_node_info", role="prefill") == 1
-    assert node_metric("decode-1", "pdserve_node_info", role="decode") == 0
+    assert_switch_counted(printed, "decode", "prefill")
     # Routed as a prefill node now: round robin over two prefill nodes gives it half the prompts.
     assert_serves_rooms(cluster, reference, "pdserve_prefill_rooms_total")
 
@@ -170,10 +176,7 @@ def test_a_prefill_node_switches_back_to_decode_under_load(
     cluster: FaultCluster, reference: list[str]
 ) -> None:
     printed = switch_under_load(cluster, reference, "decode", must_hold=False)
-    assert "prefill -> decode" in printed
-    assert node_metric("decode-1", "pdserve_node_role_switches_total",
-                       **{"from": "prefill", "to": "decode"}) == 1  # fmt: skip
-    assert node_metric("decode-1", "pdserve_node_info", role="decode") == 1
+    assert_switch_counted(printed, "prefill", "decode")
     assert_serves_rooms(cluster, reference, "pdserve_decode_rooms_total")
 
 

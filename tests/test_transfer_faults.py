@@ -31,18 +31,11 @@ from engine.sampling import SamplingParams
 from gateway.dispatch.pd_client import PDResult, pd_generate
 from gateway.routing.nodes import NodeTarget
 from kvtransfer.aux import AUX_MAGIC, AuxBuffer, AuxMismatchError, FirstToken
-from kvtransfer.base import (
-    KVTransferEngine,
-    MemoryRegion,
-    PeerInfo,
-    TransferConfig,
-    TransferHandle,
-    TransferRange,
-    TransferState,
-)
+from kvtransfer.base import MemoryRegion, PeerInfo, TransferHandle, TransferRange
 from kvtransfer.faults import FaultInjectingEngine
 from kvtransfer.room import LinkReset
 from proto import node_pb2, node_pb2_grpc
+from tests.fake_transfer import RecordingEngine
 from tests.fault_cluster import (
     FaultCluster,
     Row,
@@ -205,40 +198,22 @@ def test_corrupted_aux_slot(cluster: FaultCluster, table: list[Row]) -> None:
 # ---- the injection itself, without processes ----------------------------------------------------
 
 
-class RecordingEngine(KVTransferEngine):
+class CarryingEngine(RecordingEngine):
     """Records what each write would carry (the source bytes when it starts)."""
 
     def __init__(self) -> None:
-        super().__init__(TransferConfig(backend="fake", node_name="fake"))
+        super().__init__()
         self.carried: list[bytes] = []
-
-    def register(self, regions: Sequence[MemoryRegion]) -> None:
-        pass
-
-    def local_endpoint(self) -> bytes:
-        return b""
-
-    def connect(self, peer: PeerInfo) -> None:
-        pass
 
     def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
         self.carried += [ctypes.string_at(r.src_addr, r.length) for r in ranges]
-        return TransferHandle()
-
-    def poll(self, handle: TransferHandle) -> TransferState:
-        return TransferState.DONE
-
-    def release(self, handle: TransferHandle) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+        return super().write(peer_id, ranges)
 
 
 def test_fault_engine_corrupts_aux_writes_only() -> None:
     """KV pages pass untouched; each aux write names another room, then carries random bytes;
     the decode side's check refuses both."""
-    inner = RecordingEngine()
+    inner = CarryingEngine()
     engine = FaultInjectingEngine(inner, aux_corrupt_rate=1.0, seed=0)
     d_aux = AuxBuffer(4)
     peer = PeerInfo(

@@ -116,17 +116,12 @@ async def drain(
         service.inflight,
         timeout_s,
     )
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while service.inflight and loop.time() < deadline:
-        await asyncio.sleep(0.05)
+    await _until_idle(service, timeout_s)
     aborted = 0
     if service.inflight:
         aborted = service.abort_all("the node is draining and its --drain-timeout ran out")
         logger.info("aborted %d in-flight requests (the gateway moves their streams)", aborted)
-        deadline = loop.time() + ABORT_WAIT_S
-        while service.inflight and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        await _until_idle(service, ABORT_WAIT_S)
     try:
         used = await asyncio.wait_for(service.pages_in_use(), ABORT_WAIT_S)
     except asyncio.TimeoutError:  # not a failed check: the engine loop is inside a long step
@@ -144,6 +139,14 @@ async def drain(
     else:
         logger.info("drained: no request in flight, no page in use")
     return aborted
+
+
+async def _until_idle(service: NodeService, timeout_s: float) -> None:
+    """Return once no request is in flight on `service`, or after `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while service.inflight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
 
 
 def install_uvloop() -> None:

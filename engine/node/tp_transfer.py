@@ -22,22 +22,12 @@ from engine.model_runner import ModelRunner
 from engine.tp import messages
 from engine.tp.group import TPGroup
 from engine.tp.messages import MessageKind
-from kvtransfer import create_engine
-from kvtransfer.base import (
-    KVTransferEngine,
-    MemoryRegion,
-    PeerInfo,
-    TransferConfig,
-    TransferError,
-    TransferHandle,
-    TransferRange,
-    TransferState,
-)
+from kvtransfer import base, create_engine
 from kvtransfer.head_routes import WritePlan
 
 logger = logging.getLogger("pdserve.kvtransfer")
 
-_ORDER = {TransferState.FAILED: 0, TransferState.PENDING: 1, TransferState.DONE: 2}
+_ORDER = {base.TransferState.FAILED: 0, base.TransferState.PENDING: 1, base.TransferState.DONE: 2}
 _BY_ORDER = {v: k for k, v in _ORDER.items()}
 
 
@@ -47,7 +37,7 @@ class RankTransferInfo:
 
     tp_rank: int
     endpoint: bytes
-    kv: MemoryRegion
+    kv: base.MemoryRegion
     kv_heads: range
 
     def to_bytes(self) -> bytes:
@@ -66,18 +56,20 @@ class RankTransferInfo:
         return cls(
             raw["tp_rank"],
             bytes.fromhex(raw["endpoint"]),
-            MemoryRegion(**raw["kv"]),
+            base.MemoryRegion(**raw["kv"]),
             range(*raw["kv_heads"]),
         )
 
 
-def kv_region(runner: ModelRunner) -> MemoryRegion:
+def kv_region(runner: ModelRunner) -> base.MemoryRegion:
     buffer = runner.kv_cache.storage  # the pool and its staging pages
     device = "cpu" if buffer.device.type == "cpu" else f"cuda:{buffer.device.index or 0}"
-    return MemoryRegion("kv", buffer.data_ptr(), buffer.numel() * buffer.element_size(), device)
+    return base.MemoryRegion(
+        "kv", buffer.data_ptr(), buffer.numel() * buffer.element_size(), device
+    )
 
 
-def rank_info(runner: ModelRunner, engine: KVTransferEngine) -> RankTransferInfo:
+def rank_info(runner: ModelRunner, engine: base.KVTransferEngine) -> RankTransferInfo:
     return RankTransferInfo(
         runner.group.rank,
         engine.local_endpoint(),
@@ -86,23 +78,23 @@ def rank_info(runner: ModelRunner, engine: KVTransferEngine) -> RankTransferInfo
     )
 
 
-def rank_engine(config: TransferConfig, tp_rank: int) -> KVTransferEngine:
+def rank_engine(config: base.TransferConfig, tp_rank: int) -> base.KVTransferEngine:
     """Each rank's engine needs its own name (NIXL agent names are unique)."""
     return create_engine(replace(config, node_name=f"{config.node_name}-tp{tp_rank}"))
 
 
-class TPHandle(TransferHandle):
+class TPHandle(base.TransferHandle):
     def __init__(self, handle_id: int) -> None:
         self.handle_id = handle_id
 
 
-class TPTransferEngine(KVTransferEngine):
+class TPTransferEngine(base.KVTransferEngine):
     """Rank 0's engine over the whole node (see the module docstring)."""
 
     name = "tp"
     cheap_poll = False  # a poll of the other ranks' writes is a collective over the node
 
-    def __init__(self, local: KVTransferEngine, group: TPGroup) -> None:
+    def __init__(self, local: base.KVTransferEngine, group: TPGroup) -> None:
         super().__init__(local.config)
         self.local = local
         self.group = group
@@ -115,23 +107,25 @@ class TPTransferEngine(KVTransferEngine):
         config = json.dumps(asdict(self.config)).encode()
         messages.send(self.group, MessageKind.TRANSFER_SETUP, [messages.bytes_to_array(config)])
 
-    def register(self, regions: Sequence[MemoryRegion]) -> None:
+    def register(self, regions: Sequence[base.MemoryRegion]) -> None:
         self.local.register(regions)
 
     def local_endpoint(self) -> bytes:
         return self.local.local_endpoint()
 
-    def connect(self, peer: PeerInfo) -> None:
+    def connect(self, peer: base.PeerInfo) -> None:
         """Connect every rank to `peer` (one rank of the peer node); once per endpoint."""
         if self._connected.get(peer.node_id) == peer.endpoint:
             return
         self.local.connect(peer)
         messages.send(self.group, MessageKind.TRANSFER_CONNECT, _encode_peer(peer))
         if self.group.min_int(1) == 0:
-            raise TransferError(f"a tensor-parallel rank of this node cannot reach {peer.node_id}")
+            raise base.TransferError(
+                f"a tensor-parallel rank of this node cannot reach {peer.node_id}"
+            )
         self._connected[peer.node_id] = peer.endpoint
 
-    def write(self, peer_id: str, ranges: Sequence[TransferRange]) -> TransferHandle:
+    def write(self, peer_id: str, ranges: Sequence[base.TransferRange]) -> base.TransferHandle:
         return self.local.write(peer_id, ranges)
 
     def write_remote(self, plan: WritePlan) -> TPHandle:
@@ -141,14 +135,14 @@ class TPTransferEngine(KVTransferEngine):
         messages.send(self.group, MessageKind.TRANSFER_WRITE, [payload])
         return handle
 
-    def poll(self, handle: TransferHandle) -> TransferState:
+    def poll(self, handle: base.TransferHandle) -> base.TransferState:
         if not isinstance(handle, TPHandle):
             return self.local.poll(handle)
         ids = torch.tensor([handle.handle_id], dtype=torch.int64)
         messages.send(self.group, MessageKind.TRANSFER_POLL, [ids])
-        return _BY_ORDER[self.group.min_int(_ORDER[TransferState.DONE])]
+        return _BY_ORDER[self.group.min_int(_ORDER[base.TransferState.DONE])]
 
-    def release(self, handle: TransferHandle) -> None:
+    def release(self, handle: base.TransferHandle) -> None:
         if not isinstance(handle, TPHandle):
             self.local.release(handle)
             return
@@ -160,7 +154,7 @@ class TPTransferEngine(KVTransferEngine):
 
 
 def setup_tp_transfer(
-    config: TransferConfig, runner: ModelRunner, aux: MemoryRegion
+    config: base.TransferConfig, runner: ModelRunner, aux: base.MemoryRegion
 ) -> tuple[TPTransferEngine, list[RankTransferInfo]]:
     """Rank 0: every rank's engine with its KV shard registered (rank 0 also the aux slots)."""
     local = rank_engine(config, 0)
@@ -187,13 +181,13 @@ class RankTransferAgent:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.group = runner.group
-        self.engine: KVTransferEngine | None = None
-        self._handles: dict[int, list[TransferHandle]] = {}
+        self.engine: base.KVTransferEngine | None = None
+        self._handles: dict[int, list[base.TransferHandle]] = {}
         self._failed: set[int] = set()
 
     def handle(self, kind: MessageKind, arrays: list[torch.Tensor]) -> None:
         if kind is MessageKind.TRANSFER_SETUP:
-            self._setup(TransferConfig(**json.loads(messages.array_to_bytes(arrays[0]))))
+            self._setup(base.TransferConfig(**json.loads(messages.array_to_bytes(arrays[0]))))
         elif kind is MessageKind.TRANSFER_CONNECT:
             self.group.min_int(self._connect(_decode_peer(arrays)))
         elif kind is MessageKind.TRANSFER_WRITE:
@@ -204,22 +198,22 @@ class RankTransferAgent:
             self._handles.pop(int(arrays[0][0]), None)
             self._failed.discard(int(arrays[0][0]))
 
-    def _setup(self, config: TransferConfig) -> None:
+    def _setup(self, config: base.TransferConfig) -> None:
         engine = rank_engine(config, self.group.rank)
         engine.register([kv_region(self.runner)])
         self.engine = engine
         self.group.all_gather_bytes(rank_info(self.runner, engine).to_bytes())
 
-    def _connect(self, peer: PeerInfo) -> int:
+    def _connect(self, peer: base.PeerInfo) -> int:
         assert self.engine is not None, "TRANSFER_SETUP comes first"
         try:
             self.engine.connect(peer)
-        except TransferError as exc:
+        except base.TransferError as exc:
             logger.error("tp rank %d cannot reach %s: %s", self.group.rank, peer.node_id, exc)
             return 0
         return 1
 
-    def _write(self, handle_id: int, writes: dict[str, list[TransferRange]]) -> None:
+    def _write(self, handle_id: int, writes: dict[str, list[base.TransferRange]]) -> None:
         assert self.engine is not None, "TRANSFER_SETUP comes first"
         if self.runner.device.type == "cuda":
             # This rank's KV wait: rank 0 synchronized its own GPU before sending the plan, but
@@ -230,26 +224,26 @@ class RankTransferAgent:
         for peer_id, ranges in writes.items():
             try:
                 handles.append(self.engine.write(peer_id, ranges))
-            except TransferError as exc:
+            except base.TransferError as exc:
                 logger.error("tp rank %d: KV write failed: %s", self.group.rank, exc)
                 self._failed.add(handle_id)
 
-    def _poll(self, handle_id: int) -> TransferState:
+    def _poll(self, handle_id: int) -> base.TransferState:
         assert self.engine is not None or handle_id not in self._handles
         pending = []
         for handle in self._handles.get(handle_id, []):
             assert self.engine is not None
             state = self.engine.poll(handle)
-            if state is TransferState.PENDING:
+            if state is base.TransferState.PENDING:
                 pending.append(handle)
                 continue
-            if state is TransferState.FAILED:
+            if state is base.TransferState.FAILED:
                 self._failed.add(handle_id)
             self.engine.release(handle)
         self._handles[handle_id] = pending
         if pending:
-            return TransferState.PENDING
-        return TransferState.FAILED if handle_id in self._failed else TransferState.DONE
+            return base.TransferState.PENDING
+        return base.TransferState.FAILED if handle_id in self._failed else base.TransferState.DONE
 
     def close(self) -> None:
         if self.engine is not None:
@@ -257,7 +251,7 @@ class RankTransferAgent:
 
 
 # ---- wire format (int64 arrays; strings as bytes) --------------------------------------------
-def _encode_peer(peer: PeerInfo) -> list[torch.Tensor]:
+def _encode_peer(peer: base.PeerInfo) -> list[torch.Tensor]:
     kv = peer.regions["kv"]
     return [
         messages.bytes_to_array(peer.node_id.encode()),
@@ -267,10 +261,12 @@ def _encode_peer(peer: PeerInfo) -> list[torch.Tensor]:
     ]
 
 
-def _decode_peer(arrays: list[torch.Tensor]) -> PeerInfo:
+def _decode_peer(arrays: list[torch.Tensor]) -> base.PeerInfo:
     node_id, endpoint, kv, device = arrays
-    region = MemoryRegion("kv", int(kv[0]), int(kv[1]), messages.array_to_bytes(device).decode())
-    return PeerInfo(
+    region = base.MemoryRegion(
+        "kv", int(kv[0]), int(kv[1]), messages.array_to_bytes(device).decode()
+    )
+    return base.PeerInfo(
         messages.array_to_bytes(node_id).decode(), messages.array_to_bytes(endpoint), {"kv": region}
     )
 
@@ -287,10 +283,12 @@ def _encode_plan(handle_id: int, plan: WritePlan) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int64)
 
 
-def _decode_plan(payload: torch.Tensor, my_rank: int) -> tuple[int, dict[str, list[TransferRange]]]:
+def _decode_plan(
+    payload: torch.Tensor, my_rank: int
+) -> tuple[int, dict[str, list[base.TransferRange]]]:
     values = payload.tolist()
     handle_id, groups, pos = values[0], values[1], 2
-    mine: dict[str, list[TransferRange]] = {}
+    mine: dict[str, list[base.TransferRange]] = {}
     for _ in range(groups):
         rank, name_len, count = values[pos : pos + 3]
         pos += 3
@@ -300,6 +298,6 @@ def _decode_plan(payload: torch.Tensor, my_rank: int) -> tuple[int, dict[str, li
         pos += 3 * count
         if rank == my_rank:
             mine.setdefault(peer_id, []).extend(
-                TransferRange(*flat[i : i + 3]) for i in range(0, len(flat), 3)
+                base.TransferRange(*flat[i : i + 3]) for i in range(0, len(flat), 3)
             )
     return handle_id, mine

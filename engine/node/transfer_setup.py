@@ -15,8 +15,9 @@ from engine.node.bootstrap_link import NodeLink
 from engine.node.kv_publisher import KVEventsEndpoints
 from engine.node.tp_transfer import RankTransferInfo, kv_region, rank_info, setup_tp_transfer
 from engine.scheduler import Scheduler
-from kvtransfer import KVTransferEngine, MemoryRegion, TransferConfig, create_engine
+from kvtransfer import create_engine
 from kvtransfer.aux import AuxBuffer
+from kvtransfer.base import KVTransferEngine, MemoryRegion, TransferConfig
 from kvtransfer.head_routes import NodeKV, RankKV
 from kvtransfer.room import RoomMessage
 from proto import bootstrap_pb2

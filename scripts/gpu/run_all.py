@@ -55,23 +55,11 @@ from engine.memory.kv_cache import KVLayout, PagedKVCache, ReqToTokenPool
 from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.models import elementwise as ew
+from scripts import tiny_models
 from scripts.gpu.environment import add_site_arg
 from scripts.tiny_models import llama_config, write_llama_config
 
-LLAMA3_8B = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    tie_word_embeddings=False,
-)
+LLAMA3_8B = ModelConfig.from_dict(tiny_models.LLAMA3_8B)  # the one Llama-3-8B config.json
 PAGE_SIZE = 16
 MODEL_LINE = (
     "Model: Llama-3-8B shapes (32 layers, hidden 4096, 32 q / 8 kv heads, head dim 128, "
