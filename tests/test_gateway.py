@@ -1,5 +1,7 @@
 """The gateway of a real `pd-cluster` (bootstrap + 1 prefill + 1 decode + gateway on 127.0.0.1),
-driven with the official `openai` client, on both transfer backends and the default model.
+driven with the official `openai` client, on Mooncake and the default model. The gateway never
+touches the transfer engine (the nodes do): NIXL's side of the same path is test_disagg.py's
+(greedy equal to HF, layer-group streaming), test_tp_disagg.py's and test_disagg_failures.py's.
 
 Every request goes through the prefill node (`--local-prefill-max-tokens 0`). Greedy text equals
 HF transformers; streamed pieces concatenate to the non-streaming text; stop strings, n, seed,
@@ -184,11 +186,11 @@ def wait_idle(stub: node_pb2_grpc.NodeStub) -> node_pb2.CheckIntegrityResponse:
 # -- fixtures ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+@pytest.fixture(scope="module")
 def cluster(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, default_model_dir
+    tmp_path_factory: pytest.TempPathFactory, default_model_dir
 ) -> Iterator[RunningCluster]:
-    backend = request.param
+    backend = "mooncake"
     log = tmp_path_factory.mktemp(f"gateway-{backend}") / "pd-cluster.log"
     gateway_args = ["--local-prefill-max-tokens", "0", "--api-key", API_KEY]
     gateway_args += ["--max-inflight", str(MAX_INFLIGHT), "--max-body-bytes", str(MAX_BODY)]
