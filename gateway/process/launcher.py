@@ -11,7 +11,8 @@ is left behind even when the server itself died first.
 `running_node` is the context manager the tests and scripts use: a server on 127.0.0.1 and a
 free port, ready on exit from `with`, stopped whatever happens; a server that lost the race for
 its port is started again on another. `pd_trio` runs a bootstrap + prefill + decode trio of
-them and sends requests through it without a gateway (gateway/dispatch/pd_client.py).
+them (the two nodes start side by side) and sends requests through it without a gateway
+(gateway/dispatch/pd_client.py).
 
 No torch here (the gateway package must not import it): only the standard library, grpc and
 the generated stubs.
@@ -20,6 +21,7 @@ the generated stubs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import os
@@ -338,6 +340,31 @@ def running_node(
         server.stop(stop_timeout)
 
 
+_T = TypeVar("_T")
+
+
+def enter_together(
+    stack: contextlib.ExitStack, managers: Sequence[contextlib.AbstractContextManager[_T]]
+) -> list[_T]:
+    """Enter `managers` at once, each in a thread (servers that start side by side: the nodes
+    of a trio only wait for the bootstrap), their exits on `stack`; if one fails, the others
+    that started are exited too (by `stack`) and its error raised."""
+    with concurrent.futures.ThreadPoolExecutor(len(managers)) as pool:
+        futures = [pool.submit(m.__enter__) for m in managers]
+    entered: list[_T] = []
+    errors: list[BaseException] = []
+    for manager, future in zip(managers, futures, strict=True):
+        error = future.exception()
+        if error is not None:
+            errors.append(error)
+            continue
+        stack.push(manager.__exit__)
+        entered.append(future.result())
+    if errors:
+        raise errors[0]
+    return entered
+
+
 # ---- a bootstrap + prefill + decode trio --------------------------------------------------------
 @dataclass
 class PDTrio:
@@ -407,21 +434,24 @@ def pd_trio(
     scripts = scripts or {}
     with contextlib.ExitStack() as stack:
 
-        def start(
+        def node(
             name: str, args: Sequence[str], probe: ReadinessProbe, timeout: float
-        ) -> ServerProcess:
+        ) -> contextlib.AbstractContextManager[ServerProcess]:
             script = scripts.get(f"{name}-server", f"{name}-server")
             log_path = log_dir / f"{name}.log"
-            return stack.enter_context(
-                running_node(script, args, log_path, env=env, probe=probe, ready_timeout=timeout)
-            )
+            return running_node(script, args, log_path, env=env, probe=probe, ready_timeout=timeout)
 
-        bootstrap = start("bootstrap", bootstrap_args, bootstrap_ready, 120.0)
+        bootstrap = stack.enter_context(node("bootstrap", bootstrap_args, bootstrap_ready, 120.0))
         common = ["--model", str(model), "--bootstrap", bootstrap.address]
         common += ["--transfer-backend", backend, *node_args]
-        prefill = start("prefill", [*common, *prefill_args], node_registered, ready_timeout)
         decode_all = ["--mode", "disaggregated", *common, *decode_args]
-        decode = start("decode", decode_all, node_registered, ready_timeout)
+        prefill, decode = enter_together(
+            stack,
+            [
+                node("prefill", [*common, *prefill_args], node_registered, ready_timeout),
+                node("decode", decode_all, node_registered, ready_timeout),
+            ],
+        )
         ids = [
             node.stub.Health(node_pb2.HealthRequest(), timeout=5).node_id
             for node in (prefill, decode)
