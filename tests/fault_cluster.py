@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -121,16 +122,17 @@ class FaultCluster:
 
     # ---- starting and stopping -----------------------------------------------------------
     def ensure(self) -> None:
-        """Start what is not running (bootstrap first, gateway last) and wait until the
-        gateway routes to every node."""
+        """Start what is not running (bootstrap first, then the nodes and the gateway side by
+        side) and wait until the gateway routes to every node."""
         if not self._running("bootstrap"):
             self.start_bootstrap()
         down = [name for name in self.node_specs if not self._running(name)]
-        with ThreadPoolExecutor(max_workers=max(len(down), 1)) as pool:  # start-up overlaps
-            for future in [pool.submit(self.start_node, name) for name in down]:
-                future.result()
+        starts: list[Callable[[], object]] = [partial(self.start_node, name) for name in down]
         if not self._running("gateway"):
-            self.start_gateway()
+            starts.append(self.start_gateway)
+        with ThreadPoolExecutor(max_workers=max(len(starts), 1)) as pool:  # start-up overlaps
+            for future in [pool.submit(start) for start in starts]:
+                future.result()
         self.wait_gateway_sees_all()
 
     def _running(self, name: str) -> bool:
