@@ -450,7 +450,10 @@ class Simulation:
         self._steps: list[_Step] = []  # in flight on any node
         self._factor = 1.0  # every step in flight runs this many times slower than profiled
         self._since = 0.0  # when the factor was last set
-        self._epoch = 0  # step-end events of an older epoch are stale
+        # The step in flight that ends first at the current factor: (when, seq, step). It is
+        # kept beside the event queue, not in it: every step that starts or ends moves every
+        # end time, and an event per step in flight each time filled the queue with stale ones.
+        self._next_end: tuple[float, int, _Step] | None = None
 
     @property
     def nodes(self) -> list[Node]:
@@ -488,15 +491,23 @@ class Simulation:
         self._since = self.now
 
     def _reschedule(self) -> None:
-        self._factor = self.contention()
-        self._epoch += 1
+        """Each step's end at the new factor; the first of them (the earliest started among
+        equals) is the next end, ordered among the events as if queued now."""
+        self._factor = factor = self.contention()
+        first: _Step | None = None
+        first_at = 0.0
         for step in self._steps:
-            end_at = self.now + max(0.0, step.work) * self._factor
-            self.at(end_at, functools.partial(self._step_ended, step, self._epoch))
+            end_at = self.now + max(0.0, step.work) * factor
+            if first is None or end_at < first_at:
+                first, first_at = step, end_at
+        self._next_end = None if first is None else (first_at, next(self._seq), first)
 
-    def _step_ended(self, step: _Step, epoch: int) -> None:
-        if epoch != self._epoch:
-            return  # the factor changed since this end time was computed
+    @staticmethod
+    def _ends_first(end: tuple[float, int, _Step], event: tuple[float, int, object]) -> bool:
+        """The next step end comes before `event`: earlier, or as early and queued first."""
+        return end[0] < event[0] or (end[0] == event[0] and end[1] < event[1])
+
+    def _step_ended(self, step: _Step) -> None:
         self._progress()
         self._steps.remove(step)
         self._reschedule()
@@ -513,9 +524,15 @@ class Simulation:
         requests = [SimRequest(i, a, kv_len=a.cached_len) for i, a in enumerate(arrivals)]
         for req in requests:
             self.at(req.arrival.at, functools.partial(self._arrive, req))
-        while self._events:
-            self.now, _, action = heapq.heappop(self._events)
-            action()
+        events = self._events
+        while events or self._next_end is not None:
+            end = self._next_end
+            if end is not None and (not events or self._ends_first(end, events[0])):
+                self.now = end[0]
+                self._step_ended(end[2])
+            else:
+                self.now, _, action = heapq.heappop(events)
+                action()
         if len(self.done) != len(requests):
             stuck = len(requests) - len(self.done)
             raise RuntimeError(f"{stuck} requests never finished: a request too large for a node?")
