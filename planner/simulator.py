@@ -90,7 +90,7 @@ class Arrival:
     cached_len: int = 0  # leading prompt tokens whose KV the prefilling node already holds
 
 
-@dataclass
+@dataclass(slots=True)
 class SimRequest:
     index: int
     arrival: Arrival
@@ -105,15 +105,20 @@ class SimRequest:
     ended: float = 0.0
     decode: Node | None = None
     prefill: Node | None = None
+    # Prompt + the tokens generated so far (the engine's `seq_len`): kept up by `emit`, not
+    # derived, as every step reads it for every request in flight.
+    context: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.context = self.arrival.prompt_len
+
+    def emit(self, at: float) -> None:
+        self.emitted.append(at)
+        self.context += 1
 
     @property
     def finished(self) -> bool:
         return bool(self.error) or len(self.emitted) >= self.arrival.output_len
-
-    @property
-    def context(self) -> int:
-        """Prompt + the tokens generated so far (the engine's `seq_len`)."""
-        return self.arrival.prompt_len + len(self.emitted)
 
     @property
     def pending(self) -> int:
@@ -122,7 +127,7 @@ class SimRequest:
 
     @property
     def is_decoding(self) -> bool:
-        return bool(self.emitted) and self.pending == 1
+        return bool(self.emitted) and self.context - self.kv_len == 1
 
 
 class PagePool:
@@ -252,26 +257,44 @@ class Node:
             return
         if self.role == "decode":
             self._take_over()
-            self._admit_prealloc()
-        decoding = self._reserve_decodes() if self.role != "prefill" else []
-        plan = self._prefill_plan(len(decoding))
+        decoding, prefilling = self._split_running()
+        if self.role == "decode":
+            self._admit_prealloc(len(decoding))
+        if decoding and not self._reserve_decodes(decoding):
+            decoding, prefilling = self._split_running()  # less the retracted ones
+        plan = self._prefill_plan(prefilling, len(decoding))
         if not plan and not decoding:
             return
-        chunks = [(n, req.kv_len) for req, n in plan]
-        self.recomputed_tokens += sum(n for req, n in plan if req.retractions)
+        chunks: list[tuple[int, int]] = []
+        if plan:
+            chunks = [(n, req.kv_len) for req, n in plan]
+            self.recomputed_tokens += sum(n for req, n in plan if req.retractions)
         context = sum(r.context for r in decoding) / len(decoding) if decoding else 0.0
         work = self.sim.profile.mixed_s(chunks, len(decoding), context)
-        batch = [(req, 1) for req in decoding] + plan
         self.stepping = True
-        self.sim.begin_step(work, lambda: self._end_step(batch))
+        self.sim.begin_step(work, lambda: self._end_step(decoding, plan))
 
-    def _end_step(self, batch: list[tuple[SimRequest, int]]) -> None:
+    def _split_running(self) -> tuple[list[SimRequest], list[SimRequest]]:
+        """The running requests that decode this step and those still prefilling, in
+        admission order (a prefill node's requests all prefill)."""
+        if self.role == "prefill":
+            return [], [r for r in self.running if not r.is_decoding]
+        decoding: list[SimRequest] = []
+        prefilling: list[SimRequest] = []
+        for req in self.running:
+            (decoding if req.is_decoding else prefilling).append(req)
+        return decoding, prefilling
+
+    def _end_step(self, decoding: list[SimRequest], plan: list[tuple[SimRequest, int]]) -> None:
         now = self.sim.now
         self.stepping = False
         for req in self.sent:
             self._free_prefill(req)
         self.sent.clear()
-        for req, n in batch:
+        for req in decoding:  # one token each, nothing else touched them during the step
+            req.kv_len += 1
+            self._emit(req, now)
+        for req, n in plan:
             req.kv_len += n
             if req.pending:
                 continue  # a chunk that leaves part of the prompt for a later step
@@ -280,23 +303,24 @@ class Node:
                 done_at = now + self.sim.profile.transfer_s(req.arrival.prompt_len)
                 self.sim.at(done_at, functools.partial(self._transfer_complete, req))
             else:
-                self._emit(req, now)  # a decode step's token, or the one after a last chunk
+                self._emit(req, now)  # the token after a last chunk
         self.kick()
 
-    def _reserve_decodes(self) -> list[SimRequest]:
+    def _reserve_decodes(self, decoding: list[SimRequest]) -> bool:
         """One more KV slot per decoding request, retracting the newest running request while
-        the pool is short (engine/scheduler.py `_reserve_decodes`)."""
-        decoding = [r for r in self.running if r.is_decoding]
-        needs = [max(0, self.pool.pages(r.kv_len + 1) - r.pages) for r in decoding]
-        if self.pool.take(sum(needs)):  # all at once: the common case
-            for req, need in zip(decoding, needs, strict=True):
-                req.pages += need
-            return decoding
+        the pool is short (engine/scheduler.py `_reserve_decodes`); False when it was short:
+        the running requests may have changed."""
+        pages, page_size = self.pool.pages, self.pool.page_size
+        short = [r for r in decoding if r.kv_len >= r.pages * page_size]  # its pages are full
+        if self.pool.take(sum(pages(r.kv_len + 1) - r.pages for r in short)):
+            for req in short:  # all at once: the common case
+                req.pages = pages(req.kv_len + 1)
+            return True
         for req in list(decoding):
             while req in self.running and not self._grow(req, req.kv_len + 1):
                 if not self._retract_newest():
                     break
-        return [r for r in decoding if r in self.running]
+        return False
 
     def _retract_newest(self) -> bool:
         """The newest running request back to the front of the waiting queue, its KV freed and
@@ -314,12 +338,14 @@ class Node:
         self.waiting.appendleft(victim)
         return True
 
-    def _prefill_plan(self, num_decoding: int) -> list[tuple[SimRequest, int]]:
+    def _prefill_plan(
+        self, prefilling: list[SimRequest], num_decoding: int
+    ) -> list[tuple[SimRequest, int]]:
         """Prefill chunks under the token budget: partly prefilled requests first, then the
         waiting queue's head while it can be admitted (engine/scheduler.py `_schedule`)."""
         budget = self.sim.profile.chunked_prefill_size
         plan: list[tuple[SimRequest, int]] = []
-        for req in [r for r in self.running if not r.is_decoding]:
+        for req in prefilling:
             if budget <= 0:
                 break
             chunk = min(req.pending, budget)
@@ -354,14 +380,13 @@ class Node:
             self._release(req, cache=True)  # back to the cache, most recently used
         return False
 
-    def _admit_prealloc(self) -> None:
+    def _admit_prealloc(self, decoding: int) -> None:
         """D: publish a destination for each request at the prealloc queue's head while the pool
         holds its prompt + decode_headroom tokens beside a page per decoding request; only the
         prompt's pages are taken (decode_node/decode_role.py `_admit`)."""
-        if self.waiting:  # retracted requests (a decode node's only waiting ones) go first
-            return
+        if self.waiting or not self.prealloc:  # retracted requests (a decode node's only
+            return  # waiting ones) go first
         profile = self.sim.profile
-        decoding = sum(1 for r in self.running if r.is_decoding)
         while self.prealloc:
             req = self.prealloc[0]
             need = self.pool.pages(req.arrival.prompt_len + profile.decode_headroom) + decoding
@@ -398,7 +423,7 @@ class Node:
         self.assigned -= 1
 
     def _emit(self, req: SimRequest, now: float) -> None:
-        req.emitted.append(now + self.sim.profile.gateway_s)
+        req.emit(now + self.sim.profile.gateway_s)
         self.sim.streamed.append(now)
         if req.finished:
             self._end(req, now)
@@ -415,7 +440,7 @@ class Node:
         self.sim.finished(req)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Step:
     work: float  # seconds of it left at the profiled (unshared) speed
     end: Callable[[], None]
