@@ -112,22 +112,16 @@ class SimRequest:
     def __post_init__(self) -> None:
         self.context = self.arrival.prompt_len
 
-    def emit(self, at: float) -> None:
+    def emit(self, at: float) -> bool:
+        """One more token, reaching the client `at`; True when it was the last one."""
         self.emitted.append(at)
         self.context += 1
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.error) or len(self.emitted) >= self.arrival.output_len
+        return len(self.emitted) >= self.arrival.output_len
 
     @property
     def pending(self) -> int:
         """Tokens still to run through the model before its next token is sampled."""
         return self.context - self.kv_len
-
-    @property
-    def is_decoding(self) -> bool:
-        return bool(self.emitted) and self.context - self.kv_len == 1
 
 
 class PagePool:
@@ -255,10 +249,10 @@ class Node:
     def start_step(self) -> None:
         if self.stepping:
             return
-        if self.role == "decode":
+        if self.role == "decode" and self.arrived:
             self._take_over()
         decoding, prefilling = self._split_running()
-        if self.role == "decode":
+        if self.role == "decode" and self.prealloc:
             self._admit_prealloc(len(decoding))
         if decoding and not self._reserve_decodes(decoding):
             decoding, prefilling = self._split_running()  # less the retracted ones
@@ -269,21 +263,23 @@ class Node:
         if plan:
             chunks = [(n, req.kv_len) for req, n in plan]
             self.recomputed_tokens += sum(n for req, n in plan if req.retractions)
-        context = sum(r.context for r in decoding) / len(decoding) if decoding else 0.0
+        context = sum([r.context for r in decoding]) / len(decoding) if decoding else 0.0
         work = self.sim.profile.mixed_s(chunks, len(decoding), context)
         self.stepping = True
         self.sim.begin_step(work, lambda: self._end_step(decoding, plan))
 
     def _split_running(self) -> tuple[list[SimRequest], list[SimRequest]]:
-        """The running requests that decode this step and those still prefilling, in
-        admission order (a prefill node's requests all prefill)."""
-        if self.role == "prefill":
-            return [], [r for r in self.running if not r.is_decoding]
+        """The running requests that decode this step (a token emitted, none pending but the
+        one it feeds back) and those still prefilling, in admission order; a prefill node
+        decodes none of them."""
         decoding: list[SimRequest] = []
         prefilling: list[SimRequest] = []
         for req in self.running:
-            (decoding if req.is_decoding else prefilling).append(req)
-        return decoding, prefilling
+            if req.emitted and req.context - req.kv_len == 1:
+                decoding.append(req)
+            else:
+                prefilling.append(req)
+        return ([], prefilling) if self.role == "prefill" else (decoding, prefilling)
 
     def _end_step(self, decoding: list[SimRequest], plan: list[tuple[SimRequest, int]]) -> None:
         now = self.sim.now
@@ -312,8 +308,10 @@ class Node:
         the running requests may have changed."""
         pages, page_size = self.pool.pages, self.pool.page_size
         short = [r for r in decoding if r.kv_len >= r.pages * page_size]  # its pages are full
+        if not short:  # the common case: no page fills up this step
+            return True
         if self.pool.take(sum(pages(r.kv_len + 1) - r.pages for r in short)):
-            for req in short:  # all at once: the common case
+            for req in short:  # all at once: the next most common case
                 req.pages = pages(req.kv_len + 1)
             return True
         for req in list(decoding):
@@ -423,9 +421,8 @@ class Node:
         self.assigned -= 1
 
     def _emit(self, req: SimRequest, now: float) -> None:
-        req.emit(now + self.sim.profile.gateway_s)
         self.sim.streamed.append(now)
-        if req.finished:
+        if req.emit(now + self.sim.profile.gateway_s):
             self._end(req, now)
 
     def _abort(self, req: SimRequest, error: str) -> None:
@@ -519,18 +516,14 @@ class Simulation:
         """Each step's end at the new factor; the first of them (the earliest started among
         equals) is the next end, ordered among the events as if queued now."""
         self._factor = factor = self.contention()
+        now = self.now
         first: _Step | None = None
         first_at = 0.0
         for step in self._steps:
-            end_at = self.now + max(0.0, step.work) * factor
+            end_at = now + (step.work if step.work > 0.0 else 0.0) * factor  # max(0.0, work)
             if first is None or end_at < first_at:
                 first, first_at = step, end_at
         self._next_end = None if first is None else (first_at, next(self._seq), first)
-
-    @staticmethod
-    def _ends_first(end: tuple[float, int, _Step], event: tuple[float, int, object]) -> bool:
-        """The next step end comes before `event`: earlier, or as early and queued first."""
-        return end[0] < event[0] or (end[0] == event[0] and end[1] < event[1])
 
     def _step_ended(self, step: _Step) -> None:
         self._progress()
@@ -552,7 +545,13 @@ class Simulation:
         events = self._events
         while events or self._next_end is not None:
             end = self._next_end
-            if end is not None and (not events or self._ends_first(end, events[0])):
+            # the next step end first if it is earlier than the next event, or as early and
+            # drawn its sequence number first
+            if end is not None and (
+                not events
+                or end[0] < events[0][0]
+                or (end[0] == events[0][0] and end[1] < events[0][1])
+            ):
                 self.now = end[0]
                 self._step_ended(end[2])
             else:
