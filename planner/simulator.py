@@ -105,18 +105,12 @@ class SimRequest:
     ended: float = 0.0
     decode: Node | None = None
     prefill: Node | None = None
-    # Prompt + the tokens generated so far (the engine's `seq_len`): kept up by `emit`, not
-    # derived, as every step reads it for every request in flight.
+    # Prompt + the tokens generated so far (the engine's `seq_len`): kept up by `Node._emit`,
+    # not derived, as every step reads it for every request in flight.
     context: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.context = self.arrival.prompt_len
-
-    def emit(self, at: float) -> bool:
-        """One more token, reaching the client `at`; True when it was the last one."""
-        self.emitted.append(at)
-        self.context += 1
-        return len(self.emitted) >= self.arrival.output_len
 
     @property
     def pending(self) -> int:
@@ -256,15 +250,16 @@ class Node:
             self._admit_prealloc(len(decoding))
         if decoding and not self._reserve_decodes(decoding):
             decoding, prefilling = self._split_running()  # less the retracted ones
-        plan = self._prefill_plan(prefilling, len(decoding))
+        plan = self._prefill_plan(prefilling, len(decoding)) if prefilling or self.waiting else []
         if not plan and not decoding:
             return
-        chunks: list[tuple[int, int]] = []
+        context = sum([r.context for r in decoding]) / len(decoding) if decoding else 0.0
         if plan:
             chunks = [(n, req.kv_len) for req, n in plan]
             self.recomputed_tokens += sum(n for req, n in plan if req.retractions)
-        context = sum([r.context for r in decoding]) / len(decoding) if decoding else 0.0
-        work = self.sim.profile.mixed_s(chunks, len(decoding), context)
+            work = self.sim.profile.mixed_s(chunks, len(decoding), context)
+        else:  # what mixed_s makes of no chunks
+            work = self.sim.profile.decode_s(len(decoding), context)
         self.stepping = True
         self.sim.begin_step(work, lambda: self._end_step(decoding, plan))
 
@@ -421,8 +416,11 @@ class Node:
         self.assigned -= 1
 
     def _emit(self, req: SimRequest, now: float) -> None:
+        """`req`'s next token, leaving the node now; the request ends with its last one."""
+        req.emitted.append(now + self.sim.profile.gateway_s)
+        req.context += 1
         self.sim.streamed.append(now)
-        if req.emit(now + self.sim.profile.gateway_s):
+        if len(req.emitted) >= req.arrival.output_len:
             self._end(req, now)
 
     def _abort(self, req: SimRequest, error: str) -> None:
@@ -470,6 +468,7 @@ class Simulation:
         self.done: list[SimRequest] = []
         self.streamed: deque[float] = deque()  # when each token left a node, oldest first
         self._steps: list[_Step] = []  # in flight on any node
+        self._shared_cores = host.host_cores > 0
         self._factor = 1.0  # every step in flight runs this many times slower than profiled
         self._since = 0.0  # when the factor was last set
         # The step in flight that ends first at the current factor: (when, seq, step). It is
@@ -502,34 +501,34 @@ class Simulation:
     # -- steps sharing the host ---------------------------------------------------------------
     def begin_step(self, work: float, end: Callable[[], None]) -> None:
         """Run `work` seconds of profiled step time, then `end`; shares the host's cores."""
-        self._progress()
-        self._steps.append(_Step(work, end))
-        self._reschedule()
+        self._share(started=_Step(work, end))
 
-    def _progress(self) -> None:
-        done = (self.now - self._since) / self._factor
-        for step in self._steps:
+    def _step_ended(self, step: _Step) -> None:
+        self._share(ended=step)
+        step.end()
+
+    def _share(self, started: _Step | None = None, ended: _Step | None = None) -> None:
+        """Every step in flight progressed to now at the factor so far; then, `started` in or
+        `ended` out, the new factor and each one's end at it. The first of them (the earliest
+        started among equals) is the next end, ordered among the events as if queued now."""
+        now, steps = self.now, self._steps
+        done = (now - self._since) / self._factor
+        for step in steps:
             step.work -= done
-        self._since = self.now
-
-    def _reschedule(self) -> None:
-        """Each step's end at the new factor; the first of them (the earliest started among
-        equals) is the next end, ordered among the events as if queued now."""
-        self._factor = factor = self.contention()
-        now = self.now
+        self._since = now
+        if started is not None:
+            steps.append(started)
+        if ended is not None:
+            steps.remove(ended)
+        # contention() is the slowdown alone where no cores are shared
+        self._factor = factor = self.contention() if self._shared_cores else self.host.slowdown
         first: _Step | None = None
         first_at = 0.0
-        for step in self._steps:
+        for step in steps:
             end_at = now + (step.work if step.work > 0.0 else 0.0) * factor  # max(0.0, work)
             if first is None or end_at < first_at:
                 first, first_at = step, end_at
         self._next_end = None if first is None else (first_at, next(self._seq), first)
-
-    def _step_ended(self, step: _Step) -> None:
-        self._progress()
-        self._steps.remove(step)
-        self._reschedule()
-        step.end()
 
     def background_cores(self) -> float:
         """Cores the host spends outside engine steps: its recent token rate x cost per token."""
