@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .arrivals import LoadConfig, arrival_gaps
-from .datasets import DatasetConfig, build_sessions
+from .datasets import SHAPES, DatasetConfig, build_sessions, build_shapes
 from .metrics import SLO, Summary, summarize
 from .profile import NodeProfile
 from .simulator import Arrival, HostConfig, Simulation
@@ -30,6 +30,8 @@ def _shapes(dataset: DatasetConfig) -> tuple[tuple[int, int, int], ...]:
 
 
 def _build_shapes(dataset: DatasetConfig) -> tuple[tuple[int, int, int], ...]:
+    if dataset.name in SHAPES:  # without building the prompts
+        return tuple(build_shapes(dataset))
     sessions = build_sessions(dataset)
     if any(len(s.turns) != 1 for s in sessions):
         raise PlanError("the simulator models single-turn requests: not --dataset multiturn")

@@ -328,3 +328,43 @@ GENERATORS = {
 def build_sessions(config: DatasetConfig) -> list[Session]:
     """The workload for this config; the same config (seed included) gives the same sessions."""
     return GENERATORS[config.name](config, np.random.default_rng(config.seed))
+
+
+Shape = tuple[int, int, int]  # a single-turn session's prompt_len, output_len and group
+
+
+def shapes_random(config: DatasetConfig, rng: np.random.Generator) -> list[Shape]:
+    """`gen_random`'s sessions as shapes: its lengths are drawn before any token id."""
+    n = config.num_sessions
+    ins = lengths(rng, config.input_len, config.range_ratio, n)
+    outs = lengths(rng, config.output_len, config.range_ratio, n)
+    return [(i, o, k) for k, (i, o) in enumerate(zip(ins, outs, strict=True))]
+
+
+def shapes_prefix(config: DatasetConfig, rng: np.random.Generator) -> list[Shape]:
+    """`gen_prefix`'s sessions as shapes: its token ids are drawn and dropped, since the
+    order it shuffles them into comes from the generator after them."""
+    n = config.num_sessions
+    groups = math.ceil(n / config.prefix_group_size)
+    low, high = config.token_id_low, config.token_id_high
+    for _ in range(groups):
+        rng.integers(low, high, size=config.prefix_len)
+    ins = lengths(rng, config.input_len, config.range_ratio, n)
+    outs = lengths(rng, config.output_len, config.range_ratio, n)
+    shapes = []
+    for k in range(n):
+        rng.integers(low, high, size=ins[k])
+        shapes.append((config.prefix_len + ins[k], outs[k], k % groups))
+    order = rng.permutation(n)
+    return [shapes[int(i)] for i in order]
+
+
+# The generated single-turn datasets whose shapes come without their prompts, draw for draw as
+# the generator makes them (tests/test_bench_serving.py compares): the planner simulates lengths
+# alone, and a thousand prompts' token ids took it a tenth of a second per window.
+SHAPES = {"random": shapes_random, "prefix": shapes_prefix}
+
+
+def build_shapes(config: DatasetConfig) -> list[Shape]:
+    """`build_sessions(config)` as shapes, for a dataset in `SHAPES`."""
+    return SHAPES[config.name](config, np.random.default_rng(config.seed))

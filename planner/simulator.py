@@ -90,7 +90,7 @@ class Arrival:
     cached_len: int = 0  # leading prompt tokens whose KV the prefilling node already holds
 
 
-@dataclass
+@dataclass(slots=True)
 class SimRequest:
     index: int
     arrival: Arrival
@@ -105,24 +105,17 @@ class SimRequest:
     ended: float = 0.0
     decode: Node | None = None
     prefill: Node | None = None
+    # Prompt + the tokens generated so far (the engine's `seq_len`): kept up by `Node._emit`,
+    # not derived, as every step reads it for every request in flight.
+    context: int = field(init=False)
 
-    @property
-    def finished(self) -> bool:
-        return bool(self.error) or len(self.emitted) >= self.arrival.output_len
-
-    @property
-    def context(self) -> int:
-        """Prompt + the tokens generated so far (the engine's `seq_len`)."""
-        return self.arrival.prompt_len + len(self.emitted)
+    def __post_init__(self) -> None:
+        self.context = self.arrival.prompt_len
 
     @property
     def pending(self) -> int:
         """Tokens still to run through the model before its next token is sampled."""
         return self.context - self.kv_len
-
-    @property
-    def is_decoding(self) -> bool:
-        return bool(self.emitted) and self.pending == 1
 
 
 class PagePool:
@@ -250,28 +243,49 @@ class Node:
     def start_step(self) -> None:
         if self.stepping:
             return
-        if self.role == "decode":
+        if self.role == "decode" and self.arrived:
             self._take_over()
-            self._admit_prealloc()
-        decoding = self._reserve_decodes() if self.role != "prefill" else []
-        plan = self._prefill_plan(len(decoding))
+        decoding, prefilling = self._split_running()
+        if self.role == "decode" and self.prealloc:
+            self._admit_prealloc(len(decoding))
+        if decoding and not self._reserve_decodes(decoding):
+            decoding, prefilling = self._split_running()  # less the retracted ones
+        plan = self._prefill_plan(prefilling, len(decoding)) if prefilling or self.waiting else []
         if not plan and not decoding:
             return
-        chunks = [(n, req.kv_len) for req, n in plan]
-        self.recomputed_tokens += sum(n for req, n in plan if req.retractions)
-        context = sum(r.context for r in decoding) / len(decoding) if decoding else 0.0
-        work = self.sim.profile.mixed_s(chunks, len(decoding), context)
-        batch = [(req, 1) for req in decoding] + plan
+        context = sum([r.context for r in decoding]) / len(decoding) if decoding else 0.0
+        if plan:
+            chunks = [(n, req.kv_len) for req, n in plan]
+            self.recomputed_tokens += sum(n for req, n in plan if req.retractions)
+            work = self.sim.profile.mixed_s(chunks, len(decoding), context)
+        else:  # what mixed_s makes of no chunks
+            work = self.sim.profile.decode_s(len(decoding), context)
         self.stepping = True
-        self.sim.begin_step(work, lambda: self._end_step(batch))
+        self.sim.begin_step(work, lambda: self._end_step(decoding, plan))
 
-    def _end_step(self, batch: list[tuple[SimRequest, int]]) -> None:
+    def _split_running(self) -> tuple[list[SimRequest], list[SimRequest]]:
+        """The running requests that decode this step (a token emitted, none pending but the
+        one it feeds back) and those still prefilling, in admission order; a prefill node
+        decodes none of them."""
+        decoding: list[SimRequest] = []
+        prefilling: list[SimRequest] = []
+        for req in self.running:
+            if req.emitted and req.context - req.kv_len == 1:
+                decoding.append(req)
+            else:
+                prefilling.append(req)
+        return ([], prefilling) if self.role == "prefill" else (decoding, prefilling)
+
+    def _end_step(self, decoding: list[SimRequest], plan: list[tuple[SimRequest, int]]) -> None:
         now = self.sim.now
         self.stepping = False
         for req in self.sent:
             self._free_prefill(req)
         self.sent.clear()
-        for req, n in batch:
+        for req in decoding:  # one token each, nothing else touched them during the step
+            req.kv_len += 1
+            self._emit(req, now)
+        for req, n in plan:
             req.kv_len += n
             if req.pending:
                 continue  # a chunk that leaves part of the prompt for a later step
@@ -280,23 +294,26 @@ class Node:
                 done_at = now + self.sim.profile.transfer_s(req.arrival.prompt_len)
                 self.sim.at(done_at, functools.partial(self._transfer_complete, req))
             else:
-                self._emit(req, now)  # a decode step's token, or the one after a last chunk
+                self._emit(req, now)  # the token after a last chunk
         self.kick()
 
-    def _reserve_decodes(self) -> list[SimRequest]:
+    def _reserve_decodes(self, decoding: list[SimRequest]) -> bool:
         """One more KV slot per decoding request, retracting the newest running request while
-        the pool is short (engine/scheduler.py `_reserve_decodes`)."""
-        decoding = [r for r in self.running if r.is_decoding]
-        needs = [max(0, self.pool.pages(r.kv_len + 1) - r.pages) for r in decoding]
-        if self.pool.take(sum(needs)):  # all at once: the common case
-            for req, need in zip(decoding, needs, strict=True):
-                req.pages += need
-            return decoding
+        the pool is short (engine/scheduler.py `_reserve_decodes`); False when it was short:
+        the running requests may have changed."""
+        pages, page_size = self.pool.pages, self.pool.page_size
+        short = [r for r in decoding if r.kv_len >= r.pages * page_size]  # its pages are full
+        if not short:  # the common case: no page fills up this step
+            return True
+        if self.pool.take(sum(pages(r.kv_len + 1) - r.pages for r in short)):
+            for req in short:  # all at once: the next most common case
+                req.pages = pages(req.kv_len + 1)
+            return True
         for req in list(decoding):
             while req in self.running and not self._grow(req, req.kv_len + 1):
                 if not self._retract_newest():
                     break
-        return [r for r in decoding if r in self.running]
+        return False
 
     def _retract_newest(self) -> bool:
         """The newest running request back to the front of the waiting queue, its KV freed and
@@ -314,12 +331,14 @@ class Node:
         self.waiting.appendleft(victim)
         return True
 
-    def _prefill_plan(self, num_decoding: int) -> list[tuple[SimRequest, int]]:
+    def _prefill_plan(
+        self, prefilling: list[SimRequest], num_decoding: int
+    ) -> list[tuple[SimRequest, int]]:
         """Prefill chunks under the token budget: partly prefilled requests first, then the
         waiting queue's head while it can be admitted (engine/scheduler.py `_schedule`)."""
         budget = self.sim.profile.chunked_prefill_size
         plan: list[tuple[SimRequest, int]] = []
-        for req in [r for r in self.running if not r.is_decoding]:
+        for req in prefilling:
             if budget <= 0:
                 break
             chunk = min(req.pending, budget)
@@ -354,14 +373,13 @@ class Node:
             self._release(req, cache=True)  # back to the cache, most recently used
         return False
 
-    def _admit_prealloc(self) -> None:
+    def _admit_prealloc(self, decoding: int) -> None:
         """D: publish a destination for each request at the prealloc queue's head while the pool
         holds its prompt + decode_headroom tokens beside a page per decoding request; only the
         prompt's pages are taken (decode_node/decode_role.py `_admit`)."""
-        if self.waiting:  # retracted requests (a decode node's only waiting ones) go first
-            return
+        if self.waiting or not self.prealloc:  # retracted requests (a decode node's only
+            return  # waiting ones) go first
         profile = self.sim.profile
-        decoding = sum(1 for r in self.running if r.is_decoding)
         while self.prealloc:
             req = self.prealloc[0]
             need = self.pool.pages(req.arrival.prompt_len + profile.decode_headroom) + decoding
@@ -398,9 +416,11 @@ class Node:
         self.assigned -= 1
 
     def _emit(self, req: SimRequest, now: float) -> None:
+        """`req`'s next token, leaving the node now; the request ends with its last one."""
         req.emitted.append(now + self.sim.profile.gateway_s)
+        req.context += 1
         self.sim.streamed.append(now)
-        if req.finished:
+        if len(req.emitted) >= req.arrival.output_len:
             self._end(req, now)
 
     def _abort(self, req: SimRequest, error: str) -> None:
@@ -415,7 +435,7 @@ class Node:
         self.sim.finished(req)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Step:
     work: float  # seconds of it left at the profiled (unshared) speed
     end: Callable[[], None]
@@ -448,9 +468,13 @@ class Simulation:
         self.done: list[SimRequest] = []
         self.streamed: deque[float] = deque()  # when each token left a node, oldest first
         self._steps: list[_Step] = []  # in flight on any node
+        self._shared_cores = host.host_cores > 0
         self._factor = 1.0  # every step in flight runs this many times slower than profiled
         self._since = 0.0  # when the factor was last set
-        self._epoch = 0  # step-end events of an older epoch are stale
+        # The step in flight that ends first at the current factor: (when, seq, step). It is
+        # kept beside the event queue, not in it: every step that starts or ends moves every
+        # end time, and an event per step in flight each time filled the queue with stale ones.
+        self._next_end: tuple[float, int, _Step] | None = None
 
     @property
     def nodes(self) -> list[Node]:
@@ -477,30 +501,34 @@ class Simulation:
     # -- steps sharing the host ---------------------------------------------------------------
     def begin_step(self, work: float, end: Callable[[], None]) -> None:
         """Run `work` seconds of profiled step time, then `end`; shares the host's cores."""
-        self._progress()
-        self._steps.append(_Step(work, end))
-        self._reschedule()
+        self._share(started=_Step(work, end))
 
-    def _progress(self) -> None:
-        done = (self.now - self._since) / self._factor
-        for step in self._steps:
-            step.work -= done
-        self._since = self.now
-
-    def _reschedule(self) -> None:
-        self._factor = self.contention()
-        self._epoch += 1
-        for step in self._steps:
-            end_at = self.now + max(0.0, step.work) * self._factor
-            self.at(end_at, functools.partial(self._step_ended, step, self._epoch))
-
-    def _step_ended(self, step: _Step, epoch: int) -> None:
-        if epoch != self._epoch:
-            return  # the factor changed since this end time was computed
-        self._progress()
-        self._steps.remove(step)
-        self._reschedule()
+    def _step_ended(self, step: _Step) -> None:
+        self._share(ended=step)
         step.end()
+
+    def _share(self, started: _Step | None = None, ended: _Step | None = None) -> None:
+        """Every step in flight progressed to now at the factor so far; then, `started` in or
+        `ended` out, the new factor and each one's end at it. The first of them (the earliest
+        started among equals) is the next end, ordered among the events as if queued now."""
+        now, steps = self.now, self._steps
+        done = (now - self._since) / self._factor
+        for step in steps:
+            step.work -= done
+        self._since = now
+        if started is not None:
+            steps.append(started)
+        if ended is not None:
+            steps.remove(ended)
+        # contention() is the slowdown alone where no cores are shared
+        self._factor = factor = self.contention() if self._shared_cores else self.host.slowdown
+        first: _Step | None = None
+        first_at = 0.0
+        for step in steps:
+            end_at = now + (step.work if step.work > 0.0 else 0.0) * factor  # max(0.0, work)
+            if first is None or end_at < first_at:
+                first, first_at = step, end_at
+        self._next_end = None if first is None else (first_at, next(self._seq), first)
 
     def background_cores(self) -> float:
         """Cores the host spends outside engine steps: its recent token rate x cost per token."""
@@ -513,9 +541,21 @@ class Simulation:
         requests = [SimRequest(i, a, kv_len=a.cached_len) for i, a in enumerate(arrivals)]
         for req in requests:
             self.at(req.arrival.at, functools.partial(self._arrive, req))
-        while self._events:
-            self.now, _, action = heapq.heappop(self._events)
-            action()
+        events = self._events
+        while events or self._next_end is not None:
+            end = self._next_end
+            # the next step end first if it is earlier than the next event, or as early and
+            # drawn its sequence number first
+            if end is not None and (
+                not events
+                or end[0] < events[0][0]
+                or (end[0] == events[0][0] and end[1] < events[0][1])
+            ):
+                self.now = end[0]
+                self._step_ended(end[2])
+            else:
+                self.now, _, action = heapq.heappop(events)
+                action()
         if len(self.done) != len(requests):
             stuck = len(requests) - len(self.done)
             raise RuntimeError(f"{stuck} requests never finished: a request too large for a node?")

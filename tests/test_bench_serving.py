@@ -22,7 +22,13 @@ import pytest
 
 from engine.ports import free_port
 from planner.arrivals import LoadConfig, LoadError, arrival_gaps
-from planner.datasets import DatasetConfig, DatasetError, build_sessions, load_sharegpt
+from planner.datasets import (
+    DatasetConfig,
+    DatasetError,
+    build_sessions,
+    build_shapes,
+    load_sharegpt,
+)
 from planner.metrics import SLO, RequestTrace, SLOError, percentile, summarize
 from scripts.serving.client import parse_server_timing
 from scripts.serving.report import document, table, throughput_series, timing_table
@@ -188,6 +194,31 @@ def test_same_seed_same_workload_other_seed_other_workload(name: str) -> None:
     c = build_sessions(DatasetConfig(name, 12, seed=8, range_ratio=0.3))
     assert a == b
     assert a != c
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        DatasetConfig("random", 300, seed=7, input_len=200, output_len=30, range_ratio=0.3),
+        DatasetConfig("random", 40, input_len=64, output_len=8),
+        DatasetConfig(
+            "prefix",
+            301,
+            seed=3,
+            input_len=50,
+            prefix_len=100,
+            range_ratio=0.4,
+            prefix_group_size=7,
+        ),
+        DatasetConfig("prefix", 32, input_len=16, prefix_len=64, prefix_group_size=4),
+    ],
+)
+def test_shapes_without_prompts_are_the_sessions_lengths(config: DatasetConfig) -> None:
+    """The planner takes a random or prefix workload's lengths without making its prompts
+    (planner/datasets.py `SHAPES`): the sessions' lengths and groups, in their order."""
+    sessions = build_sessions(config)
+    expected = [(s.turns[0].prompt_len, s.turns[0].output_len, s.group) for s in sessions]
+    assert build_shapes(config) == expected
 
 
 def test_prefix_groups_share_their_prefix() -> None:
