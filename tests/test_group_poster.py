@@ -25,6 +25,7 @@ from kvtransfer.room import RoomDestination
 from kvtransfer.sender import KVSender
 from prefill_node.group_poster import GroupPoster
 from prefill_node.layer_stream import ChunkPages, ForwardWrites, LayerStreamer, StreamConfig
+from tests.fake_transfer import wait_settled
 from tests.test_kvtransfer import (
     SENTINEL,
     Fill,
@@ -32,7 +33,6 @@ from tests.test_kvtransfer import (
     Target,
     make_initiator,
     spawn_target,
-    wait,
 )
 
 
@@ -212,7 +212,7 @@ def test_nixl_groups_posted_by_the_poster_land_bit_exact(
         event.gate.set()
         engine.poll(own)  # PENDING while the poster holds the engine, never blocked
     streamer.finish()
-    assert wait(engine, own) is TransferState.DONE
+    assert wait_settled(engine, own) is TransferState.DONE
     engine.release(own)
     deadline = time.monotonic() + 30
     while (state := sender.poll()) is TransferState.PENDING and time.monotonic() < deadline:
