@@ -377,8 +377,9 @@ class Node:
         """D: publish a destination for each request at the prealloc queue's head while the pool
         holds its prompt + decode_headroom tokens beside a page per decoding request; only the
         prompt's pages are taken (decode_node/decode_role.py `_admit`)."""
-        if self.waiting or not self.prealloc:  # retracted requests (a decode node's only
-            return  # waiting ones) go first
+        # retracted requests (a decode node's only waiting ones) go first
+        if self.waiting or not self.prealloc:
+            return
         profile = self.sim.profile
         while self.prealloc:
             req = self.prealloc[0]
