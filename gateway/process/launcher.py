@@ -453,7 +453,7 @@ def pd_trio(
             ],
         )
         ids = [
-            node.stub.Health(node_pb2.HealthRequest(), timeout=5).node_id
-            for node in (prefill, decode)
+            server.stub.Health(node_pb2.HealthRequest(), timeout=5).node_id
+            for server in (prefill, decode)
         ]
         yield PDTrio(bootstrap, prefill, decode, ids[0], ids[1])
