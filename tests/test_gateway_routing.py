@@ -204,13 +204,13 @@ def test_sigkill_of_an_idle_prefill_node_moves_traffic(
 def test_a_request_waits_for_the_first_decode_node_with_room(
     default_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Two decode nodes with a cap of one request each: a long stream on the first, a shorter
-    one on the second, and a third request sent while both run. Round robin would send it to
-    the first, behind the long stream; the gateway holds it (gateway/dispatch/decode_line.py) and
-    sends it to the second when that one's stream ends, so it finishes while the long one runs.
-    The long stream is eight times the shorter one (a model of 4,096 positions): at three times,
-    a busy host that started the shorter stream late saw the long one end first. Once the third
-    request is done the long stream is dropped: it must still have been running then."""
+    """Two decode nodes with a cap of one request each, both streaming, and a third request.
+    Round robin would send it to the first node, behind that node's stream; the gateway holds
+    it (gateway/dispatch/decode_line.py) and sends it to the second node once the client of the
+    second stream goes away, so it finishes while the first stream still runs. The streams are
+    endless for a test (4,000 tokens of a model of 4,096 positions) and end when the test drops
+    them: no race between a stream's end and the third request's arrival (one that ended on
+    the node while its client still read its last tokens let the third through unheld)."""
     model = save_tiny_text_model(default_model_dir, tmp_path / "model", positions=4096)
     args = [*GATEWAY_ARGS, "--prefill-policy", "round_robin", "--decode-hold", "30"]
     log = tmp_path / "pd-cluster.log"
@@ -228,9 +228,7 @@ def test_a_request_waits_for_the_first_decode_node_with_room(
             (node,) = [n for n in after if after[n] != before.get(n, 0)]
             return node
 
-        drop = threading.Event()
-
-        def read(chunks: openai.Stream[Completion]) -> str | None:
+        def read(chunks: openai.Stream[Completion], drop: threading.Event) -> str | None:
             """The stream's finish reason; "dropped" if `drop` was set before it ended."""
             reason = None
             for chunk in chunks:
@@ -240,30 +238,35 @@ def test_a_request_waits_for_the_first_decode_node_with_room(
                     return "dropped"
             return reason
 
-        def stream(seed: int, max_tokens: int) -> tuple[Future[str | None], str]:
-            """A streaming request, once its first token came (it holds its node's slot), and
-            the decode node it went to; the future gives its finish reason."""
+        def stream(seed: int) -> tuple[Future[str | None], str, threading.Event]:
+            """An endless streaming request once its first token came (it holds its node's
+            slot), the decode node it went to and the event that drops it; the future gives
+            its finish reason."""
             before = per_node(cluster, requests, "decode")
             chunks = client.completions.create(
-                model=model.name, prompt=_prompt(seed, 40), max_tokens=max_tokens,
+                model=model.name, prompt=_prompt(seed, 40), max_tokens=4000,
                 temperature=0, stream=True, extra_body={"ignore_eos": True},
             )  # fmt: skip
             next(iter(chunks))
-            return pool.submit(read, chunks), routed(before)
+            drop = threading.Event()
+            return pool.submit(read, chunks, drop), routed(before), drop
 
-        long, long_node = stream(1, 2400)
-        short, short_node = stream(2, 300)
-        assert long_node != short_node
-        assert not short.done(), "the shorter stream ended before the third request came"
+        first, first_node, drop_first = stream(1)
+        second, second_node, drop_second = stream(2)
+        assert first_node != second_node
         before = per_node(cluster, requests, "decode")
         third = pool.submit(_complete, client, model.name, _prompt(3, 40))
-        third_node = routed(before)  # held until the shorter stream ended
-        long_ran = not long.done()  # it waited for the shorter stream only
-        assert cluster.metric("pdserve_gateway_decode_hold_seconds_count") == 1
-        assert short.result(30) == "length"
-        assert long_ran
-        assert third_node == short_node  # not round robin's pick: behind the long stream
+        deadline = time.monotonic() + 30
+        while cluster.metric("pdserve_gateway_decode_held") != 1:  # both nodes are at their cap
+            assert time.monotonic() < deadline and not third.done(), "the third was not held"
+            time.sleep(0.02)
+        assert per_node(cluster, requests, "decode") == before  # not sent anywhere yet
+        drop_second.set()
+        assert second.result(30) == "dropped"
+        third_node = routed(before)  # released when the second node's slot came free
+        assert third_node == second_node  # not round robin's pick: behind the first stream
         assert third.result(60).choices[0].finish_reason == "length"
+        assert cluster.metric("pdserve_gateway_decode_hold_seconds_count") == 1
         assert cluster.metric("pdserve_gateway_decode_hold_expired_total") == 0
-        drop.set()
-        assert long.result(30) == "dropped"  # still streaming after the third request
+        drop_first.set()
+        assert first.result(30) == "dropped"  # still streaming after the third request
