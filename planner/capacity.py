@@ -24,8 +24,8 @@ class PlanError(ValueError):
 
 def _shapes(dataset: DatasetConfig) -> tuple[tuple[int, int, int], ...]:
     """(prompt_len, output_len, prefix group) of each of the dataset's sessions. A generated
-    dataset's are kept: the planner simulates one at many rates and splits, and building its
-    token ids each time took a sixth of a decision."""
+    dataset's are kept: the planner simulates one at many rates and splits (a prefix dataset's
+    shapes still draw its token ids, to keep the generator's order)."""
     return _generated_shapes(dataset) if dataset.path is None else _build_shapes(dataset)
 
 
