@@ -6,8 +6,12 @@ A request carries a frozen `SamplingParams` (validated once, at the edge) and ow
 
 Processing order follows HF `generate` and vLLM, on a float32 copy of the logits:
 
-    repetition penalty -> frequency/presence penalties -> temperature -> top-k -> top-p -> min-p
-    -> one draw from the row's own generator
+    logit bias -> min-tokens mask -> grammar mask -> repetition penalty -> frequency/presence
+    penalties -> temperature -> top-k -> top-p -> min-p -> one draw from the row's own generator
+
+`logit_bias` (OpenAI's: token id -> a bias in [-100, 100]) is added to the raw logits of every
+draw; `min_tokens` sets EOS and the stop tokens to -inf until that many tokens were generated,
+except where the grammar allows nothing else (the grammar wins: its document must end).
 
 A row with a grammar (`SamplingParams.grammar`, engine/grammar.py) first has every token its
 grammar forbids set to -inf, so the whole chain above only ever sees allowed tokens; its matcher
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,10 +110,19 @@ class SamplingParams:
     # The logprob of every prompt token after the first and its top-n (None: not computed);
     # the node that prefills computes them, recomputing any cached prefix.
     prompt_logprobs: int | None = None
+    # (token id, bias) pairs sorted by id; a mapping is accepted and normalised.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = fields.MIN_TOKENS.default
 
     def __post_init__(self) -> None:
         self._validate_numbers()
         self._normalise_stops()
+        self._normalise_logit_bias()
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
+                f"got {self.min_tokens}"
+            )
         object.__setattr__(self, "grammar_generated_ids", tuple(self.grammar_generated_ids))
         if self.grammar_generated_ids and self.grammar is None:
             raise ValueError("grammar_generated_ids needs a grammar")
@@ -146,13 +159,31 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
 
+    def _normalise_logit_bias(self) -> None:
+        raw = self.logit_bias
+        pairs = list(raw.items()) if isinstance(raw, Mapping) else list(raw)
+        if len(pairs) > fields.MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias has {len(pairs)} entries; at most {fields.MAX_LOGIT_BIAS}"
+            )
+        for token_id, bias in pairs:
+            if fields.STOP_TOKEN_ID.problem(token_id) is not None:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id!r}")
+            problem = fields.LOGIT_BIAS.problem(bias)
+            if problem is not None:
+                raise ValueError(f"logit_bias[{token_id}] {problem}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), b) for t, b in pairs)))
+
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise ValueError if a stop token id cannot occur in a vocabulary of this size."""
-        for token_id in self.stop_token_ids:
-            if token_id >= vocab_size:
-                raise ValueError(
-                    f"stop_token_ids must be < vocab_size {vocab_size}, got {token_id}"
-                )
+        """Raise ValueError if a stop or biased token id cannot occur in a vocabulary of this
+        size."""
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+        ):
+            for token_id in ids:
+                if token_id >= vocab_size:
+                    raise ValueError(f"{name} must be < vocab_size {vocab_size}, got {token_id}")
 
     @property
     def is_greedy(self) -> bool:
@@ -183,6 +214,7 @@ class RequestSampler:
         vocab_size: int,
         device: torch.device | str,
         grammar: RequestGrammar | None = None,
+        eos_ids: Sequence[int] = (),
     ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -206,6 +238,19 @@ class RequestSampler:
                 self._seen_mask[self._token_tensor(prompt_ids)] = True
         if params.has_output_penalties:
             self._output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        if params.logit_bias:
+            ids, biases = zip(*params.logit_bias, strict=True)
+            self._bias = (
+                torch.tensor(ids, dtype=torch.long, device=self.device),
+                torch.tensor(biases, dtype=torch.float32, device=self.device),
+            )
+        # Masked until min_tokens: EOS (unless ignored) and the stop tokens.
+        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        ends = {t for t in ends if t < vocab_size}
+        self._ends: torch.Tensor | None = None
+        if params.min_tokens > 0 and ends:
+            self._ends = torch.tensor(sorted(ends), dtype=torch.long, device=self.device)
 
     def _token_tensor(self, token_ids: Sequence[int]) -> torch.Tensor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -218,9 +263,20 @@ class RequestSampler:
         return self._seen_mask is not None or self._output_counts is not None
 
     @property
+    def masks_ends(self) -> bool:
+        """True while `min_tokens` keeps EOS and the stop tokens from being drawn."""
+        return self._ends is not None and len(self.output_token_ids) < self.params.min_tokens
+
+    @property
     def needs_processing(self) -> bool:
         """False when this row's token is plain argmax of the raw logits."""
-        return self.has_penalties or not self.params.is_greedy or self.grammar is not None
+        return (
+            self.has_penalties
+            or not self.params.is_greedy
+            or self.grammar is not None
+            or self._bias is not None
+            or self.masks_ends
+        )
 
     @property
     def grammar_done(self) -> bool:
@@ -259,6 +315,23 @@ class RequestSampler:
         self.generator.manual_seed(position_seed(self.seed, self.position))
         row.exponential_(generator=self.generator)
         self.position += 1
+
+    def apply_bias(self, row_logits: torch.Tensor) -> None:
+        """`logit_bias` added to this request's `[V]` float logits, in place."""
+        if self._bias is not None:
+            ids, biases = self._bias
+            row_logits.index_add_(0, ids, biases)
+
+    def mask_ends(self, row_logits: torch.Tensor) -> None:
+        """EOS and the stop tokens to -inf while `min_tokens` is not reached, unless nothing
+        else is left (a grammar that must end now)."""
+        if not self.masks_ends:
+            return
+        assert self._ends is not None
+        kept = row_logits[self._ends].clone()
+        row_logits[self._ends] = -math.inf
+        if self.grammar is not None and not bool(torch.isfinite(row_logits).any()):
+            row_logits[self._ends] = kept
 
     def apply_penalties(self, row_logits: torch.Tensor) -> None:
         """Penalise this request's `[V]` float logits in place (no-op without penalties)."""
@@ -359,9 +432,12 @@ def _check_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> No
 def _sample_processed(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> torch.Tensor:
     """The general path: penalties for every row, then warpers and a draw for non-greedy rows."""
     logits = logits.to(torch.float32, copy=True)
+    for row, sampler in enumerate(samplers):
+        sampler.apply_bias(logits[row])
     if any(s.grammar is not None for s in samplers):
         apply_grammar_masks(logits, [s.grammar for s in samplers])
     for row, sampler in enumerate(samplers):
+        sampler.mask_ends(logits[row])
         if sampler.has_penalties:
             sampler.apply_penalties(logits[row])
     chosen = row_argmax(logits)

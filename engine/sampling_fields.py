@@ -100,6 +100,11 @@ TOP_LOGPROBS = NumberField[int]("top_logprobs", int, 0, minimum=0, maximum=MAX_T
 PROMPT_LOGPROBS = NumberField[int]("prompt_logprobs", int, 0, minimum=0, maximum=MAX_TOP_LOGPROBS)
 # One item of `stop_token_ids` (at most MAX_STOP_TOKEN_IDS of them).
 STOP_TOKEN_ID = NumberField[int]("stop_token_ids", int, 0, minimum=0, maximum=INT32_MAX)
+# EOS and stop tokens masked, and stop strings not matched, until this many output tokens.
+MIN_TOKENS = NumberField[int]("min_tokens", int, 0, minimum=0, maximum=INT32_MAX)
+# One value of `logit_bias` (token id -> bias, at most MAX_LOGIT_BIAS entries), OpenAI's range.
+LOGIT_BIAS = NumberField[float]("logit_bias", float, 0.0, minimum=-100, maximum=100)
+MAX_LOGIT_BIAS = 1024
 
 NUMBER_FIELDS: tuple[NumberField[int] | NumberField[float] | NumberField[int | None], ...] = (
     MAX_NEW_TOKENS,
@@ -112,4 +117,5 @@ NUMBER_FIELDS: tuple[NumberField[int] | NumberField[float] | NumberField[int | N
     PRESENCE_PENALTY,
     SEED,
     TOP_LOGPROBS,
+    MIN_TOKENS,
 )

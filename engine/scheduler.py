@@ -193,7 +193,9 @@ class Scheduler:
                 raise ValueError("grammar generated_ids must equal the end of input_ids")
             for token_id in params.grammar_generated_ids:
                 grammar.accept(token_id)  # GrammarViolation (a ValueError) names the token
-        return RequestSampler(params, prompt_ids, vocab, self.runner.device, grammar)
+        return RequestSampler(
+            params, prompt_ids, vocab, self.runner.device, grammar, tuple(self.eos_ids)
+        )
 
     def add_request(self, req: Req) -> None:
         self.validate_prompt(req.prompt_ids)
@@ -431,7 +433,11 @@ class Scheduler:
             self._finish(req, FinishReason.LENGTH)
         elif req.seq_len >= self.runner.context_length:
             self._finish(req, FinishReason.LENGTH, detail="context length reached")
-        elif params.stop and self.stop_checker is not None:
+        elif (
+            params.stop
+            and self.stop_checker is not None
+            and len(req.output_ids) >= params.min_tokens
+        ):
             matched = self.stop_checker(req)
             if matched is not None:
                 self._finish(req, FinishReason.STOP, detail=matched)

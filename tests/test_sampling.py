@@ -17,7 +17,12 @@ from engine.sampling import (
     _warp_logits,
     sample_batch,
 )
-from engine.sampling_fields import INT32_MAX, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
+from engine.sampling_fields import (
+    INT32_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+)
 
 CPU = torch.device("cpu")
 IDS = f"in [0, {INT32_MAX}]"
@@ -73,6 +78,16 @@ def random_logits(rows: int, vocab_size: int, seed: int, scale: float = 3.0) -> 
             "stop_token_ids",
             [1] * (MAX_STOP_TOKEN_IDS + 1),
             f"stop_token_ids has 65 items; at most {MAX_STOP_TOKEN_IDS}",
+        ),
+        ("min_tokens", -1, f"min_tokens must be in [0, {INT32_MAX}], got -1"),
+        ("min_tokens", 200, "min_tokens must be <= max_new_tokens (128), got 200"),
+        ("logit_bias", {3: 101.0}, "logit_bias[3] must be in [-100, 100], got 101.0"),
+        ("logit_bias", {3: math.nan}, "logit_bias[3] must be a finite number, got nan"),
+        ("logit_bias", {-3: 1.0}, "logit_bias keys must be token ids >= 0, got -3"),
+        (
+            "logit_bias",
+            {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)},
+            f"logit_bias has {MAX_LOGIT_BIAS + 1} entries; at most {MAX_LOGIT_BIAS}",
         ),
     ],
 )
@@ -502,3 +517,48 @@ def test_a_stop_string_across_a_migration_matches() -> None:
     req.output_ids.append(ord("D"))
     sampler.observe(ord("D"))
     assert checker(req) == "END"
+
+
+# --- logit_bias and min_tokens ---------------------------------------------------------------
+
+
+def test_logit_bias_is_added_to_the_logits_of_every_draw() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0]])
+    sampler = make_sampler(4, temperature=0.0, logit_bias={2: 1.75, 0: -100.0})
+    assert sampler.params.logit_bias == ((0, -100.0), (2, 1.75))
+    assert sampler.needs_processing  # not plain argmax: a CUDA graph must not pick it
+    for _ in range(3):
+        assert sample_batch(logits, [sampler]).token_ids == [2]
+    # seeded draws see the biased distribution: a -100 bias leaves token 0 almost never drawn
+    seeded = make_sampler(4, seed=7, logit_bias={0: -100.0})
+    drawn = {sample_batch(logits, [seeded]).token_ids[0] for _ in range(200)}
+    assert 0 not in drawn and drawn == {1, 2, 3}
+
+
+def test_logit_bias_out_of_the_vocabulary_is_refused() -> None:
+    with pytest.raises(ValueError, match="logit_bias must be < vocab_size 4, got 9"):
+        make_sampler(4, logit_bias={9: 1.0})
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached(ignore_eos: bool) -> None:
+    eos, stop = 0, 3
+    logits = torch.tensor([[5.0, 1.0, 0.5, 4.0]])
+    params = SamplingParams(
+        temperature=0.0, min_tokens=3, stop_token_ids=(stop,), ignore_eos=ignore_eos
+    )
+    sampler = RequestSampler(params, (), 4, CPU, eos_ids=(eos,))
+    drawn = [sample_batch(logits, [sampler]).token_ids[0] for _ in range(4)]
+    # three draws may not end the request, then EOS (the best logit) is back; with ignore_eos,
+    # EOS ends nothing and is never masked
+    assert drawn == ([eos] * 4 if ignore_eos else [1, 1, 1, eos])
+    assert not sampler.masks_ends and not sampler.needs_processing
+
+
+def test_min_tokens_counts_tokens_generated_before_a_migration() -> None:
+    params = SamplingParams(temperature=0.0, min_tokens=3)
+    sampler = RequestSampler(params, (5, 6), 8, CPU, eos_ids=(0,))
+    sampler.resume([1, 2])  # generated on another node: one more token must not be EOS
+    logits = torch.tensor([[9.0, 1.0, 0, 0, 0, 0, 0, 0]])
+    assert sample_batch(logits, [sampler]).token_ids == [1]
+    assert sample_batch(logits, [sampler]).token_ids == [0]

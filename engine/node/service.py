@@ -47,6 +47,8 @@ def sampling_from_proto(msg: node_pb2.SamplingParams) -> SamplingParams:
                 kwargs[name] = GrammarSpec(msg.grammar.kind, msg.grammar.spec)
         elif name == "grammar_generated_ids":
             kwargs[name] = tuple(msg.grammar.generated_ids)
+        elif name == "logit_bias":
+            kwargs[name] = dict(msg.logit_bias)
         elif msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
@@ -64,6 +66,8 @@ def sampling_to_proto(params: SamplingParams) -> node_pb2.SamplingParams:
         elif name == "grammar_generated_ids":
             if value:
                 msg.grammar.generated_ids.extend(value)
+        elif name == "logit_bias":
+            msg.logit_bias.update(dict(value))
         elif value is not None:
             setattr(msg, name, value)
     return msg
