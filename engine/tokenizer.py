@@ -38,9 +38,10 @@ class StopStringChecker:
         # The sampler's output: `output_ids` plus, for a request migrated from another node,
         # the tokens it generated there (they end its prompt here), so a stop string across
         # the move still matches.
-        tail = self.tokenizer.decode(
-            req.sampler.output_token_ids[-_STOP_WINDOW_TOKENS:], skip_special_tokens=True
-        )
+        # Text of the first min_tokens tokens is not searched (the gateway does the same).
+        ids = req.sampler.output_token_ids
+        start = max(len(ids) - _STOP_WINDOW_TOKENS, req.params.min_tokens)
+        tail = self.tokenizer.decode(ids[start:], skip_special_tokens=True)
         for stop in req.params.stop:
             if stop in tail:
                 return stop

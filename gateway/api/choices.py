@@ -30,6 +30,9 @@ class ChoiceJob:
     prompt_ids: list[int]
     sampling: node_pb2.SamplingParams
     echo_text: str = ""  # completions with `echo`: the prompt, sent before the completion
+    # `max_tokens: 0` with `echo`: the prompt is scored (its logprobs come from the forward
+    # that draws one token); that token is not answered and not counted.
+    score_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,13 +78,17 @@ class PendingTokens:
     Without stop strings the text is decoded once per event (one detokenizer call for the whole
     batch). With stop strings every node chunk is decoded and trimmed as it comes, so a stop
     string ends the choice after exactly the chunk it appeared in, whatever the interval: the
-    token ids then equal those of interval 1 too.
+    token ids then equal those of interval 1 too. The text of the first `min_tokens` tokens is
+    not searched for stop strings, as the node does not stop there.
     """
 
-    def __init__(self, detokenizer: IncrementalDetokenizer, trimmer: StopTrimmer) -> None:
+    def __init__(
+        self, detokenizer: IncrementalDetokenizer, trimmer: StopTrimmer, min_tokens: int = 0
+    ) -> None:
         self.detokenizer = detokenizer
         self.trimmer = trimmer
         self.per_chunk = bool(trimmer.stops)
+        self.unmatched = min_tokens  # tokens still before min_tokens
         self.token_ids: list[int] = []
         self.logprobs: list[node_pb2.TokenLogprobs] = []
         self.text = ""
@@ -95,7 +102,13 @@ class PendingTokens:
         if chunk.logprobs:
             self.logprobs.extend(chunk.logprobs)
         if self.per_chunk:
-            self.text += self.trimmer.push(self.detokenizer.push(chunk.token_ids))
+            ids = list(chunk.token_ids)
+            if self.unmatched:
+                head, ids = ids[: self.unmatched], ids[self.unmatched :]
+                self.unmatched -= len(head)
+                self.text += self.detokenizer.push(head)
+            if ids:
+                self.text += self.trimmer.push(self.detokenizer.push(ids))
 
     def add_ids(self, token_ids: list[int]) -> None:
         """`add` for a chunk of a choice that `lane_takes` (no logprobs, no stop strings)."""
@@ -135,7 +148,9 @@ async def choice_events(
     it: `pending` then also fills from the lane, and the end takes whatever it left pending."""
     if job.echo_text:
         yield ChoiceEvent(job.index, job.echo_text)
-    pending = PendingTokens(codec.detokenizer(job.prompt_ids), StopTrimmer(job.sampling.stop))
+    pending = PendingTokens(
+        codec.detokenizer(job.prompt_ids), StopTrimmer(job.sampling.stop), job.sampling.min_tokens
+    )
     generation = dispatcher.generation(job.prompt_ids, job.sampling, f"{rid}-{job.index}", lane)
 
     def lane_event(token_ids: list[int]) -> ChoiceEvent | None:
@@ -146,7 +161,7 @@ async def choice_events(
     try:
         async with contextlib.aclosing(aiter(generation)) as chunks:
             async for chunk in chunks:
-                if pending.stopped:
+                if pending.stopped or job.score_only:
                     continue  # the text ended at a stop string; the node stops right after
                 pending.add(chunk)
                 if first or pending.stopped or len(pending.token_ids) >= interval:
@@ -159,12 +174,12 @@ async def choice_events(
             lane.event = None
     finished = generation.finished
     assert finished is not None
-    stopped = pending.stopped or finished.finish_reason == "stop"
+    stopped = not job.score_only and (pending.stopped or finished.finish_reason == "stop")
     end = ChoiceEnd(
         reason="stop" if stopped else "length",
         matched=pending.trimmer.stopped or finished.detail,
         prompt_tokens=len(job.prompt_ids),
-        completion_tokens=finished.usage.completion_tokens,
+        completion_tokens=0 if job.score_only else finished.usage.completion_tokens,
         cached_tokens=generation.cached_tokens,
         timeline=generation.timeline,
         cache_node=generation.cache_node,

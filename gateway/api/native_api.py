@@ -43,6 +43,7 @@ class NativeHandler(APIHandlers):
     async def generate(self, body: dict[str, Any]) -> Payload:
         self.encoder.bounds.native_body(body)
         req = parse_native(body, self.limits)
+        req.sampling.check_vocab(self.codec.vocab_size)
         param = "text" if isinstance(req.prompt, str) else "input_ids"
         ids = await self.encoder.prompt(req.prompt, param)
         budget = token_budget(

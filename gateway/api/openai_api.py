@@ -163,24 +163,23 @@ class OpenAIHandlers(APIHandlers):
     async def completions(self, body: dict[str, Any]) -> Payload:
         self.encoder.bounds.completion_body(body)
         req = parse_completion(body, self.model.served_name, self.limits)
+        req.sampling.check_vocab(self.codec.vocab_size)
+        # scoring a prompt draws one token (its forward gives the prompt's logprobs), unanswered
+        requested = 1 if req.score_only else req.sampling.max_tokens
         jobs: list[ChoiceJob] = []
         prompt_tokens = 0
         for p_index, prompt in enumerate(req.prompts):
             ids = await self.encoder.prompt(prompt)
             prompt_tokens += len(ids)
             budget = token_budget(
-                self.model,
-                len(ids),
-                req.sampling.max_tokens,
-                COMPLETIONS_DEFAULT_MAX_TOKENS,
-                "prompt",
+                self.model, len(ids), requested, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt"
             )
             echo = (
                 (prompt if isinstance(prompt, str) else self.codec.decode(ids)) if req.echo else ""
             )
             for c in range(req.n):
                 sampling = req.sampling.to_proto(budget, c)
-                jobs.append(ChoiceJob(p_index * req.n + c, ids, sampling, echo))
+                jobs.append(ChoiceJob(p_index * req.n + c, ids, sampling, echo, req.score_only))
         rid = "cmpl-" + secrets.token_hex(12)
         lane = self._lane(jobs, req.stream)
         streams = self._run(jobs, rid, req.stream, lane)
@@ -211,6 +210,7 @@ class OpenAIHandlers(APIHandlers):
     async def chat(self, body: dict[str, Any]) -> Payload:
         self.encoder.bounds.chat_body(body)
         req = parse_chat(body, self.model.served_name, self.limits)
+        req.sampling.check_vocab(self.codec.vocab_size)
         ids = await self.encoder.chat(req.messages, req.tools)
         default = self.limits.defaults.chat_max_tokens
         budget = token_budget(self.model, len(ids), req.sampling.max_tokens, default, "messages")
@@ -224,7 +224,9 @@ class OpenAIHandlers(APIHandlers):
                 events = await primed(merge(streams))
                 if tool_calls:
                     assert req.tools is not None
-                    return self._tool_stream(events, rid, req.tools, req.include_usage, len(ids))
+                    return self._tool_stream(
+                        events, rid, req.tools, req.include_usage, len(ids), req.functions
+                    )
                 frames = self._chat_stream(events, rid, req.n, req.include_usage, len(ids), lane)
                 return frames if lane is None else LaneFrames(frames, lane)
             results = await collect(streams)
@@ -233,7 +235,9 @@ class OpenAIHandlers(APIHandlers):
             "choices": [
                 {
                     "index": r.index,
-                    **self._chat_answer(r.text, r.end.reason if r.end else None, req.tools),
+                    **self._chat_answer(
+                        r.text, r.end.reason if r.end else None, req.tools, req.functions
+                    ),
                     "logprobs": self._chat_logprobs(r.token_ids, r.logprobs, req.sampling),
                 }
                 for r in results
@@ -362,8 +366,11 @@ class OpenAIHandlers(APIHandlers):
 
     # -- tool calls -------------------------------------------------------------------------
 
-    def _chat_answer(self, text: str, finish: str | None, tools: ToolSpec | None) -> dict[str, Any]:
-        """`message` and `finish_reason` of a chat choice: its tool calls parsed out, if any."""
+    def _chat_answer(
+        self, text: str, finish: str | None, tools: ToolSpec | None, functions: bool = False
+    ) -> dict[str, Any]:
+        """`message` and `finish_reason` of a chat choice: its tool calls parsed out, if any
+        (for the deprecated `functions`: its one call as `function_call`)."""
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tools is None or not tools.parses_calls:
             return {"message": message, "finish_reason": finish}
@@ -373,6 +380,10 @@ class OpenAIHandlers(APIHandlers):
             return {"message": message, "finish_reason": finish}
         if not tools.parallel:
             calls = calls[:1]
+        if functions:
+            call = {"name": calls[0].name, "arguments": calls[0].arguments}
+            message = {"role": "assistant", "content": content or None, "function_call": call}
+            return {"message": message, "finish_reason": "function_call"}
         message = {
             "role": "assistant",
             "content": content or None,
@@ -391,9 +402,11 @@ class OpenAIHandlers(APIHandlers):
         tools: ToolSpec,
         include_usage: bool,
         prompt_tokens: int,
+        functions: bool = False,
     ) -> AsyncGenerator[bytes, None]:
         """A chat stream whose choices may be tool calls: each choice's text is held until it
-        ends, then sent as its content or as `tool_calls` deltas (OpenAI's chunk shape)."""
+        ends, then sent as its content or as `tool_calls` (`function_call`) deltas (OpenAI's
+        chunk shape)."""
         header = self._header(rid, "chat.completion.chunk")
         if include_usage:
             header["usage"] = None
@@ -407,9 +420,12 @@ class OpenAIHandlers(APIHandlers):
                     if event.end is None:
                         continue
                     ends.append(event.end)
-                    answer = self._chat_answer(texts[event.index], event.end.reason, tools)
+                    text = texts[event.index]
+                    answer = self._chat_answer(text, event.end.reason, tools, functions)
                     message = answer["message"]
                     delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+                    if "function_call" in message:
+                        delta["function_call"] = message["function_call"]
                     if "tool_calls" in message:
                         delta["tool_calls"] = [
                             {"index": i, **call} for i, call in enumerate(message["tool_calls"])

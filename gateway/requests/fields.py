@@ -6,8 +6,8 @@
   per alternative;
 - `validation_error`: pydantic's first error as an `APIError` naming the field as clients write
   it (`messages[0].role`) and what it must be: `` `top_p` must be a finite number in (0, 1],
-  got 0 ``. A field's `description` says what a valid value is, so the published schema and the
-  error message say the same thing.
+  got 0 ``; a field no model declares is named as such. A field's `description` says what a
+  valid value is, so the published schema and the error message say the same thing.
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ _SHOWN_CHARS = 60  # of the offending value, quoted in the message
 
 
 class RequestModel(BaseModel):
-    """The base of every request body model: strict JSON types, unknown fields ignored."""
+    """The base of every request body model: strict JSON types, and no field that is not
+    declared (a field the server would ignore answers 400 naming it)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
 def number(spec: NumberField[Any], *, default: Any = ...) -> Any:
@@ -92,10 +93,22 @@ def validation_error(exc: ValidationError, model: type[BaseModel]) -> APIError:
     """A 400 for the first error: the field's path as `param`, what it must be as the text."""
     error = exc.errors(include_url=False)[0]
     loc = error["loc"]
+    if loc and loc[-1] == "[key]":  # an object's key (logit_bias: token ids as strings)
+        param, parent = _path(loc[:-1]), _path(loc[:-2])
+        info = _field_at(model, loc[:-2])
+        rule = info.description if info and info.description else "see GET /openapi.json"
+        return bad_request(param, f"`{param}` is not a valid key of `{parent}`, {rule}")
     param = _path(loc)
     info = _field_at(model, loc)
     # A field's description is about the field itself, not about one item of its list.
     description = info.description if info and loc and isinstance(loc[-1], str) else None
+    if error["type"] == "extra_forbidden":
+        return bad_request(
+            param,
+            f"`{param}` is not a field of this request (this server would not use it): leave it "
+            "out; GET /openapi.json lists every field",
+            code="unknown_field",
+        )
     if error["type"] == "missing":
         hint = f": {description}" if description else ""
         return bad_request(param, f"`{param}` is required{hint}")

@@ -12,8 +12,15 @@ at `GET /openapi.json`. The sampling fields' ranges and defaults come from the e
 (`engine/sampling_fields.py`); a bad field answers 400 naming it (gateway/requests/fields.py). What
 a model cannot know is checked after it, at run time: the served model's name, this gateway's
 flags (`--max-n`, stop-string limits; the context length in openai_api.py), and rules that
-tie two fields together. Unknown fields are ignored, except those in `_UNSUPPORTED`, which
-would change the answer.
+tie two fields together.
+
+Nothing is accepted and ignored: a field no model declares answers 400 naming it, and the
+OpenAI fields this server does not implement (`REFUSED`) answer 400 with the reason. Other
+servers' names for the same things are taken as aliases: vLLM's `guided_json`,
+`guided_regex`, `guided_choice` and `guided_grammar` (the structured-output path), NVIDIA's
+`nvext.ignore_eos`, and the deprecated `functions` / `function_call` (tools, answered as
+`function_call` the way those clients read it). `tests/test_gateway_units.py` walks every
+declared field and shows that it changes the parsed request, or is one of `NO_EFFECT`'s.
 
 The bodies and parsing of `response_format`, `tools` / `tool_choice` and /generate's grammars
 live in `gateway/requests/structured.py`; they add a grammar (engine/grammar_spec.py) to the
@@ -27,6 +34,7 @@ them: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar, cast
@@ -40,10 +48,16 @@ from gateway.errors import APIError, bad_request
 from gateway.requests.fields import ONE_OF, number, validation_error
 from gateway.requests.fields import RequestModel as _Body
 from gateway.requests.structured import (
+    FunctionBody,
+    FunctionCallBody,
+    NamedFunction,
     NamedToolChoice,
     ResponseFormat,
     ToolBody,
     ToolCallBody,
+    choice_grammar,
+    grammar_field,
+    json_schema_field,
     native_grammar,
     parse_tools,
     response_format_grammar,
@@ -51,8 +65,30 @@ from gateway.requests.structured import (
 from gateway.requests.tools import ToolCall, ToolSpec
 from proto import node_pb2
 
-# Fields that would change what the client gets, which this server does not implement.
-_UNSUPPORTED = ("logit_bias", "functions", "suffix", "audio", "prediction")
+# OpenAI fields this server does not implement; a non-empty value answers 400 with the reason.
+REFUSED = {
+    "suffix": "text after the completion (insertion) is not supported",
+    "audio": "audio output is not supported: this server answers in text",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "the served model has no reasoning setting",
+    "web_search_options": "web search is not supported",
+    "verbosity": "the served model has no verbosity setting",
+    "metadata": "chat completions are not stored here, so there is nothing to attach it to",
+    "prompt_cache_key": "prefixes are cached and routed to without a key here",
+    "guided_decoding_backend": "the grammar backend is the node's (xgrammar)",
+    "guided_whitespace_pattern": "JSON whitespace follows the grammar backend's default",
+}
+# Declared, and by their definition without effect on any answer: an end-user identifier that
+# OpenAI uses for abuse monitoring, and the one service tier this server has.
+NO_EFFECT = {
+    "user": "identifies the end user for the provider's monitoring; changes no answer",
+    "safety_identifier": "identifies the end user for the provider's monitoring",
+    "service_tier": "'auto' and 'default' are the one tier this server has",
+    "store": "false: chat completions are never stored here",
+    "modalities": "['text']: the one output this server has",
+    "response_format.json_schema.strict": "the output is always held to the schema, which "
+    "true and false both allow",
+}
 # Sent to the node as given (null: the table's default).
 _NODE_NUMBERS = (
     table.TEMPERATURE,
@@ -69,6 +105,12 @@ Prompt = str | tuple[int, ...]
 TokenId = Annotated[int, Field(ge=0, le=table.INT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+# A token id as a JSON object key ("31").
+TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]
+Bias = Annotated[
+    float,
+    Field(ge=table.LOGIT_BIAS.minimum, le=table.LOGIT_BIAS.maximum, allow_inf_nan=False),
+]
 
 
 class SamplingFields(_Body):
@@ -91,10 +133,28 @@ class SamplingFields(_Body):
         description=f"a list of at most {table.MAX_STOP_TOKEN_IDS} token ids",
     )
     ignore_eos: bool | None = None
+    min_tokens: int | None = number(table.MIN_TOKENS, default=None)
+    logit_bias: (
+        Annotated[
+            dict[TokenIdKey, Bias],
+            Field(max_length=table.MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = Field(
+        default=None,
+        description=f"an object of at most {table.MAX_LOGIT_BIAS} token ids (as strings) to a "
+        "bias in [-100, 100], added to their logits before every draw",
+    )
 
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+
+
+class NvExt(_Body):
+    """NVIDIA's extension object (sent by its load generators)."""
+
+    ignore_eos: bool | None = None
 
 
 class _OpenAIBody(SamplingFields):
@@ -105,6 +165,26 @@ class _OpenAIBody(SamplingFields):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     max_tokens: int | None = number(table.MAX_NEW_TOKENS, default=None)
+    user: str | None = Field(default=None, description=NO_EFFECT["user"])
+    safety_identifier: str | None = Field(default=None, description=NO_EFFECT["safety_identifier"])
+    service_tier: Literal["auto", "default"] | None = Field(
+        default=None, description="'auto' or 'default' (this server's one tier)"
+    )
+    store: Literal[False] | None = Field(
+        default=None, description="false (chat completions are not stored here)"
+    )
+    # vLLM's names for structured output: at most one of them, and not with `response_format`
+    guided_json: Annotated[str | dict[str, Any] | None, ONE_OF] = Field(
+        default=None, description="a JSON Schema, as an object or as JSON text"
+    )
+    guided_regex: NonEmptyStr | None = Field(default=None, description="a regular expression")
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = Field(
+        default=None, description="a non-empty list of non-empty strings: the answer is one"
+    )
+    guided_grammar: NonEmptyStr | None = Field(
+        default=None, description="an EBNF grammar (root rule)"
+    )
+    nvext: NvExt | None = None
 
 
 class CompletionBody(_OpenAIBody):
@@ -116,6 +196,9 @@ class CompletionBody(_OpenAIBody):
     )
     echo: bool | None = None
     logprobs: int | None = number(table.TOP_LOGPROBS, default=None)
+    max_tokens: int | None = Field(
+        default=None, ge=0, description="an integer >= 0 (0 only with `echo`: the prompt scored)"
+    )
 
 
 class TextPart(_Body):
@@ -124,7 +207,7 @@ class TextPart(_Body):
 
 
 class MessageBody(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     # null only for an assistant message; checked in `_message`
     content: Annotated[str | list[TextPart] | None, ONE_OF] = Field(
         default=None, description="a string or a list of text parts ({type: text, text})"
@@ -133,6 +216,9 @@ class MessageBody(_Body):
         default=None, description="an assistant message's calls ({id, type, function})"
     )
     tool_call_id: str | None = Field(default=None, description="a tool message's call id")
+    # the deprecated function-calling form: an assistant's call, a function message's name
+    function_call: FunctionCallBody | None = None
+    name: str | None = Field(default=None, description="a function message's function name")
 
 
 class ChatBody(_OpenAIBody):
@@ -152,6 +238,16 @@ class ChatBody(_OpenAIBody):
         )
     )
     parallel_tool_calls: bool | None = None
+    # deprecated: `tools` and `tool_choice` before they existed, answered in their shape
+    functions: list[FunctionBody] | None = Field(
+        default=None, min_length=1, max_length=128, description="functions the model may call"
+    )
+    function_call: Annotated[Literal["none", "auto"] | NamedFunction | None, ONE_OF] = Field(
+        default=None, description="'none', 'auto' or {name}"
+    )
+    modalities: list[Literal["text"]] | None = Field(
+        default=None, description="['text'] (this server's one output)"
+    )
 
 
 class NativeSamplingFields(SamplingFields):
@@ -193,6 +289,15 @@ class SamplingOptions:
     grammar_param: str | None = None  # the request field it came from, for the node's refusal
     prompt_logprobs: int | None = None  # top-n of each prompt token (None: not computed)
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """400 naming a `logit_bias` key that is no token of the vocabulary."""
+        for key in self.fields.logit_bias or {}:
+            if int(key) >= vocab_size:
+                raise bad_request(
+                    f"logit_bias.{key}",
+                    f"`logit_bias` names token {key}; the vocabulary has {vocab_size} tokens",
+                )
+
     def to_proto(self, max_new_tokens: int, choice: int = 0) -> node_pb2.SamplingParams:
         msg = node_pb2.SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -202,6 +307,17 @@ class SamplingOptions:
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs,
         )
+        min_tokens = self.fields.min_tokens or 0
+        if min_tokens > max_new_tokens:
+            raise bad_request(
+                "min_tokens",
+                f"`min_tokens` ({min_tokens}) must be <= the tokens this request may generate "
+                f"({max_new_tokens})",
+            )
+        if min_tokens:
+            msg.min_tokens = min_tokens
+        if self.fields.logit_bias:
+            msg.logit_bias.update({int(k): v for k, v in self.fields.logit_bias.items()})
         for spec in _NODE_NUMBERS:
             value = getattr(self.fields, spec.name)
             if value is not None:
@@ -232,6 +348,11 @@ class CompletionRequest:
     include_usage: bool
     echo: bool
 
+    @property
+    def score_only(self) -> bool:
+        """`max_tokens: 0` with `echo`: the prompt, scored, and nothing generated."""
+        return self.sampling.max_tokens == 0
+
 
 @dataclass(frozen=True)
 class ChatRequest:
@@ -241,6 +362,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     tools: ToolSpec | None = None  # None: no tools given
+    functions: bool = False  # given as the deprecated `functions`: answered as `function_call`
 
 
 @dataclass(frozen=True)
@@ -260,12 +382,16 @@ def parse_completion(
         raise bad_request(
             "stream", "`echo` with `logprobs` is answered whole: leave `stream` out for it"
         )
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request(
+            "max_tokens", "`max_tokens: 0` generates nothing: it needs `echo` (to score the prompt)"
+        )
     n = _choices(req, limits)
     prompts = _prompts(req.prompt)
     if len(prompts) * n > limits.max_n:
         raise too_many_prompts(len(prompts), n, limits.max_n)
     sampling = _sampling(req, limits, n, req.max_tokens, top is not None, top or 0)
-    sampling = with_grammar(sampling, *response_format_grammar(req.response_format))
+    sampling = with_grammar(sampling, *_output_grammar(req))
     if req.echo and top is not None:  # the prompt's tokens get logprobs too
         sampling = replace(sampling, prompt_logprobs=top)
     stream, include_usage = _stream(req)
@@ -286,17 +412,77 @@ def parse_chat(body: Mapping[str, Any], served: str, limits: LimitsConfig) -> Ch
         max_tokens = req.max_tokens
     n = _choices(req, limits)
     sampling = _sampling(req, limits, n, max_tokens, bool(req.logprobs), top)
-    sampling = with_grammar(sampling, *response_format_grammar(req.response_format))
-    tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    sampling = with_grammar(sampling, *_output_grammar(req))
+    tools = _chat_tools(req)
     if tools is not None and tools.forced:
         if sampling.grammar is not None:
             raise bad_request(
-                "tool_choice", "a forced `tool_choice` cannot be combined with `response_format`"
+                "tool_choice",
+                f"a forced `tool_choice` cannot be combined with `{sampling.grammar_param}`",
             )
         sampling = with_grammar(sampling, tools.grammar(), "tools")
     stream, include_usage = _stream(req)
     messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
-    return ChatRequest(messages, sampling, n, stream, include_usage, tools)
+    return ChatRequest(
+        messages, sampling, n, stream, include_usage, tools, req.functions is not None
+    )
+
+
+def _chat_tools(req: ChatBody) -> ToolSpec | None:
+    """`tools` / `tool_choice`, or the deprecated `functions` / `function_call` (one call)."""
+    if req.functions is None:
+        if req.function_call is not None:
+            raise bad_request("function_call", "`function_call` needs `functions`")
+        return parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    for name in ("tools", "tool_choice"):
+        if getattr(req, name) is not None:
+            raise bad_request(
+                name,
+                f"give `tools` and `tool_choice`, or the deprecated `functions` and "
+                f"`function_call`, not both (`{name}` with `functions`)",
+            )
+    tools = [ToolBody(type="function", function=f) for f in req.functions]
+    call = req.function_call
+    choice: Literal["none", "auto"] | NamedToolChoice | None = (
+        NamedToolChoice(type="function", function=call) if isinstance(call, NamedFunction)
+        else call
+    )  # fmt: skip
+    try:
+        return parse_tools(tools, choice, parallel_tool_calls=False)
+    except APIError as exc:  # worded for `tools`: name the fields the client sent
+        param, message = _legacy_names(exc.param or "functions"), _legacy_names(exc.message)
+        raise bad_request(param, message) from None
+
+
+def _legacy_names(text: str) -> str:
+    """`tools[0].function.parameters` -> `functions[0].parameters`, `tool_choice` ->
+    `function_call`: an error about the tools in the deprecated fields' names."""
+    text = re.sub(r"\btools(\[\d+\])\.function\.", r"functions\1.", text)
+    text = re.sub(r"\btool_choice(\.function)?\b", "function_call", text)
+    return re.sub(r"\btools\b", "functions", text)
+
+
+def _output_grammar(req: _OpenAIBody) -> tuple[GrammarSpec | None, str | None]:
+    """`response_format`, or one of vLLM's `guided_*` fields: at most one of them."""
+    given = [
+        name
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        if getattr(req, name) is not None
+    ]
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise bad_request(given[1], f"give at most one way to constrain the output, got {given}")
+    if not given or given[0] == "response_format":
+        return response_format_grammar(fmt)
+    name = given[0]
+    if name == "guided_json":
+        return json_schema_field(req.guided_json, name), name
+    if name == "guided_choice":
+        return choice_grammar(req.guided_choice or []), name
+    kind = "regex" if name == "guided_regex" else "ebnf"
+    return grammar_field(kind, getattr(req, name), name), name
 
 
 def parse_native(body: Mapping[str, Any], limits: LimitsConfig) -> NativeRequest:
@@ -339,10 +525,16 @@ def _openai_body(model: type[BodyT], body: Mapping[str, Any], served: str) -> Bo
             param="model",
             code="model_not_found",
         )
-    for field in _UNSUPPORTED:
-        if body.get(field) not in (None, [], {}, ""):
-            raise bad_request(field, f"`{field}` is not supported by this server; leave it out")
-    return _validate(model, body)
+    return _validate(model, without_refused(body))
+
+
+def without_refused(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """400 for a field of `REFUSED` with a value; the body without the empty ones."""
+    present = [name for name in REFUSED if name in body]
+    for name in present:
+        if body[name] not in (None, [], {}, ""):
+            raise bad_request(name, f"`{name}` is not supported: {REFUSED[name]}; leave it out")
+    return {k: v for k, v in body.items() if k not in present} if present else body
 
 
 def _sampling(
@@ -353,6 +545,13 @@ def _sampling(
     logprobs: bool,
     top_logprobs: int,
 ) -> SamplingOptions:
+    nvext = getattr(fields, "nvext", None)
+    if nvext is not None and nvext.ignore_eos is not None:
+        if fields.ignore_eos is not None and fields.ignore_eos != nvext.ignore_eos:
+            raise bad_request(
+                "nvext.ignore_eos", "`nvext.ignore_eos` and `ignore_eos` disagree: give one"
+            )
+        fields = fields.model_copy(update={"ignore_eos": nvext.ignore_eos})
     missing = {
         name: value
         for name, value in limits.defaults.generation.values
@@ -418,10 +617,26 @@ def _message(index: int, message: MessageBody) -> ChatMessage:
     calls = tuple(
         ToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or ()
     )
-    if calls and message.role != "assistant":
-        where = f"messages[{index}].tool_calls"
-        raise bad_request(where, f"`{where}` belongs to assistant messages only")
+    call = message.function_call
+    for where, given in (("tool_calls", calls), ("function_call", call)):
+        if given and message.role != "assistant":
+            where = f"messages[{index}].{where}"
+            raise bad_request(where, f"`{where}` belongs to assistant messages only")
+    if call is not None:  # the deprecated form: one call, named by its function
+        calls += (ToolCall(f"call_{call.name}", call.name, call.arguments),)
     text = "".join(part.text for part in content) if isinstance(content, list) else content
+    if message.role == "function":  # a function's result: a tool message answering its call
+        if not message.name:
+            where = f"messages[{index}].name"
+            raise bad_request(where, f"`{where}` is required: the function that answered")
+        return ChatMessage("tool", text or "", (), f"call_{message.name}")
+    if message.name is not None:
+        where = f"messages[{index}].name"
+        raise bad_request(
+            where,
+            f"`{where}` belongs to function messages only (participant names are not "
+            "shown to the model here)",
+        )
     return ChatMessage(message.role, text or "", calls, message.tool_call_id or "")
 
 

@@ -29,7 +29,7 @@ class JSONSchemaFormat(_Body):
         default=None, alias="schema", description="a JSON Schema object (absent: any object)"
     )
     strict: bool | None = Field(
-        default=None, description="accepted; the output is always held to the schema"
+        default=None, description="either: the output is always held to the schema"
     )
 
 
@@ -59,7 +59,11 @@ class FunctionBody(_Body):
     parameters: dict[str, Any] | None = Field(
         default=None, description="a JSON Schema object for the arguments"
     )
-    strict: bool | None = None
+    strict: bool | None = Field(
+        default=None,
+        description="true only with a `tool_choice` that forces a call (required or named), "
+        "whose calls are held to the schema",
+    )
 
 
 class ToolBody(_Body):
@@ -101,16 +105,25 @@ def parse_tools(
     names = [f.name for f in functions]
     if len(set(names)) != len(names):
         raise bad_request("tools", "`tools` names a function twice: names must be unique")
-    choice: str
-    if isinstance(choice_body, NamedToolChoice):
-        choice = choice_body.function.name
-        if choice not in names:
-            raise bad_request(
-                "tool_choice.function.name",
-                f"`tool_choice` names {choice!r}, which is not in `tools` ({names})",
-            )
-    else:
-        choice = choice_body or "auto"
+    choice: str = (
+        choice_body.function.name
+        if isinstance(choice_body, NamedToolChoice)
+        else (choice_body or "auto")
+    )
+    strict = [i for i, tool in enumerate(tools) if tool.function.strict]
+    if strict and choice == "auto":
+        param = f"tools[{strict[0]}].function.strict"
+        raise bad_request(
+            param,
+            f"`{param}`: calls under tool_choice 'auto' are read from the model's free "
+            "text, not held to the schema; send tool_choice 'required' or a named function "
+            "for calls held to it, or leave `strict` out",
+        )
+    if isinstance(choice_body, NamedToolChoice) and choice not in names:
+        raise bad_request(
+            "tool_choice.function.name",
+            f"`tool_choice` names {choice!r}, which is not in `tools` ({names})",
+        )
     parallel = parallel_tool_calls is not False
     return ToolSpec(tuple(functions), choice, parallel)
 
@@ -121,6 +134,13 @@ def response_format_grammar(fmt: ResponseFormat | None) -> tuple[GrammarSpec | N
         return None, None
     if fmt.type == "json_object":
         return GrammarSpec("json_object"), "response_format"
+    if fmt.json_schema is not None and fmt.json_schema.description:
+        param = "response_format.json_schema.description"
+        raise bad_request(
+            param,
+            f"`{param}` is not shown to the model here (the schema is enforced, its "
+            "description is not read): leave it out",
+        )
     if fmt.json_schema is None:
         raise bad_request(
             "response_format.json_schema",
@@ -141,10 +161,10 @@ def schema_grammar(schema: dict[str, Any], param: str) -> GrammarSpec:
         raise bad_request(
             param, f"`{param}` uses an unsupported JSON Schema feature: {unsupported}"
         )
-    return _grammar("json_schema", json.dumps(schema), param)
+    return grammar_field("json_schema", json.dumps(schema), param)
 
 
-def _grammar(kind: str, spec: str, param: str) -> GrammarSpec:
+def grammar_field(kind: str, spec: str, param: str) -> GrammarSpec:
     try:
         return GrammarSpec(kind, spec)
     except ValueError as exc:
@@ -168,13 +188,24 @@ def native_grammar(
     param = f"sampling_params.{name}"
     value = values[name]
     if name == "json_schema":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise bad_request(param, f"`{param}` is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise bad_request(param, f"`{param}` must be a JSON Schema object")
-        return schema_grammar(value, param), param
+        return json_schema_field(value, param), param
     assert isinstance(value, str)
-    return _grammar(name, value, param), param
+    return grammar_field(name, value, param), param
+
+
+def json_schema_field(value: str | dict[str, Any] | None, param: str) -> GrammarSpec:
+    """A JSON Schema given as an object or as JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise bad_request(param, f"`{param}` is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise bad_request(param, f"`{param}` must be a JSON Schema object")
+    return schema_grammar(value, param)
+
+
+def choice_grammar(choices: list[str]) -> GrammarSpec:
+    """vLLM's `guided_choice`: the output is exactly one of the strings."""
+    alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
+    return grammar_field("ebnf", f"root ::= {alternatives}", "guided_choice")
