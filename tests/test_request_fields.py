@@ -20,7 +20,9 @@ from gateway.requests.protocol import (
     REFUSED,
     parse_chat,
     parse_completion,
+    parse_detokenize,
     parse_native,
+    parse_tokenize,
 )
 from tests.test_gateway_units import LIMITS
 
@@ -232,7 +234,32 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     },
 }
 NESTED_NO_EFFECT = {"JSONSchemaFormat.strict": "response_format.json_schema.strict"}
+TEXT_CASES = {
+    "TokenizeBody.model": ("tokenize", {"prompt": "hi"}, {"prompt": "hi", "model": "other"}),
+    "TokenizeBody.prompt": ("tokenize", {"prompt": "hi"}, {"prompt": "other"}),
+    "TokenizeBody.messages": ("tokenize", {"prompt": "hi"}, {"messages": CHAT["messages"]}),
+    "TokenizeBody.tools": (
+        "tokenize",
+        {"messages": CHAT["messages"]},
+        {"messages": CHAT["messages"], "tools": [TOOL]},
+    ),
+    "TokenizeBody.add_special_tokens": (
+        "tokenize",
+        {"prompt": "hi"},
+        {"prompt": "hi", "add_special_tokens": False},
+    ),
+    "TokenizeBody.return_token_strs": (
+        "tokenize",
+        {"prompt": "hi"},
+        {"prompt": "hi", "return_token_strs": True},
+    ),
+    "DetokenizeBody.model": ("detokenize", {"tokens": [1]}, {"tokens": [1], "model": "other"}),
+    "DetokenizeBody.tokens": ("detokenize", {"tokens": [1]}, {"tokens": [2]}),
+}
+CASES.update(TEXT_CASES)
 PARSERS = {
+    "tokenize": lambda body: parse_tokenize(body, "m"),
+    "detokenize": lambda body: parse_detokenize(body, "m"),
     "chat": lambda body: parse_chat(body, "m", LIMITS),
     "completions": lambda body: parse_completion(body, "m", LIMITS),
     "generate": lambda body: parse_native(body, LIMITS),
@@ -272,6 +299,8 @@ def _effect(route: str, body: dict[str, Any]) -> Any:
         req = PARSERS[route](body)
     except APIError as exc:
         return ("error", exc.status, exc.param)
+    if not hasattr(req, "sampling"):
+        return req
     sampling = req.sampling
     messages = [sampling.to_proto(64, c).SerializeToString(deterministic=True) for c in range(2)]
     plain = {f.name: getattr(req, f.name) for f in dataclasses.fields(req) if f.name != "sampling"}

@@ -34,6 +34,7 @@ from gateway.api.native_api import NativeHandler
 from gateway.api.openai_api import OpenAIHandlers, Payload
 from gateway.api.openapi import openapi_document
 from gateway.api.sse import DONE
+from gateway.api.text_api import TextHandlers
 from gateway.config import ADMIN, INFERENCE, GatewayConfig
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.dispatch.lane import ChunkedWriter, LaneFrames
@@ -217,6 +218,7 @@ class Gateway:
         handlers = (codec, self.dispatcher, config.model, config.limits, interval, self.encoder)
         self.openai = OpenAIHandlers(*handlers)
         self.native = NativeHandler(*handlers)
+        self.text = TextHandlers(*handlers)
         self.inflight = 0
         # SIGTERM (gateway/process/server.py): finish what is in flight, take no more
         self.draining = False
@@ -412,9 +414,17 @@ def build_app(gateway: Gateway) -> Starlette:
     async def generate(request: Request) -> Response:
         return await gateway.serve(request, "generate", gateway.native.generate, BodyRoute.NATIVE)
 
+    async def tokenize(request: Request) -> Response:
+        return await gateway.serve(request, "tokenize", gateway.text.tokenize)
+
+    async def detokenize(request: Request) -> Response:
+        return await gateway.serve(request, "detokenize", gateway.text.detokenize)
+
     async def models(request: Request) -> Response:
         try:
             gateway.authorize(request, INFERENCE)
+            if "model_id" in request.path_params:
+                return JSONResponse(gateway.openai.model_card(request.path_params["model_id"]))
         except APIError as exc:
             return error_response(exc)
         return JSONResponse(gateway.openai.models())
@@ -468,6 +478,9 @@ def build_app(gateway: Gateway) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),

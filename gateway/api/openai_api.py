@@ -30,7 +30,12 @@ from gateway.config import LimitsConfig, ModelInfo
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.dispatch.lane import LaneFrames, TokenLane
 from gateway.errors import APIError, bad_request
-from gateway.requests.protocol import SamplingOptions, parse_chat, parse_completion
+from gateway.requests.protocol import (
+    SamplingOptions,
+    model_not_found,
+    parse_chat,
+    parse_completion,
+)
 from gateway.requests.text import TextCodec
 from gateway.requests.tokenize import PromptEncoder, prompt_too_long
 from gateway.requests.tools import ToolSpec, tool_parser
@@ -145,7 +150,16 @@ class APIHandlers:
 
 class OpenAIHandlers(APIHandlers):
     def models(self) -> dict[str, Any]:
-        card = {
+        return {"object": "list", "data": [self._card()]}
+
+    def model_card(self, model_id: str) -> dict[str, Any]:
+        """`GET /v1/models/{id}`: the served model's card; 404 for any other id."""
+        if model_id != self.model.served_name:
+            raise model_not_found(model_id, self.model.served_name, param=None)
+        return self._card()
+
+    def _card(self) -> dict[str, Any]:
+        return {
             "id": self.model.served_name,
             "object": "model",
             "created": 0,
@@ -158,7 +172,6 @@ class OpenAIHandlers(APIHandlers):
                 "completions": COMPLETIONS_DEFAULT_MAX_TOKENS,
             },
         }
-        return {"object": "list", "data": [card]}
 
     async def completions(self, body: dict[str, Any]) -> Payload:
         self.encoder.bounds.completion_body(body)

@@ -20,8 +20,10 @@ from gateway.requests.protocol import (
     BODIES,
     ChatBody,
     CompletionBody,
+    DetokenizeBody,
     GenerateBody,
     NativeSamplingFields,
+    TokenizeBody,
 )
 
 Schema = dict[str, Any]
@@ -62,6 +64,9 @@ def _add_flag_limits(schemas: dict[str, Schema], config: GatewayConfig) -> None:
         for length in ("max_tokens", "max_completion_tokens"):
             if length in fields[name]:
                 maxima.append((fields[name][length], room))
+    for name in (TokenizeBody.__name__, DetokenizeBody.__name__):
+        for text in _branches(fields[name]["model"], "string"):
+            text["enum"] = [config.model.served_name]
     maxima.append((fields[NativeSamplingFields.__name__]["max_new_tokens"], room))
     for field, limit in maxima:
         for part in _branches(field, "integer"):
@@ -132,12 +137,38 @@ def _generation(summary: str, request: str, scope: str) -> Schema:
     }
 
 
+def _text_route(summary: str, request: str, answer: Schema) -> Schema:
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearer": [INFERENCE]}],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(request)}},
+            },
+            "responses": {
+                "200": {"description": "the answer", "content": {"application/json": {
+                    "schema": answer}}},
+                **_errors(400, 401, 403, 404, 413, 429),
+            },
+        }
+    }  # fmt: skip
+
+
+def _object(**properties: Schema) -> Schema:
+    return {"type": "object", "required": list(properties), "properties": properties}
+
+
 def openapi_document(config: GatewayConfig) -> Schema:
-    models = {
-        "type": "object",
-        "required": ["object", "data"],
-        "properties": {"object": {"type": "string"}, "data": {"type": "array"}},
-    }
+    models = _object(object={"type": "string"}, data={"type": "array"})
+    card = _object(id={"type": "string"}, object={"type": "string"})
+    ids = {"type": "array", "items": {"type": "integer"}}
+    tokens = _object(
+        count={"type": "integer"},
+        max_model_len={"type": "integer"},
+        tokens=ids,
+        token_strs={"type": ["array", "null"], "items": {"type": "string"}},
+    )
     return {
         "openapi": "3.1.0",
         "info": {"title": "pdserve gateway", "version": "1"},
@@ -160,6 +191,33 @@ def openapi_document(config: GatewayConfig) -> Schema:
                     },
                 }
             },
+            "/v1/models/{model_id}": {
+                "get": {
+                    "summary": "the served model's card (404 for another id)",
+                    "security": [{"bearer": [INFERENCE]}],
+                    "parameters": [
+                        {
+                            "name": "model_id",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {
+                        "200": {
+                            "description": "the model card",
+                            "content": {"application/json": {"schema": card}},
+                        },
+                        **_errors(401, 403, 404),
+                    },
+                }
+            },
+            "/tokenize": _text_route(
+                "a prompt or messages to token ids", TokenizeBody.__name__, tokens
+            ),
+            "/detokenize": _text_route(
+                "token ids to text", DetokenizeBody.__name__, _object(prompt={"type": "string"})
+            ),
             "/health": {
                 "get": {
                     "summary": "200 while a decode node is live, else 503 (no key needed)",

@@ -275,7 +275,33 @@ class GenerateBody(_Body):
     sampling_params: NativeSamplingFields | None = None
 
 
-BODIES = (CompletionBody, ChatBody, GenerateBody)
+class TokenizeBody(_Body):
+    """vLLM's `POST /tokenize`: exactly one of `prompt` and `messages`."""
+
+    model: str | None = Field(default=None, description="the served model's name, if given")
+    prompt: str | None = Field(default=None, description="text, tokenized as /v1/completions")
+    messages: list[MessageBody] | None = Field(
+        default=None, min_length=1, description="messages, rendered as /v1/chat/completions"
+    )
+    tools: list[ToolBody] | None = Field(
+        default=None, max_length=128, description="with `messages`: the tools the prompt shows"
+    )
+    add_special_tokens: bool | None = Field(
+        default=None, description="with `prompt`: add BOS as the model does (default true)"
+    )
+    return_token_strs: bool | None = Field(
+        default=None, description="also answer each token's text (`token_strs`)"
+    )
+
+
+class DetokenizeBody(_Body):
+    """vLLM's `POST /detokenize`."""
+
+    model: str | None = Field(default=None, description="the served model's name, if given")
+    tokens: list[TokenId] = Field(max_length=MAX_INPUT_IDS, description="token ids")
+
+
+BODIES = (CompletionBody, ChatBody, GenerateBody, TokenizeBody, DetokenizeBody)
 
 
 @dataclass(frozen=True)
@@ -371,6 +397,39 @@ class NativeRequest:
     sampling: SamplingOptions
     stream: bool
     rid: str
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    prompt: str | tuple[ChatMessage, ...]  # text, or messages for the chat template
+    tools: ToolSpec | None
+    add_special_tokens: bool
+    return_token_strs: bool
+
+
+def parse_tokenize(body: Mapping[str, Any], served: str) -> TokenizeRequest:
+    req = _validate(TokenizeBody, _served_model(body, served, required=False))
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("prompt", "give exactly one of `prompt` and `messages`")
+    if req.messages is None:
+        if req.tools is not None:
+            raise bad_request("tools", "`tools` are shown with `messages` only")
+        assert req.prompt is not None
+        add_special = req.add_special_tokens is not False
+        return TokenizeRequest(req.prompt, None, add_special, bool(req.return_token_strs))
+    if req.add_special_tokens is not None:
+        raise bad_request(
+            "add_special_tokens",
+            "`add_special_tokens` is for `prompt`: the chat template writes them for `messages`",
+        )
+    messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
+    tools = parse_tools(req.tools, None, None)
+    return TokenizeRequest(messages, tools, False, bool(req.return_token_strs))
+
+
+def parse_detokenize(body: Mapping[str, Any], served: str) -> tuple[int, ...]:
+    req = _validate(DetokenizeBody, _served_model(body, served, required=False))
+    return tuple(req.tokens)
 
 
 def parse_completion(
@@ -514,18 +573,28 @@ def _validate(model: type[BodyT], body: Mapping[str, Any]) -> BodyT:
 
 def _openai_body(model: type[BodyT], body: Mapping[str, Any], served: str) -> BodyT:
     """The model name first (404 for another model, as OpenAI), then the body."""
+    return _validate(model, without_refused(_served_model(body, served)))
+
+
+def _served_model(body: Mapping[str, Any], served: str, required: bool = True) -> Mapping[str, Any]:
     name = body.get("model")
+    if name is None and not required:
+        return body
     if not isinstance(name, str):
         raise bad_request("model", f"`model` is required: this server serves {served!r}")
     if name != served:
-        raise APIError(
-            404,
-            f"the model {name!r} does not exist here: this server serves {served!r} "
-            "(GET /v1/models lists it)",
-            param="model",
-            code="model_not_found",
-        )
-    return _validate(model, without_refused(body))
+        raise model_not_found(name, served)
+    return body
+
+
+def model_not_found(name: str, served: str, param: str | None = "model") -> APIError:
+    return APIError(
+        404,
+        f"the model {name!r} does not exist here: this server serves {served!r} "
+        "(GET /v1/models lists it)",
+        param=param,
+        code="model_not_found",
+    )
 
 
 def without_refused(body: Mapping[str, Any]) -> Mapping[str, Any]:

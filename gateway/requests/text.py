@@ -53,9 +53,11 @@ class TextCodec:
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
-    def encode_prompt(self, prompt: Prompt, param: str = "prompt") -> list[int]:
+    def encode_prompt(
+        self, prompt: Prompt, param: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
         if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         else:
             ids = list(prompt)
             vocab = self.vocab_size

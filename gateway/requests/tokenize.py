@@ -136,12 +136,16 @@ class PromptEncoder:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def prompt(self, prompt: Prompt, param: str = "prompt") -> list[int]:
+    async def prompt(
+        self, prompt: Prompt, param: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
         if isinstance(prompt, str):
             self.bounds.bound_chars(len(prompt), param)
         elif len(prompt) >= self.context_length:
             raise prompt_too_long(param, len(prompt), self.context_length)
-        return await self._run(len(prompt), lambda: self.codec.encode_prompt(prompt, param))
+        return await self._run(
+            len(prompt), lambda: self.codec.encode_prompt(prompt, param, add_special_tokens)
+        )
 
     async def chat(
         self, messages: Sequence[ChatMessage], tools: ToolSpec | None = None
