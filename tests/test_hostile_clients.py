@@ -352,8 +352,8 @@ def test_large_bodies_in_pieces_on_one_keep_alive_connection(cluster: RunningClu
     in a parse process (gateway/requests/body.py): sent in pieces with pauses, a valid one is
     served, one over the character bound gets the usual error, and the connection serves the
     next."""
-    padding = "p" * 300_000  # an unknown field: ignored, but it makes the body large
-    valid = {"model": "model", "prompt": "Tell me a story", "max_tokens": 2, "pad": padding}
+    padding = "p" * 300_000  # `user`: no effect on the answer, but it makes the body large
+    valid = {"model": "model", "prompt": "Tell me a story", "max_tokens": 2, "user": padding}
     too_long = {"model": "model", "prompt": "a" * 300_000, "max_tokens": 2}
     small = {"model": "model", "prompt": "Hi", "max_tokens": 1}
     with _connect(cluster) as sock:

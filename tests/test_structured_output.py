@@ -9,6 +9,10 @@ regex and ebnf; bad grammars answer 400 naming the field and the compiler's reas
 required and named choices give calls whose arguments satisfy their schema, streamed as
 `tool_calls` deltas. Prompt logprobs (`echo` + `logprobs`, native `prompt_logprobs`), computed
 by the node that prefills (the prefill node in PD), equal HF's log_softmax over the prompt.
+The rest of the OpenAI surface on the same clusters: `logit_bias` and `min_tokens` equal HF's
+`sequence_bias` and `min_new_tokens`, vLLM's `guided_*` fields, `nvext.ignore_eos`, the
+deprecated `functions`, `models.retrieve`, /tokenize and /detokenize, `max_tokens: 0` with
+`echo`.
 """
 
 from __future__ import annotations
