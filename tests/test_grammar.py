@@ -244,3 +244,21 @@ def test_default_model_answers_in_the_schema(default_model_dir: Path) -> None:
     assert not _matches(spec, free.text)  # the model alone does not follow the schema
     assert constrained.finish_reason == "stop" and _matches(spec, constrained.text)
     llm.check_integrity()
+
+
+def test_logit_bias_and_min_tokens_under_a_grammar(tiny_llm: LLM) -> None:
+    """The bias steers the choice among the tokens the grammar allows (a forbidden favoured one
+    is still never drawn); min_tokens keeps the grammar from ending early, unless it must end
+    (its document complete)."""
+    spec = GrammarSpec("regex", "(yes|no)( maybe)?")
+    letter = tiny_llm.encode("x")[0]  # favoured too, but the grammar forbids it
+    for want in ("yes", "no"):
+        starts = {tiny_llm.encode(want)[0], tiny_llm.encode(want[0])[0]}
+        bias = {letter: 100.0, **dict.fromkeys(starts, 50.0)}
+        params = SamplingParams(max_new_tokens=8, temperature=0, grammar=spec, logit_bias=bias)
+        [out] = tiny_llm.generate([[10, 20, 30]], params)
+        assert out.text.startswith(want), out.text
+    held = SamplingParams(max_new_tokens=8, temperature=0, grammar=spec, min_tokens=8)
+    [out] = tiny_llm.generate([[10, 20, 30]], held)
+    assert out.finish_reason == "stop" and _matches(spec, out.text), out.text
+    tiny_llm.check_integrity()

@@ -10,6 +10,7 @@ request on the healthy cluster:
 
 - the streamed text equals the reference exactly: no token repeated, none missing; seeded
   sampling too, since a draw depends on (seed, token position) only (engine/sampling.py);
+  `logit_bias` and `min_tokens` too (counted from the stream's start, not from the move);
 - `finish_reason` is "length" and `usage.completion_tokens` is `max_tokens`: the budget was
   counted across the move;
 - the gateway counted one migration per stream the dead node held, and the survivors hold no
@@ -44,7 +45,15 @@ PROMPTS = prompts(count=4, length=40, seed=19)
 SAMPLING: list[dict[str, Any]] = [
     {"temperature": 0.0},
     {"temperature": 0.9, "seed": 7},
-    {"temperature": 0.0},
+    # Token 100 is the argmax of every draw and a stop token, masked until min_tokens: a node
+    # that took the stream over without counting the tokens before the move (or without the
+    # fields) stops it at once; the bias on 200 steers the text, so a lost bias shows as well.
+    {
+        "temperature": 0.0,
+        "stop_token_ids": [100],
+        "min_tokens": MAX_TOKENS,
+        "logit_bias": {"100": 100, "200": 2},
+    },
     {"temperature": 1.0, "top_p": 0.9, "seed": -11},
 ]
 NODES: dict[str, tuple[str, list[str]]] = {
