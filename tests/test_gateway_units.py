@@ -296,3 +296,28 @@ def test_a_draining_node_is_not_routable() -> None:
         directory.nodes[node_id] = LiveNode(node_id, DECODE, "127.0.0.1:1", stub=None)  # type: ignore[arg-type]
     directory.nodes["decode-a"].load = bootstrap_pb2.NodeLoad(draining=True)
     assert [n.node_id for n in directory.live((DECODE,))] == ["decode-b"]
+
+
+def test_every_route_is_in_the_openapi_document() -> None:
+    from types import SimpleNamespace
+
+    from gateway.api.app import build_app
+
+    config = GatewayConfig(
+        "127.0.0.1", 1, "127.0.0.1:2", ModelInfo("path", "m", 32), LIMITS, ROUTING
+    )
+    app = build_app(SimpleNamespace(config=config))  # type: ignore[arg-type]
+    document = openapi_document(config)
+    routes = {
+        (route.path.replace(":path}", "}"), method.lower())
+        for route in app.routes
+        for method in getattr(route, "methods", None) or ()
+        if method != "HEAD"
+    }
+    published = {(path, method) for path, item in document["paths"].items() for method in item}
+    assert routes == published | {("/openapi.json", "get")}
+    for path, item in document["paths"].items():
+        body = item.get("post", {}).get("requestBody")
+        if body is not None:  # each body's schema is a model's, with its fields
+            name = body["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+            assert document["components"]["schemas"][name]["properties"], path
