@@ -112,17 +112,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # (token id, bias) pairs sorted by id; a mapping is accepted and normalised.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Counted from the request's first output token, also those before a move (`resume`),
+    # while max_new_tokens is what is left to generate here: a min_tokens beyond it is cut
+    # by the length limit (the gateway refuses min_tokens > max_tokens at the API).
     min_tokens: int = fields.MIN_TOKENS.default
 
     def __post_init__(self) -> None:
         self._validate_numbers()
         self._normalise_stops()
         self._normalise_logit_bias()
-        if self.min_tokens > self.max_new_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
-                f"got {self.min_tokens}"
-            )
         object.__setattr__(self, "grammar_generated_ids", tuple(self.grammar_generated_ids))
         if self.grammar_generated_ids and self.grammar is None:
             raise ValueError("grammar_generated_ids needs a grammar")

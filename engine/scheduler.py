@@ -436,7 +436,7 @@ class Scheduler:
         elif (
             params.stop
             and self.stop_checker is not None
-            and len(req.output_ids) >= params.min_tokens
+            and len(req.sampler.output_token_ids) >= params.min_tokens
         ):
             matched = self.stop_checker(req)
             if matched is not None:

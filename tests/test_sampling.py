@@ -80,7 +80,6 @@ def random_logits(rows: int, vocab_size: int, seed: int, scale: float = 3.0) -> 
             f"stop_token_ids has 65 items; at most {MAX_STOP_TOKEN_IDS}",
         ),
         ("min_tokens", -1, f"min_tokens must be in [0, {INT32_MAX}], got -1"),
-        ("min_tokens", 200, "min_tokens must be <= max_new_tokens (128), got 200"),
         ("logit_bias", {3: 101.0}, "logit_bias[3] must be in [-100, 100], got 101.0"),
         ("logit_bias", {3: math.nan}, "logit_bias[3] must be a finite number, got nan"),
         ("logit_bias", {-3: 1.0}, "logit_bias keys must be token ids >= 0, got -3"),
