@@ -114,30 +114,7 @@ _ERROR_MEANINGS = {
 }
 
 
-def _generation(summary: str, request: str, scope: str) -> Schema:
-    return {
-        "post": {
-            "summary": summary,
-            "security": [{"bearer": [scope]}],
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": _ref(request)}},
-            },
-            "responses": {
-                "200": {
-                    "description": "the answer (JSON), or SSE chunks when `stream` is true",
-                    "content": {
-                        "application/json": {"schema": {"type": "object"}},
-                        "text/event-stream": {"schema": {"type": "string"}},
-                    },
-                },
-                **_errors(400, 401, 403, 404, 413, 429, 502, 503),
-            },
-        }
-    }
-
-
-def _text_route(summary: str, request: str, answer: Schema) -> Schema:
+def _post(summary: str, request: str, answer: Schema, *errors: int) -> Schema:
     return {
         "post": {
             "summary": summary,
@@ -146,13 +123,28 @@ def _text_route(summary: str, request: str, answer: Schema) -> Schema:
                 "required": True,
                 "content": {"application/json": {"schema": _ref(request)}},
             },
-            "responses": {
-                "200": {"description": "the answer", "content": {"application/json": {
-                    "schema": answer}}},
-                **_errors(400, 401, 403, 404, 413, 429),
-            },
+            "responses": {"200": answer, **_errors(*errors)},
         }
-    }  # fmt: skip
+    }
+
+
+def _generation(summary: str, request: str) -> Schema:
+    answer = {
+        "description": "the answer (JSON), or SSE chunks when `stream` is true",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+    return _post(summary, request, answer, 400, 401, 403, 404, 413, 429, 502, 503)
+
+
+def _text_route(summary: str, request: str, answer: Schema) -> Schema:
+    content = {"application/json": {"schema": answer}}
+    return _post(
+        summary, request, {"description": "the answer", "content": content},
+        400, 401, 403, 404, 413, 429,
+    )  # fmt: skip
 
 
 def _object(**properties: Schema) -> Schema:
@@ -173,11 +165,9 @@ def openapi_document(config: GatewayConfig) -> Schema:
         "openapi": "3.1.0",
         "info": {"title": "pdserve gateway", "version": "1"},
         "paths": {
-            "/v1/completions": _generation(
-                "OpenAI completions", CompletionBody.__name__, INFERENCE
-            ),
-            "/v1/chat/completions": _generation("OpenAI chat", ChatBody.__name__, INFERENCE),
-            "/generate": _generation("native generation", GenerateBody.__name__, INFERENCE),
+            "/v1/completions": _generation("OpenAI completions", CompletionBody.__name__),
+            "/v1/chat/completions": _generation("OpenAI chat", ChatBody.__name__),
+            "/generate": _generation("native generation", GenerateBody.__name__),
             "/v1/models": {
                 "get": {
                     "summary": "the served model",
