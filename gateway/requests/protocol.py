@@ -254,7 +254,7 @@ class NativeRequest:
 def parse_completion(
     body: Mapping[str, Any], served: str, limits: LimitsConfig
 ) -> CompletionRequest:
-    req = _openai_body(CompletionBody, body, served)
+    req = openai_body(CompletionBody, body, served)
     top = req.logprobs
     if req.echo and top is not None and req.stream:
         raise bad_request(
@@ -264,7 +264,7 @@ def parse_completion(
     prompts = _prompts(req.prompt)
     if len(prompts) * n > limits.max_n:
         raise too_many_prompts(len(prompts), n, limits.max_n)
-    sampling = _sampling(req, limits, n, req.max_tokens, top is not None, top or 0)
+    sampling = sampling_options(req, limits, n, req.max_tokens, top is not None, top or 0)
     sampling = with_grammar(sampling, *response_format_grammar(req.response_format))
     if req.echo and top is not None:  # the prompt's tokens get logprobs too
         sampling = replace(sampling, prompt_logprobs=top)
@@ -277,7 +277,7 @@ def too_many_prompts(prompts: int, n: int, max_n: int) -> APIError:
 
 
 def parse_chat(body: Mapping[str, Any], served: str, limits: LimitsConfig) -> ChatRequest:
-    req = _openai_body(ChatBody, body, served)
+    req = openai_body(ChatBody, body, served)
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise bad_request("top_logprobs", "`top_logprobs` needs `logprobs: true`")
@@ -285,15 +285,10 @@ def parse_chat(body: Mapping[str, Any], served: str, limits: LimitsConfig) -> Ch
     if max_tokens is None:
         max_tokens = req.max_tokens
     n = _choices(req, limits)
-    sampling = _sampling(req, limits, n, max_tokens, bool(req.logprobs), top)
+    sampling = sampling_options(req, limits, n, max_tokens, bool(req.logprobs), top)
     sampling = with_grammar(sampling, *response_format_grammar(req.response_format))
     tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    if tools is not None and tools.forced:
-        if sampling.grammar is not None:
-            raise bad_request(
-                "tool_choice", "a forced `tool_choice` cannot be combined with `response_format`"
-            )
-        sampling = with_grammar(sampling, tools.grammar(), "tools")
+    sampling = with_tools(sampling, tools, "response_format")
     stream, include_usage = _stream(req)
     messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
     return ChatRequest(messages, sampling, n, stream, include_usage, tools)
@@ -306,7 +301,7 @@ def parse_native(body: Mapping[str, Any], limits: LimitsConfig) -> NativeRequest
     params = req.sampling_params or NativeSamplingFields()
     top = params.top_logprobs or 0
     logprobs = bool(params.logprobs) or top > 0
-    sampling = _sampling(params, limits, 1, params.max_new_tokens, logprobs, top)
+    sampling = sampling_options(params, limits, 1, params.max_new_tokens, logprobs, top)
     sampling = with_grammar(
         sampling, *native_grammar(params.json_schema, params.regex, params.ebnf)
     )
@@ -326,7 +321,7 @@ def _validate(model: type[BodyT], body: Mapping[str, Any]) -> BodyT:
         raise validation_error(exc, model) from None
 
 
-def _openai_body(model: type[BodyT], body: Mapping[str, Any], served: str) -> BodyT:
+def openai_body(model: type[BodyT], body: Mapping[str, Any], served: str) -> BodyT:
     """The model name first (404 for another model, as OpenAI), then the body."""
     name = body.get("model")
     if not isinstance(name, str):
@@ -345,7 +340,7 @@ def _openai_body(model: type[BodyT], body: Mapping[str, Any], served: str) -> Bo
     return _validate(model, body)
 
 
-def _sampling(
+def sampling_options(
     fields: SamplingFields,
     limits: LimitsConfig,
     n: int,
@@ -429,3 +424,17 @@ def with_grammar(
     sampling: SamplingOptions, grammar: GrammarSpec | None, param: str | None
 ) -> SamplingOptions:
     return sampling if grammar is None else replace(sampling, grammar=grammar, grammar_param=param)
+
+
+def with_tools(
+    sampling: SamplingOptions, tools: ToolSpec | None, format_param: str
+) -> SamplingOptions:
+    """A forced tool choice's grammar (the call's JSON); 400 beside an output format's own
+    grammar (`format_param`)."""
+    if tools is None or not tools.forced:
+        return sampling
+    if sampling.grammar is not None:
+        raise bad_request(
+            "tool_choice", f"a forced `tool_choice` cannot be combined with `{format_param}`"
+        )
+    return with_grammar(sampling, tools.grammar(), "tools")

@@ -81,38 +81,52 @@ def parse_tools(
     choice_body: Literal["none", "auto", "required"] | NamedToolChoice | None,
     parallel_tool_calls: bool | None,
 ) -> ToolSpec | None:
-    """`tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's defaults: auto, parallel)."""
-    if not tools:
-        if choice_body not in (None, "none"):
+    """A chat's `tools`, `tool_choice` and `parallel_tool_calls`."""
+    functions = [
+        tool_function(f.name, f.description, f.parameters, f"tools[{i}].function.parameters")
+        for i, f in enumerate(t.function for t in tools or ())
+    ]
+    if isinstance(choice_body, NamedToolChoice):
+        named = "tool_choice.function.name"
+        return tool_spec(functions, choice_body.function.name, parallel_tool_calls, named)
+    return tool_spec(functions, choice_body, parallel_tool_calls)
+
+
+def tool_function(
+    name: str, description: str | None, parameters: dict[str, Any] | None, param: str
+) -> ToolFunction:
+    """One function tool; 400 naming `param` (where its `parameters` are) for a schema feature
+    the engine cannot enforce."""
+    schema = parameters or {"type": "object", "properties": {}}
+    unsupported = unsupported_schema_feature(schema)
+    if unsupported:
+        raise bad_request(
+            param, f"`{param}` uses an unsupported JSON Schema feature: {unsupported}"
+        )
+    return ToolFunction(name, description or "", schema)
+
+
+def tool_spec(
+    functions: list[ToolFunction],
+    choice: str | None,
+    parallel_tool_calls: bool | None,
+    named_param: str | None = None,
+) -> ToolSpec | None:
+    """The tools of a request (OpenAI's defaults: auto, parallel); `named_param`: where the
+    request names the function `choice` forces, None when `choice` names none."""
+    if not functions:
+        if choice not in (None, "none"):
             raise bad_request("tool_choice", "`tool_choice` needs `tools`")
         return None
-    functions = []
-    for i, tool in enumerate(tools):
-        parameters = tool.function.parameters or {"type": "object", "properties": {}}
-        param = f"tools[{i}].function.parameters"
-        unsupported = unsupported_schema_feature(parameters)
-        if unsupported:
-            raise bad_request(
-                param, f"`{param}` uses an unsupported JSON Schema feature: {unsupported}"
-            )
-        functions.append(
-            ToolFunction(tool.function.name, tool.function.description or "", parameters)
-        )
     names = [f.name for f in functions]
     if len(set(names)) != len(names):
         raise bad_request("tools", "`tools` names a function twice: names must be unique")
-    choice: str
-    if isinstance(choice_body, NamedToolChoice):
-        choice = choice_body.function.name
-        if choice not in names:
-            raise bad_request(
-                "tool_choice.function.name",
-                f"`tool_choice` names {choice!r}, which is not in `tools` ({names})",
-            )
-    else:
-        choice = choice_body or "auto"
+    if named_param is not None and choice not in names:
+        raise bad_request(
+            named_param, f"`tool_choice` names {choice!r}, which is not in `tools` ({names})"
+        )
     parallel = parallel_tool_calls is not False
-    return ToolSpec(tuple(functions), choice, parallel)
+    return ToolSpec(tuple(functions), choice or "auto", parallel)
 
 
 def response_format_grammar(fmt: ResponseFormat | None) -> tuple[GrammarSpec | None, str | None]:
