@@ -96,6 +96,8 @@ def validation_error(exc: ValidationError, model: type[BaseModel]) -> APIError:
     info = _field_at(model, loc)
     # A field's description is about the field itself, not about one item of its list.
     description = info.description if info and loc and isinstance(loc[-1], str) else None
+    if error["type"] == "extra_forbidden":
+        return bad_request(param, f"`{param}` is not a field of this request: leave it out")
     if error["type"] == "missing":
         hint = f": {description}" if description else ""
         return bad_request(param, f"`{param}` is required{hint}")
