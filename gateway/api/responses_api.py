@@ -48,9 +48,12 @@ from gateway.api.response_items import (
     request_fields,
 )
 from gateway.api.response_store import Conversation, ResponseStore
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, LimitsConfig, ModelInfo
+from gateway.dispatch.dispatcher import Dispatcher
 from gateway.errors import APIError, bad_request
 from gateway.requests.responses import check_call_outputs, parse_responses
+from gateway.requests.text import TextCodec
+from gateway.requests.tokenize import PromptEncoder
 from gateway.requests.tools import ToolSpec, split_calls
 
 
@@ -88,9 +91,20 @@ class Turn:
 
 
 class ResponsesHandler(APIHandlers):
-    def __init__(self, *args: Any, store: ResponseStore | None, store_off: str | None) -> None:
+    def __init__(
+        self,
+        codec: TextCodec,
+        dispatcher: Dispatcher,
+        model: ModelInfo,
+        limits: LimitsConfig,
+        stream_interval: int = 1,
+        encoder: PromptEncoder | None = None,
+        *,
+        store: ResponseStore | None,
+        store_off: str | None,
+    ) -> None:
         """`store`: the kept responses, None when `store_off` says why none are kept."""
-        super().__init__(*args)
+        super().__init__(codec, dispatcher, model, limits, stream_interval, encoder)
         self.store = store
         self.store_off = store_off or ""
 
