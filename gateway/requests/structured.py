@@ -1,8 +1,10 @@
-"""Request bodies and their parsing for structured output and tools (used by protocol.py).
+"""Request bodies and their parsing for structured output and tools (used by protocol.py and
+responses.py).
 
 - `response_format` (`ResponseFormat`): `json_object` or `json_schema` become the request's
   grammar; `/generate`'s `json_schema`, `regex` and `ebnf` likewise (`native_grammar`);
-- `tools`, `tool_choice`, `parallel_tool_calls` become a `ToolSpec` (gateway/requests/tools.py);
+- `tools`, `tool_choice`, `parallel_tool_calls` become a `ToolSpec` (gateway/requests/tools.py):
+  `parse_tools` for a chat's, `tool_function` and `tool_spec` for any route's;
 - a schema feature the engine cannot enforce answers 400 naming the field and the keyword; a
   schema the compiler refuses is answered by the node (gateway/api/openai_api.py, grammar_refusal).
 """
