@@ -152,6 +152,20 @@ class ConnectionLimits:
 
 
 @dataclass(frozen=True)
+class ResponseStoreConfig:
+    """The responses kept for `previous_response_id` (gateway/api/response_store.py)."""
+
+    size: int = 1024  # responses kept, the oldest evicted first (0: none kept)
+    ttl_s: float = 3600.0  # a response is forgotten this long after it was made
+
+    def __post_init__(self) -> None:
+        if self.size < 0:
+            raise ValueError(f"--response-store-size must be >= 0 (0: keep none), got {self.size}")
+        if not self.ttl_s > 0:
+            raise ValueError(f"--response-store-ttl must be > 0 seconds, got {self.ttl_s}")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     host: str
     port: int
@@ -180,6 +194,7 @@ class GatewayConfig:
     tokenizer_workers: int = 1  # threads tokenizing long prompts (gateway/requests/tokenize.py)
     # SIGTERM: /health fails and new requests get 503 at once; in-flight ones get this long.
     drain_timeout_s: float = 20.0
+    response_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
 
     @property
     def cpu(self) -> int | None:

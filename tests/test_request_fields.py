@@ -24,6 +24,9 @@ from gateway.requests.protocol import (
     parse_native,
     parse_tokenize,
 )
+from gateway.requests.responses import NO_EFFECT as RESPONSES_NO_EFFECT_REASONS
+from gateway.requests.responses import REFUSED as RESPONSES_REFUSED
+from gateway.requests.responses import ResponsesBody, ResponsesRequest, parse_responses
 from tests.test_gateway_units import LIMITS
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -234,6 +237,95 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     },
 }
 NESTED_NO_EFFECT = {"JSONSchemaFormat.strict": "response_format.json_schema.strict"}
+RESPONSES = {"model": "m", "input": "hi"}
+R_SCHEMA = {"type": "json_schema", "name": "n", "schema": SCHEMA}
+R_TOOL = {"type": "function", "name": "f", "parameters": SCHEMA}
+R_CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+R_MESSAGE = {"role": "user", "content": "x"}
+
+
+def _responses(**fields: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    return "responses", RESPONSES, {**RESPONSES, **fields}
+
+
+def _items(base: list[dict[str, Any]], changed: list[dict[str, Any]]) -> tuple[str, dict, dict]:
+    return "responses", {**RESPONSES, "input": base}, {**RESPONSES, "input": changed}
+
+
+CASES.update({
+    "ResponsesBody.model": _responses(model="other"),
+    "ResponsesBody.input": _responses(input="other"),
+    "ResponsesBody.instructions": _responses(instructions="be brief"),
+    "ResponsesBody.max_output_tokens": _responses(max_output_tokens=3),
+    "ResponsesBody.temperature": _responses(temperature=0.5),
+    "ResponsesBody.top_p": _responses(top_p=0.5),
+    "ResponsesBody.seed": _responses(seed=3),
+    "ResponsesBody.tools": _responses(tools=[R_TOOL]),
+    "ResponsesBody.tool_choice": ("responses", {**RESPONSES, "tools": [R_TOOL]},
+                                  {**RESPONSES, "tools": [R_TOOL], "tool_choice": "required"}),
+    "ResponsesBody.parallel_tool_calls": ("responses", {**RESPONSES, "tools": [R_TOOL]},
+                                          {**RESPONSES, "tools": [R_TOOL],
+                                           "parallel_tool_calls": False}),
+    "ResponsesBody.text": _responses(text={"format": {"type": "json_object"}}),
+    "TextConfig.format": _responses(text={"format": R_SCHEMA}),
+    "TextFormat.type": ("responses", {**RESPONSES, "text": {"format": {"type": "text"}}},
+                        {**RESPONSES, "text": {"format": {"type": "json_object"}}}),
+    "TextFormat.name": ("responses", {**RESPONSES, "text": {"format": R_SCHEMA}},
+                        {**RESPONSES, "text": {"format": {**R_SCHEMA, "name": None}}}),
+    "TextFormat.schema_": ("responses", {**RESPONSES, "text": {"format": R_SCHEMA}},
+                           {**RESPONSES, "text": {"format": {**R_SCHEMA, "schema": {}}}}),
+    "TextFormat.description": ("responses", {**RESPONSES, "text": {"format": R_SCHEMA}},
+                               {**RESPONSES, "text": {"format": {**R_SCHEMA,
+                                                                 "description": "d"}}}),
+    "ResponsesBody.stream": _responses(stream=True),
+    "ResponsesBody.store": _responses(store=False),
+    "ResponsesBody.previous_response_id": _responses(previous_response_id="resp_1"),
+    "ResponsesBody.metadata": _responses(metadata={"k": "v"}),
+    "FunctionTool.type": _responses(tools=[R_TOOL]),
+    "FunctionTool.name": ("responses", {**RESPONSES, "tools": [R_TOOL]},
+                          {**RESPONSES, "tools": [{**R_TOOL, "name": "g"}]}),
+    "FunctionTool.description": ("responses", {**RESPONSES, "tools": [R_TOOL]},
+                                 {**RESPONSES, "tools": [{**R_TOOL, "description": "d"}]}),
+    "FunctionTool.parameters": ("responses", {**RESPONSES, "tools": [R_TOOL]},
+                                {**RESPONSES, "tools": [{**R_TOOL, "parameters": None}]}),
+    "FunctionTool.strict": ("responses", {**RESPONSES, "tools": [R_TOOL]},
+                            {**RESPONSES, "tools": [{**R_TOOL, "strict": True}]}),
+    "FunctionChoice.type": ("responses", {**RESPONSES, "tools": [R_TOOL]},
+                            {**RESPONSES, "tools": [R_TOOL],
+                             "tool_choice": {"type": "function", "name": "f"}}),
+    "FunctionChoice.name": ("responses",
+                            {**RESPONSES, "tools": [R_TOOL, {**R_TOOL, "name": "g"}],
+                             "tool_choice": {"type": "function", "name": "f"}},
+                            {**RESPONSES, "tools": [R_TOOL, {**R_TOOL, "name": "g"}],
+                             "tool_choice": {"type": "function", "name": "g"}}),
+    "InputItem.type": _items([R_MESSAGE, R_CALL], [R_MESSAGE, {**R_CALL, "type": "message",
+                             "role": "user", "content": "x", "call_id": None, "name": None,
+                             "arguments": None}]),
+    "InputItem.role": _items([R_MESSAGE], [{**R_MESSAGE, "role": "system"}]),
+    "InputItem.content": _items([R_MESSAGE], [{**R_MESSAGE, "content": "y"}]),
+    "InputItem.call_id": _items([R_MESSAGE, R_CALL], [R_MESSAGE, {**R_CALL, "call_id": "c2"}]),
+    "InputItem.name": _items([R_MESSAGE, R_CALL], [R_MESSAGE, {**R_CALL, "name": "g"}]),
+    "InputItem.arguments": _items([R_MESSAGE, R_CALL],
+                                  [R_MESSAGE, {**R_CALL, "arguments": '{"a": 1}'}]),
+    "InputItem.output": _items(
+        [R_MESSAGE, R_CALL, {"type": "function_call_output", "call_id": "c1", "output": "1"}],
+        [R_MESSAGE, R_CALL, {"type": "function_call_output", "call_id": "c1", "output": "2"}],
+    ),
+    "InputTextPart.type": _items([R_MESSAGE],
+                                 [{**R_MESSAGE, "content": [{"type": "input_text",
+                                                             "text": "y"}]}]),
+    "InputTextPart.text": _items([{**R_MESSAGE, "content": [{"type": "input_text", "text": "x"}]}],
+                                 [{**R_MESSAGE, "content": [{"type": "input_text", "text": "y"}]}]),
+})  # fmt: skip
+# Responses fields that change no answer by definition, by the path NO_EFFECT names them
+RESPONSES_NO_EFFECT = {
+    "ResponsesBody.user": "user",
+    "ResponsesBody.truncation": "truncation",
+    "InputItem.id": "input[].id",
+    "InputItem.status": "input[].status",
+    "InputTextPart.annotations": "input[].content[].annotations",
+    "TextFormat.strict": "text.format.strict",
+}
 TEXT_CASES = {
     "TokenizeBody.model": ("tokenize", {"prompt": "hi"}, {"prompt": "hi", "model": "other"}),
     "TokenizeBody.prompt": ("tokenize", {"prompt": "hi"}, {"prompt": "other"}),
@@ -258,6 +350,7 @@ TEXT_CASES = {
 }
 CASES.update(TEXT_CASES)
 PARSERS = {
+    "responses": lambda body: parse_responses(body, "m", LIMITS),
     "tokenize": lambda body: parse_tokenize(body, "m"),
     "detokenize": lambda body: parse_detokenize(body, "m"),
     "chat": lambda body: parse_chat(body, "m", LIMITS),
@@ -266,10 +359,10 @@ PARSERS = {
 }
 
 
-def _models() -> dict[str, type[BaseModel]]:
-    """Every model reachable from the bodies, by name (the classes that declare fields)."""
+def _models(roots: tuple[type[BaseModel], ...]) -> dict[str, type[BaseModel]]:
+    """Every model reachable from `roots`, by name (the classes that declare fields)."""
     found: dict[str, type[BaseModel]] = {}
-    todo: list[type[BaseModel]] = list(BODIES)
+    todo = list(roots)
     while todo:
         model = todo.pop()
         for cls in model.__mro__:
@@ -282,10 +375,10 @@ def _models() -> dict[str, type[BaseModel]]:
     return found
 
 
-def _declared() -> list[str]:
-    """ "Model.field" for each field, named by the class that declares it."""
+def _declared(roots: tuple[type[BaseModel], ...] = (*BODIES, ResponsesBody)) -> list[str]:
+    """Each field as `Model.field`, named by the class that declares it."""
     names = []
-    for name, model in _models().items():
+    for name, model in _models(roots).items():
         own = getattr(model, "__annotations__", {})
         names += [f"{name}.{field}" for field in model.model_fields if field in own]
     return sorted(set(names))
@@ -303,15 +396,22 @@ def _effect(route: str, body: dict[str, Any]) -> Any:
         return req
     sampling = req.sampling
     messages = [sampling.to_proto(64, c).SerializeToString(deterministic=True) for c in range(2)]
-    plain = {f.name: getattr(req, f.name) for f in dataclasses.fields(req) if f.name != "sampling"}
     options = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(sampling)}
     options.pop("fields")
+    if isinstance(req, ResponsesRequest):  # the body's fields the handler reads, beside these
+        body = req.body
+        read = (body.stream, body.store, body.previous_response_id, body.metadata)
+        return (req.input, req.instructions, req.tools, read), options, messages
+    plain = {f.name: getattr(req, f.name) for f in dataclasses.fields(req) if f.name != "sampling"}
     return plain, options, messages
 
 
 @pytest.mark.parametrize("field", _declared())
 def test_every_declared_field_changes_what_is_sent_on(field: str) -> None:
     name = field.split(".")[1]
+    if field in RESPONSES_NO_EFFECT:
+        assert RESPONSES_NO_EFFECT[field] in RESPONSES_NO_EFFECT_REASONS
+        return
     if name in NO_EFFECT or NESTED_NO_EFFECT.get(field) in NO_EFFECT:
         return  # checked below: accepted, and without effect by definition
     assert field in CASES, f"{field} is declared: add a case showing what it changes"
@@ -365,7 +465,9 @@ def test_the_refusals_say_why() -> None:
 
 
 def test_no_effect_and_refused_lists_name_real_fields() -> None:
-    declared = {field.split(".")[1] for field in _declared()}
+    declared = {field.split(".")[1] for field in _declared(BODIES)}
     assert set(NO_EFFECT) - set(NESTED_NO_EFFECT.values()) <= declared
     assert not set(REFUSED) & declared
+    responses = {field.split(".")[1] for field in _declared((ResponsesBody,))}
+    assert not set(RESPONSES_REFUSED) & responses
     assert protocol.REFUSED is REFUSED

@@ -33,6 +33,7 @@ from bootstrap.client import BootstrapClient
 from gateway.api.native_api import NativeHandler
 from gateway.api.openai_api import OpenAIHandlers, Payload
 from gateway.api.openapi import openapi_document
+from gateway.api.responses_api import ResponsesHandler, response_store, store_refusal
 from gateway.api.sse import DONE
 from gateway.api.text_api import TextHandlers
 from gateway.config import ADMIN, INFERENCE, GatewayConfig
@@ -219,6 +220,8 @@ class Gateway:
         self.openai = OpenAIHandlers(*handlers)
         self.native = NativeHandler(*handlers)
         self.text = TextHandlers(*handlers)
+        store, store_off = response_store(config), store_refusal(config)
+        self.responses = ResponsesHandler(*handlers, store=store, store_off=store_off)
         self.inflight = 0
         # SIGTERM (gateway/process/server.py): finish what is in flight, take no more
         self.draining = False
@@ -411,6 +414,10 @@ def build_app(gateway: Gateway) -> Starlette:
     async def chat(request: Request) -> Response:
         return await gateway.serve(request, "chat", gateway.openai.chat, BodyRoute.CHAT)
 
+    async def responses(request: Request) -> Response:
+        route = BodyRoute.RESPONSES
+        return await gateway.serve(request, "responses", gateway.responses.create, route)
+
     async def generate(request: Request) -> Response:
         return await gateway.serve(request, "generate", gateway.native.generate, BodyRoute.NATIVE)
 
@@ -476,6 +483,7 @@ def build_app(gateway: Gateway) -> Starlette:
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", models, methods=["GET"]),

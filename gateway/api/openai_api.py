@@ -38,7 +38,7 @@ from gateway.requests.protocol import (
 )
 from gateway.requests.text import TextCodec
 from gateway.requests.tokenize import PromptEncoder, prompt_too_long
-from gateway.requests.tools import ToolSpec, tool_parser
+from gateway.requests.tools import ToolSpec, split_calls
 from proto import node_pb2
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -49,16 +49,22 @@ Payload = dict[str, Any] | AsyncGenerator[bytes, None] | LaneFrames
 
 
 def token_budget(
-    model: ModelInfo, prompt_len: int, requested: int | None, default: int | None, param: str
+    model: ModelInfo,
+    prompt_len: int,
+    requested: int | None,
+    default: int | None,
+    param: str,
+    max_param: str = "max_tokens",
 ) -> int:
-    """max_new_tokens for a prompt: the request's, else the default, within the context."""
+    """max_new_tokens for a prompt (`param`): the request's (`max_param`), else the default,
+    within the context."""
     room = model.context_length - prompt_len
     if room < 1:
         raise prompt_too_long(param, prompt_len, model.context_length)
     if requested is not None and requested > room:
         raise bad_request(
-            "max_tokens",
-            f"max_tokens={requested} plus the prompt's {prompt_len} tokens exceed the context "
+            max_param,
+            f"{max_param}={requested} plus the prompt's {prompt_len} tokens exceed the context "
             f"length of {model.context_length}: ask for at most {room}",
             code="context_length_exceeded",
         )
@@ -384,15 +390,11 @@ class OpenAIHandlers(APIHandlers):
     ) -> dict[str, Any]:
         """`message` and `finish_reason` of a chat choice: its tool calls parsed out, if any
         (for the deprecated `functions`: its one call as `function_call`)."""
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if tools is None or not tools.parses_calls:
-            return {"message": message, "finish_reason": finish}
-        names = frozenset(f.name for f in tools.functions)
-        content, calls = tool_parser(self._tool_family(tools)).parse(text, names)
+        content, calls = split_calls(text, tools, self.codec.tool_family)
         if not calls:
-            return {"message": message, "finish_reason": finish}
-        if not tools.parallel:
-            calls = calls[:1]
+            return {"message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        assert tools is not None
+        message: dict[str, Any]
         if functions:
             call = {"name": calls[0].name, "arguments": calls[0].arguments}
             message = {"role": "assistant", "content": content or None, "function_call": call}
@@ -403,10 +405,6 @@ class OpenAIHandlers(APIHandlers):
             "tool_calls": [c.as_openai() for c in calls],
         }
         return {"message": message, "finish_reason": "stop" if tools.named else "tool_calls"}
-
-    def _tool_family(self, tools: ToolSpec) -> str:
-        # A forced call is JSON whatever the template (gateway/requests/tools.py).
-        return "json" if tools.forced else self.codec.tool_family
 
     async def _tool_stream(
         self,

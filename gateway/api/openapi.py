@@ -1,12 +1,13 @@
 """The gateway's OpenAPI 3.1 document, served at `GET /openapi.json`.
 
 The request bodies' schemas are generated from the models that parse them
-(`gateway/requests/protocol.py`, pydantic), so the document cannot drift from the parser. The limits
-of this gateway's flags (served model name, context length, `--max-n`, stop limits), which the
-parser checks at run time, are written into those schemas here, so that clients and API
-fuzzers (tests/test_hostile_input.py runs schemathesis on it) see what is enforced. Every error
-answer has OpenAI's error shape (`ErrorResponse`). Streaming answers (`stream: true`) are
-`text/event-stream` with one JSON chunk per `data:` line.
+(`gateway/requests/protocol.py` and `responses.py`, pydantic), so the document cannot drift
+from the parser. The limits of this gateway's flags (served model name, context length,
+`--max-n`, stop limits), which the parser checks at run time, are written into those schemas
+here, so that clients and API fuzzers (tests/test_hostile_input.py runs schemathesis on it)
+see what is enforced. Every error answer has OpenAI's error shape (`ErrorResponse`). Streaming
+answers (`stream: true`) are `text/event-stream` with one JSON chunk per `data:` line (and, for
+/v1/responses, its event's type in an `event:` line before it).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from gateway.requests.protocol import (
     NativeSamplingFields,
     TokenizeBody,
 )
+from gateway.requests.responses import ResponsesBody
 
 Schema = dict[str, Any]
 _REFS = "#/components/schemas/{model}"
+_BODIES = (*BODIES, ResponsesBody)
 
 
 def _ref(name: str) -> Schema:
@@ -35,7 +38,7 @@ def _ref(name: str) -> Schema:
 
 
 def _request_schemas(config: GatewayConfig) -> dict[str, Schema]:
-    _, top = models_json_schema([(m, "validation") for m in BODIES], ref_template=_REFS)
+    _, top = models_json_schema([(m, "validation") for m in _BODIES], ref_template=_REFS)
     schemas: dict[str, Schema] = top["$defs"]
     _add_flag_limits(schemas, config)
     return schemas
@@ -49,7 +52,7 @@ def _branches(field: Schema, of_type: str) -> list[Schema]:
 def _add_flag_limits(schemas: dict[str, Schema], config: GatewayConfig) -> None:
     limits, room = config.limits, config.model.context_length - 1  # a prompt has >= 1 token
     fields = {
-        m.__name__: schemas[m.__name__]["properties"] for m in (*BODIES, NativeSamplingFields)
+        m.__name__: schemas[m.__name__]["properties"] for m in (*_BODIES, NativeSamplingFields)
     }
     maxima: list[tuple[Schema, int]] = []  # integer fields and their flag's limit
     for name in (CompletionBody.__name__, ChatBody.__name__, NativeSamplingFields.__name__):
@@ -58,10 +61,11 @@ def _add_flag_limits(schemas: dict[str, Schema], config: GatewayConfig) -> None:
         for array in _branches(fields[name]["stop"], "array"):
             array.update(maxItems=limits.max_stop)
             array["items"]["maxLength"] = limits.max_stop_chars
-    for name in (CompletionBody.__name__, ChatBody.__name__):
+    for name in (CompletionBody.__name__, ChatBody.__name__, ResponsesBody.__name__):
         fields[name]["model"]["enum"] = [config.model.served_name]
-        maxima.append((fields[name]["n"], limits.max_n))
-        for length in ("max_tokens", "max_completion_tokens"):
+        if "n" in fields[name]:
+            maxima.append((fields[name]["n"], limits.max_n))
+        for length in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if length in fields[name]:
                 maxima.append((fields[name][length], room))
     for name in (TokenizeBody.__name__, DetokenizeBody.__name__):
@@ -105,7 +109,7 @@ _ERROR_MEANINGS = {
     400: "a field is invalid: the message names it and the limit",
     401: "missing or wrong API key",
     403: "the API key lacks the route's scope",
-    404: "unknown model",
+    404: "unknown model (/v1/responses: or unknown `previous_response_id`)",
     413: "the body exceeds --max-body-bytes",
     429: "at the --max-inflight limit: retry after Retry-After seconds",
     499: "the client disconnected",
@@ -168,6 +172,7 @@ def openapi_document(config: GatewayConfig) -> Schema:
             "/v1/completions": _generation("OpenAI completions", CompletionBody.__name__),
             "/v1/chat/completions": _generation("OpenAI chat", ChatBody.__name__),
             "/generate": _generation("native generation", GenerateBody.__name__),
+            "/v1/responses": _generation("OpenAI responses", ResponsesBody.__name__),
             "/v1/models": {
                 "get": {
                     "summary": "the served model",

@@ -27,6 +27,11 @@ def sse(obj: object) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def sse_event(kind: str, obj: object) -> bytes:
+    """A named event: its `event:` line, then `data:` holding `obj` (the Responses API's)."""
+    return b"event: " + kind.encode() + b"\n" + sse(obj)
+
+
 @dataclass(frozen=True)
 class ChunkFrames:
     """`data: {<header>, "choices": [<choice>]}` frames of one response, header encoded once."""

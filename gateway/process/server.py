@@ -40,6 +40,7 @@ from gateway.config import (
     LimitsConfig,
     ModelInfo,
     RequestDefaults,
+    ResponseStoreConfig,
     RoutingConfig,
 )
 from gateway.process.cpus import allowed_cpus, pin_this_process, worker_cpus
@@ -197,6 +198,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-n", type=int, default=16, help="choices per request")
     g.add_argument("--max-stop", type=int, default=4, help="stop strings per request")
     g.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
+    g = parser.add_argument_group("responses kept for previous_response_id (POST /v1/responses)")
+    g.add_argument(
+        "--response-store-size",
+        type=int,
+        default=1024,
+        help="responses kept in this process's memory, the oldest evicted first (0: none; with "
+        "--workers N > 1 none either: a worker's memory is its own, so `previous_response_id` "
+        "answers 400 and clients send the whole conversation)",
+    )
+    g.add_argument(
+        "--response-store-ttl",
+        type=float,
+        default=3600.0,
+        help="seconds a kept response can be continued with `previous_response_id`",
+    )
     g = parser.add_argument_group("slow and careless clients")
     g.add_argument(
         "--header-timeout",
@@ -327,6 +343,7 @@ def build_config(args: argparse.Namespace, model_path: str) -> GatewayConfig:
         ),
         tokenizer_workers=args.tokenizer_workers,
         drain_timeout_s=args.drain_timeout,
+        response_store=ResponseStoreConfig(args.response_store_size, args.response_store_ttl),
     )
 
 

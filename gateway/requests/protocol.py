@@ -435,7 +435,7 @@ def parse_detokenize(body: Mapping[str, Any], served: str) -> tuple[int, ...]:
 def parse_completion(
     body: Mapping[str, Any], served: str, limits: LimitsConfig
 ) -> CompletionRequest:
-    req = _openai_body(CompletionBody, body, served)
+    req = openai_body(CompletionBody, body, served)
     top = req.logprobs
     if req.echo and top is not None and req.stream:
         raise bad_request(
@@ -449,7 +449,7 @@ def parse_completion(
     prompts = _prompts(req.prompt)
     if len(prompts) * n > limits.max_n:
         raise too_many_prompts(len(prompts), n, limits.max_n)
-    sampling = _sampling(req, limits, n, req.max_tokens, top is not None, top or 0)
+    sampling = sampling_options(req, limits, n, req.max_tokens, top is not None, top or 0)
     sampling = with_grammar(sampling, *_output_grammar(req))
     if req.echo and top is not None:  # the prompt's tokens get logprobs too
         sampling = replace(sampling, prompt_logprobs=top)
@@ -462,7 +462,7 @@ def too_many_prompts(prompts: int, n: int, max_n: int) -> APIError:
 
 
 def parse_chat(body: Mapping[str, Any], served: str, limits: LimitsConfig) -> ChatRequest:
-    req = _openai_body(ChatBody, body, served)
+    req = openai_body(ChatBody, body, served)
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise bad_request("top_logprobs", "`top_logprobs` needs `logprobs: true`")
@@ -470,16 +470,10 @@ def parse_chat(body: Mapping[str, Any], served: str, limits: LimitsConfig) -> Ch
     if max_tokens is None:
         max_tokens = req.max_tokens
     n = _choices(req, limits)
-    sampling = _sampling(req, limits, n, max_tokens, bool(req.logprobs), top)
+    sampling = sampling_options(req, limits, n, max_tokens, bool(req.logprobs), top)
     sampling = with_grammar(sampling, *_output_grammar(req))
     tools = _chat_tools(req)
-    if tools is not None and tools.forced:
-        if sampling.grammar is not None:
-            raise bad_request(
-                "tool_choice",
-                f"a forced `tool_choice` cannot be combined with `{sampling.grammar_param}`",
-            )
-        sampling = with_grammar(sampling, tools.grammar(), "tools")
+    sampling = with_tools(sampling, tools, sampling.grammar_param or "response_format")
     stream, include_usage = _stream(req)
     messages = tuple(_message(i, m) for i, m in enumerate(req.messages))
     return ChatRequest(
@@ -551,7 +545,7 @@ def parse_native(body: Mapping[str, Any], limits: LimitsConfig) -> NativeRequest
     params = req.sampling_params or NativeSamplingFields()
     top = params.top_logprobs or 0
     logprobs = bool(params.logprobs) or top > 0
-    sampling = _sampling(params, limits, 1, params.max_new_tokens, logprobs, top)
+    sampling = sampling_options(params, limits, 1, params.max_new_tokens, logprobs, top)
     sampling = with_grammar(
         sampling, *native_grammar(params.json_schema, params.regex, params.ebnf)
     )
@@ -571,9 +565,15 @@ def _validate(model: type[BodyT], body: Mapping[str, Any]) -> BodyT:
         raise validation_error(exc, model) from None
 
 
-def _openai_body(model: type[BodyT], body: Mapping[str, Any], served: str) -> BodyT:
-    """The model name first (404 for another model, as OpenAI), then the body."""
-    return _validate(model, without_refused(_served_model(body, served)))
+def openai_body(
+    model: type[BodyT],
+    body: Mapping[str, Any],
+    served: str,
+    refused: Mapping[str, str] = REFUSED,
+) -> BodyT:
+    """The model name first (404 for another model, as OpenAI), then the route's `refused`
+    fields, then the body."""
+    return _validate(model, without_refused(_served_model(body, served), refused))
 
 
 def _served_model(body: Mapping[str, Any], served: str, required: bool = True) -> Mapping[str, Any]:
@@ -597,16 +597,19 @@ def model_not_found(name: str, served: str, param: str | None = "model") -> APIE
     )
 
 
-def without_refused(body: Mapping[str, Any]) -> Mapping[str, Any]:
-    """400 for a field of `REFUSED` with a value; the body without the empty ones."""
-    present = [name for name in REFUSED if name in body]
+def without_refused(
+    body: Mapping[str, Any], refused: Mapping[str, str] = REFUSED
+) -> Mapping[str, Any]:
+    """400 for a field of `refused` with a value (with the reason); the body without the
+    empty ones."""
+    present = [name for name in refused if name in body]
     for name in present:
         if body[name] not in (None, [], {}, ""):
-            raise bad_request(name, f"`{name}` is not supported: {REFUSED[name]}; leave it out")
+            raise bad_request(name, f"`{name}` is not supported: {refused[name]}; leave it out")
     return {k: v for k, v in body.items() if k not in present} if present else body
 
 
-def _sampling(
+def sampling_options(
     fields: SamplingFields,
     limits: LimitsConfig,
     n: int,
@@ -713,3 +716,17 @@ def with_grammar(
     sampling: SamplingOptions, grammar: GrammarSpec | None, param: str | None
 ) -> SamplingOptions:
     return sampling if grammar is None else replace(sampling, grammar=grammar, grammar_param=param)
+
+
+def with_tools(
+    sampling: SamplingOptions, tools: ToolSpec | None, format_param: str
+) -> SamplingOptions:
+    """A forced tool choice's grammar (the call's JSON); 400 beside an output format's own
+    grammar (`format_param`)."""
+    if tools is None or not tools.forced:
+        return sampling
+    if sampling.grammar is not None:
+        raise bad_request(
+            "tool_choice", f"a forced `tool_choice` cannot be combined with `{format_param}`"
+        )
+    return with_grammar(sampling, tools.grammar(), "tools")

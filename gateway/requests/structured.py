@@ -1,8 +1,10 @@
-"""Request bodies and their parsing for structured output and tools (used by protocol.py).
+"""Request bodies and their parsing for structured output and tools (used by protocol.py and
+responses.py).
 
 - `response_format` (`ResponseFormat`): `json_object` or `json_schema` become the request's
   grammar; `/generate`'s `json_schema`, `regex` and `ebnf` likewise (`native_grammar`);
-- `tools`, `tool_choice`, `parallel_tool_calls` become a `ToolSpec` (gateway/requests/tools.py);
+- `tools`, `tool_choice`, `parallel_tool_calls` become a `ToolSpec` (gateway/requests/tools.py):
+  `parse_tools` for a chat's, `tool_function` and `tool_spec` for any route's;
 - a schema feature the engine cannot enforce answers 400 naming the field and the keyword; a
   schema the compiler refuses is answered by the node (gateway/api/openai_api.py, grammar_refusal).
 """
@@ -85,47 +87,65 @@ def parse_tools(
     choice_body: Literal["none", "auto", "required"] | NamedToolChoice | None,
     parallel_tool_calls: bool | None,
 ) -> ToolSpec | None:
-    """`tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's defaults: auto, parallel)."""
-    if not tools:
-        if choice_body not in (None, "none"):
+    """A chat's `tools`, `tool_choice` and `parallel_tool_calls`."""
+    functions = [
+        tool_function(f.name, f.description, f.parameters, f"tools[{i}].function.parameters")
+        for i, f in enumerate(t.function for t in tools or ())
+    ]
+    strict = [f"tools[{i}].function.strict" for i, t in enumerate(tools or ()) if t.function.strict]
+    strict_param = strict[0] if strict else None
+    if isinstance(choice_body, NamedToolChoice):
+        named = "tool_choice.function.name"
+        return tool_spec(
+            functions, choice_body.function.name, parallel_tool_calls, named, strict_param
+        )
+    return tool_spec(functions, choice_body, parallel_tool_calls, strict_param=strict_param)
+
+
+def tool_function(
+    name: str, description: str | None, parameters: dict[str, Any] | None, param: str
+) -> ToolFunction:
+    """One function tool; 400 naming `param` (where its `parameters` are) for a schema feature
+    the engine cannot enforce."""
+    schema = parameters or {"type": "object", "properties": {}}
+    unsupported = unsupported_schema_feature(schema)
+    if unsupported:
+        raise bad_request(
+            param, f"`{param}` uses an unsupported JSON Schema feature: {unsupported}"
+        )
+    return ToolFunction(name, description or "", schema)
+
+
+def tool_spec(
+    functions: list[ToolFunction],
+    choice: str | None,
+    parallel_tool_calls: bool | None,
+    named_param: str | None = None,
+    strict_param: str | None = None,
+) -> ToolSpec | None:
+    """The tools of a request (OpenAI's defaults: auto, parallel); `named_param`: where the
+    request names the function `choice` forces, None when `choice` names none; `strict_param`:
+    the first tool that asks for calls held to its schema, which only a forced choice gives."""
+    if not functions:
+        if choice not in (None, "none"):
             raise bad_request("tool_choice", "`tool_choice` needs `tools`")
         return None
-    functions = []
-    for i, tool in enumerate(tools):
-        parameters = tool.function.parameters or {"type": "object", "properties": {}}
-        param = f"tools[{i}].function.parameters"
-        unsupported = unsupported_schema_feature(parameters)
-        if unsupported:
-            raise bad_request(
-                param, f"`{param}` uses an unsupported JSON Schema feature: {unsupported}"
-            )
-        functions.append(
-            ToolFunction(tool.function.name, tool.function.description or "", parameters)
-        )
     names = [f.name for f in functions]
     if len(set(names)) != len(names):
         raise bad_request("tools", "`tools` names a function twice: names must be unique")
-    choice: str = (
-        choice_body.function.name
-        if isinstance(choice_body, NamedToolChoice)
-        else (choice_body or "auto")
-    )
-    strict = [i for i, tool in enumerate(tools) if tool.function.strict]
-    if strict and choice == "auto":
-        param = f"tools[{strict[0]}].function.strict"
+    if named_param is not None and choice not in names:
         raise bad_request(
-            param,
-            f"`{param}`: calls under tool_choice 'auto' are read from the model's free "
+            named_param, f"`tool_choice` names {choice!r}, which is not in `tools` ({names})"
+        )
+    if strict_param is not None and (choice or "auto") == "auto":
+        raise bad_request(
+            strict_param,
+            f"`{strict_param}`: calls under tool_choice 'auto' are read from the model's free "
             "text, not held to the schema; send tool_choice 'required' or a named function "
             "for calls held to it, or leave `strict` out",
         )
-    if isinstance(choice_body, NamedToolChoice) and choice not in names:
-        raise bad_request(
-            "tool_choice.function.name",
-            f"`tool_choice` names {choice!r}, which is not in `tools` ({names})",
-        )
     parallel = parallel_tool_calls is not False
-    return ToolSpec(tuple(functions), choice, parallel)
+    return ToolSpec(tuple(functions), choice or "auto", parallel)
 
 
 def response_format_grammar(fmt: ResponseFormat | None) -> tuple[GrammarSpec | None, str | None]:

@@ -55,6 +55,7 @@ class BodyRoute(enum.Enum):
     COMPLETION = "completion"
     CHAT = "chat"
     NATIVE = "native"
+    RESPONSES = "responses"
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class PromptBounds:
             BodyRoute.COMPLETION: self.completion_body,
             BodyRoute.CHAT: self.chat_body,
             BodyRoute.NATIVE: self.native_body,
+            BodyRoute.RESPONSES: self.responses_body,
         }[route](body)
 
     def completion_body(self, body: dict[str, Any]) -> None:
@@ -87,6 +89,15 @@ class PromptBounds:
         """/generate's bound on its parsed body, before validation."""
         self.bound_unvalidated(body.get("input_ids"), "input_ids")
 
+    def responses_body(self, body: dict[str, Any]) -> None:
+        """/v1/responses' bound on its parsed body, before validation: `input` is a text or a
+        list of items, each at least one token."""
+        items = body.get("input")
+        if isinstance(items, list):
+            self.bound_messages(items, "input")
+        else:
+            self.bound_unvalidated(items, "input")
+
     def bound_prompts(self, prompt: Any, n: Any) -> None:
         """The cheap bound on a completion's `prompt` as parsed, before its validation (see
         the module docstring): len() of its lists only, no walk over their items."""
@@ -99,11 +110,11 @@ class PromptBounds:
         for item in prompt:
             self.bound_unvalidated(item, "prompt")
 
-    def bound_messages(self, messages: Any) -> None:
-        """A chat's `messages` as parsed: every message costs at least one token."""
+    def bound_messages(self, messages: Any, param: str = "messages") -> None:
+        """A chat's `messages` (or `param`) as parsed: every message costs at least one token."""
         if isinstance(messages, list) and len(messages) >= self.context_length:
             bound = f"{len(messages)} messages, at least one token each"
-            raise prompt_too_long("messages", len(messages), self.context_length, bound)
+            raise prompt_too_long(param, len(messages), self.context_length, bound)
 
     def bound_unvalidated(self, value: Any, param: str) -> None:
         """A text or token-id list as parsed, before its validation."""
@@ -148,10 +159,13 @@ class PromptEncoder:
         )
 
     async def chat(
-        self, messages: Sequence[ChatMessage], tools: ToolSpec | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        tools: ToolSpec | None = None,
+        param: str = "messages",
     ) -> list[int]:
         chars = sum(len(m.content) for m in messages)
-        self.bounds.bound_chars(chars, "messages")
+        self.bounds.bound_chars(chars, param)
         size = chars if len(messages) <= INLINE_MESSAGES else INLINE_CHARS + 1
         return await self._run(size, lambda: self.codec.chat_prompt(messages, tools))
 

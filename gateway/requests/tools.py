@@ -284,6 +284,21 @@ def parser_family(chat_template: str | None) -> str:
     return "json"
 
 
+def split_calls(
+    text: str, tools: ToolSpec | None, template_family: str
+) -> tuple[str, tuple[ToolCall, ...]]:
+    """An answer's content and the tool calls parsed out of it: none unless `tools` parses
+    them, one at most without `parallel`. A forced call is JSON whatever the template's family."""
+    if tools is None or not tools.parses_calls:
+        return text, ()
+    names = frozenset(f.name for f in tools.functions)
+    family = "json" if tools.forced else template_family
+    content, calls = tool_parser(family).parse(text, names)
+    if not calls:
+        return text, ()
+    return content, tuple(calls if tools.parallel else calls[:1])
+
+
 def tool_parser(family: str) -> ToolCallParser:
     if family not in TOOL_PARSERS:
         raise ValueError(f"unknown tool-call parser {family!r}; choose one of {list(TOOL_PARSERS)}")
