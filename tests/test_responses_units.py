@@ -1,7 +1,7 @@
 """`POST /v1/responses` without processes: the response store's bounds, the body's parsing and
 its errors, and the handler over a fake dispatcher (what the prompt holds for a chained request,
 the response object, the streamed event sequence and an error after the stream started), with
-the default model's tokenizer. tests/test_responses_api.py drives real clusters with the SDK."""
+the default model's tokenizer. tests/test_openai_surface.py drives real clusters with the SDK."""
 
 from __future__ import annotations
 

@@ -9,10 +9,6 @@ regex and ebnf; bad grammars answer 400 naming the field and the compiler's reas
 required and named choices give calls whose arguments satisfy their schema, streamed as
 `tool_calls` deltas. Prompt logprobs (`echo` + `logprobs`, native `prompt_logprobs`), computed
 by the node that prefills (the prefill node in PD), equal HF's log_softmax over the prompt.
-The rest of the OpenAI surface on the same clusters: `logit_bias` and `min_tokens` equal HF's
-`sequence_bias` and `min_new_tokens`, vLLM's `guided_*` fields, `nvext.ignore_eos`, the
-deprecated `functions`, `models.retrieve`, /tokenize and /detokenize, `max_tokens: 0` with
-`echo`.
 """
 
 from __future__ import annotations
@@ -391,7 +387,7 @@ def test_bad_tools_answer_400(cluster, model_name, body: dict[str, Any], param: 
 ECHO_PROMPTS = ["The capital of France is Paris", "Question: 2 + 2 = ? Answer: 4"]
 
 
-def _hf_prompt_logprobs(model_dir: Path, ids: list[int]) -> list[float]:
+def hf_prompt_logprobs(model_dir: Path, ids: list[int]) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -410,7 +406,7 @@ def test_echo_with_logprobs_scores_the_prompt_like_hf(client, model_name, defaul
     )
     for choice, prompt in zip(reply.choices, ECHO_PROMPTS, strict=True):
         ids = tokenizer.encode(prompt)
-        expected = _hf_prompt_logprobs(default_model_dir, ids)
+        expected = hf_prompt_logprobs(default_model_dir, ids)
         lp = choice.logprobs
         assert lp is not None and choice.text.startswith(prompt)
         assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
@@ -427,7 +423,7 @@ def test_native_prompt_logprobs(cluster, default_model_dir) -> None:
     meta = httpx.post(cluster.url + "/generate", json=body, timeout=120).json()["meta_info"]
     pairs = meta["input_token_logprobs"]
     ids = [t for _, t in pairs]
-    expected = _hf_prompt_logprobs(default_model_dir, ids)
+    expected = hf_prompt_logprobs(default_model_dir, ids)
     assert pairs[0][0] is None and [lp for lp, _ in pairs[1:]] == pytest.approx(expected, abs=1e-3)
     assert meta["input_top_logprobs"][0] is None
     assert all(len(top) == 3 for top in meta["input_top_logprobs"][1:])
@@ -437,266 +433,3 @@ def test_echo_logprobs_refuses_a_stream(cluster, model_name) -> None:
     body = {"model": model_name, "prompt": "hi", "echo": True, "logprobs": 1, "stream": True}
     reply = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream"
-
-
-# -- the rest of the OpenAI surface -----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def hf_model(default_model_dir: Path) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_dir)
-
-
-def _hf_generate(model: Any, ids: list[int], max_new_tokens: int, **options: Any) -> list[int]:
-    """HF greedy from `ids` (stops at EOS), with generate's own logits processors."""
-    import torch
-
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **options
-        )
-    return out[0, len(ids) :].tolist()
-
-
-def _chat_ids(tokenizer: Any, chat: list[dict[str, str]]) -> list[int]:
-    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _pd(cluster: RunningCluster) -> bool:
-    return "starting prefill-0" in cluster.log()
-
-
-def test_logit_bias_equals_hf_with_the_bias_added(client, model_name, hf_model, tokenizer):
-    """Completions and chat: the first token (drawn by the prefill node in PD) and every later
-    one see the bias, as HF's `sequence_bias` adds it to the logits."""
-    prompt = "The capital of France is"
-    ids = tokenizer.encode(prompt)
-    plain = _hf_generate(hf_model, ids, 8)
-    bias = {plain[0]: -100.0, plain[1]: -100.0, 13: 5.0}  # its first two tokens banned
-    expected = _hf_generate(hf_model, ids, 8, sequence_bias={(t,): b for t, b in bias.items()})
-    assert expected[:2] != plain[:2]
-    logit_bias = {str(t): b for t, b in bias.items()}
-    reply = client.completions.create(
-        model=model_name, prompt=prompt, max_tokens=8, temperature=0, logit_bias=logit_bias
-    )
-    assert reply.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
-    chat = [{"role": "user", "content": "Name a colour."}]
-    chat_ids = _chat_ids(tokenizer, chat)
-    first = _hf_generate(hf_model, chat_ids, 1)[0]
-    expected = _hf_generate(hf_model, chat_ids, 6, sequence_bias={(first,): -100.0})
-    reply = client.chat.completions.create(
-        model=model_name, messages=chat, max_tokens=6, temperature=0,
-        logit_bias={str(first): -100},
-    )  # fmt: skip
-    assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
-
-
-MIN_TOKENS = 11
-COUNTRIES = [
-    "France",
-    "Germany",
-    "Italy",
-    "Spain",
-    "Japan",
-    "China",
-    "India",
-    "Brazil",
-    "Canada",
-    "Mexico",
-    "Egypt",
-    "Kenya",
-    "Peru",
-    "Chile",
-    "Norway",
-    "Sweden",
-    "Finland",
-    "Poland",
-    "Greece",
-    "Turkey",
-    "Russia",
-    "Australia",
-    "Argentina",
-    "Portugal",
-    "Ireland",
-    "Austria",
-    "Belgium",
-    "Denmark",
-    "Hungary",
-    "Cuba",
-    "Iran",
-    "Iraq",
-    "Israel",
-    "Jordan",
-    "Nepal",
-    "Vietnam",
-    "Thailand",
-    "Morocco",
-    "Nigeria",
-    "Ghana",
-    "Colombia",
-    "Venezuela",
-    "Ukraine",
-    "Romania",
-    "Bulgaria",
-    "Serbia",
-    "Croatia",
-    "Iceland",
-    "Scotland",
-    "Wales",
-]
-
-
-def test_min_tokens_holds_every_answer_that_would_stop_early(
-    cluster, client, model_name, hf_model, tokenizer
-) -> None:
-    """50 requests (PD; 8 colocated), most of whose answers would end before `min_tokens`
-    (HF's greedy answer is 8-10 tokens for 35 of the 50): EOS is the model's first choice
-    (its raw top logprob) somewhere before `min_tokens`, yet each runs to `min_tokens`, and
-    its tokens equal HF's `min_new_tokens`."""
-    count = len(COUNTRIES) if _pd(cluster) else 8
-    chats = [[{"role": "user", "content": f"What is the capital of {c}?"}] for c in COUNTRIES]
-
-    def ask(chat: list[dict[str, str]]) -> Any:
-        return client.chat.completions.create(
-            model=model_name, messages=chat, temperature=0, max_tokens=MIN_TOKENS,
-            logprobs=True, top_logprobs=1, extra_body={"min_tokens": MIN_TOKENS},
-        ).choices[0]  # fmt: skip
-
-    with ThreadPoolExecutor(count) as pool:
-        held = list(pool.map(ask, chats[:count]))
-    eos = tokenizer.eos_token
-    early = [i for i, c in enumerate(held) if any(t.top_logprobs[0].token == eos
-             for t in c.logprobs.content)]  # fmt: skip
-    assert len(early) >= count * 0.6, [c.message.content for c in held]
-    for choice in held:
-        assert choice.finish_reason == "length" and len(choice.logprobs.content) == MIN_TOKENS
-        assert eos not in [t.token for t in choice.logprobs.content]
-    for i in early[:3]:
-        ids = _chat_ids(tokenizer, chats[i])
-        expected = _hf_generate(hf_model, ids, MIN_TOKENS, min_new_tokens=MIN_TOKENS)
-        assert held[i].message.content == tokenizer.decode(expected, skip_special_tokens=True)
-
-
-GUIDED = {
-    "guided_json": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-    "guided_regex": "(yes|no), [a-z]{2,8}",
-    "guided_choice": ["Paris", "London", "Rome"],
-    "guided_grammar": 'root ::= "Answer: " [0-9] [0-9]?',
-}
-
-
-@pytest.mark.parametrize("field", list(GUIDED))
-def test_vllm_guided_fields_hold_the_output(client, model_name, field: str) -> None:
-    value = GUIDED[field]
-    reply = client.chat.completions.create(
-        model=model_name,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=40,
-        temperature=0,
-        extra_body={field: value},
-    )
-    text = reply.choices[0].message.content or ""
-    if field == "guided_json":
-        assert check(value, text) is None, text
-    elif field == "guided_choice":
-        assert text in value
-    else:
-        pattern = value if field == "guided_regex" else r"Answer: [0-9][0-9]?"
-        assert re.fullmatch(pattern, text), text
-
-
-def test_nvext_ignore_eos_runs_to_max_tokens(client, model_name) -> None:
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    ask = lambda **extra: client.chat.completions.create(  # noqa: E731
-        model=model_name, messages=chat, max_tokens=16, temperature=0, **extra
-    )
-    assert ask().usage.completion_tokens < 16
-    held = ask(extra_body={"nvext": {"ignore_eos": True}})
-    assert held.usage.completion_tokens == 16 and held.choices[0].finish_reason == "length"
-
-
-def test_deprecated_functions_answer_a_function_call(client, model_name) -> None:
-    functions = [WEATHER_TOOL["function"]]
-    reply = client.chat.completions.create(
-        model=model_name, messages=ASK, functions=functions,
-        function_call={"name": "get_weather"}, max_tokens=96, temperature=0,
-    )  # fmt: skip
-    choice = reply.choices[0]
-    call = choice.message.function_call
-    assert choice.finish_reason == "function_call" and call is not None, choice
-    assert call.name == "get_weather" and not choice.message.tool_calls
-    assert check(WEATHER_TOOL["function"]["parameters"], call.arguments) is None
-    streamed = client.chat.completions.create(
-        model=model_name, messages=ASK, functions=functions,
-        function_call={"name": "get_weather"}, max_tokens=96, temperature=0, stream=True,
-    )  # fmt: skip
-    deltas = [c.choices[0] for c in streamed if c.choices]
-    calls = [d.delta.function_call for d in deltas if d.delta.function_call]
-    assert [(c.name, c.arguments) for c in calls] == [(call.name, call.arguments)]
-    assert deltas[-1].finish_reason == "function_call"
-    # the call and its result in the conversation, the deprecated way
-    result = {"role": "function", "name": "get_weather", "content": '{"temperature": 21}'}
-    turn = [
-        *ASK,
-        {"role": "assistant", "content": None, "function_call": call.model_dump()},
-        result,
-    ]
-    answer = client.chat.completions.create(
-        model=model_name, messages=turn, functions=functions, max_tokens=24, temperature=0
-    )
-    assert answer.choices[0].message.content
-
-
-def test_model_retrieval_tokenize_and_detokenize(cluster, client, model_name, tokenizer) -> None:
-    card = client.models.retrieve(model_name)
-    assert card.id == model_name and card.object == "model"
-    with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("no-such-model")
-    text = "Grüße, world! 123"
-    url = cluster.url
-    answer = httpx.post(url + "/tokenize", json={"prompt": text, "return_token_strs": True}).json()
-    ids = tokenizer.encode(text)
-    assert answer["tokens"] == ids and answer["count"] == len(ids)
-    assert answer["max_model_len"] > 0 and len(answer["token_strs"]) == len(ids)
-    chat = [{"role": "user", "content": text}]
-    answer = httpx.post(url + "/tokenize", json={"model": model_name, "messages": chat}).json()
-    assert answer["tokens"] == _chat_ids(tokenizer, chat) and answer["token_strs"] is None
-    back = httpx.post(url + "/detokenize", json={"tokens": ids}).json()
-    assert back == {"prompt": text}
-    refused = httpx.post(url + "/detokenize", json={"tokens": [10**7]})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens[0]"
-    other = httpx.post(url + "/tokenize", json={"model": "other", "prompt": "x"})
-    assert other.status_code == 404
-
-
-def test_echo_with_max_tokens_zero_scores_the_prompt_only(client, model_name, default_model_dir):
-    prompt = ECHO_PROMPTS[0]
-    reply = client.completions.create(
-        model=model_name, prompt=prompt, echo=True, logprobs=1, max_tokens=0
-    )
-    choice = reply.choices[0]
-    assert choice.text == prompt and reply.usage.completion_tokens == 0
-    lp = choice.logprobs
-    assert lp is not None and lp.token_logprobs[0] is None
-    assert "".join(lp.tokens) == prompt
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(default_model_dir).encode(prompt)
-    expected = _hf_prompt_logprobs(default_model_dir, ids)
-    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-3)
