@@ -131,6 +131,17 @@ def test_num_parameters_and_sparse_layers_are_hfs(moe_model, variant: str) -> No
     assert len(sparse) < config.num_layers or variant != "dots1"
 
 
+def test_bf16_model_keeps_the_deepseek_router_in_fp32(moe_model) -> None:
+    """As HF's `_keep_in_fp32_modules_strict`: the router's weight and correction bias stay
+    fp32 in a 16-bit model (the bias decides close choices); the experts are bf16."""
+    llm = LLM(str(moe_model("dots1")), dtype="bfloat16", max_total_tokens=512)
+    block = llm.runner.model.layers[1].mlp
+    assert block.gate.weight.dtype == block.gate.e_score_correction_bias.dtype == torch.float32
+    assert block.experts.w13.dtype == block.experts.w2.dtype == torch.bfloat16
+    out = llm.generate(_prompts(lengths=[9]), GREEDY)[0]
+    assert len(out.token_ids) == GREEDY.max_new_tokens
+
+
 def test_checkpoint_missing_an_expert_is_refused(moe_model, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
