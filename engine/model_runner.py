@@ -102,7 +102,11 @@ class ModelRunner:
         # A prefill node streaming KV by layer group (engine/layer_groups.py): asked for a
         # callback for every extend batch; decode batches and graphs never see it.
         self.layer_stream: LayerStream | None = None
-        graphs_ok = self.device.type == "cuda" and self.group.size == 1  # no TP collectives
+        graphs_ok = (
+            self.device.type == "cuda"
+            and self.group.size == 1  # no TP collectives
+            and getattr(self.model, "supports_cuda_graphs", True)  # MoE: engine/models/moe.py
+        )
         if graphs_ok and hasattr(self.attn_backend, "init_graph_metadata"):
             # Padding rows read one key through slot 0 (reads only) and write to location 0.
             self.graph_runner = DecodeGraphRunner(

@@ -9,6 +9,8 @@
   vocab 256), as transformers config keywords.
 - `llama_config` / `write_llama_config`: config.json of a llama shape for `load_format="dummy"`:
   `SMALL_LLAMA` (4 layers, hidden 256, vocab 2,048: GPU checks) and `LLAMA3_8B` (benchmarks).
+- `save_tiny_moe`: a tiny random-weight mixture-of-experts model of one of `MOE_FAMILIES`
+  (Qwen3-MoE, Mixtral, dots.llm1 with DeepSeek-V3's MoE), saved in small safetensors shards.
 - `hf_greedy`: HF transformers' greedy generation in fp32 (CPU, or a GPU for
   scripts/gpu/check_tp.py), the reference the engine's output is compared with.
 """
@@ -117,6 +119,46 @@ def tiny_chat_model(default_model_dir: Path, path: Path, max_positions: int = 10
     return save_tiny_llama(
         default_model_dir, path, max_positions, tie_word_embeddings=False, files=CHAT_FILES
     )
+
+
+# family -> (transformers config class, its keywords beyond tiny_sizes). 8 experts, top-2,
+# weights drawn 5x wider than HF's default (0.1, not 0.02), so that the experts and the routing
+# decide the greedy tokens: a wrong expert, weight or renormalisation changes them.
+MOE_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe": ("Qwen3MoeConfig", {
+        "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "num_hidden_layers": 3, "mlp_only_layers": [1],
+    }),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2}),
+    "dots1": ("Dots1Config", {
+        "head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "num_hidden_layers": 3,
+    }),
+}  # fmt: skip
+_MOE_ARCHITECTURES = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "dots1": "Dots1"}
+
+
+def save_tiny_moe(
+    path: Path, family: str, seed: int = 0, shard_size: str = "100KB", **overrides: Any
+) -> Path:
+    """A random-weight `family` model (MOE_FAMILIES, with `overrides` to its config keywords)
+    saved with HF's checkpoint names in shards of `shard_size`. DeepSeek's router bias, zero
+    when HF initialises it, is drawn in [-0.2, 0.2] so that it changes which experts win."""
+    import transformers as tf
+
+    config_cls, keywords = MOE_FAMILIES[family]
+    sizes = tiny_sizes(initializer_range=0.1, **{**keywords, **overrides})
+    config = getattr(tf, config_cls)(**sizes)
+    torch.manual_seed(seed)
+    model = getattr(tf, f"{_MOE_ARCHITECTURES[family]}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.2, 0.2)
+    model.save_pretrained(path, max_shard_size=shard_size)
+    return path
 
 
 def hf_greedy(

@@ -73,3 +73,26 @@ def generate_as_reference(
         assert result.prefill is not None and result.prefill.sent_pages > 0
     assert [r.token_ids for r in results] == reference
     return results
+
+
+def colocated_on_decode_node(
+    cluster: PDTrio, prompts: list[list[int]], sampling: node_pb2.SamplingParams
+) -> list[list[int]]:
+    """The same decode node, requests without a room: it prefills locally."""
+    import asyncio
+
+    import grpc
+
+    from gateway.dispatch.pd_client import pd_generate
+    from gateway.routing.nodes import NodeTarget
+    from proto import node_pb2_grpc
+
+    async def run() -> list[list[int]]:
+        async with grpc.aio.insecure_channel(cluster.decode.address) as chan:
+            target = NodeTarget(cluster.decode_id, node_pb2_grpc.NodeStub(chan))
+            results = await asyncio.gather(
+                *(pd_generate(target, None, p, sampling) for p in prompts)
+            )
+        return [r.token_ids for r in results]
+
+    return asyncio.run(run())

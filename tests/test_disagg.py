@@ -14,7 +14,11 @@ import pytest
 
 from gateway.process.launcher import pd_trio
 from proto import node_pb2
-from tests.helpers import generate_as_reference, greedy_reference_fixtures
+from tests.helpers import (
+    colocated_on_decode_node,
+    generate_as_reference,
+    greedy_reference_fixtures,
+)
 
 # Within a page (5, 12), whole pages (64, 128), odd pages (30, 90), exactly one chunk (128) and
 # three chunks whose last one ends mid-page (300 at 128 and at 125 tokens a chunk): every case
@@ -28,27 +32,6 @@ NODE_ARGS = ["--max-total-tokens", "16384", "--page-size", "16"]
 
 
 prompts, hf_reference = greedy_reference_fixtures(LENGTHS, seed=7, max_new=MAX_NEW)
-
-
-def _colocated_on_decode_node(cluster, prompts, sampling) -> list[list[int]]:
-    """The same decode node, requests without a room: it prefills locally."""
-    import asyncio
-
-    import grpc
-
-    from gateway.dispatch.pd_client import pd_generate
-    from gateway.routing.nodes import NodeTarget
-    from proto import node_pb2_grpc
-
-    async def run() -> list[list[int]]:
-        async with grpc.aio.insecure_channel(cluster.decode.address) as chan:
-            target = NodeTarget(cluster.decode_id, node_pb2_grpc.NodeStub(chan))
-            results = await asyncio.gather(
-                *(pd_generate(target, None, p, sampling) for p in prompts)
-            )
-        return [r.token_ids for r in results]
-
-    return asyncio.run(run())
 
 
 @pytest.mark.slow
@@ -71,14 +54,14 @@ def test_pd_matches_colocated_and_hf(
         pd_tokens = [r.token_ids for r in results]
         assert pd_tokens == hf_reference
         if backend == "mooncake":  # the node path is the same for both backends
-            assert _colocated_on_decode_node(cluster, prompts, GREEDY) == hf_reference
+            assert colocated_on_decode_node(cluster, prompts, GREEDY) == hf_reference
             # Seeded sampling: D continues the stream P started with the first token.
             seeded = node_pb2.SamplingParams(
                 max_new_tokens=MAX_NEW, temperature=0.9, seed=11, ignore_eos=True
             )
             few = prompts[::5]
             pd_seeded = [r.token_ids for r in cluster.generate_many(few, seeded)]
-            assert pd_seeded == _colocated_on_decode_node(cluster, few, seeded)
+            assert pd_seeded == colocated_on_decode_node(cluster, few, seeded)
         # Coalescing: each request's pages go in a few descriptors, not one per page.
         long = results[-1].prefill
         assert long is not None and long.descriptors < long.sent_pages

@@ -22,6 +22,11 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "engine.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "engine.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "engine.models.llama:Qwen3ForCausalLM",
+    # Mixture of experts (engine/models/moe.py), their sparse layers read from config.json by
+    # engine/model_config.py's MoE families.
+    "Qwen3MoeForCausalLM": "engine.models.moe_llama:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "engine.models.moe_llama:MixtralForCausalLM",
+    "Dots1ForCausalLM": "engine.models.moe_llama:Dots1ForCausalLM",
 }
 
 

@@ -62,6 +62,9 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention then `mlp` (the model's choice for this layer: dense, or a mixture of experts),
+    each after its RMSNorm; both outputs are a TP rank's partial sums, all-reduced here."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -69,13 +72,14 @@ class DecoderLayer(nn.Module):
         rope: RotaryEmbedding,
         shard: TPShard,
         group: TPGroup,
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         self.group = group
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, layer_id, rope, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, len(shard.intermediate))
+        self.mlp = mlp
 
     def forward(
         self,
@@ -115,12 +119,17 @@ class LlamaForCausalLM(nn.Module):
             config.rope_scaling,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rope, self.shard, self.group) for i in range(config.num_layers)
+            DecoderLayer(config, i, rope, self.shard, self.group, self.make_mlp(i))
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, len(self.shard.vocab), bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_mlp(self, layer_id: int) -> nn.Module:
+        """Layer `layer_id`'s MLP: dense here; a mixture-of-experts family overrides this."""
+        return GatedMLP(self.config.hidden_size, len(self.shard.intermediate))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x, residual = self._embed(batch.input_ids), None
@@ -167,12 +176,13 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def shard_sizes(self, fused: str) -> list[int]:
+    def shard_sizes(self, param: str) -> list[int]:
+        """The rows of each checkpoint tensor fused into parameter `param` (qkv, gate/up)."""
         hd = self.config.head_dim
-        if fused == "qkv_proj":
+        if ".qkv_proj." in param:
             kv = self.shard.num_kv_heads * hd
             return [self.shard.num_heads * hd, kv, kv]
-        return [len(self.shard.intermediate)] * 2
+        return [len(mlp_rows(self.shard, param))] * 2
 
     def tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor `name` (HF naming, `model.` prefix removed)."""
@@ -184,14 +194,14 @@ class LlamaForCausalLM(nn.Module):
             "q_proj": range(s.q_heads.start * hd, s.q_heads.stop * hd),
             "k_proj": range(s.kv_heads.start * hd, s.kv_heads.stop * hd),
             "v_proj": range(s.kv_heads.start * hd, s.kv_heads.stop * hd),
-            "gate_proj": s.intermediate,
-            "up_proj": s.intermediate,
+            "gate_proj": mlp_rows(s, name),
+            "up_proj": mlp_rows(s, name),
             "embed_tokens": s.vocab,
             "lm_head": s.vocab,
         }
         cols: dict[str, range] = {
             "o_proj": range(s.q_heads.start * hd, s.q_heads.stop * hd),
-            "down_proj": s.intermediate,
+            "down_proj": mlp_rows(s, name),
         }
         if module in rows:  # weights and biases alike: dim 0 is the output row
             span = rows[module]
@@ -200,6 +210,17 @@ class LlamaForCausalLM(nn.Module):
             span = cols[module]
             return tensor.narrow(1, span.start, len(span))
         return tensor
+
+
+def mlp_rows(shard: TPShard, name: str) -> range:
+    """The rank's intermediate rows of the MLP that tensor `name` belongs to: a routed expert's
+    (`...experts.<e>...` and the stacked `experts.w13`/`w2`), the shared experts' or the dense
+    MLP's."""
+    if ".shared_experts." in name:
+        return shard.shared_intermediate
+    if ".experts." in name:
+        return shard.expert_intermediate
+    return shard.intermediate
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -1,10 +1,19 @@
-"""Weights into a model: safetensors files (single or sharded index) or dummy random weights."""
+"""Weights into a model: safetensors files (single or sharded index) or dummy random weights.
+
+A checkpoint tensor (HF's name) lands in a parameter by the model's maps: a family's own names
+are first renamed (`checkpoint_renames`: Mixtral's `block_sparse_moe.experts.<e>.w1`), HF's
+separate projections fill parts of one fused parameter (`stacked_params`: q/k/v, gate/up), and
+one expert's tensors fill its slice of a layer's stacked expert weights (`expert_params`: no
+module per expert). Every slot must be filled once (`_check_complete`).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,8 +52,23 @@ def load_model(
         _load_safetensors(model, Path(config.model_path))
     else:
         raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
-    model = model.to(dtype=dtype).eval()
+    model = _to_dtype(model, dtype).eval()
     rewrite_linears(model)
+    return model
+
+
+def _to_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model.to(dtype)`, but for the parameters a module names in `fp32_params` (a DeepSeek-V3
+    router's weight and correction bias: HF keeps them in fp32 in a 16-bit model too)."""
+    kept = [
+        (param, param.data.clone())
+        for module in model.modules()
+        for name in getattr(module, "fp32_params", ())
+        if (param := getattr(module, name)) is not None
+    ]
+    model = model.to(dtype=dtype)
+    for param, value in kept:
+        param.data = value
     return model
 
 
@@ -99,38 +123,67 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
     params = dict(model.named_parameters())
-    stacked: dict[str, tuple[str, int]] = getattr(model, "stacked_params", {})
+    renames: tuple[tuple[str, str], ...] = getattr(model, "checkpoint_renames", ())
     tp_slice = getattr(model, "tp_slice", lambda _name, t: t)
-    loaded: set[str] = set()
+    loaded: set[_Slot] = set()
     for raw_name, full_tensor in _iter_tensors(safetensors_files(model_dir)):
         name = raw_name.removeprefix("model.")
+        for old, new in renames:
+            name = name.replace(old, new)
         if name.endswith(_SKIPPED_SUFFIXES):
             continue
-        tensor = tp_slice(name, full_tensor)
-        target, shard = _fused_target(name, stacked)
-        if target not in params:
+        slot = _slot(model, name)
+        if slot.param not in params or not slot.fits(params[slot.param]):
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 continue  # tied embeddings: the checkpoint may still carry a copy
             raise ModelConfigError(f"{model_dir}: checkpoint tensor {raw_name!r} has no place")
-        param = params[target]
-        if shard is None:
-            _copy_checked(param.data, tensor, raw_name)
-        else:
-            fused = target.rsplit(".", 2)[-2]
-            sizes = model.shard_sizes(fused)  # type: ignore[operator]
-            start = sum(sizes[:shard])
-            _copy_checked(param.data.narrow(0, start, sizes[shard]), tensor, raw_name)
-            target = f"{target}#{shard}"
-        loaded.add(target)
-    _check_complete(params, stacked, loaded, model_dir)
+        _copy_checked(slot.view(model, params[slot.param]), tp_slice(name, full_tensor), raw_name)
+        loaded.add(slot)
+    _check_complete(model, params, loaded, model_dir)
 
 
-def _fused_target(name: str, stacked: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
-    for hf_name, (fused, shard) in stacked.items():
-        part = f".{hf_name}."
-        if part in name:
-            return name.replace(part, f".{fused}."), shard
-    return name, None
+@dataclass(frozen=True)
+class _Slot:
+    """Where one checkpoint tensor goes: parameter `param`; in a stacked expert weight, expert
+    `expert`'s slice; in a fused projection (or an expert's gate/up rows), part `part`."""
+
+    param: str
+    expert: int | None = None
+    part: int | None = None
+
+    def fits(self, param: torch.Tensor) -> bool:
+        return self.expert is None or self.expert < param.shape[0]
+
+    def view(self, model: nn.Module, param: torch.Tensor) -> torch.Tensor:
+        view = param.data if self.expert is None else param.data[self.expert]
+        if self.part is None:
+            return view
+        sizes = model.shard_sizes(self.param)  # type: ignore[operator]
+        return view.narrow(0, sum(sizes[: self.part]), sizes[self.part])
+
+    def __str__(self) -> str:
+        expert = "" if self.expert is None else f" expert {self.expert}"
+        return self.param + expert + ("" if self.part is None else f" part {self.part}")
+
+
+# `...experts.<e>.<name>.weight`: one expert's tensor, stacked with the others at load.
+_EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def _slot(model: nn.Module, name: str) -> _Slot:
+    """The slot of checkpoint tensor `name` (HF naming, `model.` prefix removed), by the model's
+    `expert_params` (per-expert tensors -> stacked parameters) and `stacked_params` (HF
+    projections -> one fused parameter)."""
+    experts: dict[str, tuple[str, int | None]] = getattr(model, "expert_params", {})
+    match = _EXPERT_TENSOR.match(name) if experts else None
+    if match is not None and match["proj"] in experts:
+        param, part = experts[match["proj"]]
+        return _Slot(f"{match['experts']}.{param}", int(match["expert"]), part)
+    stacked: dict[str, tuple[str, int]] = getattr(model, "stacked_params", {})
+    for hf_name, (fused, part) in stacked.items():
+        if f".{hf_name}." in name:
+            return _Slot(name.replace(f".{hf_name}.", f".{fused}."), None, part)
+    return _Slot(name)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -143,23 +196,30 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 def _check_complete(
-    params: dict[str, nn.Parameter],
-    stacked: dict[str, tuple[str, int]],
-    loaded: set[str],
-    model_dir: Path,
+    model: nn.Module, params: dict[str, nn.Parameter], loaded: set[_Slot], model_dir: Path
 ) -> None:
-    shards: dict[str, int] = {}
-    for fused, index in stacked.values():
-        shards[fused] = max(shards.get(fused, 0), index + 1)
-    expected: set[str] = set()
-    for name in params:
-        module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-        if module in shards:
-            expected.update(f"{name}#{i}" for i in range(shards[module]))
+    fused = _parts(getattr(model, "stacked_params", {}).values())
+    stacked = _parts(getattr(model, "expert_params", {}).values())
+    expected: set[_Slot] = set()
+    for name, param in params.items():
+        module, leaf = name.rsplit(".", 2)[-2:] if "." in name else ("", name)
+        if module == "experts" and leaf in stacked:
+            experts = range(param.shape[0])
+            expected.update(_Slot(name, e, part) for e in experts for part in stacked[leaf])
+        elif module in fused:
+            expected.update(_Slot(name, None, part) for part in fused[module])
         else:
-            expected.add(name)
-    missing = sorted(expected - loaded)
+            expected.add(_Slot(name))
+    missing = sorted(str(slot) for slot in expected - loaded)
     if missing:
         raise ModelConfigError(
             f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}"
         )
+
+
+def _parts(targets: Iterable[tuple[str, int | None]]) -> dict[str, list[int | None]]:
+    """Each fused or stacked parameter's parts, from a name map's (target, part) values."""
+    parts: dict[str, list[int | None]] = {}
+    for target, part in targets:
+        parts.setdefault(target, []).append(part)
+    return parts

@@ -14,7 +14,10 @@ heads per group and TP size `t`:
   multiple of KV heads, `t > kv` and not a multiple, more replicas than query heads per group.
 
 The MLP intermediate dimension and the vocabulary are split into `t` contiguous blocks, evenly
-where `t` divides them, else the first ranks take one more. Norms and RoPE are replicated.
+where `t` divides them, else the first ranks take one more. So are a mixture-of-experts layer's
+intermediate dimensions: each rank holds every expert, with its block of each expert's rows (and
+of the shared experts'), so the experts need no communication beyond the MLP's all-reduce. The
+router, norms and RoPE are replicated.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class TPShard:
     kv_heads: range
     intermediate: range
     vocab: range
+    expert_intermediate: range = range(0)  # of each routed expert (MoE models)
+    shared_intermediate: range = range(0)  # of the shared experts' MLP (MoE models)
 
     @property
     def num_heads(self) -> int:
@@ -87,10 +92,12 @@ def check_tp(config: ModelConfig, tp_size: int) -> None:
                 f"{where}: tp_size {tp_size} would replicate each KV head on {tp_size // kv} "
                 f"ranks but a group has only {q // kv} query heads; use tp_size <= {q}"
             )
-    for name, size in (
-        ("intermediate size", config.intermediate_size),
-        ("vocabulary", config.vocab_size),
-    ):
+    sizes = [("intermediate size", config.intermediate_size), ("vocabulary", config.vocab_size)]
+    if config.moe is not None:
+        sizes.append(("expert intermediate size", config.moe.intermediate_size))
+        if config.moe.shared_intermediate_size:
+            sizes.append(("shared experts' size", config.moe.shared_intermediate_size))
+    for name, size in sizes:
         if size < tp_size:
             raise TPConfigError(f"{where}: the {name} {size} is smaller than tp_size {tp_size}")
 
@@ -102,6 +109,9 @@ def plan_tp(config: ModelConfig, tp_size: int) -> list[TPShard]:
     group = q // kv
     inter = _blocks(config.intermediate_size, tp_size)
     vocab = _blocks(config.vocab_size, tp_size)
+    moe = config.moe
+    experts = _blocks(moe.intermediate_size if moe else 0, tp_size)
+    shared = _blocks(moe.shared_intermediate_size if moe else 0, tp_size)
     shards = []
     for rank in range(tp_size):
         if tp_size <= kv:
@@ -113,7 +123,18 @@ def plan_tp(config: ModelConfig, tp_size: int) -> list[TPShard]:
             kv_heads = range(head, head + 1)
             part = _blocks(group, replicas)[replica]
             q_heads = range(head * group + part.start, head * group + part.stop)
-        shards.append(TPShard(rank, tp_size, q_heads, kv_heads, inter[rank], vocab[rank]))
+        shards.append(
+            TPShard(
+                rank,
+                tp_size,
+                q_heads,
+                kv_heads,
+                inter[rank],
+                vocab[rank],
+                expert_intermediate=experts[rank],
+                shared_intermediate=shared[rank],
+            )
+        )
     return shards
 
 

@@ -1,0 +1,156 @@
+"""The mixture-of-experts MLP: a router picks each token's `top_k` experts and their weights,
+the routed experts run as stacked weights, and shared experts (DeepSeek-V3) see every token.
+
+Weights: a layer's experts are two stacked tensors, `w13` [E, 2I, H] (each expert's gate rows,
+then its up rows) and `w2` [E, H, I], filled at load from the checkpoint's per-expert tensors
+(`EXPERT_CHECKPOINT_NAMES`, engine/models/loader.py). A tensor-parallel rank holds its block of
+I for every expert (engine/tp/partition.py); expert parallelism will slice E instead.
+
+Routing (`ROUTERS`, keyed by `MoEConfig.router`) repeats HF's float operations one for one, so
+ties and roundings fall the same way:
+- softmax_topk (Qwen3MoeTopKRouter, MixtralTopKRouter): softmax of the logits in fp32, top-k,
+  renormalised to sum 1 where `norm_topk_prob` (Mixtral: always).
+- grouped_sigmoid_topk (DeepseekV3TopkRouter, Dots1TopkRouter): logits and sigmoid scores in
+  fp32; for the choice only, `e_score_correction_bias` is added, each group of experts scores
+  the sum of its best two, and the top-k comes from the best `topk_group` groups. The weights are
+  the chosen experts' scores (no bias), renormalised where `norm_topk_prob`, then times
+  `routed_scaling_factor`. Like HF, the router's weight and bias stay fp32 in a 16-bit model.
+
+Expert compute (`grouped_experts`): no loop over tokens. The (token, expert) pairs are sorted by
+expert; each expert that received tokens runs one gate_up GEMM, SiLU-and-mul and one down GEMM
+over its rows; the outputs, weighted in fp32, go back to (token, k) order and are summed per
+token in HF's top-k order (deterministic on CUDA too, where index_add_ would use atomics). The
+tokens per expert are read on the host (one sync), so a model with MoE layers runs its decode
+steps without CUDA graphs on GPU; a fused MoE kernel is the GPU path still to come.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_config import GROUPED_SIGMOID_TOPK, SOFTMAX_TOPK, MoEConfig
+from engine.models.elementwise import silu_and_mul
+from engine.models.layers import GatedMLP
+from engine.tp.partition import TPShard
+
+# A checkpoint's per-expert tensor `...experts.<e>.<name>.weight` -> (stacked parameter of the
+# `experts` module, part of its rows: 0 gate, 1 up; None: the whole expert).
+EXPERT_CHECKPOINT_NAMES: dict[str, tuple[str, int | None]] = {
+    "gate_proj": ("w13", 0),
+    "up_proj": ("w13", 1),
+    "down_proj": ("w2", None),
+}
+
+Routing = tuple[torch.Tensor, torch.Tensor]  # (weights [N, k] fp32, expert ids [N, k] int64)
+
+
+def softmax_topk(router: TopKRouter, x: torch.Tensor) -> Routing:
+    logits = F.linear(x, router.weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, router.moe.top_k, dim=-1)
+    if router.moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_sigmoid_topk(router: TopKRouter, x: torch.Tensor) -> Routing:
+    moe, bias = router.moe, router.e_score_correction_bias
+    assert bias is not None
+    scores = F.linear(x.float(), router.weight.float()).sigmoid()
+    choice = scores + bias
+    per_group = moe.num_experts // moe.num_groups
+    grouped = choice.view(-1, moe.num_groups, per_group)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, k=moe.topk_groups, dim=-1, sorted=False)[1]
+    kept = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    eligible = kept.unsqueeze(-1).expand(-1, moe.num_groups, per_group).reshape(-1, moe.num_experts)
+    choice = choice.masked_fill(~eligible, float("-inf"))
+    ids = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids
+
+
+ROUTERS: dict[str, Callable[[TopKRouter, torch.Tensor], Routing]] = {
+    SOFTMAX_TOPK: softmax_topk,
+    GROUPED_SIGMOID_TOPK: grouped_sigmoid_topk,
+}
+
+
+class TopKRouter(nn.Module):
+    """HF's `gate`: the router's `weight` [E, H] (and DeepSeek-V3's correction bias [E])."""
+
+    def __init__(self, moe: MoEConfig, hidden: int) -> None:
+        super().__init__()
+        self.moe = moe
+        self.route = ROUTERS[moe.router]
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(moe.num_experts)) if moe.has_correction_bias else None
+        )
+        # Kept in fp32 when the model is cast to 16 bits (engine/models/loader.py), as HF does.
+        self.fp32_params = ("weight", "e_score_correction_bias") if moe.has_correction_bias else ()
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        return self.route(self, x)
+
+
+class StackedExperts(nn.Module):
+    """The routed experts' weights, one tensor per projection with the experts on dim 0."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(x, self.w13, self.w2, weights, ids)
+
+
+def grouped_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, by the module
+    docstring's grouping: one Python iteration per expert, none per token."""
+    tokens, top_k = ids.shape
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)  # pair rows grouped by expert, in token order within one
+    rows = x[order // top_k]
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the host sync
+    out = torch.empty(rows.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            span = slice(start, start + count)
+            gate_up = F.linear(rows[span], w13[expert])
+            out[span] = F.linear(silu_and_mul(gate_up), w2[expert])
+            start += count
+    weighted = torch.empty(out.shape, dtype=torch.float32, device=x.device)
+    weighted[order] = out.float() * weights.flatten()[order].unsqueeze(-1)
+    return weighted.view(tokens, top_k, w2.shape[1]).sum(dim=1).to(x.dtype)
+
+
+class SparseMoEBlock(nn.Module):
+    """A layer's MLP as a mixture of experts: HF's `mlp` (Mixtral's `block_sparse_moe`). Its
+    output is a TP rank's partial sum, like a dense MLP's; the layer all-reduces it."""
+
+    def __init__(self, moe: MoEConfig, hidden: int, shard: TPShard) -> None:
+        super().__init__()
+        self.gate = TopKRouter(moe, hidden)
+        self.experts = StackedExperts(moe.num_experts, hidden, len(shard.expert_intermediate))
+        self.shared_experts = (
+            GatedMLP(hidden, len(shard.shared_intermediate))
+            if moe.shared_intermediate_size
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, *self.gate(x))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
