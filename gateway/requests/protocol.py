@@ -19,7 +19,7 @@ OpenAI fields this server does not implement (`REFUSED`) answer 400 with the rea
 servers' names for the same things are taken as aliases: vLLM's `guided_json`,
 `guided_regex`, `guided_choice` and `guided_grammar` (the structured-output path), NVIDIA's
 `nvext.ignore_eos`, and the deprecated `functions` / `function_call` (tools, answered as
-`function_call` the way those clients read it). `tests/test_gateway_units.py` walks every
+`function_call` the way those clients read it). `tests/test_request_fields.py` walks every
 declared field and shows that it changes the parsed request, or is one of `NO_EFFECT`'s.
 
 The bodies and parsing of `response_format`, `tools` / `tool_choice` and /generate's grammars
@@ -29,7 +29,7 @@ options.
 Sampling fields become one `SamplingOptions`; `SamplingOptions.to_proto` makes the node's
 `SamplingParams` for one choice (choice i of a seeded request uses seed + i, so the n choices
 differ and each is reproducible). Extensions beyond OpenAI's fields, as other servers offer
-them: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`.
+them: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`.
 """
 
 from __future__ import annotations
