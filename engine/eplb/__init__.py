@@ -1,0 +1,11 @@
+"""Expert-parallel load balancing (EPLB) for mixture-of-experts models.
+
+- `distribution.py`: a recorded expert distribution (JSON):
+  model, MoE layers, experts, counts [L, E], tokens, span.
+- `placement.py`: an `ExpertPlacement`: per MoE layer the logical expert of each physical slot,
+  slots split evenly over EP ranks; read, checked against the model, written.
+- `balance.py`: from a distribution, a placement that replicates the hottest experts into the
+  redundant slots and packs the copies over the ranks (DeepSeek's EPLB), with each rank's load
+  before and after.
+- `files.py`: the JSON of both files, read with errors that name the file and the field.
+"""

@@ -1,0 +1,147 @@
+"""Expert-load placement (engine/eplb/): the dump and placement files and the placement
+algorithm.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.eplb.balance import compare, rebalance
+from engine.eplb.distribution import ExpertDistribution, merge
+from engine.eplb.files import EPLBFileError
+from engine.eplb.placement import ExpertPlacement, PlacementError
+from engine.model_config import ModelConfig
+from scripts.tiny_models import save_tiny_moe
+
+COUNTS = ((50, 10, 30, 10), (0, 0, 80, 20))  # two MoE layers (0 and 2) of 4 experts, top-2
+
+
+def _dist(counts=COUNTS, layer_ids=(0, 2), **changes: Any) -> ExpertDistribution:
+    fields = dict(model="m", layer_ids=layer_ids, num_experts=len(counts[0]), top_k=2,
+                  counts=counts, started_at=10.0, ended_at=12.5)  # fmt: skip
+    return ExpertDistribution(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/test_moe.py's tiny Qwen3-MoE (8 experts, top-2, MoE layers 0 and 2)."""
+    path = tmp_path_factory.mktemp("eplb") / "tiny-qwen3-moe"
+    return save_tiny_moe(path, "qwen3_moe")
+
+
+# ---- the dump ---------------------------------------------------------------------------------
+def test_distribution_round_trips_and_adds_up(tmp_path: Path) -> None:
+    dist = _dist()
+    dist.write(tmp_path / "d.json")
+    raw = json.loads((tmp_path / "d.json").read_text())
+    assert (raw["tokens"], raw["seconds"], raw["num_layers"]) == (50, 2.5, 2)
+    assert ExpertDistribution.read(tmp_path / "d.json") == dist
+    assert dist.skew() == (2.0, 3.2)
+    later = _dist(started_at=20.0, ended_at=30.0)
+    both = merge([dist, later])
+    assert both.counts == tuple(tuple(2 * n for n in row) for row in COUNTS)
+    assert (both.started_at, both.ended_at, both.tokens) == (10.0, 30.0, 100)
+    with pytest.raises(EPLBFileError, match=r"cannot add .*\(3 MoE layers \[0, 1, 2\]"):
+        merge([dist, _dist(counts=(*COUNTS, COUNTS[0]), layer_ids=(0, 1, 2))])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"format": "other"}, "field 'format' is 'other', not 'pdserve-expert-distribution'"),
+        ({"version": 2}, "version 2: this reads 1"),
+        ({"top_k": "2"}, "field 'top_k' must be a int, got '2'"),
+        ({"counts": [[1, 2, 3, 4]]}, "counts has 1 rows for 2 layer_ids"),
+        ({"counts": [[1, 2, 3, 4], [1, 2, 3]]}, "counts of layer 2: need 4 counts >= 0"),
+        ({"counts": [[1, 2, 3, 4], [1, 2, 3, -4]]}, "counts of layer 2: need 4 counts >= 0"),
+        ({"counts": [[1, 2, 3, 4], "x"]}, "counts row 1 must be a list of integers"),
+    ],
+)
+def test_a_bad_dump_is_refused_naming_the_field(
+    tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({**_dist().to_json(), **change}))
+    with pytest.raises(EPLBFileError, match=f"{path}.*{message}"):
+        ExpertDistribution.read(path)
+
+
+# ---- the placement file -------------------------------------------------------------------------
+def _placement_json(**changes: Any) -> dict[str, Any]:
+    raw = {"format": "pdserve-expert-placement", "version": 1, "model": "m", "num_experts": 4,
+           "ep_size": 2, "slots_per_rank": 3,
+           "layers": [{"layer": 0, "ranks": [[0, 1, 2], [2, 3, 0]]},
+                      {"layer": 2, "ranks": [[2, 0, 1], [2, 3, 1]]}]}  # fmt: skip
+    return {**raw, **changes}
+
+
+def test_placement_round_trips_and_fits_its_model(tmp_path: Path, tiny_moe: Path) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_placement_json()))
+    placement = ExpertPlacement.read(path)
+    assert placement.slot_experts == ((0, 1, 2, 2, 3, 0), (2, 0, 1, 2, 3, 1))
+    assert placement.slot_ranks == (0, 0, 0, 1, 1, 1)
+    assert (placement.num_redundant, placement.copies(1)) == (2, (1, 2, 2, 1))
+    placement.write(tmp_path / "again.json")
+    assert ExpertPlacement.read(tmp_path / "again.json") == placement
+    config = ModelConfig.from_dir(tiny_moe)
+    with pytest.raises(PlacementError, match=r"has 8 experts per layer; the placement places 4"):
+        placement.check_model(config)
+    default = ExpertPlacement.contiguous((0, 2), 8, 4)
+    default.check_model(config)
+    assert default.ranks(0) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    one_layer = ExpertPlacement.contiguous((0,), 8, 4)
+    with pytest.raises(PlacementError, match=r"has MoE layers \[0, 2\]; .* places layers \[0\]"):
+        one_layer.check_model(config)
+
+
+@pytest.mark.parametrize(
+    ("layers", "message"),
+    [
+        ([{"layer": 0, "ranks": [[0, 1, 2], [2, 3, 9]]}], "layer 0 rank 1 slot 2: expert 9 is "
+         r"outside \[0, 4\)"),
+        ([{"layer": 0, "ranks": [[0, 1, 2], [2, 1, 0]]}], r"layer 0: logical experts \[3\] "
+         "have no slot"),
+        ([{"layer": 0, "ranks": [[0, 1, 2], [3, 0]]}], "layer 0 rank 1 has 2 slots, "
+         "slots_per_rank is 3"),
+        ([{"layer": 0, "ranks": [[0, 1, 2]]}], "layer 0 lists 1 ranks, ep_size is 2"),
+        ([{"layer": 0, "ranks": [[0, 1, 2], [2, 3, 0]]}] * 2, r"layer ids \[0, 0\] repeat"),
+        ([{"ranks": []}], "field 'layer' must be a int"),
+    ],
+)  # fmt: skip
+def test_a_bad_placement_is_refused_naming_layer_rank_and_slot(
+    tmp_path: Path, layers: list[dict[str, Any]], message: str
+) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_placement_json(layers=layers)))
+    with pytest.raises(PlacementError, match=f"{path}: {message}"):
+        ExpertPlacement.read(path)
+
+
+# ---- the algorithm ------------------------------------------------------------------------------
+def test_rebalance_replicates_the_hottest_and_packs_them_apart() -> None:
+    """Layer 2's expert 2 carries 80 of 100 routings: it gets the copies, each on its own rank."""
+    dist = _dist()
+    placement = rebalance(dist, ep_size=2, slots_per_rank=3)
+    assert placement == rebalance(dist, ep_size=2, slots_per_rank=3)  # deterministic
+    assert placement.copies(1) == (1, 1, 2, 2)
+    assert all(len(set(rank)) == len(rank) for i in range(2) for rank in placement.ranks(i))
+    report = compare(dist, ExpertPlacement.contiguous((0, 2), 4, 2), placement)
+    assert [(layer.before, layer.after) for layer in report.layers] == [(1.2, 1.0), (2.0, 1.0)]
+    assert [layer.replicated for layer in report.layers] == [(0, 2), (2, 3)]
+    assert (report.before, report.after) == (1.6, 1.0)  # (60 + 100) / (50 + 50)
+
+
+@pytest.mark.parametrize(
+    ("ep_size", "slots", "message"),
+    [(2, 1, "2 slots: need between the 4 experts"), (2, 5, "10 slots: need between .* and 8")],
+)
+def test_rebalance_refuses_shapes_that_cannot_hold_the_experts(
+    ep_size: int, slots: int, message: str
+) -> None:
+    with pytest.raises(PlacementError, match=message):
+        rebalance(_dist(), ep_size, slots)
