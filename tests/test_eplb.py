@@ -1,5 +1,5 @@
-"""Expert-load placement (engine/eplb/): the dump and placement files and the placement
-algorithm.
+"""Expert-load recording and placement (engine/eplb/): the dump and placement files, the
+placement algorithm and the routers' counter.
 """
 
 from __future__ import annotations
@@ -9,12 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine.eplb.balance import compare, rebalance
 from engine.eplb.distribution import ExpertDistribution, merge
 from engine.eplb.files import EPLBFileError
 from engine.eplb.placement import ExpertPlacement, PlacementError
+from engine.eplb.recorder import ExpertDistributionRecorder, ExpertLoadCounter, RecordingError
 from engine.model_config import ModelConfig
+from engine.models.moe import SparseMoEBlock
+from engine.tp.partition import full_shard
 from scripts.tiny_models import save_tiny_moe
 
 COUNTS = ((50, 10, 30, 10), (0, 0, 80, 20))  # two MoE layers (0 and 2) of 4 experts, top-2
@@ -145,3 +149,51 @@ def test_rebalance_refuses_shapes_that_cannot_hold_the_experts(
 ) -> None:
     with pytest.raises(PlacementError, match=message):
         rebalance(_dist(), ep_size, slots)
+
+
+# ---- the counter and the recorder ---------------------------------------------------------------
+class _Layer(torch.nn.Module):
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+
+def test_counter_adds_each_routing_of_every_moe_layer(tiny_moe: Path) -> None:
+    config = ModelConfig.from_dir(tiny_moe)
+    assert config.moe is not None
+    torch.manual_seed(0)
+    blocks = [SparseMoEBlock(config.moe, 64, full_shard(config)) for _ in range(2)]
+    for block in blocks:
+        for param in block.parameters():
+            torch.nn.init.normal_(param)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([_Layer(blocks[0]), _Layer(torch.nn.Identity()),
+                                        _Layer(blocks[1])])  # fmt: skip
+    counter = ExpertLoadCounter.attach(model)
+    assert counter is not None and counter.layer_ids == (0, 2)
+    want = torch.zeros(2, 8, dtype=torch.int64)
+    for tokens in (5, 1, 33):
+        x = torch.randn(tokens, 64)
+        for row, block in enumerate(blocks):
+            block(x)
+            want[row] += torch.bincount(block.gate.route(block.gate, x)[1].flatten(), minlength=8)
+    assert counter.read() == want.tolist()
+    assert int(want[0].sum()) == 2 * (5 + 1 + 33)
+
+
+def test_recorder_windows_are_what_the_counter_gained() -> None:
+    counter = ExpertLoadCounter((0,), 4, 2, torch.device("cpu"))
+    clock = iter(range(100)).__next__
+    recorder = ExpertDistributionRecorder(counter, "m", lambda: float(clock()))
+    with pytest.raises(RecordingError, match="nothing recorded yet"):
+        recorder.dump()
+    counter.counts += torch.tensor([[1, 2, 3, 4]])
+    recorder.start()
+    counter.counts += torch.tensor([[0, 1, 1, 0]])
+    assert recorder.dump().counts == ((0, 1, 1, 0),)
+    stopped = recorder.stop()
+    counter.counts += 5
+    assert (recorder.recording, recorder.dump()) == (False, stopped)
+    assert (stopped.tokens, stopped.started_at, stopped.ended_at) == (1, 0.0, 2.0)
+    recorder.start()
+    assert recorder.dump().counts == ((0, 0, 0, 0),)

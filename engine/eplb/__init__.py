@@ -1,7 +1,9 @@
 """Expert-parallel load balancing (EPLB) for mixture-of-experts models.
 
-- `distribution.py`: a recorded expert distribution (JSON):
-  model, MoE layers, experts, counts [L, E], tokens, span.
+- `recorder.py`: what the routers choose, counted per MoE layer and logical expert on the
+  model's device (`ExpertLoadCounter`), and a start/stop window over it
+  (`ExpertDistributionRecorder`) read as an `ExpertDistribution`.
+- `distribution.py`: that dump (JSON): model, MoE layers, experts, counts [L, E], tokens, span.
 - `placement.py`: an `ExpertPlacement`: per MoE layer the logical expert of each physical slot,
   slots split evenly over EP ranks; read, checked against the model, written.
 - `balance.py`: from a distribution, a placement that replicates the hottest experts into the
