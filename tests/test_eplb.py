@@ -1,5 +1,6 @@
 """Expert-load recording and placement (engine/eplb/): the dump and placement files, the
-placement algorithm and the routers' counter.
+placement algorithm, the routers' counter, and a tiny Qwen3-MoE on a Mooncake trace slice placed
+at EP 2 and 4 (max / mean rank load <= 1.15 after).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.eplb import cli
 from engine.eplb.balance import compare, rebalance
 from engine.eplb.distribution import ExpertDistribution, merge
 from engine.eplb.files import EPLBFileError
@@ -19,6 +21,8 @@ from engine.eplb.recorder import ExpertDistributionRecorder, ExpertLoadCounter, 
 from engine.model_config import ModelConfig
 from engine.models.moe import SparseMoEBlock
 from engine.tp.partition import full_shard
+from planner.datasets import load_mooncake
+from scripts.expert_load import MAX_POSITIONS, TRACE, record
 from scripts.tiny_models import save_tiny_moe
 
 COUNTS = ((50, 10, 30, 10), (0, 0, 80, 20))  # two MoE layers (0 and 2) of 4 experts, top-2
@@ -32,9 +36,10 @@ def _dist(counts=COUNTS, layer_ids=(0, 2), **changes: Any) -> ExpertDistribution
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tests/test_moe.py's tiny Qwen3-MoE (8 experts, top-2, MoE layers 0 and 2)."""
+    """tests/test_moe.py's tiny Qwen3-MoE (8 experts, top-2, MoE layers 0 and 2), with
+    positions for the trace's longest prompts."""
     path = tmp_path_factory.mktemp("eplb") / "tiny-qwen3-moe"
-    return save_tiny_moe(path, "qwen3_moe")
+    return save_tiny_moe(path, "qwen3_moe", max_position_embeddings=MAX_POSITIONS)
 
 
 # ---- the dump ---------------------------------------------------------------------------------
@@ -197,3 +202,37 @@ def test_recorder_windows_are_what_the_counter_gained() -> None:
     assert (stopped.tokens, stopped.started_at, stopped.ended_at) == (1, 0.0, 2.0)
     recorder.start()
     assert recorder.dump().counts == ((0, 0, 0, 0),)
+
+
+# ---- a recorded distribution: the Mooncake trace on the tiny Qwen3-MoE -------------------------
+def test_trace_distribution_is_skewed_and_placed_within_1_15(
+    tiny_moe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first 32 requests of the conversation trace (16 tokens per hash id, 4 decode steps
+    each): `python -m scripts.expert_load --out DIR` prints the same figures."""
+    dist = record(tiny_moe, load_mooncake(TRACE)[:32], max_new_tokens=4)
+    dump = tmp_path / "distribution.json"
+    dist.write(dump)
+    assert dist.tokens > 10_000 and max(dist.skew()) > 2.0
+    results = {}
+    for ep_size in (2, 4):
+        out = tmp_path / f"placement-ep{ep_size}.json"
+        assert cli.main([str(dump), "--ep-size", str(ep_size), "--slots-per-rank",
+                         str(8 // ep_size + 1), "--out", str(out)]) == 0  # fmt: skip
+        ExpertPlacement.read(out).check_model(ModelConfig.from_dir(tiny_moe))
+        results[ep_size] = compare(
+            dist, ExpertPlacement.contiguous(dist.layer_ids, 8, ep_size), ExpertPlacement.read(out)
+        )
+    with capsys.disabled():
+        print(f"\nexpert skew per layer {[round(s, 2) for s in dist.skew()]}; " + "; ".join(
+            f"EP {r}: max/mean rank load {rep.before:.3f} -> {rep.after:.3f}"
+            for r, rep in results.items()))  # fmt: skip
+    assert results[4].before > 1.15
+    assert all(layer.after <= 1.15 for rep in results.values() for layer in rep.layers)
+    assert "EP 4 ranks x 3 slots (4 redundant a layer)" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_shape_it_cannot_place(tmp_path: Path, capsys) -> None:
+    _dist().write(tmp_path / "d.json")
+    assert cli.main([str(tmp_path / "d.json"), "--ep-size", "3", "--slots-per-rank", "2"]) == 2
+    assert "ep_size 3 must divide the 4 experts" in capsys.readouterr().err

@@ -9,5 +9,6 @@
 - `balance.py`: from a distribution, a placement that replicates the hottest experts into the
   redundant slots and packs the copies over the ranks (DeepSeek's EPLB), with each rank's load
   before and after.
+- `cli.py`: `pdserve-eplb`, the placement tool.
 - `files.py`: the JSON of both files, read with errors that name the file and the field.
 """
