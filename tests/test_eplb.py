@@ -1,17 +1,26 @@
 """Expert-load recording and placement (engine/eplb/): the dump and placement files, the
-placement algorithm, the routers' counter, and a tiny Qwen3-MoE on a Mooncake trace slice placed
-at EP 2 and 4 (max / mean rank load <= 1.15 after).
+placement algorithm, the routers' counter, a tiny Qwen3-MoE on a Mooncake trace slice placed at
+EP 2 and 4 (max / mean rank load <= 1.15 after), and a decode-server started with a placement
+(with redundant copies) that records its load: token for token HF's, its Prometheus series,
+the admin calls and the dump at shutdown.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import urllib.request
 from pathlib import Path
 from typing import Any
+from unittest.mock import Mock
 
+import grpc
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from bootstrap import admin
+from engine import LLM
 from engine.eplb import cli
 from engine.eplb.balance import compare, rebalance
 from engine.eplb.distribution import ExpertDistribution, merge
@@ -20,10 +29,13 @@ from engine.eplb.placement import ExpertPlacement, PlacementError
 from engine.eplb.recorder import ExpertDistributionRecorder, ExpertLoadCounter, RecordingError
 from engine.model_config import ModelConfig
 from engine.models.moe import SparseMoEBlock
+from engine.ports import free_port
 from engine.tp.partition import full_shard
+from gateway.process.launcher import running_node
 from planner.datasets import load_mooncake
+from proto import node_pb2
 from scripts.expert_load import MAX_POSITIONS, TRACE, record
-from scripts.tiny_models import save_tiny_moe
+from scripts.tiny_models import hf_greedy, save_tiny_moe, write_llama_config
 
 COUNTS = ((50, 10, 30, 10), (0, 0, 80, 20))  # two MoE layers (0 and 2) of 4 experts, top-2
 
@@ -236,3 +248,129 @@ def test_cli_refuses_a_shape_it_cannot_place(tmp_path: Path, capsys) -> None:
     _dist().write(tmp_path / "d.json")
     assert cli.main([str(tmp_path / "d.json"), "--ep-size", "3", "--slots-per-rank", "2"]) == 2
     assert "ep_size 3 must divide the 4 experts" in capsys.readouterr().err
+
+
+# ---- a node with a placement: == HF, and its expert load ----------------------------------------
+def _generate(node, prompt: list[int], max_new: int) -> list[int]:
+    sampling = node_pb2.SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    request = node_pb2.GenerateRequest(input_ids=prompt, sampling=sampling)
+    return [t for m in node.stub.Generate(request, timeout=120) for t in m.chunk.token_ids]
+
+
+def _expert_series(metrics_port: int) -> dict[tuple[str, str], float]:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.labels["layer"], s.labels["expert"]): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "pdserve_node_expert_tokens"
+        for s in family.samples
+    }
+
+
+def _admin(action: str, address: str, out: Path) -> dict[str, Any]:
+    assert admin.main(["expert-distribution", action, "--address", address, "--out", str(out)]) == 0
+    return json.loads(out.read_text()) if out.exists() else {}
+
+
+def test_node_with_a_placement_matches_hf_and_records_its_load(
+    tiny_moe: Path, tmp_path: Path
+) -> None:
+    placement = rebalance(_dist(counts=((9, 1, 1, 1, 1, 1, 1, 1),) * 2), 4, 3)
+    assert placement.num_redundant == 4 and max(placement.copies(0)) > 1
+    placement.write(tmp_path / "placement.json")
+    prompts = [[(7 * i + j) % 255 + 1 for j in range(n)] for i, n in enumerate((5, 40, 17))]
+    max_new = 8
+    out, metrics_port = tmp_path / "dist.json", free_port()
+    args = ["--model", str(tiny_moe), "--max-total-tokens", "2048", "--chunked-prefill-size",
+            "32", "--expert-placement", str(tmp_path / "placement.json"),
+            "--expert-distribution-out", str(out), "--metrics-port", str(metrics_port)]  # fmt: skip
+    log = tmp_path / "node.log"
+    with running_node("decode-server", args, log, env={"OMP_NUM_THREADS": "1"}) as node:
+        assert [_generate(node, p, max_new) for p in prompts] == hf_greedy(
+            tiny_moe, prompts, max_new
+        )
+        computed = sum(len(p) + max_new - 1 for p in prompts)  # the last token runs no forward
+        series = _expert_series(metrics_port)
+        assert len(series) == 2 * 8
+        assert [sum(v for (layer, _), v in series.items() if layer == str(i)) for i in (0, 2)] == [
+            2 * computed
+        ] * 2
+        dump = _admin("dump", node.address, tmp_path / "dump.json")
+        assert dump["tokens"] == computed == json.loads(out.read_text())["tokens"]
+        _admin("stop", node.address, tmp_path / "stopped.json")
+        _admin("start", node.address, tmp_path / "started.json")
+        _generate(node, prompts[0], 2)
+        assert (
+            _admin("dump", node.address, tmp_path / "again.json")["tokens"] == len(prompts[0]) + 1
+        )
+    assert json.loads(out.read_text())["tokens"] == len(prompts[0]) + 1  # written at shutdown
+    assert "it takes effect with --ep-size" in log.read_text()
+
+
+def test_node_flags_refuse_what_the_model_cannot_take(tiny_moe: Path, tmp_path: Path) -> None:
+    from engine.node.args import engine_config
+    from engine.node.server import node_parser
+
+    parse = node_parser("decode-server", "").parse_args
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_placement_json()))
+    config = engine_config(parse(["--expert-placement", str(path)]), str(tiny_moe))
+    with pytest.raises(PlacementError, match=r"--expert-placement: model .* has 8 experts"):
+        LLM(str(tiny_moe), expert_placement=config.expert_placement)
+    dense = str(write_llama_config(tmp_path / "dense"))
+    with pytest.raises(ValueError, match=r"--expert-distribution-out: model .* has no mixture-of"):
+        engine_config(parse(["--expert-distribution-out", "d.json"]), dense)
+
+
+def test_a_dense_node_refuses_the_admin_call() -> None:
+    from engine.node.service import NodeService
+
+    class Context:
+        async def abort(self, code: grpc.StatusCode, details: str) -> None:
+            raise RuntimeError(f"{code.name}: {details}")
+
+    service = NodeService(Mock(), "colocated", "SmolLM2")
+    with pytest.raises(RuntimeError, match="FAILED_PRECONDITION: this node's model SmolLM2 has no"):
+        asyncio.run(service.ExpertRecording(node_pb2.ExpertRecordingRequest(), Context()))
+
+
+def test_pd_pair_records_prefill_and_decode_apart(
+    tiny_moe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The prefill node records from its start, the decode node from the admin call (nodes
+    named through the bootstrap); pdserve-eplb adds their dumps up."""
+    from gateway.process.launcher import pd_trio
+
+    ExpertPlacement.contiguous((0, 2), 8, 2).write(tmp_path / "placement.json")
+    prompts = [[(5 * i + j) % 255 + 1 for j in range(n)] for i, n in enumerate((9, 33, 20))]
+    max_new = 6
+    sampling = node_pb2.SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    p_out = tmp_path / "prefill.json"
+    with pd_trio(
+        tmp_path,
+        tiny_moe,
+        "mooncake",
+        node_args=["--expert-placement", str(tmp_path / "placement.json")],
+        prefill_args=["--expert-distribution-out", str(p_out)],
+        env={"OMP_NUM_THREADS": "1"},
+    ) as trio:
+        bootstrap = ["--bootstrap", trio.bootstrap.address]
+        command = ["expert-distribution", "dump", trio.decode_id, *bootstrap]
+        assert admin.main(command) == 1
+        assert "refused dump: nothing recorded yet" in capsys.readouterr().err
+        assert admin.main(["expert-distribution", "start", trio.decode_id, *bootstrap]) == 0
+        results = trio.generate_many(prompts, sampling)
+        assert [r.token_ids for r in results] == hf_greedy(tiny_moe, prompts, max_new)
+        d_out = tmp_path / "decode.json"
+        assert admin.main([*command, "--out", str(d_out)]) == 0
+        assert json.loads(d_out.read_text())["tokens"] == len(prompts) * (max_new - 1)
+        p_dump = tmp_path / "prefill-dump.json"
+        assert admin.main(["expert-distribution", "dump", trio.prefill_id, *bootstrap,
+                           "--out", str(p_dump)]) == 0  # fmt: skip
+        assert json.loads(p_dump.read_text())["tokens"] == sum(map(len, prompts))
+        trio.check_no_leaks()
+    assert cli.main([str(p_out), str(d_out), "--ep-size", "2", "--slots-per-rank", "5"]) == 0
+    total = sum(map(len, prompts)) + len(prompts) * (max_new - 1)
+    assert f"(2 files): 2 MoE layers x 8 experts, top-2, {total} tokens" in capsys.readouterr().out

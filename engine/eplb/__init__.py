@@ -11,4 +11,7 @@
   before and after.
 - `cli.py`: `pdserve-eplb`, the placement tool.
 - `files.py`: the JSON of both files, read with errors that name the file and the field.
+
+Nodes record with `--expert-distribution-out FILE` or the admin calls, and load a placement with
+`--expert-placement FILE` (engine/node/experts.py, docs/operations.md).
 """
