@@ -4,12 +4,20 @@
     pdserve-admin switch-role NODE ROLE --bootstrap HOST:PORT [--drain-timeout S] [--timeout S]
                               [--force]
 
+    pdserve-admin expert-distribution start|stop|dump (NODE --bootstrap HOST:PORT |
+                              --address HOST:PORT) [--out FILE]
+
 `list-nodes` prints one line per live node: its id, role, gRPC address and load (requests
 running and queued, rooms in transfer and waiting, free of total KV pages, draining).
 `switch-role` finds NODE's address in the bootstrap's registry, calls the node's `SwitchRole`
 (it drains its current role, keeps its weights, KV pool and node id, and registers again as
 ROLE; engine/node/role_switch.py), then waits until the bootstrap lists it in ROLE. It refuses
 to turn the last node that decodes into a prefill node (`--force` does it anyway).
+`expert-distribution` steers a mixture-of-experts node's recording of tokens per layer and
+expert (the node's `ExpertRecording`): `start` opens a window, `stop` ends it, `dump` fetches
+the window (JSON, to `--out FILE` or stdout: the input of `pdserve-eplb`; a node started with
+`--expert-distribution-out` also writes it there). A node not registered with a bootstrap (a
+colocated decode-server) is named by `--address`.
 
 Both talk to the internal gRPC APIs the way every other internal client does: the shared token
 (`--internal-token-file FILE`, `--internal-token`, or $PDSERVE_INTERNAL_TOKEN) and TLS flags of
@@ -25,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -162,11 +172,9 @@ async def switch_role(
         try:
             answer = await node_pb2_grpc.NodeStub(channel).SwitchRole(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise _unreachable(f"{node.role} node {node_id} at {node.address}", exc) from None
-            raise AdminError(
-                f"{node.role} node {node_id} did not switch to {role}: {exc.details()}", 1
-            ) from None
+            what = f"{node.role} node {node_id}"
+            refused = f"{what} did not switch to {role}"
+            raise _node_error(f"{what} at {node.address}", exc, refused) from None
     deadline = started + timeout_s
     while not await _registered_as(bootstrap, node_id, role, auth):
         if time.monotonic() >= deadline:
@@ -178,6 +186,43 @@ async def switch_role(
         await asyncio.sleep(POLL_S)
     return SwitchOutcome(node_id, answer.from_role, answer.role, answer.switched, answer.aborted,
                          answer.seconds, time.monotonic() - started)  # fmt: skip
+
+
+EXPERT_ACTIONS = {
+    "start": node_pb2.ExpertRecordingRequest.START,
+    "stop": node_pb2.ExpertRecordingRequest.STOP,
+    "dump": node_pb2.ExpertRecordingRequest.DUMP,
+}
+
+
+async def expert_recording(
+    address: str, action: str, auth: InternalAuth | None = None, timeout_s: float = 30.0
+) -> node_pb2.ExpertRecordingResponse:
+    """`action` (EXPERT_ACTIONS) on the expert recording of the node at `address`."""
+    request = node_pb2.ExpertRecordingRequest(action=EXPERT_ACTIONS[action])
+    async with (auth or InternalAuth()).channel(address) as channel:
+        try:
+            return await node_pb2_grpc.NodeStub(channel).ExpertRecording(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            what = f"the node at {address}"
+            raise _node_error(what, exc, f"{what} refused {action}") from None
+
+
+async def node_address(bootstrap: str, node_id: str, auth: InternalAuth | None = None) -> str:
+    """The gRPC address of live node `node_id`, from the bootstrap's registry."""
+    return _find(await list_nodes(bootstrap, auth), bootstrap, node_id).address
+
+
+def _expert_summary(answer: node_pb2.ExpertRecordingResponse, action: str) -> str:
+    state = "recording" if answer.recording else "not recording"
+    if not answer.distribution_json:
+        return f"{action}: the node is {state}"
+    dist = json.loads(answer.distribution_json)
+    written = f"; the node wrote it to {answer.written_to}" if answer.written_to else ""
+    return (
+        f"{action}: {dist['tokens']} tokens over {dist['seconds']:.1f} s, {dist['num_layers']} "
+        f"MoE layers x {dist['num_experts']} experts{written}; the node is {state}"
+    )
 
 
 def _find(nodes: list[NodeSummary], bootstrap: str, node_id: str) -> NodeSummary:
@@ -195,6 +240,13 @@ def _find(nodes: list[NodeSummary], bootstrap: str, node_id: str) -> NodeSummary
 async def _registered_as(bootstrap: str, node_id: str, role: str, auth: InternalAuth) -> bool:
     nodes = await list_nodes(bootstrap, auth)
     return any(n.node_id == node_id and n.role == role and not n.draining for n in nodes)
+
+
+def _node_error(what: str, exc: grpc.aio.AioRpcError, refused: str) -> AdminError:
+    """A node call that failed: `what` did not answer (3), or `refused` and its reason (1)."""
+    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return _unreachable(what, exc)
+    return AdminError(f"{refused}: {exc.details()}", 1)
 
 
 def _unreachable(what: str, exc: grpc.aio.AioRpcError) -> AdminError:
@@ -229,11 +281,42 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (listing, switch):
         sub.add_argument("--bootstrap", required=True, help="bootstrap-server host:port")
         add_internal_auth_args(sub)
+    experts = commands.add_parser(
+        "expert-distribution", help="start, stop or dump a MoE node's expert-load recording"
+    )
+    experts.add_argument("action", choices=list(EXPERT_ACTIONS))
+    experts.add_argument("node", nargs="?", help="the node id (see list-nodes), with --bootstrap")
+    where = experts.add_mutually_exclusive_group(required=True)
+    where.add_argument("--bootstrap", help="bootstrap-server host:port, to find NODE")
+    where.add_argument("--address", help="the node's gRPC host:port (a node with no bootstrap)")
+    experts.add_argument(
+        "--out", type=Path, default=None, help="dump/stop: write it here (default: stdout)"
+    )
+    add_internal_auth_args(experts)
     return parser
+
+
+async def _experts(args: argparse.Namespace, auth: InternalAuth) -> None:
+    if bool(args.bootstrap) != bool(args.node):
+        raise AdminError(
+            "expert-distribution: name the node by its id with --bootstrap HOST:PORT (see "
+            "list-nodes), or by --address HOST:PORT alone",
+            2,
+        )
+    address = args.address or await node_address(args.bootstrap, args.node, auth)
+    answer = await expert_recording(address, args.action, auth)
+    if answer.distribution_json and args.out is not None:
+        args.out.write_text(answer.distribution_json)
+    elif answer.distribution_json:
+        sys.stdout.write(answer.distribution_json)
+    print(_expert_summary(answer, args.action), file=sys.stderr)
 
 
 async def _main(args: argparse.Namespace) -> None:
     auth = internal_auth_from_args(args)
+    if args.command == "expert-distribution":
+        await _experts(args, auth)
+        return
     if args.command == "list-nodes":
         nodes = await list_nodes(args.bootstrap, auth)
         print(HEADER)

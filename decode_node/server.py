@@ -19,6 +19,7 @@ from engine.engine_loop import EngineLoop
 from engine.metrics import NodeMetrics
 from engine.node.args import configure_logging, loop_config, server_config
 from engine.node.disagg import serve_disaggregated
+from engine.node.experts import expert_recording
 from engine.node.kv_publisher import start_kv_events
 from engine.node.roles import RoleParts
 from engine.node.server import node_parser, run_node_main, serve_node
@@ -36,15 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run(args: argparse.Namespace, engine: Engine, model_path: str) -> None:
     scheduler = engine.scheduler
     if args.mode == "colocated":
-        engine_loop = EngineLoop(
-            scheduler, loop_config(args, "colocated"), metrics=NodeMetrics("colocated")
-        )
+        metrics = NodeMetrics("colocated")
+        engine_loop = EngineLoop(scheduler, loop_config(args, "colocated"), metrics=metrics)
         # Registered nowhere: its events are for a router that is given the endpoints.
         publisher = start_kv_events(args, scheduler)
         if publisher is not None:
             engine_loop.bind_kv_events(publisher.publish)
+        experts = expert_recording(args, scheduler.runner, metrics, model_path)
         service = NodeService(
-            engine_loop, "colocated", model_path, max_unsent_tokens=args.stream_buffer_tokens
+            engine_loop,
+            "colocated",
+            model_path,
+            max_unsent_tokens=args.stream_buffer_tokens,
+            experts=experts,
         )
         engine_loop.start()
         try:

@@ -25,6 +25,8 @@ class Engine:
 def build_engine(config: EngineConfig, rank_agent: RankAgentFactory | None = None) -> Engine:
     """The engine of `config`; a TP node's spawned ranks also run `rank_agent` (its transfers)."""
     model_config = ModelConfig.from_dir(config.model_path)
+    if config.expert_placement is not None:
+        config.expert_placement.check_model(model_config)
     tokenizer = load_tokenizer(config.model_path)
     eos = set(model_config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.eplb.placement import ExpertPlacement
 from engine.models.linear_backends import check_linear_kernel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,6 +43,10 @@ class EngineConfig:
     # rest (positions, table entries, attention plan, future tokens) inside the graph, which
     # also computes the greedy tokens (engine/step_prep.py, engine/cuda_graph.py).
     graph_step_prep: bool = False
+    # Where each MoE layer's experts live under expert parallelism (engine/eplb/placement.py),
+    # checked against the model at start. The EP code lays the experts out by it; without
+    # expert parallelism every expert is on the one rank and it changes nothing.
+    expert_placement: ExpertPlacement | None = None
 
     def __post_init__(self) -> None:
         _at_least("page_size", self.page_size, 1)

@@ -5,7 +5,8 @@ retractions, finished requests by reason, the role served now and the role switc
 `PrefillMetrics` and `DecodeMetrics` add the PD queues of prefill_node/ and decode_node/, made
 once per node (`NodeMetrics.prefill_role`, `decode_role`) however often it switches roles.
 All are updated on the engine thread: counters after each forward, gauges after each loop
-iteration, so an idle node reads 0 within one idle poll.
+iteration, so an idle node reads 0 within one idle poll; a MoE model's tokens per expert
+(`ExpertLoadCollector`) are read from the model's device at each scrape instead.
 Names: `pdserve_node_*`, `pdserve_prefill_*`, `pdserve_decode_*`; seconds and tokens as units.
 """
 
@@ -16,8 +17,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from engine.eplb.recorder import ExpertLoadCounter
     from engine.request import Req
     from engine.scheduler import Scheduler, StepStats
 
@@ -130,6 +134,10 @@ class NodeMetrics:
         self.info.labels(role).set(1)
         self.role = role
 
+    def watch_expert_load(self, counter: ExpertLoadCounter) -> None:
+        """Export a MoE model's routings, read from `counter` at each scrape."""
+        self.registry.register(ExpertLoadCollector(counter))
+
     def prefill_role(self) -> PrefillMetrics:
         """The prefill role's metrics on this registry, made once (a node may switch back)."""
         if self._prefill is None:
@@ -167,6 +175,29 @@ class NodeMetrics:
     def observe_finish(self, req: Req) -> None:
         reason = req.finish_reason.value if req.finish_reason else "abort"
         self.finished.labels(reason).inc()
+
+
+class ExpertLoadCollector(Collector):
+    """`pdserve_node_expert_tokens_total{layer, expert}`: (token, expert) routings of a
+    mixture-of-experts model since the node started, read from the device at each scrape (the
+    engine thread never waits for it). One series per MoE layer and logical expert: bounded by
+    the model (48 x 128 for Qwen3-30B-A3B), fixed for the process's life."""
+
+    NAME = "pdserve_node_expert_tokens"
+    DOC = "tokens routed to each logical expert of each MoE layer (once per top-k choice)"
+
+    def __init__(self, counter: ExpertLoadCounter) -> None:
+        self.counter = counter
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.NAME, self.DOC, labels=("layer", "expert"))]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = CounterMetricFamily(self.NAME, self.DOC, labels=("layer", "expert"))
+        for layer, row in zip(self.counter.layer_ids, self.counter.read(), strict=True):
+            for expert, tokens in enumerate(row):
+                family.add_metric((str(layer), str(expert)), tokens)
+        return [family]
 
 
 class PrefillMetrics:

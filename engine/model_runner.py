@@ -15,6 +15,7 @@ import torch
 from engine.attention import attention_backend_class
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphRunner
+from engine.eplb.recorder import ExpertLoadCounter
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.kv_manager import KVManager
 from engine.layer_groups import LayerGroupSignal, LayerStream
@@ -62,6 +63,9 @@ class ModelRunner:
             self.group,
             config.linear_kernel,
         )
+        # Tokens routed per MoE layer and expert (engine/eplb/recorder.py), counted on rank 0:
+        # every TP rank routes the same tokens the same way. None for a dense model.
+        self.expert_load = ExpertLoadCounter.attach(self.model) if self.group.rank == 0 else None
         self.kv_layout = KVLayout(
             num_layers=model_config.num_layers,
             num_kv_heads=self.shard.num_kv_heads,

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -334,3 +335,27 @@ class SwitchRoleResponse(_message.Message):
     aborted: int
     seconds: float
     def __init__(self, from_role: _Optional[str] = ..., role: _Optional[str] = ..., node_id: _Optional[str] = ..., switched: _Optional[bool] = ..., aborted: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class ExpertRecordingRequest(_message.Message):
+    __slots__ = ("action",)
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        DUMP: _ClassVar[ExpertRecordingRequest.Action]
+        START: _ClassVar[ExpertRecordingRequest.Action]
+        STOP: _ClassVar[ExpertRecordingRequest.Action]
+    DUMP: ExpertRecordingRequest.Action
+    START: ExpertRecordingRequest.Action
+    STOP: ExpertRecordingRequest.Action
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    action: ExpertRecordingRequest.Action
+    def __init__(self, action: _Optional[_Union[ExpertRecordingRequest.Action, str]] = ...) -> None: ...
+
+class ExpertRecordingResponse(_message.Message):
+    __slots__ = ("recording", "distribution_json", "written_to")
+    RECORDING_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTION_JSON_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_TO_FIELD_NUMBER: _ClassVar[int]
+    recording: bool
+    distribution_json: str
+    written_to: str
+    def __init__(self, recording: _Optional[bool] = ..., distribution_json: _Optional[str] = ..., written_to: _Optional[str] = ...) -> None: ...

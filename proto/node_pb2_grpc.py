@@ -79,6 +79,11 @@ class NodeStub:
                 request_serializer=proto_dot_node__pb2.SwitchRoleRequest.SerializeToString,
                 response_deserializer=proto_dot_node__pb2.SwitchRoleResponse.FromString,
                 _registered_method=True)
+        self.ExpertRecording = channel.unary_unary(
+                '/pdserve.node.Node/ExpertRecording',
+                request_serializer=proto_dot_node__pb2.ExpertRecordingRequest.SerializeToString,
+                response_deserializer=proto_dot_node__pb2.ExpertRecordingResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -151,6 +156,16 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExpertRecording(self, request, context):
+        """Admin, mixture-of-experts models: the recording of tokens routed per layer and expert
+        (engine/eplb/recorder.py). START opens a new window, STOP ends it, DUMP returns the window
+        so far (or the last one stopped) and writes it to the node's --expert-distribution-out
+        FILE, if it has one. FAILED_PRECONDITION on a dense model or before any recording.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +213,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.SwitchRole,
                     request_deserializer=proto_dot_node__pb2.SwitchRoleRequest.FromString,
                     response_serializer=proto_dot_node__pb2.SwitchRoleResponse.SerializeToString,
+            ),
+            'ExpertRecording': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExpertRecording,
+                    request_deserializer=proto_dot_node__pb2.ExpertRecordingRequest.FromString,
+                    response_serializer=proto_dot_node__pb2.ExpertRecordingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -443,6 +463,33 @@ class Node:
             '/pdserve.node.Node/SwitchRole',
             proto_dot_node__pb2.SwitchRoleRequest.SerializeToString,
             proto_dot_node__pb2.SwitchRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExpertRecording(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.node.Node/ExpertRecording',
+            proto_dot_node__pb2.ExpertRecordingRequest.SerializeToString,
+            proto_dot_node__pb2.ExpertRecordingResponse.FromString,
             options,
             channel_credentials,
             insecure,

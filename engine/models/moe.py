@@ -95,9 +95,14 @@ class TopKRouter(nn.Module):
         )
         # Kept in fp32 when the model is cast to 16 bits (engine/models/loader.py), as HF does.
         self.fp32_params = ("weight", "e_score_correction_bias") if moe.has_correction_bias else ()
+        # Given each forward's expert ids: the expert-load counter (engine/eplb/recorder.py).
+        self.record: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> Routing:
-        return self.route(self, x)
+        weights, ids = self.route(self, x)
+        if self.record is not None:
+            self.record(ids)
+        return weights, ids
 
 
 class StackedExperts(nn.Module):

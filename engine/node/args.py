@@ -12,6 +12,7 @@ from bootstrap.telemetry import configure_logging as _configure_logging
 from engine.config import EngineConfig
 from engine.engine_loop import LoopConfig
 from engine.models.linear_backends import LINEAR_KERNELS
+from engine.node.experts import add_expert_args, expert_flags
 from engine.node.kv_publisher import add_kv_events_args
 from engine.node.multiplex import MAX_UNSENT_TOKENS
 from kvtransfer import TRANSFER_BACKENDS
@@ -135,6 +136,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     add_metrics_port_arg(g)
     add_log_args(g)
     add_kv_events_args(parser)
+    add_expert_args(parser)
 
 
 def configure_logging(args: argparse.Namespace) -> None:
@@ -172,6 +174,7 @@ def engine_config(args: argparse.Namespace, model_path: str) -> EngineConfig:
         linear_kernel=args.linear_kernel,
         kv_staging_pages=args.kv_staging_pages,
         kv_staging_min_runs=args.kv_staging_min_runs,
+        expert_placement=expert_flags(args, model_path),
     )
 
 

@@ -12,6 +12,7 @@ from engine.builder import Engine
 from engine.engine_loop import EngineLoop
 from engine.metrics import NodeMetrics
 from engine.node.args import loop_config, node_address, server_config, transfer_config
+from engine.node.experts import expert_recording
 from engine.node.kv_publisher import start_kv_events
 from engine.node.role_switch import RoleSwitcher
 from engine.node.roles import RoleParts, ServedRole, role_kind
@@ -41,9 +42,8 @@ async def serve_disaggregated(
     engine_loop = EngineLoop(scheduler, loop_config(args, kind), served.role, metrics)
     if publisher is not None:
         engine_loop.bind_kv_events(publisher.publish)
-    service = NodeService(
-        engine_loop, kind, model_path, link, max_unsent_tokens=args.stream_buffer_tokens
-    )
+    experts = expert_recording(args, runner, metrics, model_path)
+    service = NodeService(engine_loop, kind, model_path, link, args.stream_buffer_tokens, experts)
     config = server_config(args)
     service.switcher = RoleSwitcher(
         served, parts, engine_loop, service, link, metrics, config.drain_timeout_s

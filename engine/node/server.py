@@ -94,6 +94,8 @@ async def _serve(
     if on_stopping is not None:
         await on_stopping()
     engine_loop.stop()
+    if service.experts is not None:
+        service.experts.write_at_exit()
     logger.info("stopped")
 
 

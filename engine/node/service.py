@@ -18,8 +18,10 @@ import grpc
 
 from bootstrap.telemetry import current_room
 from engine.engine_loop import EngineLoop, RequestFinish
+from engine.eplb.recorder import RecordingError
 from engine.grammar_spec import GrammarSpec
 from engine.node.bootstrap_link import NodeLink
+from engine.node.experts import ExpertRecording
 from engine.node.multiplex import MAX_UNSENT_TOKENS, RequestError, serve_stream
 from engine.node.streams import (
     OutputReceiver,
@@ -81,6 +83,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         model_name: str,
         link: NodeLink | None = None,
         max_unsent_tokens: int = MAX_UNSENT_TOKENS,
+        experts: ExpertRecording | None = None,
     ) -> None:
         if max_unsent_tokens < 1:
             raise ValueError(f"--stream-buffer-tokens must be >= 1, got {max_unsent_tokens}")
@@ -89,6 +92,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.role = role
         self.model_name = model_name
         self.link = link
+        self.experts = experts  # a MoE model's expert-load recording (engine/node/experts.py)
         self._live: set[str] = set()
         # SIGTERM or a role switch: new requests are refused (engine/node/server.py, `drain`)
         self.draining = False
@@ -363,6 +367,26 @@ class NodeService(node_pb2_grpc.NodeServicer):
             return await asyncio.shield(self.switcher.switch(request.role, timeout))
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
+            raise  # not reached: abort raises
+
+    async def ExpertRecording(
+        self, request: node_pb2.ExpertRecordingRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.ExpertRecordingResponse:
+        experts = self.experts
+        if experts is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this node's model {self.model_name} has no mixture-of-experts layers: there "
+                "is no expert load to record",
+            )
+        assert experts is not None
+        try:
+            answer: node_pb2.ExpertRecordingResponse = await self._on_engine(
+                lambda s: experts.act(request.action)
+            )
+            return answer
+        except RecordingError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             raise  # not reached: abort raises
 
 
