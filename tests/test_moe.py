@@ -23,7 +23,8 @@ from torch.overrides import TorchFunctionMode
 
 from engine import LLM, SamplingParams
 from engine.model_config import ModelConfig, ModelConfigError
-from engine.models.moe import SparseMoEBlock, grouped_experts
+from engine.models.expert_compute import grouped_experts
+from engine.models.moe import SparseMoEBlock
 from engine.tp.partition import TPConfigError, full_shard, plan_tp
 from scripts.tiny_models import CHAT_FILES, hf_greedy, save_tiny_moe
 

@@ -16,12 +16,7 @@ ties and roundings fall the same way:
   the chosen experts' scores (no bias), renormalised where `norm_topk_prob`, then times
   `routed_scaling_factor`. Like HF, the router's weight and bias stay fp32 in a 16-bit model.
 
-Expert compute (`grouped_experts`): no loop over tokens. The (token, expert) pairs are sorted by
-expert; each expert that received tokens runs one gate_up GEMM, SiLU-and-mul and one down GEMM
-over its rows; the outputs, weighted in fp32, go back to (token, k) order and are summed per
-token in HF's top-k order (deterministic on CUDA too, where index_add_ would use atomics). The
-tokens per expert are read on the host (one sync), so a model with MoE layers runs its decode
-steps without CUDA graphs on GPU; a fused MoE kernel is the GPU path still to come.
+Expert compute: `grouped_experts` (engine/models/expert_compute.py).
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import GROUPED_SIGMOID_TOPK, SOFTMAX_TOPK, MoEConfig
-from engine.models.elementwise import silu_and_mul
+from engine.models.expert_compute import grouped_experts
 from engine.models.layers import GatedMLP
 from engine.tp.partition import TPShard
 
@@ -110,29 +105,6 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return grouped_experts(x, self.w13, self.w2, weights, ids)
-
-
-def grouped_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, by the module
-    docstring's grouping: one Python iteration per expert, none per token."""
-    tokens, top_k = ids.shape
-    flat = ids.flatten()
-    order = flat.argsort(stable=True)  # pair rows grouped by expert, in token order within one
-    rows = x[order // top_k]
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the host sync
-    out = torch.empty(rows.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            span = slice(start, start + count)
-            gate_up = F.linear(rows[span], w13[expert])
-            out[span] = F.linear(silu_and_mul(gate_up), w2[expert])
-            start += count
-    weighted = torch.empty(out.shape, dtype=torch.float32, device=x.device)
-    weighted[order] = out.float() * weights.flatten()[order].unsqueeze(-1)
-    return weighted.view(tokens, top_k, w2.shape[1]).sum(dim=1).to(x.dtype)
 
 
 class SparseMoEBlock(nn.Module):
