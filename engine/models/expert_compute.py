@@ -5,7 +5,8 @@ gate_up GEMM, SiLU-and-mul and one down GEMM over its rows (`expert_gemms`); the
 weighted in fp32, go back to (token, k) order and are summed per token in HF's top-k order
 (`combine_pairs`: deterministic on CUDA too, where index_add_ would use atomics). The tokens per
 expert are read on the host (one sync), so a model with MoE layers runs its decode steps without
-CUDA graphs on GPU; a fused MoE kernel is the GPU path still to come.
+CUDA graphs on GPU; a fused MoE kernel is the GPU path still to come. Expert parallelism runs the
+same two steps with an all-to-all between them (engine/models/moe_dispatch.py).
 """
 
 from __future__ import annotations

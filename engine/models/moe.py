@@ -4,7 +4,8 @@ the routed experts run as stacked weights, and shared experts (DeepSeek-V3) see 
 Weights: a layer's experts are two stacked tensors, `w13` [E, 2I, H] (each expert's gate rows,
 then its up rows) and `w2` [E, H, I], filled at load from the checkpoint's per-expert tensors
 (`EXPERT_CHECKPOINT_NAMES`, engine/models/loader.py). A tensor-parallel rank holds its block of
-I for every expert (engine/tp/partition.py); expert parallelism will slice E instead.
+I for every expert (engine/tp/partition.py); under expert parallelism it holds whole experts,
+the slots of its `ExpertPlacement` (dim 0 is then the rank's slots, not the E experts).
 
 Routing (`ROUTERS`, keyed by `MoEConfig.router`) repeats HF's float operations one for one, so
 ties and roundings fall the same way:
@@ -16,7 +17,8 @@ ties and roundings fall the same way:
   the chosen experts' scores (no bias), renormalised where `norm_topk_prob`, then times
   `routed_scaling_factor`. Like HF, the router's weight and bias stay fp32 in a 16-bit model.
 
-Expert compute: `grouped_experts` (engine/models/expert_compute.py).
+Expert compute: `grouped_experts` (engine/models/expert_compute.py) on one rank, or under expert
+parallelism the same grouped GEMMs behind an all-to-all (engine/models/moe_dispatch.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from torch import nn
 from engine.model_config import GROUPED_SIGMOID_TOPK, SOFTMAX_TOPK, MoEConfig
 from engine.models.expert_compute import grouped_experts
 from engine.models.layers import GatedMLP
+from engine.models.moe_dispatch import ExpertDispatch
+from engine.tp.group import TPGroup
 from engine.tp.partition import TPShard
 
 # A checkpoint's per-expert tensor `...experts.<e>.<name>.weight` -> (stacked parameter of the
@@ -109,12 +113,24 @@ class StackedExperts(nn.Module):
 
 class SparseMoEBlock(nn.Module):
     """A layer's MLP as a mixture of experts: HF's `mlp` (Mixtral's `block_sparse_moe`). Its
-    output is a TP rank's partial sum, like a dense MLP's; the layer all-reduces it."""
+    output is a TP rank's partial sum, like a dense MLP's; the layer all-reduces it. Under
+    expert parallelism (`shard.expert_placement`) the rank holds the whole experts of its
+    slots, and `dispatch` carries its tokens to their experts' ranks and back
+    (engine/models/moe_dispatch.py)."""
 
-    def __init__(self, moe: MoEConfig, hidden: int, shard: TPShard) -> None:
+    def __init__(
+        self, moe: MoEConfig, hidden: int, shard: TPShard, group: TPGroup | None = None
+    ) -> None:
         super().__init__()
+        placement = shard.expert_placement
         self.gate = TopKRouter(moe, hidden)
-        self.experts = StackedExperts(moe.num_experts, hidden, len(shard.expert_intermediate))
+        slots = moe.num_experts if placement is None else placement.slots_per_rank
+        self.experts = StackedExperts(slots, hidden, len(shard.expert_intermediate))
+        self.dispatch = (
+            None
+            if placement is None
+            else ExpertDispatch(placement, shard.tp_rank, group or TPGroup.single())
+        )
         self.shared_experts = (
             GatedMLP(hidden, len(shard.shared_intermediate))
             if moe.shared_intermediate_size
@@ -122,7 +138,10 @@ class SparseMoEBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, *self.gate(x))
+        if self.dispatch is None:
+            out = self.experts(x, *self.gate(x))
+        else:
+            out = self.dispatch(x, self.gate, self.experts.w13, self.experts.w2)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
