@@ -60,7 +60,7 @@ class ExpertDispatch(nn.Module):
         mine = x[start : start + blocks[self.rank]]
         weights, ids = route(mine)
         top_k = ids.shape[1]
-        slots = self._physical_slots(ids, start)
+        slots = self.physical_slots(ids, start)
         order = slots.argsort(stable=True)  # by rank, then slot; in token order within one
         received, send, recv = self._exchange_counts(slots)
         rows = self.group.all_to_all_rows(mine[order // top_k], send, recv)
@@ -75,7 +75,7 @@ class ExpertDispatch(nn.Module):
         routed[start : start + mine.shape[0]] = combine_pairs(back, order, weights)
         return routed
 
-    def _physical_slots(self, ids: torch.Tensor, first_token: int) -> torch.Tensor:
+    def physical_slots(self, ids: torch.Tensor, first_token: int) -> torch.Tensor:
         """The physical slot of each flattened (token, expert) pair: the expert's copy
         `token % copies`, the token counted in the whole batch."""
         flat = ids.flatten()
