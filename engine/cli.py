@@ -24,6 +24,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (processes)")
+    p.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="MoE models: routed experts sharded this many ways over the --tp-size ranks",
+    )
     return p.parse_args(argv)
 
 
@@ -36,10 +43,25 @@ def main(argv: list[str] | None = None) -> int:
             top_p=args.top_p,
             seed=args.seed,
         )
-        llm = LLM(args.model, page_size=args.page_size, device=args.device, dtype=args.dtype)
+        llm = LLM(
+            args.model,
+            page_size=args.page_size,
+            device=args.device,
+            dtype=args.dtype,
+            tp_size=args.tp_size,
+            ep_size=args.ep_size,
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        _run(llm, args, params)
+    finally:
+        llm.shutdown()  # the other tensor-parallel ranks, if any
+    return 0
+
+
+def _run(llm: LLM, args: argparse.Namespace, params: SamplingParams) -> None:
     if args.chat:
         for msg, out in zip(
             args.chat,
@@ -51,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prompt}{out.text}\n")
     if not args.chat and not args.prompt:
         _interactive(llm, params)
-    return 0
 
 
 def _interactive(llm: LLM, params: SamplingParams) -> None:

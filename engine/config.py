@@ -27,6 +27,10 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     schedule_policy: str = "fcfs"  # or "lpm": longest prefix match first
     tp_size: int = 1  # tensor-parallel ranks of this node (processes; see engine/tp/)
+    # Expert parallelism: the routed experts of a MoE model sharded over the ranks this many
+    # ways, whole experts per rank (a divisor of tp_size; 1: each rank holds every expert's
+    # rows). Checked against the model in engine/tp/partition.py.
+    ep_size: int = 1
     # Build step N+1 on the host while the GPU runs step N (engine/overlap.py); None: on for
     # CUDA with tp_size 1, where it pays, off elsewhere (a TP step copies its ids to the host).
     overlap_schedule: bool | None = None
@@ -54,6 +58,7 @@ class EngineConfig:
         _at_least("max_running_requests", self.max_running_requests, 1)
         _at_least("max_total_tokens", self.max_total_tokens, self.page_size)
         _at_least("tp_size", self.tp_size, 1)
+        _at_least("ep_size", self.ep_size, 1)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.load_format not in ("safetensors", "dummy"):

@@ -59,11 +59,14 @@ class MoEConfig:
         """DeepSeek-V3's `e_score_correction_bias`: added to the scores for the choice only."""
         return self.router == GROUPED_SIGMOID_TOPK
 
+    def routed_parameters(self, hidden: int) -> int:
+        """The routed experts' weights of one sparse layer (what expert parallelism shards)."""
+        return self.num_experts * 3 * hidden * self.intermediate_size
+
     def num_parameters(self, hidden: int) -> int:
         """The weights of one sparse layer's MLP: experts, router, shared experts."""
-        experts = self.num_experts * 3 * hidden * self.intermediate_size
         router = self.num_experts * (hidden + self.has_correction_bias)
-        return experts + router + 3 * hidden * self.shared_intermediate_size
+        return self.routed_parameters(hidden) + router + 3 * hidden * self.shared_intermediate_size
 
 
 @dataclass(frozen=True)

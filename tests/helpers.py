@@ -14,7 +14,7 @@ from gateway.config import RoutingConfig
 from gateway.dispatch.pd_client import PDResult
 from gateway.process.launcher import PDTrio
 from proto import node_pb2
-from scripts.tiny_models import hf_greedy
+from scripts.tiny_models import hf_greedy, save_tiny_moe
 
 
 def routing_config(
@@ -47,6 +47,41 @@ def greedy_reference_fixtures(lengths: list[int], seed: int, max_new: int) -> tu
         return hf_greedy(default_model_dir, prompts, max_new)
 
     return prompts, hf_reference
+
+
+def moe_fixtures(
+    variants: dict[str, tuple[str, dict[str, Any]]], prompts: list[list[int]], max_new: int
+) -> tuple[Any, Any]:
+    """Module fixtures over tiny MoE models (scripts/tiny_models.py `save_tiny_moe`):
+    `moe_model(variant)`, the directory of `variants[variant]` = (family, overrides of its
+    keywords), and `hf_reference(variant)`, HF's greedy tokens for `prompts` (`max_new` each);
+    each made once per module."""
+
+    @pytest.fixture(scope="module")
+    def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+        cache: dict[str, Path] = {}
+
+        def make(variant: str) -> Path:
+            if variant not in cache:
+                family, overrides = variants[variant]
+                path = tmp_path_factory.mktemp(f"moe-{variant}")
+                cache[variant] = save_tiny_moe(path, family, **overrides)
+            return cache[variant]
+
+        return make
+
+    @pytest.fixture(scope="module")
+    def hf_reference(moe_model: Any) -> Any:
+        cache: dict[str, list[list[int]]] = {}
+
+        def reference(variant: str) -> list[list[int]]:
+            if variant not in cache:
+                cache[variant] = hf_greedy(moe_model(variant), prompts, max_new)
+            return cache[variant]
+
+        return reference
+
+    return moe_model, hf_reference
 
 
 def terminate(process: subprocess.Popen[bytes], timeout: float) -> None:

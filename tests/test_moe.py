@@ -23,9 +23,11 @@ from torch.overrides import TorchFunctionMode
 
 from engine import LLM, SamplingParams
 from engine.model_config import ModelConfig, ModelConfigError
-from engine.models.moe import SparseMoEBlock, grouped_experts
+from engine.models.expert_compute import grouped_experts
+from engine.models.moe import SparseMoEBlock
 from engine.tp.partition import TPConfigError, full_shard, plan_tp
 from scripts.tiny_models import CHAT_FILES, hf_greedy, save_tiny_moe
+from tests.helpers import moe_fixtures
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 LENGTHS = [3, 17, 40, 5, 64, 33]
@@ -52,37 +54,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory: pytest.TempPathFactory):
-    """Factory: moe_model('dots1') -> the directory of that variant, saved once per module."""
-    cache: dict[str, Path] = {}
-
-    def make(variant: str) -> Path:
-        if variant not in cache:
-            family, overrides = VARIANTS[variant]
-            path = tmp_path_factory.mktemp(f"moe-{variant}")
-            cache[variant] = save_tiny_moe(path, family, **overrides)
-        return cache[variant]
-
-    return make
-
-
 def _prompts(seed: int = 1, lengths: list[int] = LENGTHS) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 256, (n,), generator=gen).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def hf_reference(moe_model):
-    """Factory: hf_reference(variant) -> HF's greedy tokens for `_prompts()`, computed once."""
-    cache: dict[str, list[list[int]]] = {}
-
-    def reference(variant: str) -> list[list[int]]:
-        if variant not in cache:
-            cache[variant] = hf_greedy(moe_model(variant), _prompts(), GREEDY.max_new_tokens)
-        return cache[variant]
-
-    return reference
+# moe_model(variant): its directory; hf_reference(variant): HF's greedy tokens for _prompts().
+moe_model, hf_reference = moe_fixtures(VARIANTS, _prompts(), GREEDY.max_new_tokens)
 
 
 # ---- (a, b) each family in process, loaded from HF's sharded checkpoint ----------------------

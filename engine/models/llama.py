@@ -22,7 +22,7 @@ from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from engine.tp.group import TPGroup
-from engine.tp.partition import TPShard, full_shard, plan_tp
+from engine.tp.partition import TPShard, full_shard, split_sizes
 
 
 class DecoderAttention(nn.Module):
@@ -110,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.shard = shard or full_shard(config)
         self.group = group or TPGroup.single()
-        self.vocab_sizes = [len(s.vocab) for s in plan_tp(config, self.shard.tp_size)]
+        self.vocab_sizes = split_sizes(config.vocab_size, self.shard.tp_size)
         self.embed_tokens = nn.Embedding(len(self.shard.vocab), config.hidden_size)
         rope = RotaryEmbedding(
             config.head_dim,

@@ -4,15 +4,18 @@ A checkpoint tensor (HF's name) lands in a parameter by the model's maps: a fami
 are first renamed (`checkpoint_renames`: Mixtral's `block_sparse_moe.experts.<e>.w1`), HF's
 separate projections fill parts of one fused parameter (`stacked_params`: q/k/v, gate/up), and
 one expert's tensors fill its slice of a layer's stacked expert weights (`expert_params`: no
-module per expert). Every slot must be filled once (`_check_complete`).
+module per expert; under expert parallelism the rank's slots of that expert, by its placement,
+and a tensor of an expert the rank does not hold is never read). Every slot must be filled once
+(`_check_complete`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,11 +117,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(name, its reader) of every checkpoint tensor: a tensor is read only if it is asked for."""
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, handle.get_tensor(name)
+                yield name, functools.partial(handle.get_tensor, name)
 
 
 def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
@@ -126,26 +130,31 @@ def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
     renames: tuple[tuple[str, str], ...] = getattr(model, "checkpoint_renames", ())
     tp_slice = getattr(model, "tp_slice", lambda _name, t: t)
     loaded: set[_Slot] = set()
-    for raw_name, full_tensor in _iter_tensors(safetensors_files(model_dir)):
+    for raw_name, read in _iter_tensors(safetensors_files(model_dir)):
         name = raw_name.removeprefix("model.")
         for old, new in renames:
             name = name.replace(old, new)
         if name.endswith(_SKIPPED_SUFFIXES):
             continue
-        slot = _slot(model, name)
-        if slot.param not in params or not slot.fits(params[slot.param]):
+        slots = _slots(model, name)
+        if not slots:
+            continue  # an expert that only other ranks hold: never read
+        if any(s.param not in params or not s.fits(params[s.param]) for s in slots):
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 continue  # tied embeddings: the checkpoint may still carry a copy
             raise ModelConfigError(f"{model_dir}: checkpoint tensor {raw_name!r} has no place")
-        _copy_checked(slot.view(model, params[slot.param]), tp_slice(name, full_tensor), raw_name)
-        loaded.add(slot)
+        tensor = tp_slice(name, read())
+        for slot in slots:
+            _copy_checked(slot.view(model, params[slot.param]), tensor, raw_name)
+            loaded.add(slot)
     _check_complete(model, params, loaded, model_dir)
 
 
 @dataclass(frozen=True)
 class _Slot:
-    """Where one checkpoint tensor goes: parameter `param`; in a stacked expert weight, expert
-    `expert`'s slice; in a fused projection (or an expert's gate/up rows), part `part`."""
+    """Where one checkpoint tensor goes: parameter `param`; in a stacked expert weight, slot
+    `expert` (the expert's own index, or under expert parallelism a slot of the rank's
+    placement); in a fused projection (or an expert's gate/up rows), part `part`."""
 
     param: str
     expert: int | None = None
@@ -170,20 +179,23 @@ class _Slot:
 _EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 
-def _slot(model: nn.Module, name: str) -> _Slot:
-    """The slot of checkpoint tensor `name` (HF naming, `model.` prefix removed), by the model's
-    `expert_params` (per-expert tensors -> stacked parameters) and `stacked_params` (HF
+def _slots(model: nn.Module, name: str) -> list[_Slot]:
+    """The slots of checkpoint tensor `name` (HF naming, `model.` prefix removed), by the model's
+    `expert_params` (per-expert tensors -> stacked parameters, at the model's
+    `local_expert_slots` of the expert: none, one, or several copies) and `stacked_params` (HF
     projections -> one fused parameter)."""
     experts: dict[str, tuple[str, int | None]] = getattr(model, "expert_params", {})
     match = _EXPERT_TENSOR.match(name) if experts else None
     if match is not None and match["proj"] in experts:
         param, part = experts[match["proj"]]
-        return _Slot(f"{match['experts']}.{param}", int(match["expert"]), part)
+        target = f"{match['experts']}.{param}"
+        local_slots = getattr(model, "local_expert_slots", lambda e: (e,))
+        return [_Slot(target, slot, part) for slot in local_slots(int(match["expert"]))]
     stacked: dict[str, tuple[str, int]] = getattr(model, "stacked_params", {})
     for hf_name, (fused, part) in stacked.items():
         if f".{hf_name}." in name:
-            return _Slot(name.replace(f".{hf_name}.", f".{fused}."), None, part)
-    return _Slot(name)
+            return [_Slot(name.replace(f".{hf_name}.", f".{fused}."), None, part)]
+    return [_Slot(name)]
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

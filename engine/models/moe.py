@@ -4,7 +4,8 @@ the routed experts run as stacked weights, and shared experts (DeepSeek-V3) see 
 Weights: a layer's experts are two stacked tensors, `w13` [E, 2I, H] (each expert's gate rows,
 then its up rows) and `w2` [E, H, I], filled at load from the checkpoint's per-expert tensors
 (`EXPERT_CHECKPOINT_NAMES`, engine/models/loader.py). A tensor-parallel rank holds its block of
-I for every expert (engine/tp/partition.py); expert parallelism will slice E instead.
+I for every expert (engine/tp/partition.py); under expert parallelism it holds whole experts,
+the slots of its `ExpertPlacement` (dim 0 is then the rank's slots, not the E experts).
 
 Routing (`ROUTERS`, keyed by `MoEConfig.router`) repeats HF's float operations one for one, so
 ties and roundings fall the same way:
@@ -16,12 +17,8 @@ ties and roundings fall the same way:
   the chosen experts' scores (no bias), renormalised where `norm_topk_prob`, then times
   `routed_scaling_factor`. Like HF, the router's weight and bias stay fp32 in a 16-bit model.
 
-Expert compute (`grouped_experts`): no loop over tokens. The (token, expert) pairs are sorted by
-expert; each expert that received tokens runs one gate_up GEMM, SiLU-and-mul and one down GEMM
-over its rows; the outputs, weighted in fp32, go back to (token, k) order and are summed per
-token in HF's top-k order (deterministic on CUDA too, where index_add_ would use atomics). The
-tokens per expert are read on the host (one sync), so a model with MoE layers runs its decode
-steps without CUDA graphs on GPU; a fused MoE kernel is the GPU path still to come.
+Expert compute: `grouped_experts` (engine/models/expert_compute.py) on one rank, or under expert
+parallelism the same grouped GEMMs behind an all-to-all (engine/models/moe_dispatch.py).
 """
 
 from __future__ import annotations
@@ -33,8 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import GROUPED_SIGMOID_TOPK, SOFTMAX_TOPK, MoEConfig
-from engine.models.elementwise import silu_and_mul
+from engine.models.expert_compute import grouped_experts
 from engine.models.layers import GatedMLP
+from engine.models.moe_dispatch import ExpertDispatch
+from engine.tp.group import TPGroup
 from engine.tp.partition import TPShard
 
 # A checkpoint's per-expert tensor `...experts.<e>.<name>.weight` -> (stacked parameter of the
@@ -117,37 +116,26 @@ class StackedExperts(nn.Module):
         return grouped_experts(x, self.w13, self.w2, weights, ids)
 
 
-def grouped_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, by the module
-    docstring's grouping: one Python iteration per expert, none per token."""
-    tokens, top_k = ids.shape
-    flat = ids.flatten()
-    order = flat.argsort(stable=True)  # pair rows grouped by expert, in token order within one
-    rows = x[order // top_k]
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the host sync
-    out = torch.empty(rows.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            span = slice(start, start + count)
-            gate_up = F.linear(rows[span], w13[expert])
-            out[span] = F.linear(silu_and_mul(gate_up), w2[expert])
-            start += count
-    weighted = torch.empty(out.shape, dtype=torch.float32, device=x.device)
-    weighted[order] = out.float() * weights.flatten()[order].unsqueeze(-1)
-    return weighted.view(tokens, top_k, w2.shape[1]).sum(dim=1).to(x.dtype)
-
-
 class SparseMoEBlock(nn.Module):
     """A layer's MLP as a mixture of experts: HF's `mlp` (Mixtral's `block_sparse_moe`). Its
-    output is a TP rank's partial sum, like a dense MLP's; the layer all-reduces it."""
+    output is a TP rank's partial sum, like a dense MLP's; the layer all-reduces it. Under
+    expert parallelism (`shard.expert_placement`) the rank holds the whole experts of its
+    slots, and `dispatch` carries its tokens to their experts' ranks and back
+    (engine/models/moe_dispatch.py)."""
 
-    def __init__(self, moe: MoEConfig, hidden: int, shard: TPShard) -> None:
+    def __init__(
+        self, moe: MoEConfig, hidden: int, shard: TPShard, group: TPGroup | None = None
+    ) -> None:
         super().__init__()
+        placement = shard.expert_placement
         self.gate = TopKRouter(moe, hidden)
-        self.experts = StackedExperts(moe.num_experts, hidden, len(shard.expert_intermediate))
+        slots = moe.num_experts if placement is None else placement.slots_per_rank
+        self.experts = StackedExperts(slots, hidden, len(shard.expert_intermediate))
+        self.dispatch = (
+            None
+            if placement is None
+            else ExpertDispatch(placement, shard.tp_rank, group or TPGroup.single())
+        )
         self.shared_experts = (
             GatedMLP(hidden, len(shard.shared_intermediate))
             if moe.shared_intermediate_size
@@ -155,7 +143,10 @@ class SparseMoEBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, *self.gate(x))
+        if self.dispatch is None:
+            out = self.experts(x, *self.gate(x))
+        else:
+            out = self.dispatch(x, self.gate, self.experts.w13, self.experts.w2)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

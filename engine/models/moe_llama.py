@@ -29,7 +29,16 @@ class MoEForCausalLM(LlamaForCausalLM):
     def make_mlp(self, layer_id: int) -> nn.Module:
         if self.config.moe is None or not self.config.is_sparse_layer(layer_id):
             return super().make_mlp(layer_id)
-        return SparseMoEBlock(self.config.moe, self.config.hidden_size, self.shard)
+        return SparseMoEBlock(self.config.moe, self.config.hidden_size, self.shard, self.group)
+
+    def local_expert_slots(self, expert: int) -> tuple[int, ...]:
+        """For the loader: the slots of this rank's stacked expert weights that checkpoint
+        expert `expert` fills; none under expert parallelism when other ranks hold it (the
+        loader then never reads its tensors). Without it every expert has its own index."""
+        placement = self.shard.expert_placement
+        if placement is None or expert >= placement.num_experts:
+            return (expert,)  # an expert the model lacks finds no place: the loader says so
+        return placement.local_slots(self.shard.tp_rank, expert)
 
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):

@@ -76,6 +76,14 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="tensor-parallel ranks (processes) of this node; see engine/tp/partition.py",
     )
+    g.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="expert parallelism (MoE models): the routed experts sharded this many ways over "
+        "the node's --tp-size ranks, whole experts per rank, tokens sent to them by all-to-all "
+        "(a divisor of --tp-size and of the experts; 1: every rank holds each expert's rows)",
+    )
     g = parser.add_argument_group("scheduling")
     g.add_argument("--chunked-prefill-size", type=int, default=2048)
     g.add_argument("--max-running-requests", type=int, default=256)
@@ -169,6 +177,7 @@ def engine_config(args: argparse.Namespace, model_path: str) -> EngineConfig:
         enable_prefix_cache=not args.disable_prefix_cache,
         schedule_policy=args.schedule_policy,
         tp_size=args.tp_size,
+        ep_size=args.ep_size,
         overlap_schedule=args.overlap_schedule,
         graph_step_prep=args.graph_step_prep,
         linear_kernel=args.linear_kernel,
@@ -180,8 +189,9 @@ def engine_config(args: argparse.Namespace, model_path: str) -> EngineConfig:
 
 def _tokens_for_fraction(args: argparse.Namespace, model_path: str) -> int:
     """KV tokens that fit in `--mem-fraction` of the device's memory beside this rank's share
-    of the weights (a TP rank holds 1/tp of them)."""
+    of the weights (a TP rank holds 1/tp of them; under EP its routed experts whole, 1/ep)."""
     from engine.model_config import ModelConfig
+    from engine.tp.partition import rank_parameters
 
     if not 0 < args.mem_fraction < 1:
         raise ValueError(f"--mem-fraction must be in (0, 1), got {args.mem_fraction}")
@@ -193,7 +203,7 @@ def _tokens_for_fraction(args: argparse.Namespace, model_path: str) -> int:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     mc = ModelConfig.from_dir(model_path)
     elem = 2 if args.dtype != "float32" else 4
-    weight_bytes = mc.num_parameters * elem // args.tp_size
+    weight_bytes = rank_parameters(mc, args.tp_size, args.ep_size) * elem
     per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem // args.tp_size
     budget = total * args.mem_fraction - weight_bytes
     if budget < per_token * args.page_size:

@@ -1,7 +1,8 @@
 """The collectives a tensor-parallel node needs, over torch.distributed.
 
 Two process groups: `tensor` (gloo on CPU, NCCL on GPU) for the activations (all-reduce after
-the row-parallel layers, all-gather of the vocabulary-parallel logits), and `control` (always
+the row-parallel layers, all-gather of the vocabulary-parallel logits, all-to-all of the rows
+that expert parallelism sends to the experts' ranks), and `control` (always
 gloo, CPU tensors) for the scheduler's step messages and the MIN-reductions of transfer
 states. `TPGroup.single()` is the TP=1 group: every collective is the identity.
 """
@@ -76,6 +77,24 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self._tensor)
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], dim=-1)
+
+    def all_to_all_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Block j of `counts` (`size` equal blocks) to rank j; returns block i of every rank i,
+        in rank order (how many rows each rank will send here)."""
+        if self.size == 1:
+            return counts
+        out = torch.empty_like(counts)
+        dist.all_to_all_single(out, counts.contiguous(), group=self._tensor)
+        return out
+
+    def all_to_all_rows(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """`x`'s rows in consecutive runs of `send[j]` to rank j; returns the `recv[i]` rows from
+        each rank i, in rank order (gloo has uneven all_to_all_single on CPU, NCCL on GPU)."""
+        if self.size == 1:
+            return x
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=self._tensor)
+        return out
 
     def broadcast_control(self, x: torch.Tensor) -> None:
         """Rank 0's CPU int64 tensor into every rank's `x` (same shape on all ranks)."""

@@ -18,6 +18,11 @@ where `t` divides them, else the first ranks take one more. So are a mixture-of-
 intermediate dimensions: each rank holds every expert, with its block of each expert's rows (and
 of the shared experts'), so the experts need no communication beyond the MLP's all-reduce. The
 router, norms and RoPE are replicated.
+
+Expert parallelism (`ep_size` N > 1, N dividing `t` and the routed experts) instead gives each
+rank whole routed experts, E/N of them, by an `ExpertPlacement` (engine/tp/expert_placement.py);
+tokens then travel to their experts' ranks (engine/models/moe_dispatch.py). Attention, the dense
+layers' MLPs and the shared experts stay split by the rule above.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.model_config import ModelConfig
+from engine.tp.expert_placement import ExpertPlacement
 
 
 class TPConfigError(ValueError):
@@ -43,6 +49,9 @@ class TPShard:
     vocab: range
     expert_intermediate: range = range(0)  # of each routed expert (MoE models)
     shared_intermediate: range = range(0)  # of the shared experts' MLP (MoE models)
+    # Expert parallelism: the whole routed experts of each rank (None: every expert, its rows
+    # `expert_intermediate`, on every rank).
+    expert_placement: ExpertPlacement | None = None
 
     @property
     def num_heads(self) -> int:
@@ -67,12 +76,14 @@ def _blocks(total: int, parts: int) -> list[range]:
     return out
 
 
-def check_tp(config: ModelConfig, tp_size: int) -> None:
-    """Raise TPConfigError with the reason when `config` cannot be split over `tp_size` ranks."""
+def check_tp(config: ModelConfig, tp_size: int, ep_size: int = 1) -> None:
+    """Raise TPConfigError with the reason when `config` cannot be split over `tp_size` ranks
+    with routed experts sharded `ep_size` ways."""
     q, kv = config.num_heads, config.num_kv_heads
     where = f"{config.model_path or config.architecture} ({q} query heads, {kv} KV heads)"
     if tp_size < 1:
         raise TPConfigError(f"tp_size must be >= 1, got {tp_size}")
+    check_ep(config, tp_size, ep_size)
     if tp_size == 1:
         return  # the whole model on one rank: nothing to split
     if q % kv:
@@ -94,7 +105,8 @@ def check_tp(config: ModelConfig, tp_size: int) -> None:
             )
     sizes = [("intermediate size", config.intermediate_size), ("vocabulary", config.vocab_size)]
     if config.moe is not None:
-        sizes.append(("expert intermediate size", config.moe.intermediate_size))
+        if ep_size == 1:  # under EP a rank holds whole experts
+            sizes.append(("expert intermediate size", config.moe.intermediate_size))
         if config.moe.shared_intermediate_size:
             sizes.append(("shared experts' size", config.moe.shared_intermediate_size))
     for name, size in sizes:
@@ -102,15 +114,45 @@ def check_tp(config: ModelConfig, tp_size: int) -> None:
             raise TPConfigError(f"{where}: the {name} {size} is smaller than tp_size {tp_size}")
 
 
-def plan_tp(config: ModelConfig, tp_size: int) -> list[TPShard]:
+def check_ep(config: ModelConfig, tp_size: int, ep_size: int) -> None:
+    """Raise TPConfigError naming `--ep-size` and its limit when the routed experts cannot be
+    sharded `ep_size` ways over `tp_size` ranks."""
+    if ep_size < 1:
+        raise TPConfigError(f"ep_size (--ep-size) must be >= 1, got {ep_size}")
+    if ep_size == 1:
+        return
+    where = config.model_path or config.architecture
+    if config.moe is None:
+        raise TPConfigError(
+            f"ep_size {ep_size} (--ep-size) shards routed experts, and {where} is a dense "
+            "model without any; use ep_size 1"
+        )
+    if tp_size % ep_size:
+        raise TPConfigError(
+            f"ep_size {ep_size} (--ep-size) must divide the node's {tp_size} ranks (tp_size, "
+            "--tp-size): each expert block lives on the same number of ranks"
+        )
+    if config.moe.num_experts % ep_size:
+        raise TPConfigError(
+            f"ep_size {ep_size} (--ep-size) must divide {where}'s {config.moe.num_experts} "
+            "routed experts, so that every rank holds as many"
+        )
+
+
+def plan_tp(config: ModelConfig, tp_size: int, ep_size: int = 1) -> list[TPShard]:
     """Every rank's shard, by the rule in the module docstring."""
-    check_tp(config, tp_size)
+    check_tp(config, tp_size, ep_size)
     q, kv = config.num_heads, config.num_kv_heads
     group = q // kv
     inter = _blocks(config.intermediate_size, tp_size)
     vocab = _blocks(config.vocab_size, tp_size)
     moe = config.moe
-    experts = _blocks(moe.intermediate_size if moe else 0, tp_size)
+    placement = None
+    if moe is not None and ep_size > 1:
+        experts = [range(moe.intermediate_size)] * tp_size
+        placement = ExpertPlacement.contiguous(moe.num_experts, ep_size, tp_size)
+    else:
+        experts = _blocks(moe.intermediate_size if moe else 0, tp_size)
     shared = _blocks(moe.shared_intermediate_size if moe else 0, tp_size)
     shards = []
     for rank in range(tp_size):
@@ -133,9 +175,19 @@ def plan_tp(config: ModelConfig, tp_size: int) -> list[TPShard]:
                 vocab[rank],
                 expert_intermediate=experts[rank],
                 shared_intermediate=shared[rank],
+                expert_placement=placement,
             )
         )
     return shards
+
+
+def rank_parameters(config: ModelConfig, tp_size: int, ep_size: int = 1) -> int:
+    """The weights one rank holds, for the memory planner: a 1/tp_size share of the model,
+    but under expert parallelism the routed experts of its slots whole (E/ep_size of them)."""
+    if config.moe is None or ep_size == 1:
+        return config.num_parameters // tp_size
+    routed = len(config.moe.layers) * config.moe.routed_parameters(config.hidden_size)
+    return (config.num_parameters - routed) // tp_size + routed // ep_size
 
 
 def full_shard(config: ModelConfig) -> TPShard:

@@ -1,0 +1,70 @@
+"""Which routed experts each rank of a node holds under expert parallelism (`--ep-size N`).
+
+A placement maps physical expert slots to logical experts (the ids the router picks). Rank r
+holds `slots_per_rank` slots of a MoE layer's stacked weights; its slot s is physical slot
+`r * slots_per_rank + s`, holding logical expert `physical_to_logical[r * slots_per_rank + s]`
+whole (every row). A logical expert may have several slots, on one rank or several (the copies
+of a hot expert that an expert-load balancer places): a (token, expert) pair goes to copy
+`token % copies` of the expert, so its copies share its tokens (engine/models/moe_dispatch.py).
+
+`contiguous(E, N, T)` is what `--ep-size N` gives a node of T ranks: the experts cut into N
+blocks of E/N, rank r holding block r mod N. With N == T every rank holds its own block (rank
+r: experts [r*E/N, (r+1)*E/N)); with N < T each block lives on T/N ranks, one copy each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    num_experts: int  # logical experts, the router's
+    num_ranks: int
+    physical_to_logical: tuple[int, ...]  # rank-major: rank r's slots, then rank r+1's
+
+    def __post_init__(self) -> None:
+        slots = len(self.physical_to_logical)
+        if self.num_ranks < 1 or slots % self.num_ranks:
+            raise ValueError(
+                f"an expert placement of {slots} physical slots cannot give {self.num_ranks} "
+                "ranks the same number of slots each"
+            )
+        outside = [e for e in self.physical_to_logical if not 0 <= e < self.num_experts]
+        if outside:
+            raise ValueError(
+                f"expert placement names experts {outside[:5]} outside [0, {self.num_experts})"
+            )
+        missing = sorted(set(range(self.num_experts)) - set(self.physical_to_logical))
+        if missing:
+            raise ValueError(f"expert placement gives experts {missing[:5]} no slot")
+
+    @classmethod
+    def contiguous(cls, num_experts: int, ep_size: int, num_ranks: int) -> ExpertPlacement:
+        """`--ep-size ep_size` over `num_ranks` ranks (the module docstring's blocks); the caller
+        has checked that `ep_size` divides both."""
+        block = num_experts // ep_size
+        slots = (
+            (rank % ep_size) * block + slot for rank in range(num_ranks) for slot in range(block)
+        )
+        return cls(num_experts, num_ranks, tuple(slots))
+
+    @property
+    def slots_per_rank(self) -> int:
+        return len(self.physical_to_logical) // self.num_ranks
+
+    def local_experts(self, rank: int) -> tuple[int, ...]:
+        """The logical expert in each of `rank`'s slots, in slot order."""
+        start = rank * self.slots_per_rank
+        return self.physical_to_logical[start : start + self.slots_per_rank]
+
+    def local_slots(self, rank: int, expert: int) -> tuple[int, ...]:
+        """`rank`'s slots that hold logical `expert` (none: only other ranks hold it)."""
+        return tuple(s for s, e in enumerate(self.local_experts(rank)) if e == expert)
+
+    def copies(self) -> tuple[tuple[int, ...], ...]:
+        """Each logical expert's physical slots, in slot order."""
+        slots: list[list[int]] = [[] for _ in range(self.num_experts)]
+        for physical, expert in enumerate(self.physical_to_logical):
+            slots[expert].append(physical)
+        return tuple(tuple(s) for s in slots)
