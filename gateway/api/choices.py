@@ -162,7 +162,9 @@ async def choice_events(
         async with contextlib.aclosing(aiter(generation)) as chunks:
             async for chunk in chunks:
                 if pending.stopped or job.score_only:
-                    continue  # the text ended at a stop string; the node stops right after
+                    # the text ended at a stop string (the node stops right after), or no
+                    # generated token is answered (the prompt is scored only)
+                    continue
                 pending.add(chunk)
                 if first or pending.stopped or len(pending.token_ids) >= interval:
                     if first and lane is not None:
