@@ -6,7 +6,7 @@ A request carries a frozen `SamplingParams` (validated once, at the edge) and ow
 
 Processing order follows HF `generate` and vLLM, on a float32 copy of the logits:
 
-    logit bias -> min-tokens mask -> grammar mask -> repetition penalty -> frequency/presence
+    logit bias -> grammar mask -> min-tokens mask -> repetition penalty -> frequency/presence
     penalties -> temperature -> top-k -> top-p -> min-p -> one draw from the row's own generator
 
 `logit_bias` (OpenAI's: token id -> a bias in [-100, 100]) is added to the raw logits of every
