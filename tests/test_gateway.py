@@ -130,6 +130,23 @@ def pd_cluster_process(
 
 
 @contextmanager
+def shaped_cluster(shape: str, log_path: Path, model: Path) -> Iterator[RunningCluster]:
+    """A Mooncake `pd-cluster` of `model` in one of the two shapes the API tests run in: "pd"
+    (every prompt prefilled by the prefill node, so the first token is drawn there) or
+    "colocated" (no prefill node)."""
+    prefill = 1 if shape == "pd" else 0
+    gateway_args = ["--local-prefill-max-tokens", "0"]
+    with pd_cluster_process(
+        log_path, model, "mooncake", prefill=prefill, gateway_args=gateway_args
+    ) as cluster:
+        yield cluster
+
+
+def openai_client(cluster: RunningCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0)
+
+
+@contextmanager
 def launched_cluster(
     command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None
 ) -> Iterator[RunningCluster]:

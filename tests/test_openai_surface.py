@@ -37,7 +37,7 @@ import pydantic
 import pytest
 
 from scripts.structured_schemas import check
-from tests.test_gateway import RunningCluster, pd_cluster_process
+from tests.test_gateway import RunningCluster, openai_client, shaped_cluster
 from tests.test_structured_output import ASK as TOOL_ASK
 from tests.test_structured_output import ECHO_PROMPTS, WEATHER_TOOL, hf_prompt_logprobs
 
@@ -74,18 +74,14 @@ class Sky(pydantic.BaseModel):
 def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, default_model_dir
 ) -> Iterator[RunningCluster]:
-    log = tmp_path_factory.mktemp(f"responses-{request.param}") / "pd-cluster.log"
-    prefill = 1 if request.param == "pd" else 0
-    gateway_args = ["--local-prefill-max-tokens", "0"]
-    with pd_cluster_process(
-        log, default_model_dir, "mooncake", prefill=prefill, gateway_args=gateway_args
-    ) as c:
+    log = tmp_path_factory.mktemp(f"surface-{request.param}") / "pd-cluster.log"
+    with shaped_cluster(request.param, log, default_model_dir) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def client(cluster: RunningCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0)
+    return openai_client(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,13 @@ import pytest
 
 from scripts.serving.structured_check import ask
 from scripts.structured_schemas import SCHEMAS, SchemaCase, check
-from tests.test_gateway import RunningCluster, node_stub, pd_cluster_process, wait_idle
+from tests.test_gateway import (
+    RunningCluster,
+    node_stub,
+    openai_client,
+    shaped_cluster,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.slow  # the real default model
 
@@ -37,17 +43,13 @@ def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, default_model_dir
 ) -> Iterator[RunningCluster]:
     log = tmp_path_factory.mktemp(f"structured-{request.param}") / "pd-cluster.log"
-    prefill = 1 if request.param == "pd" else 0
-    gateway_args = ["--local-prefill-max-tokens", "0"]
-    with pd_cluster_process(
-        log, default_model_dir, "mooncake", prefill=prefill, gateway_args=gateway_args
-    ) as c:
+    with shaped_cluster(request.param, log, default_model_dir) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def client(cluster: RunningCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0)
+    return openai_client(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -139,6 +139,10 @@ class InputItems(_Body):
 
 
 class FunctionTool(_Body):
+    """A chat tool's function (structured.py's `FunctionBody`) flattened into the tool, as the
+    Responses API sends it. Declared apart, `type` first: a built-in tool is refused for its
+    type, not for the function fields it lacks."""
+
     type: Literal["function"] = Field(
         description="'function': this server runs no built-in tools (web search, file search, "
         "computer use, MCP, ...)"
