@@ -48,8 +48,8 @@ class EngineConfig:
     # also computes the greedy tokens (engine/step_prep.py, engine/cuda_graph.py).
     graph_step_prep: bool = False
     # Where each MoE layer's experts live under expert parallelism (engine/eplb/placement.py),
-    # checked against the model at start. The EP code lays the experts out by it; without
-    # expert parallelism every expert is on the one rank and it changes nothing.
+    # checked against the model at start. The EP code lays the experts out by it (plan_tp);
+    # without expert parallelism every expert is on every rank and it changes nothing.
     expert_placement: ExpertPlacement | None = None
 
     def __post_init__(self) -> None:

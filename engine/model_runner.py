@@ -45,7 +45,8 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.group = group or TPGroup.single()
-        self.shard = plan_tp(model_config, config.tp_size, config.ep_size)[self.group.rank]
+        shards = plan_tp(model_config, config.tp_size, config.ep_size, config.expert_placement)
+        self.shard = shards[self.group.rank]
         self.device = torch.device(config.device)
         self.bind_thread()
         self.context_length = config.context_length or model_config.max_position_embeddings

@@ -306,7 +306,7 @@ def test_node_with_a_placement_matches_hf_and_records_its_load(
             _admin("dump", node.address, tmp_path / "again.json")["tokens"] == len(prompts[0]) + 1
         )
     assert json.loads(out.read_text())["tokens"] == len(prompts[0]) + 1  # written at shutdown
-    assert "it takes effect with --ep-size" in log.read_text()
+    assert "not laid out without --ep-size" in log.read_text()
 
 
 def test_node_flags_refuse_what_the_model_cannot_take(tiny_moe: Path, tmp_path: Path) -> None:

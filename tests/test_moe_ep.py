@@ -3,9 +3,11 @@ experts sharded whole over a node's ranks, tokens carried to them by all-to-all 
 
 Units: the placement and its copies, the all-to-all dispatch and combine against one rank's
 grouped compute (two spawned ranks, random inputs, ranks and experts without tokens, a placement
-with copies), a rank's loader reading only its experts, refusals naming the flag. End to end,
-greedy output equal to HF transformers (fp32) for Qwen3-MoE, Mixtral and dots.llm1 at TP=2 EP=2,
-and through prefill/decode pairs whose nodes differ in EP and TP size.
+with copies), a rank's loader reading only its experts (and, with an expert-placement file, each
+layer's slots of the file), refusals naming the flag. End to end, greedy output equal to HF
+transformers (fp32) for Qwen3-MoE, Mixtral and dots.llm1 at TP=2 EP=2, for Qwen3-MoE laid out by
+a placement file with redundant copies, and through prefill/decode pairs whose nodes differ in
+EP and TP size.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ import torch
 from engine import LLM, SamplingParams
 from engine.cli import main as generate_main
 from engine.config import EngineConfig
+from engine.eplb.placement import ExpertPlacement
 from engine.model_config import ModelConfig
 from engine.models import loader
 from engine.models.expert_compute import grouped_experts
 from engine.models.moe_dispatch import ExpertDispatch
 from engine.node.args import engine_config
 from engine.ports import free_port
-from engine.tp.expert_placement import ExpertPlacement
+from engine.tp.expert_placement import ExpertSlots
 from engine.tp.group import TPGroup, TPInit
 from engine.tp.partition import TPConfigError, plan_tp, rank_parameters, split_sizes
 from tests.helpers import moe_fixtures
@@ -51,10 +54,10 @@ moe_model, hf_reference = moe_fixtures(
 
 # ---- placement ----------------------------------------------------------------------------------
 def test_contiguous_placement_gives_each_rank_a_block_and_copies_beyond_ep() -> None:
-    two = ExpertPlacement.contiguous(8, 2, 2)
+    two = ExpertSlots.contiguous(8, 2, 2)
     assert [two.local_experts(r) for r in (0, 1)] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert two.copies()[5] == (5,) and two.local_slots(1, 5) == (1,) and not two.local_slots(0, 5)
-    four = ExpertPlacement.contiguous(8, 2, 4)  # each block on 2 ranks: two copies of each
+    four = ExpertSlots.contiguous(8, 2, 4)  # each block on 2 ranks: two copies of each
     assert [four.local_experts(r)[0] for r in range(4)] == [0, 4, 0, 4]
     assert four.copies()[5] == (5, 13)
 
@@ -66,11 +69,11 @@ def test_contiguous_placement_gives_each_rank_a_block_and_copies_beyond_ep() -> 
 )  # fmt: skip
 def test_malformed_placement_is_refused(slots: tuple[int, ...], reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
-        ExpertPlacement(4, 2, slots)
+        ExpertSlots(4, 2, slots)
 
 
 def test_copies_of_an_expert_take_alternate_tokens() -> None:
-    placement = ExpertPlacement(6, 2, (0, 1, 2, 3, 2, 3, 4, 5))  # expert 2: slots 2 and 4
+    placement = ExpertSlots(6, 2, (0, 1, 2, 3, 2, 3, 4, 5))  # expert 2: slots 2 and 4
     dispatch = ExpertDispatch(placement, 0, TPGroup.single())
     ids = torch.tensor([[2, 0]] * 4)
     assert dispatch.physical_slots(ids, 0).tolist() == [2, 0, 4, 0, 2, 0, 4, 0]
@@ -115,7 +118,7 @@ def _dispatch_rank(rank: int, init_method: str, errors: Any) -> None:
         for case in DISPATCH_CASES:
             x, w13, w2, weights, ids = _case_inputs(case)
             experts = max(case.physical_to_logical) + 1
-            placement = ExpertPlacement(experts, 2, case.physical_to_logical)
+            placement = ExpertSlots(experts, 2, case.physical_to_logical)
             local = list(placement.local_experts(rank))
 
             def route(rows: torch.Tensor, weights=weights, ids=ids) -> tuple[torch.Tensor, ...]:
@@ -208,6 +211,42 @@ def _file_of(model_dir: Path, name: str) -> Path:
     return model_dir / index["weight_map"][name]
 
 
+def _placement_file(config: ModelConfig) -> ExpertPlacement:
+    """EP 2 over 8 experts, 5 slots a rank: each layer two redundant copies, not the same in
+    consecutive MoE layers (expert 7 and 0 on both ranks; expert 1 twice on rank 0, 2 on both)."""
+    assert config.moe is not None and config.moe.num_experts == 8
+    patterns = ((7, 0, 3, 5, 1, 2, 4, 6, 7, 0), (1, 1, 2, 3, 4, 5, 6, 7, 0, 2))
+    layers = tuple(sorted(config.moe.layers))
+    slots = tuple(patterns[i % 2] for i in range(len(layers)))
+    return ExpertPlacement(8, 2, 5, layers, slots)
+
+
+def test_each_rank_holds_the_placement_files_experts(moe_model) -> None:
+    """With --expert-placement each rank's slots of each layer are the checkpoint's experts the
+    file names for them, copies included."""
+    from safetensors import safe_open
+
+    model_dir = moe_model("qwen3_moe")
+    config = ModelConfig.from_dir(model_dir)
+    placement = _placement_file(config)
+    assert len(placement.layer_ids) > 1
+    inter = config.moe.intermediate_size if config.moe else 0
+    for rank, shard in enumerate(plan_tp(config, 2, 2, placement)):
+        model = loader.load_model(config, "safetensors", torch.float32, torch.device("cpu"), shard)
+        for i, layer in enumerate(placement.layer_ids):
+            experts = model.layers[layer].mlp.experts
+            assert experts.w13.shape[0] == placement.slots_per_rank
+            for slot, expert in enumerate(placement.ranks(i)[rank]):
+                prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+                for proj, got in (("gate_proj", experts.w13[slot, :inter]),
+                                  ("up_proj", experts.w13[slot, inter:]),
+                                  ("down_proj", experts.w2[slot])):  # fmt: skip
+                    name = f"{prefix}.{proj}.weight"
+                    with safe_open(str(_file_of(model_dir, name)), framework="pt") as handle:
+                        torch.testing.assert_close(got, handle.get_tensor(name), msg=name)
+    assert rank_parameters(config, 2, 2, placement) > rank_parameters(config, 2, 2)
+
+
 # ---- refusals ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("tp", "ep", "reason"),
@@ -233,6 +272,21 @@ def test_ep_on_a_dense_model_and_bad_sizes_are_refused_naming_the_flag(
     assert engine_config(node_args("--tp-size", "2", "--ep-size", "2"), "m").ep_size == 2
 
 
+def test_a_placement_file_of_another_ep_size_or_rank_count_is_refused(moe_model) -> None:
+    config = ModelConfig.from_dir(moe_model("qwen3_moe"))
+    placement = _placement_file(config)
+    with pytest.raises(TPConfigError, match=r"--expert-placement places .* over 2 EP ranks, but "
+                       r"--ep-size is 4: serve it with --ep-size 2"):  # fmt: skip
+        plan_tp(config, 4, 4, placement)
+    with pytest.raises(TPConfigError, match=r"--tp-size 4 with --ep-size 2 is not supported; "
+                       r"use --tp-size 2 --ep-size 2"):  # fmt: skip
+        plan_tp(config, 4, 2, placement)
+    four = ExpertPlacement.contiguous(placement.layer_ids, 8, 4)
+    with pytest.raises(TPConfigError, match=r"over 4 EP ranks, but --ep-size is 2"):
+        LLM(str(moe_model("qwen3_moe")), tp_size=2, ep_size=2, expert_placement=four)
+    assert plan_tp(config, 1, 1, placement)[0].expert_layout is None  # EP 1: not laid out
+
+
 # ---- end to end ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ep2_matches_hf(moe_model, hf_reference, family: str) -> None:
@@ -254,6 +308,22 @@ def test_ep2_matches_hf(moe_model, hf_reference, family: str) -> None:
         assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == hf_reference(family)
         alone = llm.generate(_prompts()[:1], GREEDY)[0]
         assert alone.token_ids == hf_reference(family)[0]
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
+
+
+def test_ep2_laid_out_by_a_placement_file_matches_hf(moe_model, hf_reference) -> None:
+    """TP=2, EP=2 by a placement file with redundant copies, different per layer: tokens of a
+    copied expert split over its copies, output as HF's."""
+    model_dir = moe_model("qwen3_moe")
+    placement = _placement_file(ModelConfig.from_dir(model_dir))
+    llm = LLM(str(model_dir), tp_size=2, ep_size=2, page_size=4, chunked_prefill_size=24,
+              max_total_tokens=2048, expert_placement=placement)  # fmt: skip
+    try:
+        layer = placement.layer_ids[0]
+        assert llm.runner.model.layers[layer].mlp.experts.w13.shape[0] == 5
+        assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == hf_reference("qwen3_moe")
         llm.check_integrity()
     finally:
         llm.shutdown()

@@ -175,22 +175,27 @@ class _Slot:
         return self.param + expert + ("" if self.part is None else f" part {self.part}")
 
 
-# `...experts.<e>.<name>.weight`: one expert's tensor, stacked with the others at load.
-_EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# `...layers.<i>...experts.<e>.<name>.weight`: one expert's tensor of layer i, stacked with the
+# others at load.
+_EXPERT_TENSOR = re.compile(
+    r"^(?P<experts>(?:.*\.)?layers\.(?P<layer>\d+)\..+\.experts)\."
+    r"(?P<expert>\d+)\.(?P<proj>\w+)\.weight$"
+)
 
 
 def _slots(model: nn.Module, name: str) -> list[_Slot]:
     """The slots of checkpoint tensor `name` (HF naming, `model.` prefix removed), by the model's
     `expert_params` (per-expert tensors -> stacked parameters, at the model's
-    `local_expert_slots` of the expert: none, one, or several copies) and `stacked_params` (HF
-    projections -> one fused parameter)."""
+    `local_expert_slots` of the layer's expert: none, one, or several copies) and
+    `stacked_params` (HF projections -> one fused parameter)."""
     experts: dict[str, tuple[str, int | None]] = getattr(model, "expert_params", {})
     match = _EXPERT_TENSOR.match(name) if experts else None
     if match is not None and match["proj"] in experts:
         param, part = experts[match["proj"]]
         target = f"{match['experts']}.{param}"
-        local_slots = getattr(model, "local_expert_slots", lambda e: (e,))
-        return [_Slot(target, slot, part) for slot in local_slots(int(match["expert"]))]
+        local_slots = getattr(model, "local_expert_slots", lambda _layer, e: (e,))
+        slots = local_slots(int(match["layer"]), int(match["expert"]))
+        return [_Slot(target, slot, part) for slot in slots]
     stacked: dict[str, tuple[str, int]] = getattr(model, "stacked_params", {})
     for hf_name, (fused, part) in stacked.items():
         if f".{hf_name}." in name:

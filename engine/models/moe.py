@@ -5,7 +5,7 @@ Weights: a layer's experts are two stacked tensors, `w13` [E, 2I, H] (each exper
 then its up rows) and `w2` [E, H, I], filled at load from the checkpoint's per-expert tensors
 (`EXPERT_CHECKPOINT_NAMES`, engine/models/loader.py). A tensor-parallel rank holds its block of
 I for every expert (engine/tp/partition.py); under expert parallelism it holds whole experts,
-the slots of its `ExpertPlacement` (dim 0 is then the rank's slots, not the E experts).
+the slots of the layer's `ExpertSlots` (dim 0 is then the rank's slots, not the E experts).
 
 Routing (`ROUTERS`, keyed by `MoEConfig.router`) repeats HF's float operations one for one, so
 ties and roundings fall the same way:
@@ -33,6 +33,7 @@ from engine.model_config import GROUPED_SIGMOID_TOPK, SOFTMAX_TOPK, MoEConfig
 from engine.models.expert_compute import grouped_experts
 from engine.models.layers import GatedMLP
 from engine.models.moe_dispatch import ExpertDispatch
+from engine.tp.expert_placement import ExpertSlots
 from engine.tp.group import TPGroup
 from engine.tp.partition import TPShard
 
@@ -119,15 +120,19 @@ class StackedExperts(nn.Module):
 class SparseMoEBlock(nn.Module):
     """A layer's MLP as a mixture of experts: HF's `mlp` (Mixtral's `block_sparse_moe`). Its
     output is a TP rank's partial sum, like a dense MLP's; the layer all-reduces it. Under
-    expert parallelism (`shard.expert_placement`) the rank holds the whole experts of its
-    slots, and `dispatch` carries its tokens to their experts' ranks and back
-    (engine/models/moe_dispatch.py)."""
+    expert parallelism (`placement`: this layer's slots of `shard.expert_layout`) the rank
+    holds the whole experts of its slots, and `dispatch` carries its tokens to their experts'
+    ranks and back (engine/models/moe_dispatch.py)."""
 
     def __init__(
-        self, moe: MoEConfig, hidden: int, shard: TPShard, group: TPGroup | None = None
+        self,
+        moe: MoEConfig,
+        hidden: int,
+        shard: TPShard,
+        group: TPGroup | None = None,
+        placement: ExpertSlots | None = None,
     ) -> None:
         super().__init__()
-        placement = shard.expert_placement
         self.gate = TopKRouter(moe, hidden)
         slots = moe.num_experts if placement is None else placement.slots_per_rank
         self.experts = StackedExperts(slots, hidden, len(shard.expert_intermediate))

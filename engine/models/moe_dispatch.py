@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.models.expert_compute import combine_pairs, expert_gemms
-from engine.tp.expert_placement import ExpertPlacement
+from engine.tp.expert_placement import ExpertSlots
 from engine.tp.group import TPGroup
 from engine.tp.partition import split_sizes
 
@@ -34,9 +34,9 @@ Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class ExpertDispatch(nn.Module):
-    """One rank's side of the module docstring's steps, over `placement`."""
+    """One rank's side of the module docstring's steps, over one layer's `placement`."""
 
-    def __init__(self, placement: ExpertPlacement, rank: int, group: TPGroup) -> None:
+    def __init__(self, placement: ExpertSlots, rank: int, group: TPGroup) -> None:
         super().__init__()
         self.rank = rank
         self.group = group

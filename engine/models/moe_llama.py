@@ -29,15 +29,22 @@ class MoEForCausalLM(LlamaForCausalLM):
     def make_mlp(self, layer_id: int) -> nn.Module:
         if self.config.moe is None or not self.config.is_sparse_layer(layer_id):
             return super().make_mlp(layer_id)
-        return SparseMoEBlock(self.config.moe, self.config.hidden_size, self.shard, self.group)
+        layout = self.shard.expert_layout
+        placement = None if layout is None else layout.for_layer(layer_id)
+        moe, hidden = self.config.moe, self.config.hidden_size
+        return SparseMoEBlock(moe, hidden, self.shard, self.group, placement)
 
-    def local_expert_slots(self, expert: int) -> tuple[int, ...]:
-        """For the loader: the slots of this rank's stacked expert weights that checkpoint
-        expert `expert` fills; none under expert parallelism when other ranks hold it (the
-        loader then never reads its tensors). Without it every expert has its own index."""
-        placement = self.shard.expert_placement
-        if placement is None or expert >= placement.num_experts:
-            return (expert,)  # an expert the model lacks finds no place: the loader says so
+    def local_expert_slots(self, layer_id: int, expert: int) -> tuple[int, ...]:
+        """For the loader: the slots of this rank's stacked expert weights of layer `layer_id`
+        that checkpoint expert `expert` fills; none under expert parallelism when other ranks
+        hold it (the loader then never reads its tensors). Without it every expert has its own
+        index."""
+        layout = self.shard.expert_layout
+        if layout is None or layer_id not in layout.layer_ids:
+            return (expert,)  # a dense layer's experts find no place: the loader says so
+        placement = layout.for_layer(layer_id)
+        if expert >= placement.num_experts:
+            return (expert,)  # an expert the model lacks: the same
         return placement.local_slots(self.shard.tp_rank, expert)
 
 

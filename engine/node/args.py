@@ -11,6 +11,7 @@ from bootstrap.telemetry import LogConfig, add_log_args, add_metrics_port_arg
 from bootstrap.telemetry import configure_logging as _configure_logging
 from engine.config import EngineConfig
 from engine.engine_loop import LoopConfig
+from engine.eplb.placement import ExpertPlacement
 from engine.models.linear_backends import LINEAR_KERNELS
 from engine.node.experts import add_expert_args, expert_flags
 from engine.node.kv_publisher import add_kv_events_args
@@ -153,11 +154,12 @@ def configure_logging(args: argparse.Namespace) -> None:
 
 
 def engine_config(args: argparse.Namespace, model_path: str) -> EngineConfig:
+    placement = expert_flags(args, model_path)
     max_tokens = args.max_total_tokens
     if max_tokens is None and args.mem_fraction is not None:
         # the staging pages live in the same memory: the pool gets what they leave
         staging_tokens = args.kv_staging_pages * args.page_size
-        max_tokens = _tokens_for_fraction(args, model_path) - staging_tokens
+        max_tokens = _tokens_for_fraction(args, model_path, placement) - staging_tokens
         if max_tokens < args.page_size:
             raise ValueError(
                 f"--kv-staging-pages {args.kv_staging_pages} leaves no KV pool within "
@@ -183,13 +185,16 @@ def engine_config(args: argparse.Namespace, model_path: str) -> EngineConfig:
         linear_kernel=args.linear_kernel,
         kv_staging_pages=args.kv_staging_pages,
         kv_staging_min_runs=args.kv_staging_min_runs,
-        expert_placement=expert_flags(args, model_path),
+        expert_placement=placement,
     )
 
 
-def _tokens_for_fraction(args: argparse.Namespace, model_path: str) -> int:
+def _tokens_for_fraction(
+    args: argparse.Namespace, model_path: str, placement: ExpertPlacement | None
+) -> int:
     """KV tokens that fit in `--mem-fraction` of the device's memory beside this rank's share
-    of the weights (a TP rank holds 1/tp of them; under EP its routed experts whole, 1/ep)."""
+    of the weights (a TP rank holds 1/tp of them; under EP its routed experts whole, 1/ep, or
+    the placement's slots per rank)."""
     from engine.model_config import ModelConfig
     from engine.tp.partition import rank_parameters
 
@@ -203,7 +208,7 @@ def _tokens_for_fraction(args: argparse.Namespace, model_path: str) -> int:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     mc = ModelConfig.from_dir(model_path)
     elem = 2 if args.dtype != "float32" else 4
-    weight_bytes = rank_parameters(mc, args.tp_size, args.ep_size) * elem
+    weight_bytes = rank_parameters(mc, args.tp_size, args.ep_size, placement) * elem
     per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem // args.tp_size
     budget = total * args.mem_fraction - weight_bytes
     if budget < per_token * args.page_size:

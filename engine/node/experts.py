@@ -37,8 +37,8 @@ def add_expert_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="mixture-of-experts models: the expert placement pdserve-eplb wrote, checked "
-        "against the model at start; it lays the experts out under --ep-size (with one rank "
-        "every expert is local and it changes nothing)",
+        "against the model at start; it lays the experts out under --ep-size (which, with "
+        "--tp-size, must equal the file's ep_size; without --ep-size it changes nothing)",
     )
 
 
@@ -106,12 +106,15 @@ def expert_recording(
     if placement is not None:
         logger.info(
             "expert placement %s: %d MoE layers over %d EP ranks of %d slots (%d redundant "
-            "copies a layer); it takes effect with --ep-size: on one rank every expert is local",
+            "copies a layer); %s",
             args.expert_placement,
             len(placement.layer_ids),
             placement.ep_size,
             placement.slots_per_rank,
             placement.num_redundant,
+            "laid out over the node's ranks"
+            if runner.config.ep_size > 1
+            else "not laid out without --ep-size: every expert is local",
         )
     recording = ExpertRecording(
         ExpertDistributionRecorder(counter, Path(model_name).name),

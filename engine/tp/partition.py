@@ -20,17 +20,23 @@ of the shared experts'), so the experts need no communication beyond the MLP's a
 router, norms and RoPE are replicated.
 
 Expert parallelism (`ep_size` N > 1, N dividing `t` and the routed experts) instead gives each
-rank whole routed experts, E/N of them, by an `ExpertPlacement` (engine/tp/expert_placement.py);
-tokens then travel to their experts' ranks (engine/models/moe_dispatch.py). Attention, the dense
-layers' MLPs and the shared experts stay split by the rule above.
+rank whole routed experts, E/N of them, by an `ExpertLayout` (engine/tp/expert_placement.py);
+with an expert-placement file (`--expert-placement`, N == `t` == the file's EP size) each MoE
+layer's ranks hold the file's slots for them instead, redundant copies included. Tokens then
+travel to their experts' ranks (engine/models/moe_dispatch.py). Attention, the dense layers'
+MLPs and the shared experts stay split by the rule above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.model_config import ModelConfig
-from engine.tp.expert_placement import ExpertPlacement
+from engine.tp.expert_placement import ExpertLayout
+
+if TYPE_CHECKING:
+    from engine.eplb.placement import ExpertPlacement
 
 
 class TPConfigError(ValueError):
@@ -49,9 +55,9 @@ class TPShard:
     vocab: range
     expert_intermediate: range = range(0)  # of each routed expert (MoE models)
     shared_intermediate: range = range(0)  # of the shared experts' MLP (MoE models)
-    # Expert parallelism: the whole routed experts of each rank (None: every expert, its rows
-    # `expert_intermediate`, on every rank).
-    expert_placement: ExpertPlacement | None = None
+    # Expert parallelism: per MoE layer, the whole routed experts of each rank (None: every
+    # expert, its rows `expert_intermediate`, on every rank).
+    expert_layout: ExpertLayout | None = None
 
     @property
     def num_heads(self) -> int:
@@ -76,14 +82,19 @@ def _blocks(total: int, parts: int) -> list[range]:
     return out
 
 
-def check_tp(config: ModelConfig, tp_size: int, ep_size: int = 1) -> None:
+def check_tp(
+    config: ModelConfig,
+    tp_size: int,
+    ep_size: int = 1,
+    placement: ExpertPlacement | None = None,
+) -> None:
     """Raise TPConfigError with the reason when `config` cannot be split over `tp_size` ranks
-    with routed experts sharded `ep_size` ways."""
+    with routed experts sharded `ep_size` ways (by `placement`, if given)."""
     q, kv = config.num_heads, config.num_kv_heads
     where = f"{config.model_path or config.architecture} ({q} query heads, {kv} KV heads)"
     if tp_size < 1:
         raise TPConfigError(f"tp_size must be >= 1, got {tp_size}")
-    check_ep(config, tp_size, ep_size)
+    check_ep(config, tp_size, ep_size, placement)
     if tp_size == 1:
         return  # the whole model on one rank: nothing to split
     if q % kv:
@@ -114,9 +125,12 @@ def check_tp(config: ModelConfig, tp_size: int, ep_size: int = 1) -> None:
             raise TPConfigError(f"{where}: the {name} {size} is smaller than tp_size {tp_size}")
 
 
-def check_ep(config: ModelConfig, tp_size: int, ep_size: int) -> None:
-    """Raise TPConfigError naming `--ep-size` and its limit when the routed experts cannot be
-    sharded `ep_size` ways over `tp_size` ranks."""
+def check_ep(
+    config: ModelConfig, tp_size: int, ep_size: int, placement: ExpertPlacement | None = None
+) -> None:
+    """Raise TPConfigError naming `--ep-size` (or `--expert-placement`) and its limit when the
+    routed experts cannot be sharded `ep_size` ways over `tp_size` ranks (by `placement`). With
+    ep_size 1 a placement is not laid out: every expert is on every rank."""
     if ep_size < 1:
         raise TPConfigError(f"ep_size (--ep-size) must be >= 1, got {ep_size}")
     if ep_size == 1:
@@ -132,25 +146,48 @@ def check_ep(config: ModelConfig, tp_size: int, ep_size: int) -> None:
             f"ep_size {ep_size} (--ep-size) must divide the node's {tp_size} ranks (tp_size, "
             "--tp-size): each expert block lives on the same number of ranks"
         )
-    if config.moe.num_experts % ep_size:
+    if placement is not None:
+        _check_placement(tp_size, ep_size, placement)
+    elif config.moe.num_experts % ep_size:
         raise TPConfigError(
             f"ep_size {ep_size} (--ep-size) must divide {where}'s {config.moe.num_experts} "
             "routed experts, so that every rank holds as many"
         )
 
 
-def plan_tp(config: ModelConfig, tp_size: int, ep_size: int = 1) -> list[TPShard]:
-    """Every rank's shard, by the rule in the module docstring."""
-    check_tp(config, tp_size, ep_size)
+def _check_placement(tp_size: int, ep_size: int, placement: ExpertPlacement) -> None:
+    if placement.ep_size != ep_size:
+        raise TPConfigError(
+            f"--expert-placement places the experts over {placement.ep_size} EP ranks, but "
+            f"--ep-size is {ep_size}: serve it with --ep-size {placement.ep_size}, or make a "
+            f"placement for {ep_size} ranks (pdserve-eplb)"
+        )
+    if tp_size != ep_size:
+        raise TPConfigError(
+            f"--expert-placement over {ep_size} EP ranks needs a node of as many ranks: "
+            f"--tp-size {tp_size} with --ep-size {ep_size} is not supported; use --tp-size "
+            f"{ep_size} --ep-size {ep_size}"
+        )
+
+
+def plan_tp(
+    config: ModelConfig,
+    tp_size: int,
+    ep_size: int = 1,
+    placement: ExpertPlacement | None = None,
+) -> list[TPShard]:
+    """Every rank's shard, by the rule in the module docstring; under expert parallelism the
+    experts laid out by `placement` where given (ep_size 1 leaves it unused)."""
+    check_tp(config, tp_size, ep_size, placement)
     q, kv = config.num_heads, config.num_kv_heads
     group = q // kv
     inter = _blocks(config.intermediate_size, tp_size)
     vocab = _blocks(config.vocab_size, tp_size)
     moe = config.moe
-    placement = None
+    layout = None
     if moe is not None and ep_size > 1:
         experts = [range(moe.intermediate_size)] * tp_size
-        placement = ExpertPlacement.contiguous(moe.num_experts, ep_size, tp_size)
+        layout = _expert_layout(config, tp_size, ep_size, placement)
     else:
         experts = _blocks(moe.intermediate_size if moe else 0, tp_size)
     shared = _blocks(moe.shared_intermediate_size if moe else 0, tp_size)
@@ -175,19 +212,38 @@ def plan_tp(config: ModelConfig, tp_size: int, ep_size: int = 1) -> list[TPShard
                 vocab[rank],
                 expert_intermediate=experts[rank],
                 shared_intermediate=shared[rank],
-                expert_placement=placement,
+                expert_layout=layout,
             )
         )
     return shards
 
 
-def rank_parameters(config: ModelConfig, tp_size: int, ep_size: int = 1) -> int:
+def _expert_layout(
+    config: ModelConfig, tp_size: int, ep_size: int, placement: ExpertPlacement | None
+) -> ExpertLayout:
+    moe = config.moe
+    assert moe is not None
+    if placement is None:
+        return ExpertLayout.contiguous(sorted(moe.layers), moe.num_experts, ep_size, tp_size)
+    return ExpertLayout.from_placement(
+        placement.layer_ids, placement.num_experts, tp_size, placement.slot_experts
+    )
+
+
+def rank_parameters(
+    config: ModelConfig,
+    tp_size: int,
+    ep_size: int = 1,
+    placement: ExpertPlacement | None = None,
+) -> int:
     """The weights one rank holds, for the memory planner: a 1/tp_size share of the model,
-    but under expert parallelism the routed experts of its slots whole (E/ep_size of them)."""
+    but under expert parallelism the routed experts of its slots whole (E/ep_size of them, or
+    the placement's slots per rank, redundant copies included)."""
     if config.moe is None or ep_size == 1:
         return config.num_parameters // tp_size
     routed = len(config.moe.layers) * config.moe.routed_parameters(config.hidden_size)
-    return (config.num_parameters - routed) // tp_size + routed // ep_size
+    slots = config.moe.num_experts // ep_size if placement is None else placement.slots_per_rank
+    return (config.num_parameters - routed) // tp_size + routed // config.moe.num_experts * slots
 
 
 def full_shard(config: ModelConfig) -> TPShard:

@@ -102,7 +102,7 @@ def launch(
     config: EngineConfig, model_config: ModelConfig, rank_agent: RankAgentFactory | None = None
 ) -> TPWorkers:
     """Spawn ranks 1..tp_size-1 and join the group as rank 0 (the model is not loaded yet)."""
-    check_tp(model_config, config.tp_size, config.ep_size)
+    check_tp(model_config, config.tp_size, config.ep_size, config.expert_placement)
     method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     procs: list[BaseProcess] = []
